@@ -1,0 +1,78 @@
+// The contract between the dispatcher binding (ops/) and every kernel (csrc/cpu, csrc/cuda).
+// Torch-free on purpose: kernels see raw pointers and element strides only, so they can be
+// compiled and tested without PyTorch (nvcc on a machine without a GPU, a plain C++ compiler).
+//
+// Conventions every kernel implements (flexdma/reference.py is the ground truth):
+//   layout        q (B, Q, H, D), k/v (B, K, KVH, D), out (B, Q, H, D), lse (B, H, Q)
+//                 head_dim is contiguous (stride 1) for q, k, v, out, dout, dq, dk, dv.
+//   GQA           query head h reads kv head h / (H / KVH).
+//   score         s = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k
+//                 s += bias (added after the softcap: the bias is a logit, never squashed)
+//                 s = -inf where mask is false or (is_causal and k > q + (K - Q))
+//                 (causal is bottom-right aligned when Q != K).
+//   empty rows    a row with no finite score writes out = 0, lse = -inf, and contributes zero
+//                 to every gradient.
+//   mask / bias   4-D, each dim either broadcast (stride 0) or full: ({1|B}, {1|KVH|H}, {1|Q}, {1|K}).
+//                 Head index = h / head_ratio, head_ratio = H / (number of heads of that tensor);
+//                 with one head its head stride is 0, so the ratio does not matter.
+//   dbias         accumulated in float into `dbias_accum` (see BwdParams), never with atomics:
+//                 each (batch, kv head, key tile) work item loops over its query heads and all
+//                 query rows in a fixed order, so the result is bitwise reproducible.
+#pragma once
+#include <cstdint>
+
+namespace flexdma {
+
+enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+// A broadcastable 4-D operand (mask or bias). Strides are in elements; 0 on broadcast dims.
+struct Broadcast4d {
+  const void* ptr = nullptr;  // nullptr: operand absent
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
+  int64_t head_ratio = 1;     // H / heads of this operand
+};
+
+struct FwdParams {
+  int64_t batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, num_heads_k = 0, head_dim = 0;
+  DType dtype = DType::kFloat32;  // of q, k, v, out and bias; lse is float64 for kFloat64, else float32
+
+  const void* q = nullptr; int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  const void* k = nullptr; int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  const void* v = nullptr; int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  void* out = nullptr;     int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  void* lse = nullptr;     // contiguous (B, H, Q)
+
+  Broadcast4d mask;  // bool stored as uint8 (0 / 1)
+  Broadcast4d bias;  // same dtype as q
+
+  float softmax_scale = 1.f;
+  float softcap = 0.f;  // 0: off
+  bool is_causal = false;
+};
+
+struct BwdParams : FwdParams {
+  // Inputs of the backward besides FwdParams' (out and lse are read, not written).
+  const void* dout = nullptr; int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+
+  // Outputs, same dtypes and layouts as q / k / v.
+  void* dq = nullptr; int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  void* dk = nullptr; int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  void* dv = nullptr; int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  // dbias: float32 (float64 for kFloat64) buffer, zero-filled by the caller, or nullptr when
+  // the bias needs no gradient. Its strides follow the same rules as Broadcast4d: a kernel adds
+  // dS(b, h, i, j) into element (b * batch_stride + (h / head_ratio) * head_stride +
+  // i * row_stride + j * col_stride). The caller sizes the buffer so that two different
+  // (batch, kv head) work items never share an element: a dim is broadcast (stride 0) only if
+  // one work item covers all of it (query rows; the query heads of one kv head). The caller
+  // then sums the leftover broadcast dims (batch; kv heads) in a fixed order and casts.
+  Broadcast4d dbias_accum;
+
+  // Scratch owned by the caller: delta = rowsum(dout * out) per (B, H, Q), float32
+  // (float64 for kFloat64). Kernels may use it or not.
+  void* softmax_d = nullptr;
+
+  bool deterministic = true;
+};
+
+}  // namespace flexdma

@@ -1,0 +1,55 @@
+"""`python -m flexdma`: versions, backends, and a forward+backward self-check against the reference."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flexdma
+
+
+def _self_check(device: torch.device) -> bool:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    B, Q, K, H, KVH, D = 2, 97, 131, 4, 2, 64
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device)
+
+    q, k, v = rnd(B, Q, H, D), rnd(B, K, KVH, D), rnd(B, K, KVH, D)
+    bias = rnd(B, KVH, 1, K)
+    mask = flexdma.create_mask(bias, 48, is_causal=True, query_len=Q)
+    dout = rnd(B, Q, H, D)
+    ok = True
+    results = {}
+    for name, dt in (("ref64", torch.float64), ("lowp_ref", dtype), ("flexdma", dtype)):
+        ins = [t.to(dt).requires_grad_() for t in (q, k, v, bias)]
+        backend = "auto" if name == "flexdma" else "reference"
+        out = flexdma.flash_dma_attention(*ins[:3], mask, ins[3], is_causal=True, backend=backend)
+        grads = torch.autograd.grad(out, ins, dout.to(dt))
+        results[name] = [out.double()] + [x.double() for x in grads]
+    labels = ("out", "dq", "dk", "dv", "dbias")
+    for i, label in enumerate(labels):
+        ref, low, got = results["ref64"][i], results["lowp_ref"][i], results["flexdma"][i]
+        err, base = (got - ref).abs().max().item(), (low - ref).abs().max().item()
+        tol = 2 * base + (1e-5 if dtype == torch.float32 else 1e-3) * max(1.0, ref.abs().max().item())
+        good = err <= tol and torch.isfinite(got).all().item()
+        ok &= good
+        print(f"  {label:6s} max err {err:.2e}  (tolerance {tol:.2e})  {'ok' if good else 'MISMATCH'}")
+    return ok
+
+
+def main() -> int:
+    print(f"flexdma {flexdma.__version__}")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, "
+          f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+    print(f"backends: {', '.join(flexdma.available_backends())}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"self-check on {device} (forward + backward vs the float64 reference):")
+    ok = _self_check(device)
+    print("self-check passed" if ok else "self-check FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Argument checks shared by every public entry point.
+
+Errors are raised here, before any kernel runs, and name the argument, what it got and what it
+needs. The C++ binding checks again, as a last line for direct torch.ops.flexdma.* callers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def check_tensor(name: str, t, *, ndim: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D (batch, seqlen, heads, head_dim), got shape {_shape(t)}")
+
+
+def check_qkv(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_tensor(name, t, ndim=4)
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if key.dtype != query.dtype or value.dtype != query.dtype:
+        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if key.device != query.device or value.device != query.device:
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {_shape(key)} and {_shape(value)}")
+    B, Q, H, D = query.shape
+    if key.shape[0] != B:
+        raise ValueError(f"key batch {key.shape[0]} does not match query batch {B} (query {_shape(query)}, key {_shape(key)})")
+    if key.shape[3] != D:
+        raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {D}")
+    if D == 0:
+        raise ValueError(f"head_dim must be positive, got query shape {_shape(query)}")
+    KVH = key.shape[2]
+    if KVH == 0 or H % KVH != 0:
+        raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({KVH}) for GQA/MQA")
+
+
+def _to_4d(name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > 4:
+        raise ValueError(f"{name} must have at most 4 dims ({{1|B}}, {{1|KVH|H}}, {{1|Q}}, {{1|K}}), got shape {_shape(t)}")
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    return t
+
+
+def check_broadcast(name: str, t: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Validate a mask/bias against ({1|B}, {1|KVH|H}, {1|Q}, {1|K}); return it as a 4-D view."""
+    t = _to_4d(name, t)
+    B, Q, H, _ = query.shape
+    K, KVH = key.shape[1], key.shape[2]
+    allowed = ((1, B), (1, KVH, H), (1, Q), (1, K))
+    dims = ("batch", "heads", "query", "key")
+    for i, (got, ok) in enumerate(zip(t.shape, allowed)):
+        if got not in ok:
+            need = " or ".join(str(x) for x in sorted(set(ok)))
+            raise ValueError(
+                f"{name} of shape {_shape(t)} does not broadcast to (batch={B}, heads={H} (kv heads {KVH}), "
+                f"query={Q}, key={K}): its {dims[i]} dim is {got}, needs {need}")
+    if t.device != query.device:
+        raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    # Kernels read the key dim with unit stride; only other dims may be strided or broadcast.
+    if t.shape[3] > 1 and t.stride(3) != 1:
+        t = t.contiguous()
+    return t
+
+
+def check_mask(attn_mask, query, key) -> Optional[torch.Tensor]:
+    if attn_mask is None:
+        return None
+    check_tensor("attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool:
+        raise TypeError(f"attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; "
+                        "pass additive float values as attn_bias")
+    return check_broadcast("attn_mask", attn_mask, query, key)
+
+
+def check_bias(attn_bias, query, key) -> Optional[torch.Tensor]:
+    if attn_bias is None:
+        return None
+    check_tensor("attn_bias", attn_bias)
+    if attn_bias.dtype != query.dtype:
+        raise TypeError(f"attn_bias dtype {attn_bias.dtype} must match query dtype {query.dtype}")
+    return check_broadcast("attn_bias", attn_bias, query, key)
+
+
+def check_scalars(head_dim: int, softmax_scale, softcap, is_causal) -> Tuple[float, float]:
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    if softcap is None:
+        softcap = 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
+    return float(softmax_scale), float(softcap)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,156 @@
+"""Backends and the `auto` policy, in one place.
+
+auto: the CUDA kernel where it supports the call, FlexAttention where it does not, the eager
+reference last. On CPU the C++ kernel of the op family. Each fallback is warned once per reason.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .reference import attention_ref
+
+BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
+
+_warned: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg in _warned:
+        return
+    _warned.add(msg)
+    warnings.warn(msg, stacklevel=4)
+
+
+@functools.lru_cache(None)
+def _ops_loaded() -> Optional[str]:
+    """None when the C++ op family loaded, else why not."""
+    try:
+        from . import _ops  # noqa: F401
+    except Exception as e:  # pragma: no cover - only without a built extension
+        return f"the C++ extension flexdma._C did not load ({e})"
+    return None
+
+
+def _build_info():
+    try:
+        from . import _build_info as info
+    except ImportError:  # pragma: no cover
+        return None
+    return info
+
+
+@functools.lru_cache(None)
+def _flex_module():
+    try:
+        from . import flex
+    except Exception as e:  # pragma: no cover - torch without FlexAttention
+        return None, f"FlexAttention is unavailable ({e})"
+    return flex, None
+
+
+def available_backends() -> List[str]:
+    """Backends that can run on this machine, fastest first (`auto` picks among them per call)."""
+    out = []
+    info = _build_info()
+    if _ops_loaded() is None and info is not None and info.WITH_CUDA and torch.cuda.is_available():
+        out.append("cuda")
+    if _flex_module()[0] is not None:
+        out.append("flex")
+    if _ops_loaded() is None:
+        out.append("cpu")
+    out.append("reference")
+    return out
+
+
+def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optional[str]:
+    if q.device.type != "cuda":
+        return f"inputs are on {q.device.type}, not cuda"
+    why = _ops_loaded()
+    if why:
+        return why
+    info = _build_info()
+    if info is None or not info.WITH_CUDA:
+        return "flexdma was built without CUDA kernels"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    archs = {str(a).rstrip("a") for a in info.CUDA_ARCHS}
+    if f"{major}{minor}" not in archs:
+        return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the CUDA kernel takes float16 and bfloat16)"
+    d = q.shape[-1]
+    if d not in info.CUDA_HEAD_DIMS:
+        return f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)})"
+    return None
+
+
+def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
+    flex, why = _flex_module()
+    if flex is None:
+        return why
+    return flex.unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap,
+                                   requires_grad=requires_grad)
+
+
+def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+    from . import _ops
+
+    return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic)
+
+
+def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+    flex, _ = _flex_module()
+    return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap)
+
+
+def _reference_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+    return attention_ref(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap)
+
+
+RUNNERS: Dict[str, Callable] = {
+    "cuda": _op_backend,
+    "cpu": _op_backend,
+    "flex": _flex_backend,
+    "reference": _reference_backend,
+}
+
+
+def unsupported_reason(name: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
+    if name == "cuda":
+        return cuda_unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap)
+    if name == "flex":
+        return flex_unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap,
+                                       requires_grad=requires_grad)
+    if name == "cpu":
+        if q.device.type != "cpu":
+            return f"inputs are on {q.device.type}; the cpu backend takes CPU tensors"
+        return _ops_loaded()
+    return None  # the reference runs anywhere
+
+
+def select(backend: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> str:
+    """The backend that runs this call; raises if an explicitly named one cannot."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    kw = dict(is_causal=is_causal, softcap=softcap, requires_grad=requires_grad)
+    if backend != "auto":
+        why = unsupported_reason(backend, q, k, v, mask, bias, **kw)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
+        return backend
+    chain: Tuple[str, ...] = ("cuda", "flex", "reference") if q.device.type == "cuda" else ("cpu", "reference")
+    previous, reason = None, None
+    for name in chain:
+        why = unsupported_reason(name, q, k, v, mask, bias, **kw)
+        if why is None:
+            if previous is not None:
+                _warn_once(f"flexdma: backend 'auto' falls back from {previous!r} to {name!r}: {reason}")
+            return name
+        if previous is None:
+            previous, reason = name, why
+        else:
+            reason = f"{reason}; {name!r}: {why}"
+    raise AssertionError("unreachable: the reference supports every call")

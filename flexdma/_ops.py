@@ -1,0 +1,65 @@
+"""Python side of the torch.ops.flexdma op family: fake (meta) kernels and autograd.
+
+The schemas and the CPU/CUDA kernels are registered by the C++ extension (ops/); everything
+here is device-independent and registered once.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
+
+__all__ = ["fwd", "bwd"]
+
+fwd = torch.ops.flexdma.fwd
+bwd = torch.ops.flexdma.bwd
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("flexdma::fwd")
+def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic):
+    B, Q, H, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("flexdma::bwd")
+def _bwd_fake(grad_out, q, k, v, attn_mask, attn_bias, out, lse, softmax_scale, is_causal, softcap,
+              bias_requires_grad, deterministic):
+    dq = q.new_empty(q.shape)
+    dk = k.new_empty(k.shape)
+    dv = v.new_empty(v.shape)
+    if bias_requires_grad and attn_bias is not None:
+        dbias = attn_bias.new_empty(attn_bias.shape)
+    else:
+        dbias = q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.is_causal = is_causal
+    ctx.softcap = softcap
+    ctx.deterministic = deterministic
+    # LSE is an output for inspection (and for merging partial results), not a differentiable one.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, attn_mask, attn_bias, out, lse = ctx.saved_tensors
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv, dbias = bwd(grad_out, q, k, v, attn_mask, attn_bias, out, lse, ctx.softmax_scale, ctx.is_causal,
+                            ctx.softcap, bias_grad, ctx.deterministic)
+    return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None
+
+
+torch.library.register_autograd("flexdma::fwd", _backward, setup_context=_setup_context)

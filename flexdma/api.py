@@ -1,0 +1,56 @@
+"""The public attention function."""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import _checks, _dispatch
+
+
+def flash_dma_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    attn_bias: Optional[torch.Tensor] = None,
+    *,
+    is_causal: bool = False,
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    backend: str = "auto",
+    deterministic: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention with an additive bias and a boolean key mask, FlashAttention layout.
+
+    Args:
+        query: (batch, seqlen_q, num_heads, head_dim).
+        key, value: (batch, seqlen_k, num_kv_heads, head_dim); num_heads % num_kv_heads == 0 (GQA/MQA).
+        attn_mask: bool, True = attend; broadcastable as ({1|B}, {1|KVH|H}, {1|Q}, {1|K}), fewer
+            dims are left-padded with 1. Never expanded to full size.
+        attn_bias: added to the scores (after softcap), same dtype as query, same broadcast rules.
+            Gets a gradient in its own shape when it requires grad.
+        is_causal: causal mask aligned to the bottom-right corner when seqlen_q != seqlen_k.
+        softmax_scale: default 1/sqrt(head_dim).
+        softcap: > 0 applies softcap * tanh(scores / softcap) before the bias is added.
+        return_lse: also return the log-sum-exp (batch, num_heads, seqlen_q), float32
+            (float64 for float64 inputs); -inf for rows that attend to nothing (their output is 0).
+        backend: "auto", "cuda", "flex", "cpu" or "reference" (see available_backends()).
+        deterministic: accepted for FlashAttention compatibility; the flexdma kernels' backward
+            is deterministic either way.
+    """
+    _checks.check_qkv(query, key, value)
+    attn_mask = _checks.check_mask(attn_mask, query, key)
+    attn_bias = _checks.check_bias(attn_bias, query, key)
+    scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    query, key, value = (_checks.last_dim_contiguous(t) for t in (query, key, value))
+    requires_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
+    name = _dispatch.select(backend, query, key, value, attn_mask, attn_bias, is_causal=is_causal,
+                            softcap=softcap, requires_grad=requires_grad)
+    out, lse = _dispatch.RUNNERS[name](query, key, value, attn_mask, attn_bias, scale, is_causal, softcap,
+                                       bool(deterministic))
+    return (out, lse) if return_lse else out

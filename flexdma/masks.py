@@ -1,0 +1,125 @@
+"""Dynamic masks: which keys each query attends to, picked from importance scores (the bias)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .reference import causal_mask
+
+# Rows are processed in chunks so the int32 tie-break scratch stays near this many elements.
+_CHUNK_ELEMS = 1 << 26
+
+
+def _padding_to_4d(attn_mask: torch.Tensor, batch: int) -> torch.Tensor:
+    if attn_mask.dim() == 2:  # (B, K) padding mask, True = real token
+        return attn_mask[:, None, None, :]
+    if attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask must be (batch, key_len) or 4-D, got shape {tuple(attn_mask.shape)}")
+    while attn_mask.dim() < 4:
+        attn_mask = attn_mask.unsqueeze(0)
+    return attn_mask
+
+
+def _topk_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask of the k largest entries of each row; ties go to the lowest key index."""
+    thr = torch.topk(scores, k, dim=-1, sorted=True).values[..., -1:]
+    above = scores > thr
+    need = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    at = scores == thr
+    # Among entries equal to the threshold keep the first `need` by key index, so the result
+    # does not depend on how topk orders ties.
+    return above | (at & (torch.cumsum(at, dim=-1, dtype=torch.int32) <= need))
+
+
+@torch.no_grad()
+def create_mask(
+    attn_bias: torch.Tensor,
+    window_size: int,
+    *,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    query_len: Optional[int] = None,
+    block_size: Optional[int] = None,
+) -> torch.Tensor:
+    """Top-`window_size` keys per query row of the (masked) bias, as a bool attention mask.
+
+    Args:
+        attn_bias: (B|1, H|KVH|1, Q|1, K) importance scores; a query dim of 1 is a per-key score.
+        window_size: keys kept per query row (rows with fewer visible keys keep all of them).
+        attn_mask: optional bool mask of allowed keys: (B, K) padding mask or 4-D broadcastable.
+        is_causal: restrict to keys j <= i + (K - Q) (bottom-right aligned).
+        query_len: the number of queries Q; needed when the bias is per-key (query dim 1) and the
+            result must vary by row (causal); defaults to the bias's query dim.
+        block_size: if set, keys are chosen in aligned blocks of this size: the top
+            ceil(window_size / block_size) blocks by their best score, which gives masks whose
+            tiles are all-true or all-false.
+
+    Returns:
+        bool tensor broadcastable to (B, H, Q, K) (the broadcast of the bias's and mask's shapes,
+        with a full query dim when causal), True = attend.
+    """
+    if not isinstance(attn_bias, torch.Tensor) or not attn_bias.is_floating_point():
+        raise TypeError(f"attn_bias must be a floating-point tensor, got "
+                        f"{attn_bias.dtype if isinstance(attn_bias, torch.Tensor) else type(attn_bias).__name__}")
+    if attn_bias.dim() != 4:
+        raise ValueError(f"attn_bias must be 4-D (B|1, H|KVH|1, Q|1, K), got shape {tuple(attn_bias.shape)}")
+    if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size <= 0:
+        raise ValueError(f"window_size must be a positive int, got {window_size!r}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+    Bb, Hb, Qb, K = attn_bias.shape
+    Q = Qb if query_len is None else int(query_len)
+    if Qb not in (1, Q):
+        raise ValueError(f"query_len={query_len} does not match attn_bias query dim {Qb}")
+    if is_causal and Qb == 1 and query_len is None and K > 1:
+        # Without it the causal cut would silently be the one of a single (last) query row.
+        raise ValueError("a per-key attn_bias (query dim 1) with is_causal=True needs query_len")
+
+    allowed = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool:
+            raise TypeError("attn_mask must be a bool tensor (True = allowed key)")
+        allowed = _padding_to_4d(attn_mask, Bb)
+        if allowed.shape[-1] != K:
+            raise ValueError(f"attn_mask key dim {allowed.shape[-1]} does not match attn_bias key dim {K}")
+    if is_causal:
+        c = causal_mask(Q, K, device=attn_bias.device)[None, None]
+        allowed = c if allowed is None else allowed & c
+    try:
+        out_shape = torch.broadcast_shapes(attn_bias.shape, allowed.shape if allowed is not None else (1, 1, 1, 1))
+    except RuntimeError as e:
+        raise ValueError(f"attn_mask {tuple(allowed.shape)} does not broadcast with attn_bias "
+                         f"{tuple(attn_bias.shape)}") from e
+
+    if window_size >= K:
+        if allowed is None:
+            return torch.ones(out_shape, dtype=torch.bool, device=attn_bias.device)
+        return allowed.expand(out_shape).contiguous()
+
+    result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
+    rows = out_shape[2]
+    step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        b = attn_bias[:, :, r0:r1] if Qb > 1 else attn_bias
+        a = None
+        if allowed is not None:
+            a = allowed[:, :, r0:r1] if allowed.shape[2] > 1 else allowed
+        shape = (out_shape[0], out_shape[1], r1 - r0, K)
+        scores = b.float().expand(shape)
+        if a is not None:
+            scores = scores.masked_fill(~a, float("-inf"))
+        if block_size is None:
+            keep = _topk_rows(scores, window_size)
+        else:
+            nblk = -(-K // block_size)
+            pad = nblk * block_size - K
+            padded = torch.nn.functional.pad(scores, (0, pad), value=float("-inf"))
+            best = padded.view(*shape[:3], nblk, block_size).amax(-1)
+            kb = min(nblk, -(-window_size // block_size))
+            keep = _topk_rows(best, kb).repeat_interleave(block_size, dim=-1)[..., :K]
+        # A row with fewer than window_size visible keys "selects" some -inf entries; drop them.
+        keep &= scores != float("-inf")
+        result[:, :, r0:r1] = keep
+    return result

@@ -1,0 +1,49 @@
+// Device-independent bodies of flexdma::fwd / flexdma::bwd: allocate, fill params, call the
+// device's kernel, finish dbias. Each device file supplies only its kernel call.
+#pragma once
+#include <functional>
+#include <tuple>
+
+#include "params_from_tensors.h"
+
+namespace flexdma {
+
+inline std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const c10::optional<at::Tensor>& mask,
+                                                   const c10::optional<at::Tensor>& bias, double softmax_scale,
+                                                   bool is_causal, double softcap,
+                                                   const std::function<void(const FwdParams&)>& run) {
+  auto [out, lse] = alloc_fwd_outputs(q);
+  FwdParams p;
+  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out, lse);
+  if (out.numel() > 0) run(p);
+  return {out, lse};
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
+    bool deterministic, const std::function<void(const BwdParams&)>& run) {
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
+  c10::optional<at::Tensor> accum;
+  if (want_dbias) accum = alloc_dbias_accum(q, k, *bias);
+  const auto acc = acc_type(q.scalar_type());
+  // delta_i = sum_d dout_id * out_id, the row term of dS = P * (dP - delta); (B, H, Q).
+  at::Tensor softmax_d = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous();
+  BwdParams p;
+  fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
+                  softmax_d, deterministic);
+  if (q.numel() > 0 && k.numel() > 0) {
+    run(p);
+  } else {
+    dq.zero_(); dk.zero_(); dv.zero_();
+  }
+  at::Tensor dbias = want_dbias ? finish_dbias(*accum, *bias) : at::empty({0}, q.options());
+  return {dq, dk, dv, dbias};
+}
+
+}  // namespace flexdma

@@ -1,0 +1,138 @@
+// Fills the torch-free kernel params (csrc/flash_dma_params.h) from tensors, with the checks
+// that protect the kernels. User-facing argument errors are raised earlier, in Python, with
+// friendlier messages; these are the last line for direct torch.ops.flexdma.* callers.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include "../csrc/flash_dma_params.h"
+
+namespace flexdma {
+
+inline DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "flexdma: unsupported dtype ", t, " (need float32, float64, bfloat16 or float16)");
+  }
+}
+
+inline at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
+              "flexdma: query/key/value must be 4-D (batch, seqlen, heads, head_dim), got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(k.sizes() == v.sizes(), "flexdma: key and value shapes differ: ", k.sizes(), " vs ", v.sizes());
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "flexdma: query ", q.sizes(), " and key ", k.sizes(), " disagree on batch or head_dim");
+  TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flexdma: query heads ", q.size(2),
+              " not divisible by kv heads ", k.size(2));
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "flexdma: query/key/value dtypes differ");
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "flexdma: query/key/value devices differ");
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(3) == 1, "flexdma: head_dim must be contiguous (stride 1)");
+}
+
+// name is "attn_mask" or "attn_bias"; returns a Broadcast4d with stride 0 on size-1 dims.
+inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& q,
+                               int64_t seqlen_k, int64_t kv_heads) {
+  Broadcast4d b;
+  if (!t.has_value() || !t->defined()) return b;
+  const at::Tensor& x = *t;
+  const int64_t B = q.size(0), Q = q.size(1), H = q.size(2);
+  TORCH_CHECK(x.dim() == 4, "flexdma: ", name, " must be 4-D, got ", x.sizes());
+  TORCH_CHECK(x.device() == q.device(), "flexdma: ", name, " is on ", x.device(), ", query on ", q.device());
+  TORCH_CHECK(x.size(0) == 1 || x.size(0) == B, "flexdma: ", name, " batch dim ", x.size(0), " must be 1 or ", B);
+  TORCH_CHECK(x.size(1) == 1 || x.size(1) == kv_heads || x.size(1) == H, "flexdma: ", name, " head dim ",
+              x.size(1), " must be 1, ", kv_heads, " or ", H);
+  TORCH_CHECK(x.size(2) == 1 || x.size(2) == Q, "flexdma: ", name, " query dim ", x.size(2), " must be 1 or ", Q);
+  TORCH_CHECK(x.size(3) == 1 || x.size(3) == seqlen_k, "flexdma: ", name, " key dim ", x.size(3),
+              " must be 1 or ", seqlen_k);
+  b.ptr = x.data_ptr();
+  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
+  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  b.row_stride = x.size(2) == 1 ? 0 : x.stride(2);
+  b.col_stride = x.size(3) == 1 ? 0 : x.stride(3);
+  b.head_ratio = H / x.size(1);
+  return b;
+}
+
+inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
+                            double softmax_scale, bool is_causal, double softcap, at::Tensor& out,
+                            at::Tensor& lse) {
+  check_qkv(q, k, v);
+  p.batch = q.size(0);
+  p.seqlen_q = q.size(1);
+  p.num_heads = q.size(2);
+  p.head_dim = q.size(3);
+  p.seqlen_k = k.size(1);
+  p.num_heads_k = k.size(2);
+  p.dtype = to_dtype(q.scalar_type());
+  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
+  p.k = k.data_ptr(); p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
+  p.v = v.data_ptr(); p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
+  p.out = out.data_ptr(); p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+  p.lse = lse.data_ptr();
+  if (mask.has_value() && mask->defined())
+    TORCH_CHECK(mask->scalar_type() == at::kBool, "flexdma: attn_mask must be bool, got ", mask->scalar_type());
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->scalar_type() == q.scalar_type(), "flexdma: attn_bias dtype ", bias->scalar_type(),
+                " must match query dtype ", q.scalar_type());
+  p.mask = broadcast4d(mask, "attn_mask", q, p.seqlen_k, p.num_heads_k);
+  p.bias = broadcast4d(bias, "attn_bias", q, p.seqlen_k, p.num_heads_k);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.is_causal = is_causal;
+}
+
+inline std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q) {
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
+  return {out, lse};
+}
+
+// The dbias accumulator: the bias's own shape, except that batch / head dims the bias
+// broadcasts but separate kernel work items cover are kept, to be summed afterwards.
+inline at::Tensor alloc_dbias_accum(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias) {
+  const int64_t B = q.size(0), KVH = k.size(2);
+  const int64_t nb = (bias.size(0) == 1 && B > 1) ? B : bias.size(0);
+  const int64_t nh = (bias.size(1) == 1 && KVH > 1) ? KVH : bias.size(1);
+  return at::zeros({nb, nh, bias.size(2), bias.size(3)}, q.options().dtype(acc_type(q.scalar_type())));
+}
+
+inline at::Tensor finish_dbias(const at::Tensor& accum, const at::Tensor& bias) {
+  at::Tensor d = accum;
+  if (d.size(0) != bias.size(0)) d = d.sum(0, /*keepdim=*/true);
+  if (d.size(1) != bias.size(1)) d = d.sum(1, /*keepdim=*/true);
+  return d.to(bias.scalar_type());
+}
+
+inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                            const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& lse,
+                            double softmax_scale, bool is_causal, double softcap, at::Tensor& dq, at::Tensor& dk,
+                            at::Tensor& dv, const c10::optional<at::Tensor>& dbias_accum, at::Tensor& softmax_d,
+                            bool deterministic) {
+  at::Tensor out_ = out, lse_ = lse;
+  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out_, lse_);
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flexdma: grad_out/out must have query's shape");
+  TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1, "flexdma: grad_out/out head_dim must be contiguous");
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == acc_type(q.scalar_type()),
+              "flexdma: lse must be contiguous ", acc_type(q.scalar_type()));
+  p.dout = dout.data_ptr(); p.do_batch_stride = dout.stride(0); p.do_row_stride = dout.stride(1); p.do_head_stride = dout.stride(2);
+  p.dq = dq.data_ptr(); p.dq_batch_stride = dq.stride(0); p.dq_row_stride = dq.stride(1); p.dq_head_stride = dq.stride(2);
+  p.dk = dk.data_ptr(); p.dk_batch_stride = dk.stride(0); p.dk_row_stride = dk.stride(1); p.dk_head_stride = dk.stride(2);
+  p.dv = dv.data_ptr(); p.dv_batch_stride = dv.stride(0); p.dv_row_stride = dv.stride(1); p.dv_head_stride = dv.stride(2);
+  if (dbias_accum.has_value()) {
+    p.dbias_accum = broadcast4d(dbias_accum, "dbias", q, p.seqlen_k, p.num_heads_k);
+  }
+  p.softmax_d = softmax_d.data_ptr();
+  p.deterministic = deterministic;
+}
+
+}  // namespace flexdma

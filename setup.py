@@ -1,0 +1,100 @@
+"""Build of flexdma's C++/CUDA extension `flexdma._C`.
+
+CPU kernels are always built. CUDA kernels are built when torch has CUDA and nvcc is found,
+unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
+  FLEXDMA_CUDA_ARCHS   e.g. "90" or "80;90" (default "90")
+  FLEXDMA_HEAD_DIMS    e.g. "64,128" (default: every supported head dim)
+  MAX_JOBS             parallel compile jobs (ninja)
+"""
+import os
+import glob
+import shutil
+from pathlib import Path
+
+from setuptools import setup, find_packages
+
+ROOT = Path(__file__).parent.resolve()
+ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def _head_dims():
+    raw = os.environ.get("FLEXDMA_HEAD_DIMS", "")
+    if not raw.strip():
+        return ALL_HEAD_DIMS
+    dims = tuple(sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()}))
+    bad = [d for d in dims if d not in ALL_HEAD_DIMS]
+    if bad:
+        raise ValueError(f"FLEXDMA_HEAD_DIMS has {bad}; supported: {ALL_HEAD_DIMS}")
+    return dims
+
+
+def _want_cuda():
+    if os.environ.get("FLEXDMA_SKIP_CUDA", "0") == "1":
+        return False
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None
+
+
+def _write_build_info(with_cuda, head_dims, archs):
+    text = (
+        "# Written by setup.py at build time.\n"
+        f"WITH_CUDA = {with_cuda!r}\n"
+        f"CUDA_HEAD_DIMS = {tuple(head_dims) if with_cuda else ()!r}\n"
+        f"CUDA_ARCHS = {tuple(archs) if with_cuda else ()!r}\n"
+    )
+    (ROOT / "flexdma" / "_build_info.py").write_text(text)
+
+
+def _extensions():
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    cxx = ["-O3", "-std=c++17"]
+    sources = sorted(glob.glob("ops/flexdma_ops.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    with_cuda = _want_cuda()
+    head_dims = _head_dims()
+    archs = [a.strip() for a in os.environ.get("FLEXDMA_CUDA_ARCHS", "90").replace(",", ";").split(";") if a.strip()]
+    _write_build_info(with_cuda, head_dims, archs)
+    if not with_cuda:
+        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx})]
+
+    hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
+    gencode = []
+    for a in archs:
+        # wgmma and setmaxnreg need the arch-specific target (sm_90a).
+        arch = a + "a" if a in ("90",) else a
+        gencode += [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"] + gencode + hd_defs
+    cutlass = os.environ.get("FLEXDMA_CUTLASS_INCLUDE") or _cutlass_include()
+    include_dirs = [str(ROOT / "csrc")] + ([cutlass] if cutlass else [])
+    if cutlass:
+        nvcc.append("-DFLEXDMA_HAVE_CUTLASS")
+    sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
+    return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs,
+                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc})]
+
+
+def _cutlass_include():
+    try:
+        import cutlass_library  # from the nvidia-cutlass wheel
+
+        p = Path(cutlass_library.__file__).parent / "source" / "include"
+        return str(p) if p.is_dir() else None
+    except Exception:
+        return None
+
+
+def _cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    packages=find_packages(include=["flexdma", "flexdma.*"]),
+    ext_modules=_extensions(),
+    cmdclass=_cmdclass(),
+)
