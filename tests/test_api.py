@@ -230,3 +230,15 @@ class TestCompileExport(expecttest.TestCase):
         ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
         self.assertEqual(ops.count(torch.ops.flexdma.fwd.default), 1)
         torch.testing.assert_close(ep.module()(q, k, v, mask, bias), Attn()(q, k, v, mask, bias))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_warned", set())
+    q, k, v = qkv(D=80, dtype=torch.bfloat16, device="cuda")
+    with pytest.warns(UserWarning, match=r"falls back from 'cuda' to 'flex': .*head_dim 80"):
+        name = _dispatch.select("auto", q, k, v, None, None, is_causal=True, softcap=0.0, requires_grad=False)
+    assert name == "flex"
+    out = flexdma.flash_dma_attention(q, k, v, is_causal=True)
+    ref, _ = flexdma.attention_ref(q.double(), k.double(), v.double(), is_causal=True)
+    assert (out.double() - ref).abs().max() < 3e-2
