@@ -18,11 +18,16 @@ BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
 _warned: set = set()
 
 
-def _warn_once(msg: str) -> None:
-    if msg in _warned:
-        return
-    _warned.add(msg)
-    warnings.warn(msg, stacklevel=4)
+
+# Under torch.compile this runs once, when the call is traced (dynamo calls a function marked
+# assume_constant_result eagerly instead of tracing it), so a fullgraph model still gets the
+# warning and no graph break.
+@torch._dynamo.assume_constant_result
+def _warn_once(msg: str) -> bool:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, stacklevel=5)
+    return True
 
 
 @functools.lru_cache(None)
