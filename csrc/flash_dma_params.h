@@ -60,16 +60,20 @@ struct BwdParams : FwdParams {
   void* dv = nullptr; int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // dbias: float32 (float64 for kFloat64) buffer, zero-filled by the caller, or nullptr when
-  // the bias needs no gradient. Its strides follow the same rules as Broadcast4d: a kernel adds
-  // dS(b, h, i, j) into element (b * batch_stride + (h / head_ratio) * head_stride +
-  // i * row_stride + j * col_stride). The caller sizes the buffer so that two different
-  // (batch, kv head) work items never share an element: a dim is broadcast (stride 0) only if
-  // one work item covers all of it (query rows; the query heads of one kv head). The caller
-  // then sums the leftover broadcast dims (batch; kv heads) in a fixed order and casts.
+  // the bias needs no gradient; kernels write through it (ptr is const only because the struct
+  // is shared with the read-only operands). Its strides follow the same rules as Broadcast4d: a
+  // kernel adds dS(b, h, i, j) into element (b * batch_stride + (h / head_ratio) * head_stride +
+  // i * row_stride + j * col_stride). The caller sizes the batch and head dims so that two
+  // different (batch, kv head) work items never share an element: such a dim is broadcast
+  // (stride 0) only if one work item covers all of it (the query heads of one kv head); the
+  // caller sums the leftover dims (batch; kv heads) in a fixed order and casts. Query rows and
+  // keys keep the bias's own extent: a bias broadcast over rows (per-key) or over keys leaves
+  // the kernel to sum over them, in a fixed order (no atomics).
   Broadcast4d dbias_accum;
 
-  // Scratch owned by the caller: delta = rowsum(dout * out) per (B, H, Q), float32
-  // (float64 for kFloat64). Kernels may use it or not.
+  // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), filled with
+  // delta = rowsum(dout * out). Kernels may use it, or recompute delta = rowsum(P * dP) in full
+  // precision (more accurate when out was rounded to bf16/fp16) and overwrite it.
   void* softmax_d = nullptr;
 
   bool deterministic = true;

@@ -63,3 +63,11 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("flexdma::fwd", _backward, setup_context=_setup_context)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError("flexdma: double backward (gradients of gradients) is not supported")
+
+
+# Without this, differentiating through flexdma::bwd would silently give zero second derivatives.
+torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_context=lambda ctx, inputs, output: None)

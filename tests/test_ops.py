@@ -1,0 +1,120 @@
+"""The torch.ops.flexdma op family itself: registration checks (opcheck), float64 gradcheck of the
+CPU kernel including the bias gradient, and bitwise-deterministic backward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexdma  # noqa: F401  (registers fake kernels and autograd)
+from utils import make_mask_bias, make_qkv
+
+fwd = torch.ops.flexdma.fwd
+bwd = torch.ops.flexdma.bwd
+
+
+def _inputs(with_mask, with_bias, *, dtype=torch.float32, B=2, Q=5, K=7, H=4, KVH=2, D=16,
+            mask_pattern=("B", "1", "Q", "K"), bias_pattern=("1", "KVH", "Q", "K"), requires_grad=True,
+            bias_requires_grad=True):
+    q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, requires_grad=requires_grad)
+    mask, bias = make_mask_bias(mask_pattern if with_mask else None, bias_pattern if with_bias else None,
+                                B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype,
+                                bias_requires_grad=bias_requires_grad and with_bias)
+    return q, k, v, mask, bias
+
+
+MASK_BIAS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("with_mask,with_bias", MASK_BIAS)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_opcheck_fwd(with_mask, with_bias, is_causal):
+    q, k, v, mask, bias = _inputs(with_mask, with_bias)
+    torch.library.opcheck(fwd, (q, k, v, mask, bias, 0.25, is_causal, 0.0, False))
+
+
+@pytest.mark.parametrize("with_mask,with_bias", MASK_BIAS)
+@pytest.mark.parametrize("bias_requires_grad", [False, True])
+def test_opcheck_bwd(with_mask, with_bias, bias_requires_grad):
+    # The backward op has no derivative of its own (no double backward), so its inputs do not
+    # require grad here.
+    q, k, v, mask, bias = _inputs(with_mask, with_bias, requires_grad=False, bias_requires_grad=False)
+    out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(bwd, (grad_out, q, k, v, mask, bias, out, lse, 0.25, True, 0.0,
+                                bias_requires_grad, False))
+
+
+def test_bwd_returns_empty_dbias_when_not_requested():
+    q, k, v, mask, bias = _inputs(True, True, requires_grad=False)
+    out, lse = fwd(q, k, v, mask, bias, 0.25, False, 0.0, False)
+    *_, dbias = bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, False, 0.0, False, False)
+    assert dbias.shape == (0,)
+    *_, dbias = bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, False, 0.0, True, False)
+    assert dbias.shape == bias.shape
+
+
+GRADCHECK_CASES = [
+    # (name, kwargs for _inputs, is_causal, softcap)
+    ("plain", dict(with_mask=False, with_bias=False), False, 0.0),
+    ("mask+bias", dict(with_mask=True, with_bias=True), False, 0.0),
+    ("causal-Q>K", dict(with_mask=True, with_bias=True, Q=9, K=6), True, 0.0),
+    ("causal-Q<K-softcap", dict(with_mask=False, with_bias=True, Q=4, K=9), True, 3.0),
+    ("bias-1xHx1xK", dict(with_mask=False, with_bias=True, bias_pattern=("1", "H", "1", "K")), True, 0.0),
+    ("bias-Bx1xQx1", dict(with_mask=True, with_bias=True, bias_pattern=("B", "1", "Q", "1")), False, 0.0),
+    ("bias-1x1x1x1-mqa", dict(with_mask=True, with_bias=True, bias_pattern=("1", "1", "1", "1"), H=3, KVH=1),
+     False, 0.0),
+    ("mask-empty-rows", dict(with_mask=True, with_bias=True, mask_pattern=("1", "H", "Q", "1")), False, 0.0),
+]
+
+
+@pytest.mark.parametrize("case", GRADCHECK_CASES, ids=[c[0] for c in GRADCHECK_CASES])
+def test_gradcheck_fp64(case):
+    _, kw, is_causal, softcap = case
+    kw = dict(kw)
+    kw.setdefault("D", 8)
+    q, k, v, mask, bias = _inputs(dtype=torch.float64, **kw)
+    inputs = (q, k, v) + ((bias,) if bias is not None else ())
+
+    def f(q, k, v, *b):
+        out, _ = fwd(q, k, v, mask, b[0] if b else None, 0.375, is_causal, softcap, False)
+        return out
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_fp64_several_tiles():
+    # More than one 64-wide query and key tile; the bias is broadcast over keys, whose gradient
+    # is summed across key tiles in a fixed order.
+    q, k, v, mask, bias = _inputs(True, True, dtype=torch.float64, B=1, Q=70, K=131, H=2, KVH=1, D=4,
+                                  mask_pattern=("1", "1", "Q", "K"), bias_pattern=("1", "H", "Q", "1"))
+
+    def f(q, k, v, b):
+        return fwd(q, k, v, mask, b, 0.5, True, 0.0, False)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v, bias), eps=1e-6, atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def _backward_once(q, k, v, mask, bias, grad_out, is_causal, softcap):
+    out, lse = fwd(q, k, v, mask, bias, 0.2, is_causal, softcap, True)
+    return bwd(grad_out, q, k, v, mask, bias, out, lse, 0.2, is_causal, softcap, True, True)
+
+
+@pytest.mark.parametrize("bias_pattern", [("B", "H", "Q", "K"), ("1", "KVH", "1", "K"), ("1", "1", "Q", "1")],
+                         ids=lambda p: "x".join(p))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
+    q, k, v, mask, bias = _inputs(True, True, dtype=dtype, B=2, Q=150, K=200, H=8, KVH=2, D=64,
+                                  bias_pattern=bias_pattern, requires_grad=False)
+    grad_out = torch.randn(q.shape).to(dtype)
+    first = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+    again = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+    # The work split must not matter either: the order of every sum is fixed per work item.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c, name in zip(first, again, single, ("dq", "dk", "dv", "dbias")):
+        assert torch.equal(a, b), f"{name} differs between two runs"
+        assert torch.equal(a, c), f"{name} differs between thread counts"
