@@ -14,7 +14,8 @@ from pathlib import Path
 from setuptools import setup, find_packages
 
 ROOT = Path(__file__).parent.resolve()
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# Head dims the CUDA kernels implement; others fall back to FlexAttention at run time.
+ALL_HEAD_DIMS = (64, 128)
 
 
 def _head_dims():
@@ -24,7 +25,7 @@ def _head_dims():
     dims = tuple(sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()}))
     bad = [d for d in dims if d not in ALL_HEAD_DIMS]
     if bad:
-        raise ValueError(f"FLEXDMA_HEAD_DIMS has {bad}; supported: {ALL_HEAD_DIMS}")
+        raise ValueError(f"FLEXDMA_HEAD_DIMS has {bad}; the CUDA kernels implement {ALL_HEAD_DIMS}")
     return dims
 
 

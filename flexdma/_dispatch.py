@@ -89,6 +89,8 @@ def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optio
     d = q.shape[-1]
     if d not in info.CUDA_HEAD_DIMS:
         return f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)})"
+    if q.shape[0] > 65535 or q.shape[2] > 65535:
+        return "batch and num_heads must be <= 65535 (CUDA grid limits)"
     return None
 
 

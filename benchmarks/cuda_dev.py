@@ -1,0 +1,90 @@
+"""Quick timing of the CUDA kernels (torch.ops.flexdma.fwd / bwd) on the target shapes:
+B=1, H=2, KVH=1, D=128, bf16, causal, mask = top-W keys per row of the bias, 32K x 32K, with a
+per-row bias (1,1,Q,K) and a per-key bias (1,1,1,K); and causal without mask or bias at 16K.
+Median of triton.testing.do_bench. Usage: python3 benchmarks/cuda_dev.py [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton.testing
+
+import flexdma  # noqa: F401
+
+fwd = torch.ops.flexdma.fwd
+bwd = torch.ops.flexdma.bwd
+
+
+def top_w_mask(bias, Q, K, W, chunk=2048):
+    """(1, 1, Q, K) bool: the W largest causal (bottom-right) bias entries per query row."""
+    mask = torch.zeros(1, 1, Q, K, dtype=torch.bool, device=bias.device)
+    cols = torch.arange(K, device=bias.device)
+    for r0 in range(0, Q, chunk):
+        rows = torch.arange(r0, min(Q, r0 + chunk), device=bias.device)
+        b = bias[0, 0, rows if bias.shape[2] > 1 else torch.zeros_like(rows)].float()
+        b = b.masked_fill(cols[None, :] > rows[:, None] + (K - Q), float("-inf"))
+        idx = b.topk(min(W, K), dim=-1).indices
+        m = torch.zeros_like(b, dtype=torch.bool).scatter_(1, idx, True)
+        mask[0, 0, rows] = m & torch.isfinite(b)
+    return mask
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--seqlen", type=int, default=32768)
+    ap.add_argument("--window", type=int, default=1024)
+    args = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    B, H, KVH, D, L, W = 1, 2, 1, 128, args.seqlen, args.window
+    scale = 1.0 / math.sqrt(D)
+    torch.manual_seed(0)
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
+    v = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
+    dout = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    results = {"device": torch.cuda.get_device_name(), "seqlen": L, "window": W}
+
+    for name, bshape in (("per_row", (1, 1, L, L)), ("per_key", (1, 1, 1, L))):
+        bias = torch.randn(bshape, device=dev, dtype=dt)
+        mask = top_w_mask(bias, L, L, W)
+        out, lse = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+        results[f"{name}_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
+        results[f"{name}_bwd_ms"] = bench(lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True))
+        print(name, results[f"{name}_fwd_ms"], results[f"{name}_bwd_ms"], flush=True)
+        # Per-kernel split (dq vs dkv vs the op's torch glue) of one forward + backward.
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                o2, l2 = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+                bwd(dout, q, k, v, mask, bias, o2, l2, scale, True, 0.0, True, True)
+                torch.cuda.synchronize()
+            results[f"{name}_kernels_ms"] = {e.key[:60]: e.device_time_total / 1e3 for e in prof.key_averages()
+                                             if e.device_time_total > 0}
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=8), flush=True)
+        except Exception as e:  # a profiler problem must not cost the timings
+            print("profiler failed:", e, flush=True)
+        del bias, mask, out, lse
+        torch.cuda.empty_cache()
+
+    L2 = 16384
+    q2, k2, v2 = (t[:, :L2].contiguous() for t in (q, k, v))
+    results["nomask_causal_16k_fwd_ms"] = bench(lambda: fwd(q2, k2, v2, None, None, scale, True, 0.0, True))
+    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q2, k2, v2))
+    ks, vs = ks.expand(-1, H, -1, -1), vs.expand(-1, H, -1, -1)
+    results["sdpa_causal_16k_fwd_ms"] = bench(
+        lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

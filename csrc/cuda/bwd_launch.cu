@@ -1,0 +1,63 @@
+// Grids and launches of the backward: dK/dV/dbias (one CTA per key tile, kv head, batch), then
+// dQ (one CTA per query tile, head, batch); a bias broadcast over keys gets per-key-tile dbias
+// slices summed in tile order afterwards, so no two CTAs ever write the same element.
+#include "bwd_kernel.cuh"
+#include "launch.h"
+
+namespace flexdma {
+namespace cuda {
+
+template <typename T, int D>
+void launch_bwd(const BwdParams& p, cudaStream_t stream) {
+  constexpr int kSmem = BwdSmem<T, D>::kBytes;
+  cudaFuncSetAttribute(dkv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const bool vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
+                   aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
+                   aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride) &&
+                   aligned16(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN);
+
+  DbiasTarget dbias;
+  float* scratch = nullptr;
+  int64_t span = 0;
+  if (p.dbias_accum.ptr) {
+    dbias.ptr = static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr));
+    dbias.layout = p.dbias_accum;
+    if (p.dbias_accum.col_stride == 0 && n_tiles > 1) {
+      const Broadcast4d& a = p.dbias_accum;
+      const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
+      span = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
+             (a.row_stride ? (p.seqlen_q - 1) * a.row_stride : 0) + 1;
+      cudaMallocAsync(reinterpret_cast<void**>(&scratch), n_tiles * span * sizeof(float), stream);
+      cudaMemsetAsync(scratch, 0, n_tiles * span * sizeof(float), stream);
+      dbias.ptr = scratch;
+      dbias.tile_stride = span;
+    }
+  }
+  const bool mask_vec = mask_rows_aligned(p);
+  // dq first: it rewrites softmax_d with the float delta that dkv_kernel reads.
+  dim3 grid_q((unsigned)ceil_div(p.seqlen_q, kBlockM), (unsigned)p.num_heads, (unsigned)p.batch);
+  dq_kernel<T, D><<<grid_q, kThreads, kSmem, stream>>>(p, vec, mask_vec);
+  dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
+  dkv_kernel<T, D><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, vec, mask_vec);
+  if (scratch) {
+    const int blocks = (int)imin(1024, ceil_div(span, 256));
+    reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
+                                                    scratch, span, n_tiles);
+    cudaFreeAsync(scratch, stream);
+  }
+}
+
+#define FLEXDMA_INSTANTIATE_BWD(D)                                            \
+  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t);       \
+  template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t);
+#ifdef FLEXDMA_HEAD_DIM_64
+FLEXDMA_INSTANTIATE_BWD(64)
+#endif
+#ifdef FLEXDMA_HEAD_DIM_128
+FLEXDMA_INSTANTIATE_BWD(128)
+#endif
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,53 @@
+// Entry points of the CUDA kernels: what is supported, and dispatch on (dtype, head dim).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "flash_dma_cuda.h"
+#include "launch.h"
+
+namespace flexdma {
+namespace cuda {
+
+namespace {
+bool head_dim_built(int64_t d) {
+#ifdef FLEXDMA_HEAD_DIM_64
+  if (d == 64) return true;
+#endif
+#ifdef FLEXDMA_HEAD_DIM_128
+  if (d == 128) return true;
+#endif
+  return false;
+}
+
+template <typename Fn>
+void dispatch(const FwdParams& p, Fn&& fn) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+#ifdef FLEXDMA_HEAD_DIM_64
+  if (p.head_dim == 64) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 64>{}) : fn(__half{}, std::integral_constant<int, 64>{}); return; }
+#endif
+#ifdef FLEXDMA_HEAD_DIM_128
+  if (p.head_dim == 128) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 128>{}) : fn(__half{}, std::integral_constant<int, 128>{}); return; }
+#endif
+}
+}  // namespace
+
+const char* unsupported_reason(const FwdParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bfloat16 or float16";
+  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (!head_dim_built(p.head_dim)) return "head_dim not built (FLEXDMA_HEAD_DIMS)";
+  if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0) return "num_heads must be a multiple of num_heads_k";
+  if (p.num_heads > 65535 || p.batch > 65535) return "batch and num_heads must be <= 65535";
+  if (p.softcap < 0.f) return "softcap must be >= 0";
+  return nullptr;
+}
+
+void run_fwd(const FwdParams& p, void* stream) {
+  dispatch(p, [&](auto t, auto d) { launch_fwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
+}
+
+void run_bwd(const BwdParams& p, void* stream) {
+  dispatch(p, [&](auto t, auto d) { launch_bwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,27 @@
+// Launchers of the templated kernels, instantiated per (dtype, head dim) in fwd_launch.cu /
+// bwd_launch.cu; flash_dma_cuda.cu picks one from the params.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../flash_dma_params.h"
+
+namespace flexdma {
+namespace cuda {
+
+template <typename T, int D> void launch_fwd(const FwdParams& p, cudaStream_t stream);
+template <typename T, int D> void launch_bwd(const BwdParams& p, cudaStream_t stream);
+
+// 16-byte tile loads need 16-byte aligned bases and strides that are multiples of 8 elements.
+inline bool aligned16(const void* ptr, int64_t s0, int64_t s1, int64_t s2) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && s0 % 8 == 0 && s1 % 8 == 0 && s2 % 8 == 0;
+}
+
+// A mask row read 16 bytes at a time: contiguous keys and 16-byte aligned row starts.
+inline bool mask_rows_aligned(const FwdParams& p) {
+  const Broadcast4d& m = p.mask;
+  return m.ptr && m.col_stride == 1 && reinterpret_cast<uintptr_t>(m.ptr) % 16 == 0 && m.batch_stride % 16 == 0 &&
+         m.head_stride % 16 == 0 && m.row_stride % 16 == 0;
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,131 @@
+// Tile shapes, shared-memory tile copies and the mask/bias readers shared by every kernel.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+
+namespace flexdma {
+namespace cuda {
+
+constexpr int kBlockM = 64;   // query rows per tile
+constexpr int kBlockN = 64;   // keys per tile
+constexpr int kWarps = 4;     // warp w owns rows [16w, 16w + 16) of every 64-row tile
+constexpr int kThreads = kWarps * 32;
+
+__host__ __device__ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__host__ __device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Shared-memory carve-outs start on 128-byte boundaries (wmma wants 32-byte aligned pointers).
+// Padded leading dims of the 16-bit smem tiles: rows of 2D + 16 bytes (and 144 bytes for P / dS)
+// spread ldmatrix rows over banks instead of mapping them all to the same ones.
+__host__ __device__ constexpr int tile_ld(int d) { return d + 8; }
+constexpr int kLdP = kBlockN + 8;
+__host__ __device__ constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
+
+template <typename T> __device__ inline float to_float(T x);
+template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ inline T from_float(float x);
+template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Copies `rows` x D elements (row r at src + r * row_stride, head_dim contiguous) into a smem
+// tile of kRows x D with leading dim tile_ld(D); rows past `valid` are zero so tails need no other predicate.
+// `vec` says that src and row_stride allow 16-byte loads.
+template <typename T, int kRows, int D>
+__device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int valid, bool vec) {
+  if (vec) {
+    // All loads of a thread are issued before any store, so they are in flight together.
+    constexpr int kChunks = D / 8;  // 8 halves per 16 bytes
+    constexpr int kPer = kRows * kChunks / kThreads;
+    static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the threads");
+    uint4 val[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      val[u] = r < valid ? *reinterpret_cast<const uint4*>(src + r * row_stride + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      *reinterpret_cast<uint4*>(smem + r * tile_ld(D) + col) = val[u];
+    }
+  } else {
+    for (int c = threadIdx.x; c < kRows * D; c += kThreads) {
+      const int r = c / D, col = c % D;
+      smem[r * tile_ld(D) + col] = r < valid ? src[r * row_stride + col] : from_float<T>(0.f);
+    }
+  }
+}
+
+// The key-tile source: given a key tile index, issues the copy of its K and V rows. Kept apart
+// so that a later version can feed key tiles from an index list (sparse top-k layouts).
+template <typename T, int D>
+struct KVTileLoader {
+  const T* k; const T* v;          // already offset to (batch, kv head)
+  int64_t k_row_stride, v_row_stride;
+  int64_t seqlen_k;
+  bool vec;
+  __device__ inline void operator()(int64_t tile, T* sk, T* sv) const {
+    const int64_t n0 = tile * kBlockN;
+    const int valid = (int)imin(kBlockN, seqlen_k - n0);
+    load_rows<T, kBlockN, D>(sk, k + n0 * k_row_stride, k_row_stride, valid, vec);
+    load_rows<T, kBlockN, D>(sv, v + n0 * v_row_stride, v_row_stride, valid, vec);
+  }
+};
+
+// Where element (b, h, i, j) of a broadcast operand lives (h is the query head).
+__device__ inline int64_t bcast_offset(const Broadcast4d& t, int64_t b, int64_t h, int64_t i, int64_t j) {
+  return b * t.batch_stride + (h / t.head_ratio) * t.head_stride + i * t.row_stride + j * t.col_stride;
+}
+
+// Loads the kBlockM x kBlockN "keep" tile (mask & causal & bounds) into smem and returns whether
+// any element is kept: a false result lets the caller skip the K/V/bias loads and the MMAs.
+// The result is the same in every thread (it ends in a barrier). Each thread handles 16
+// consecutive keys of a row; `mask_vec` says a mask row can be read 16 bytes at a time
+// (contiguous keys, 16-byte aligned rows).
+__device__ inline bool load_keep_tile(uint8_t* keep, const Broadcast4d& mask, bool mask_vec, int64_t b, int64_t h,
+                                      int64_t m0, int64_t n0, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
+  const uint8_t* mp = static_cast<const uint8_t*>(mask.ptr);
+  const int64_t shift = seqlen_k - seqlen_q;
+  int any = 0;
+  constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
+  uint4 raw[kPer];  // the 16-byte mask reads, issued together
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    const int64_t i = m0 + r, j0 = n0 + col0;
+    raw[u] = (mp && mask_vec && i < seqlen_q && j0 + 16 <= seqlen_k)
+                 ? *reinterpret_cast<const uint4*>(mp + bcast_offset(mask, b, h, i, j0))
+                 : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    const int64_t i = m0 + r, j0 = n0 + col0;
+    alignas(16) uint8_t k[16];
+    if (mp && mask_vec && i < seqlen_q && j0 + 16 <= seqlen_k) {
+      *reinterpret_cast<uint4*>(k) = raw[u];
+    } else {
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        const int64_t j = j0 + u;
+        k[u] = i < seqlen_q && j < seqlen_k && (!mp || mp[bcast_offset(mask, b, h, i, j)] != 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 16; ++u) {
+      const int64_t j = j0 + u;
+      k[u] = k[u] != 0 && (!causal || j <= i + shift);
+      any |= k[u];
+    }
+    *reinterpret_cast<uint4*>(keep + r * kBlockN + col0) = *reinterpret_cast<const uint4*>(k);
+  }
+  return __syncthreads_or(any) != 0;
+}
+
+}  // namespace cuda
+}  // namespace flexdma
