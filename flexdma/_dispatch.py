@@ -108,9 +108,10 @@ def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
     return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic)
 
 
-def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
+def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, need_lse=True):
     flex, _ = _flex_module()
-    return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap)
+    return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap,
+                                   need_lse=need_lse)
 
 
 def _reference_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):

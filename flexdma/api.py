@@ -51,6 +51,7 @@ def flash_dma_attention(
         t is not None and t.requires_grad for t in (query, key, value, attn_bias))
     name = _dispatch.select(backend, query, key, value, attn_mask, attn_bias, is_causal=is_causal,
                             softcap=softcap, requires_grad=requires_grad)
-    out, lse = _dispatch.RUNNERS[name](query, key, value, attn_mask, attn_bias, scale, is_causal, softcap,
-                                       bool(deterministic))
+    run = _dispatch.RUNNERS[name]
+    extra = {"need_lse": return_lse} if name == "flex" else {}
+    out, lse = run(query, key, value, attn_mask, attn_bias, scale, is_causal, softcap, bool(deterministic), **extra)
     return (out, lse) if return_lse else out

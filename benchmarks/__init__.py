@@ -1,0 +1,1 @@
+"""flexdma's benchmark suite: `python -m benchmarks <subcommand>` (see benchmarks/cli.py)."""

@@ -1,0 +1,226 @@
+"""Tables and plots from the benchmark JSON files; regenerates benchmarks/RESULTS.md.
+
+`python -m benchmarks report` reads every flexdma-bench JSON in benchmarks/results/, keeps the
+newest file of each (GPU, subcommand), and writes RESULTS.md with its tables and plots, each
+headed by the commit, GPU, date and versions that produced it. Nothing in RESULTS.md is typed by
+hand.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Dict, List, Optional
+
+from .configs import FLEXDMA_PEERS, PEERS
+
+SCHEMA = "flexdma-bench/1"
+_SHORT = {"ok": None, "oom": "OOM", "error": "err", "skipped": "skip", "unavailable": "n/a"}
+
+
+def _cell(r: Optional[dict], fmt="{:.3f}", key="ms") -> str:
+    if not r:
+        return "–"
+    if r.get("status") != "ok":
+        return _SHORT.get(r.get("status"), "?")
+    v = r.get(key)
+    return "–" if v is None else fmt.format(v)
+
+
+def _peers_in(doc: dict) -> List[str]:
+    """Peers with a column: those that could run on the machine (the header says why the others did not)."""
+    seen = []
+    for row in doc.get("rows", []):
+        for p in row.get("results", {}):
+            if p not in seen and p not in doc.get("peer_notes", {}):
+                seen.append(p)
+    order = {p: i for i, p in enumerate(PEERS)}
+    return sorted(seen, key=lambda p: order.get(p, len(order)))
+
+
+def _lead(doc: dict) -> Optional[str]:
+    """The flexdma backend whose speedups the summary table shows: auto if it ran, else the first that did."""
+    for p in FLEXDMA_PEERS:
+        if any(row.get("results", {}).get(p, {}).get("status") == "ok" for row in doc.get("rows", [])):
+            return p
+    return None
+
+
+def _case_cells(row: dict) -> List[str]:
+    dirn = row.get("dir", "fwd+bwd")
+    return [row["mode"], dirn, row["bias"], str(row["D"]), str(row["Q"]), str(row["K"]), str(row["W"]),
+            f"{row.get('density', float('nan')):.4f}"]
+
+
+_CASE_HEAD = ["mode", "dir", "bias", "D", "Q", "K", "W", "density"]
+
+
+def _table(head: List[str], body: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def timing_summary(doc: dict) -> str:
+    peers = _peers_in(doc)
+    lead = _lead(doc)
+    others = [p for p in peers if p not in FLEXDMA_PEERS]
+    head = _CASE_HEAD + [f"{p} ms" for p in peers] + ([f"{lead} vs {p}" for p in others] if lead else [])
+    body = []
+    for row in doc.get("rows", []):
+        res = row.get("results", {})
+        cells = _case_cells(row) + [_cell(res.get(p)) for p in peers]
+        if lead:
+            sp = row.get("speedup", {}).get(lead, {})
+            cells += [f"{sp[p]:.2f}x" if p in sp else "–" for p in others]
+        body.append(cells)
+    return _table(head, body)
+
+
+def timing_detail(doc: dict) -> str:
+    head = _CASE_HEAD + ["peer", "ms", "TFLOP/s", "GB/s", "peak MiB", "extra MiB", "note"]
+    body = []
+    for row in doc.get("rows", []):
+        for p, r in row.get("results", {}).items():
+            if p in doc.get("peer_notes", {}):
+                continue
+            note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('reason', '')}"[:120]
+            body.append(_case_cells(row) + [p, _cell(r), _cell(r, "{:.1f}", "tflops"), _cell(r, "{:.0f}", "gbps"),
+                                            _cell(r, "{:.0f}", "peak_mib"), _cell(r, "{:.0f}", "extra_mib"),
+                                            note.replace("|", "/").replace("\n", " ")])
+    return _table(head, body)
+
+
+def equivalence_table(doc: dict) -> str:
+    head = _CASE_HEAD[:1] + _CASE_HEAD[2:] + ["impl", "ok"] + [f"{n} max abs / rel" for n in
+                                                             ("out", "dq", "dk", "dv", "dbias")]
+    body = []
+    for row in doc.get("rows", []):
+        base = [c for i, c in enumerate(_case_cells(row)) if i != 1]
+        ref = row.get("lowp_reference", {})
+        body.append(base + ["bf16 eager reference", "(tol. base)"] +
+                    [f"{ref[n]['max_abs']:.2e} / {ref[n]['rel']:.2e}" if n in ref else "–"
+                     for n in ("out", "dq", "dk", "dv", "dbias")])
+        for p, r in row.get("results", {}).items():
+            if r.get("status") != "ok":
+                body.append(base + [p, f"{r.get('status')}: {r.get('reason', '')}"[:100].replace("|", "/")] + ["–"] * 5)
+                continue
+            body.append(base + [p, "yes" if r.get("within_tol") else "NO"] +
+                        [f"{r[n]['max_abs']:.2e} / {r[n]['rel']:.2e}" if n in r else "–"
+                         for n in ("out", "dq", "dk", "dv", "dbias")])
+    return _table(head, body)
+
+
+def header(doc: dict) -> str:
+    dirty = {True: " (dirty tree)", False: "", None: ""}[doc.get("dirty")]
+    lines = [f"`{doc.get('subcommand')}` on {doc.get('gpu')}, commit {doc.get('commit')}{dirty}, {doc.get('date')}; "
+             f"torch {doc.get('torch')}, CUDA {doc.get('cuda')}, Triton {doc.get('triton')}"]
+    if "timing" in doc:
+        t = doc["timing"]
+        lines.append(f"Times: {t.get('stat')} of {t.get('tool')} (warm-up {t.get('warmup_ms')} ms, rep "
+                     f"{t.get('rep_ms')} ms), milliseconds. B=1, H=2, KVH=1, bf16, causal; TFLOP/s over the kept "
+                     f"pairs, GB/s over the bytes that must move; `A vs P` = P's time / A's time.")
+    if any("sdpa" in row.get("results", {}) for row in doc.get("rows", [])) and "timing" in doc:
+        lines.append("`sdpa` times include folding the mask into the bias (`bias.masked_fill(~mask, -inf)`), "
+                     "which a caller holding a mask and a bias pays on every call; `dense` has no mask or bias.")
+    for p, why in doc.get("peer_notes", {}).items():
+        lines.append(f"- `{p}` not run: {why}")
+    if doc.get("not_run"):
+        lines.append(f"- not run (time budget or input failure): {', '.join(doc['not_run'])}")
+    if doc.get("elapsed_s") is not None:
+        lines.append(f"- wall time of the invocation: {doc['elapsed_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def markdown(doc: dict, detail: bool = False) -> str:
+    """Header and tables of one JSON document; the summary table comes last."""
+    if doc.get("subcommand") == "equivalence":
+        return header(doc) + "\n\n" + equivalence_table(doc) + "\n"
+    parts = [header(doc)]
+    if detail:
+        parts.append(timing_detail(doc))
+    parts.append(timing_summary(doc))
+    return "\n\n".join(parts) + "\n"
+
+
+def plot(doc: dict, stem: str) -> List[str]:
+    """One PNG per JSON: time vs length (or vs window), one line per peer, a panel per (dir, D, bias)."""
+    if doc.get("subcommand") == "equivalence" or not doc.get("rows"):
+        return []
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    xkey = "W" if doc.get("subcommand") == "window" else "K"
+    panels: Dict[tuple, list] = {}
+    for row in doc["rows"]:
+        panels.setdefault((row.get("dir", "fwd"), row["D"], row["bias"]), []).append(row)
+    n = len(panels)
+    cols = min(n, 2)
+    rows_n = -(-n // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 4.2 * rows_n), squeeze=False)
+    for ax, ((dirn, d, bias), rows) in zip(axes.flat, sorted(panels.items())):
+        for p in _peers_in(doc):
+            pts = sorted((r[xkey], r["results"][p]["ms"]) for r in rows
+                         if r["results"].get(p, {}).get("status") == "ok")
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("window W" if xkey == "W" else "sequence length (keys)")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(f"{doc['subcommand']} {dirn}, D={d}, {bias} bias")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(f"{doc.get('gpu')} · commit {doc.get('commit')} · {doc.get('date', '')[:10]}", fontsize=9)
+    fig.tight_layout()
+    path = stem + ".png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
+
+
+def load_results(results_dir: str) -> List[dict]:
+    """Every flexdma-bench JSON under results_dir, newest per (GPU, subcommand), in subcommand order."""
+    newest: Dict[tuple, dict] = {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+            continue  # other tools' files share the folder
+        doc["_path"] = path
+        k = (doc.get("gpu_short"), doc.get("subcommand"))
+        if k not in newest or (doc.get("date", ""), path) > (newest[k].get("date", ""), newest[k]["_path"]):
+            newest[k] = doc
+    order = {s: i for i, s in enumerate(("forward", "backward", "window", "decode", "equivalence"))}
+    return sorted(newest.values(), key=lambda d: (d.get("gpu_short") or "", order.get(d.get("subcommand"), 99)))
+
+
+def write_results_md(results_dir: str, md_path: str) -> str:
+    docs = load_results(results_dir)
+    out = ["# flexdma benchmark results", "",
+           "Generated by `python -m benchmarks report` from the JSON files in `benchmarks/results/` "
+           "(the newest per GPU and subcommand); do not edit by hand. Reproduce a section with "
+           "`python -m benchmarks <subcommand>` (see `benchmarks/run_all.sh`).", ""]
+    if not docs:
+        out.append("No results yet.")
+    md_dir = os.path.dirname(os.path.abspath(md_path))
+    for doc in docs:
+        out += [f"## {doc.get('subcommand')} ({doc.get('gpu_short')})", "", markdown(doc, detail=False)]
+        stem = os.path.splitext(doc["_path"])[0]
+        pngs = plot(doc, stem)
+        for png in pngs:
+            out += [f"![{doc.get('subcommand')}]({os.path.relpath(png, md_dir)})", ""]
+        if doc.get("subcommand") != "equivalence":
+            out += ["<details><summary>per-peer detail (TFLOP/s, GB/s, peak memory)</summary>", "",
+                    timing_detail(doc), "", "</details>", ""]
+    with open(md_path, "w") as f:
+        f.write("\n".join(out).rstrip() + "\n")
+    return md_path

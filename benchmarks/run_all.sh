@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The benchmark suite in one call of about 9 minutes on an H100, every section against every peer.
+#   bash benchmarks/run_all.sh OUTDIR [COMMIT]
+# OUTDIR receives one JSON per subcommand (plots are left to `python -m benchmarks report`, which
+# also rewrites benchmarks/RESULTS.md once the JSON files are in benchmarks/results/) and run.log.
+# COMMIT defaults to `git describe --always --dirty`; pass it where the tree has no .git.
+# Env: BUILD=1 builds flexdma for sm_90 first (counted in the deadline); QUICK=1 runs the --quick
+# subsets; DEADLINE_S (default 540) bounds the whole script: each section gets what is left, and
+# its --budget stops it starting new cases early enough to finish the one under way.
+# Sizes are chosen to fit: the full sweeps (python -m benchmarks forward, etc.) take longer.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: run_all.sh OUTDIR [COMMIT]}; mkdir -p "$out"
+commit=${2:-$(git describe --always --dirty 2>/dev/null || echo nogit)}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+t0=$(date +%s); deadline=${DEADLINE_S:-540}
+exec > >(tee -a "$out/run.log") 2>&1
+
+if [ "${BUILD:-0}" = 1 ]; then
+  echo "== build"
+  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=64,128 MAX_JOBS=${MAX_JOBS:-16} timeout 360 \
+    $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
+  echo "build rc=$? in $(( $(date +%s) - t0 )) s"
+fi
+$PY -c "import torch, flexdma; print(torch.cuda.get_device_name(), 'flexdma backends:', flexdma.available_backends())"
+
+# section CAP_S ARGS...: run one subcommand with at most CAP_S seconds (less if the deadline is near)
+section() {
+  local cap=$1; shift
+  local left=$(( deadline - ($(date +%s) - t0) ))
+  local t=$(( cap < left ? cap : left ))
+  if [ "$t" -lt 20 ]; then echo "== skip $1: deadline"; return; fi
+  local s=$(date +%s)
+  echo "== $* (timeout ${t} s)"
+  timeout "$t" $PY -m benchmarks "$@" --out "$out" --commit "$commit" --no-plots --budget $(( t > 50 ? t - 35 : t / 2 ))
+  echo "== $1 rc=$? in $(( $(date +%s) - s )) s"
+}
+
+if [ "${QUICK:-0}" = 1 ]; then
+  section 150 forward --quick --lengths 1024,4096,16384,32768
+  section 60 decode --quick
+  section 100 backward --quick
+  section 80 window --quick
+  section 80 equivalence --quick --d 128
+else
+  # ~130 s: 16 cases, flexattn compiles each shape (2-11 s)
+  section 150 forward --lengths 1024,4096,16384,32768 --d 128,64
+  # ~100 s: sdpa backward is skipped above 16K (LIMITS: ~75 ms a call)
+  section 130 backward --lengths 1024,4096,16384,32768 --d 128
+  section 60 decode --d 128 --lengths 4096,65536,524288
+  # ~30 s a window at 32K (forward + backward); the most telling windows first
+  section 130 window --d 128 --bias per-row --windows 64,1024,32768,8192
+  section 60 equivalence --quick
+fi
+echo "== total $(( $(date +%s) - t0 )) s; files:"; ls -la "$out"

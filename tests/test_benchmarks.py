@@ -1,0 +1,162 @@
+"""CPU smoke test of the benchmark suite's plumbing: configurations, derived figures, JSON naming,
+markdown, report regeneration from a small fake result file, and the equivalence subcommand."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+# The suite lives beside the package, not in it: make the repository root importable however pytest is started.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import cli, configs, inputs, report  # noqa: E402
+
+
+def test_configs_cover_the_issue_sweeps():
+    fwd = configs.training_cases(("fwd",))
+    assert {c.Q for c in fwd} == set(2 ** i for i in range(8, 16))
+    assert all(c.Q == c.K and c.W == 1024 for c in fwd)
+    assert {(c.D, c.bias) for c in fwd} == {(64, "per-row"), (64, "per-key"), (128, "per-row"), (128, "per-key")}
+    win = configs.window_cases(("fwd", "bwd"))
+    assert {c.W for c in win} == set(2 ** i for i in range(5, 16)) and {c.K for c in win} == {32768}
+    dec = configs.decode_cases()
+    assert {c.K for c in dec} == set(2 ** i for i in range(8, 20)) and {c.Q for c in dec} == {1}
+    assert {c.bias_shape[2] for c in dec} == {1}
+    assert configs.Case("train", 8, 8, 4, 64, "per-key").bias_shape == (1, 1, 1, 8)
+    assert configs.Case("train", 8, 8, 4, 64, "per-row").bias_shape == (1, 1, 8, 8)
+    quick = configs.training_cases(("fwd",), quick=True, ds=[64], biases=["per-key"])
+    assert {(c.D, c.bias) for c in quick} == {(64, "per-key")} and max(c.Q for c in quick) <= 16384
+
+
+def test_parse_list_and_limits():
+    assert configs.parse_list("64, 128", configs.HEAD_DIMS, int) == [64, 128]
+    assert configs.parse_list(None, configs.HEAD_DIMS) is None
+    with pytest.raises(ValueError, match="subset"):
+        configs.parse_list("96", configs.HEAD_DIMS, int)
+    with pytest.raises(ValueError):
+        configs.parse_list("per-col", configs.BIAS_KINDS)
+    big = configs.Case("train", 32768, 32768, 1024, 128, "per-row", ("bwd",))
+    small = configs.Case("train", 4096, 4096, 1024, 128, "per-row", ("bwd",))
+    assert configs.limit_reason("sdpa", "bwd", big) and configs.limit_reason("sdpa", "bwd", small) is None
+    assert configs.limit_reason("sdpa", "fwd", big) is None
+
+
+def test_inputs_mask_is_top_w_of_visible_and_counts():
+    case = configs.Case("train", 40, 40, 8, 64, "per-key")
+    inp = inputs.make_inputs(case, "cpu", seed=3)
+    assert inp.mask.shape == (1, 1, 40, 40) and inp.mask.dtype == torch.bool
+    rows = inp.mask[0, 0].sum(-1)
+    # bottom-right causal with Q == K: row i sees i+1 keys, keeps min(W, i+1)
+    assert rows.tolist() == [min(8, i + 1) for i in range(40)]
+    assert not torch.triu(inp.mask[0, 0], diagonal=1).any()
+    # per-key bias: a kept key beats every visible, dropped key of its row
+    i = 30
+    vis = inp.bias[0, 0, 0, : i + 1].float()
+    kept = inp.mask[0, 0, i, : i + 1]
+    assert vis[kept].min() >= vis[~kept].max()
+    assert inp.pairs == int(inp.mask.sum())
+    assert inputs.flops(case, 100, "bwd") == 2.5 * inputs.flops(case, 100, "fwd") == 2.5 * 4 * 64 * 100 * 2
+    f, b = inputs.bytes_moved(case, "fwd"), inputs.bytes_moved(case, "bwd")
+    assert f == 2 * (40 * 2 * 64 * 2) + 2 * (40 * 64 * 2) + 40 * 40 + 40 * 2 and b > f
+
+
+def test_gpu_short_and_result_path(tmp_path):
+    assert cli.gpu_short("NVIDIA H100 80GB HBM3") == "h100"
+    assert cli.gpu_short("NVIDIA H200") == "h200"
+    assert cli.gpu_short("cpu (x86_64)") == "cpu"
+    env = {"gpu_short": "h100", "date": "2026-11-22T10:00:00Z", "commit": "abc1234"}
+    assert os.path.basename(cli.result_path(str(tmp_path), env, "forward")) == "h100_20261122_abc1234_forward.json"
+
+
+def test_recorded_argv_hides_directories():
+    assert cli.public_argv(["forward", "--out", "/x/y", "--quick", "--md=/a/b.md"]) == \
+        ["forward", "--out", "DIR", "--quick", "--md=DIR"]
+
+
+def _fake_doc(sub="forward"):
+    rows = []
+    for K, auto_ms in ((1024, 0.05), (4096, 0.2)):
+        case = configs.Case("train", K, K, 1024, 128, "per-row", ("fwd",))
+        row = dict(case.as_dict(), dir="fwd", pairs=K * 100, density=0.1,
+                   flops=inputs.flops(case, K * 100, "fwd"), bytes=inputs.bytes_moved(case, "fwd"),
+                   results={"flexdma-auto": {"status": "ok", "ms": auto_ms, "peak_mib": 10.0, "extra_mib": 1.0},
+                            "sdpa": {"status": "ok", "ms": 2 * auto_ms, "peak_mib": 20.0, "extra_mib": 5.0},
+                            "flexattn": {"status": "oom", "reason": "CUDA out of memory"},
+                            "dense": {"status": "skipped", "reason": "skipped: test"}})
+        cli._derive(row, case)
+        rows.append(row)
+    return dict(schema=report.SCHEMA, subcommand=sub, gpu="NVIDIA H100 80GB HBM3", gpu_short="h100",
+                torch="2.11.0", cuda="13.0", triton="3.6.0", commit="abc1234", dirty=False,
+                date="2026-11-22T10:00:00Z", timing=dict(warmup_ms=25, rep_ms=100, stat="median", tool="do_bench"),
+                peer_notes={"flash_dmattn": "not importable"}, rows=rows, not_run=[])
+
+
+def test_derived_figures():
+    row = _fake_doc()["rows"][0]
+    auto = row["results"]["flexdma-auto"]
+    assert auto["tflops"] == pytest.approx(row["flops"] / (0.05e-3) / 1e12)
+    assert auto["gbps"] == pytest.approx(row["bytes"] / (0.05e-3) / 1e9)
+    assert row["speedup"]["flexdma-auto"] == {"sdpa": pytest.approx(2.0)}
+    assert "tflops" not in row["results"]["flexattn"]
+
+
+def test_markdown_tables():
+    doc = _fake_doc()
+    md = report.markdown(doc, detail=True)
+    summary = md.strip().splitlines()
+    # the summary table comes last; its header names every peer and the speedup columns
+    assert "flexdma-auto ms" in md and "flexdma-auto vs sdpa" in md and "2.00x" in summary[-1]
+    assert "OOM" in summary[-1] and "skip" in summary[-1]
+    assert "commit abc1234" in md and "flash_dmattn` not run" in md
+    n_cols = summary[-1].count("|")
+    assert all(line.count("|") == n_cols for line in summary[-4:])
+
+
+def test_report_regenerates_results_md(tmp_path):
+    res = tmp_path / "results"
+    res.mkdir()
+    old = _fake_doc()
+    old["date"], old["commit"] = "2026-11-01T00:00:00Z", "old0000"
+    (res / "h100_20261101_old0000_forward.json").write_text(json.dumps(old))
+    (res / "h100_20261122_abc1234_forward.json").write_text(json.dumps(_fake_doc()))
+    (res / "h100_cuda_dev_run1.json").write_text(json.dumps({"device": "other tool's file"}))
+    md = tmp_path / "RESULTS.md"
+    assert cli.main(["report", "--results", str(res), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "abc1234" in text and "old0000" not in text  # newest per (GPU, subcommand)
+    assert "## forward (h100)" in text and "| train | fwd | per-row | 128 | 4096 |" in text
+    pytest.importorskip("matplotlib")
+    assert (res / "h100_20261122_abc1234_forward.png").stat().st_size > 1000
+    assert "h100_20261122_abc1234_forward.png" in text
+
+
+def test_progress_falls_back_to_prints(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    p = cli.Progress(2, "x")
+    p.step("first")
+    p.close()
+    assert "[x 1/2] first" in capsys.readouterr().err
+
+
+def test_timing_subcommands_need_a_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("only meaningful without a GPU")
+    with pytest.raises(SystemExit, match="CUDA"):
+        cli.main(["forward", "--quick", "--out", str(tmp_path), "--commit", "test000"])
+
+
+def test_equivalence_subcommand_on_cpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run covers it")
+    assert cli.main(["equivalence", "--quick", "--d", "64", "--bias", "per-key", "--peers", "flexdma-auto,sdpa",
+                     "--out", str(tmp_path), "--commit", "test000"]) == 0
+    files = list(tmp_path.glob("*_test000_equivalence.json"))
+    assert len(files) == 1
+    doc = json.loads(files[0].read_text())
+    assert doc["schema"] == report.SCHEMA and len(doc["rows"]) == 2
+    for row in doc["rows"]:
+        for peer in ("flexdma-auto", "sdpa"):
+            r = row["results"][peer]
+            assert r["status"] == "ok" and r["within_tol"], (peer, r)
+            assert set(r) >= {"out", "dq", "dk", "dv", "dbias"} and r["out"]["rel"] < 0.02
+    assert "bf16 eager reference" in capsys.readouterr().out
