@@ -1,0 +1,274 @@
+"""The FlexAttention backend: the bias as a `score_mod`, the mask as a `BlockMask`.
+
+- The bias is captured by the score_mod and indexed with its broadcast dims mapped to 0 (or to
+  the kv head under GQA): no expanded copy.
+- The BlockMask is built straight from the dense bool mask by one tile reduction (a count of
+  kept entries per 128x128 tile: 0 = skipped, all = full, else partial) instead of
+  `create_block_mask`'s vmap over all Q*K; the mask_mod indexes the dense mask exactly, so eager
+  and compiled runs agree. Bottom-right causal is folded into both.
+- One compiled callable per (device, shape family, static config): new mask/bias contents with
+  the same shapes reuse it.
+- FlexAttention has no CPU backward: on CPU the forward runs through FlexAttention and the
+  backward through the flexdma C++ op (same conventions, so the saved out/lse are valid for it).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+BLOCK = 128
+
+__all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
+
+
+def _kernel_options(head_dim: int, dtype: torch.dtype, device: torch.device, training: bool) -> Optional[dict]:
+    if device.type != "cuda" or not training:
+        return None
+    # The default backward tiles exceed H100 shared memory once a captured bias needs a gradient
+    # (measured with torch 2.11); these fit for head_dim up to 256.
+    if head_dim <= 64:
+        return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
+    return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
+
+
+def unsupported_reason(query, key, value, attn_mask, attn_bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
+    if query.device.type not in ("cuda", "cpu"):
+        return f"FlexAttention does not run on {query.device.type}"
+    if query.shape[1] == 0 or key.shape[1] == 0:
+        return "empty sequence"
+    d = query.shape[-1]
+    if d < 16 or (d & (d - 1)) != 0:
+        return f"head_dim {d} is not a power of two >= 16 (FlexAttention's kernels)"
+    if query.device.type == "cpu" and query.dtype == torch.float16:
+        return "float16 on CPU"
+    return None
+
+
+def _tile_any_all(mask: torch.Tensor, Q: int, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per (128 x 128) tile of a (b, h, q|1, K) bool mask: (any kept, all kept), (b, h, nq|1, nk).
+
+    Two amax/amin passes on a uint8 view: the key-direction pass reads the mask once along its
+    contiguous dim, the query-direction pass works on a 128x smaller tensor. Padding (tail tiles)
+    counts as dropped; tail tiles are made partial by the caller anyway."""
+    if mask.shape[-1] != K:  # broadcast over keys: count it per key like any other mask
+        mask = mask.expand(*mask.shape[:3], K)
+    b, h, mq, mk = mask.shape
+    nk = -(-K // BLOCK)
+    pad_k = nk * BLOCK - K
+    m = mask.view(torch.uint8) if mask.is_contiguous() else mask.contiguous().view(torch.uint8)
+    if pad_k:
+        m = torch.nn.functional.pad(m, (0, pad_k))
+    m = m.view(b, h, mq, nk, BLOCK)
+    row_any, row_all = m.amax(-1), m.amin(-1)  # (b, h, q|1, nk)
+    if mq == 1:
+        return row_any.bool(), row_all.bool()
+    nq = -(-Q // BLOCK)
+    pad_q = nq * BLOCK - Q
+    if pad_q:
+        row_any = torch.nn.functional.pad(row_any, (0, 0, 0, pad_q))
+        row_all = torch.nn.functional.pad(row_all, (0, 0, 0, pad_q))
+    return (row_any.view(b, h, nq, BLOCK, nk).amax(3).bool(), row_all.view(b, h, nq, BLOCK, nk).amin(3).bool())
+
+
+def _causal_tiles(Q: int, K: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(nq, nk) bool: tiles with any / all entries visible under bottom-right causal."""
+    nq, nk = -(-Q // BLOCK), -(-K // BLOCK)
+    off = K - Q
+    q0 = torch.arange(nq, device=device)[:, None] * BLOCK
+    q1 = torch.clamp(q0 + BLOCK - 1, max=Q - 1)
+    k0 = torch.arange(nk, device=device)[None, :] * BLOCK
+    k1 = torch.clamp(k0 + BLOCK - 1, max=K - 1)
+    return k0 <= q1 + off, k1 <= q0 + off
+
+
+def _recount_diagonal(mask: torch.Tensor, any_: torch.Tensor, diag: torch.Tensor, Q: int, K: int) -> torch.Tensor:
+    """any_ with the (nq, nk) tiles in `diag` recomputed as any(mask & causal) over the tile;
+    only about two tiles per query tile, so this gathers O(Q * 128) entries."""
+    ii, jj = diag.nonzero(as_tuple=True)
+    if ii.numel() == 0:
+        return any_
+    b, h, mq, mk = mask.shape
+    nq, nk = diag.shape
+    r = torch.arange(BLOCK, device=mask.device)
+    rows = ii[:, None] * BLOCK + r  # (n, 128) query index
+    cols = jj[:, None] * BLOCK + r  # (n, 128) key index
+    keep = (cols[:, None, :] <= rows[:, :, None] + (K - Q)) & (rows[:, :, None] < Q) & (cols[:, None, :] < K)
+    rows_c, cols_c = rows.clamp(max=Q - 1), cols.clamp(max=K - 1)
+    if mq == 1:
+        m = mask[:, :, 0][:, :, cols_c][:, :, :, None, :]  # (b, h, n, 1, 128)
+    else:
+        m = mask[:, :, rows_c[:, :, None], cols_c[:, None, :]]  # (b, h, n, 128, 128)
+    hit = (m & keep).flatten(-2).any(-1)  # (b, h, n)
+    any_ = any_.expand(b, h, nq, nk).clone()
+    any_[:, :, ii, jj] = any_[:, :, ii, jj] & hit
+    return any_
+
+
+def block_mask_from_dense(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int, is_causal: bool,
+                          mask_mod) -> BlockMask:
+    """A BlockMask for a dense (b, h, q|1, K) bool mask (None = all True), causal folded in."""
+    device = mask.device if mask is not None else None
+    nq, nk = -(-Q // BLOCK), -(-K // BLOCK)
+    # Tiles cut by the sequence end count as partial: flex masks the tail, the mask_mod decides.
+    q_len = torch.full((nq, 1), BLOCK)
+    q_len[-1] = Q - (nq - 1) * BLOCK
+    k_len = torch.full((1, nk), BLOCK)
+    k_len[0, -1] = K - (nk - 1) * BLOCK
+    tile_size = (q_len * k_len).to(device if device is not None else "cpu")
+    if mask is None:
+        any_ = torch.ones(1, 1, nq, nk, dtype=torch.bool, device=tile_size.device)
+        full = any_.clone()
+    else:
+        any_, full = _tile_any_all(mask, Q, K)
+    if is_causal:
+        c_any, c_all = _causal_tiles(Q, K, any_.device)
+        any_ = any_ & c_any
+        full = full & c_all
+        if mask is not None:
+            # Tiles the causal edge cuts: recount them exactly (mask & causal), or a tile whose
+            # kept entries all lie above the diagonal would be visited for nothing.
+            any_ = _recount_diagonal(mask, any_, c_any & ~c_all, Q, K)
+    full = full & (tile_size == BLOCK * BLOCK)  # keep tail tiles partial (bounds are checked there)
+    partial = any_ & ~full
+    if mask is not None and mask.shape[1] not in (1, num_heads):
+        g = num_heads // mask.shape[1]
+        partial, full = partial.repeat_interleave(g, 1), full.repeat_interleave(g, 1)
+
+    def to_kv(blocks: torch.Tensor):
+        num = blocks.sum(-1, dtype=torch.int32)
+        # Stable sort puts the selected tiles first, in key order.
+        idx = torch.sort((~blocks).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return num, idx
+
+    kv_num, kv_idx = to_kv(partial)
+    full_num, full_idx = to_kv(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(Q, K))
+
+
+def _index_fn(t: torch.Tensor, num_heads: int):
+    """Index a ({1|B}, {1|KVH|H}, {1|Q}, {1|K}) tensor by (b, h, q, k), broadcast dims mapped to 0."""
+    B_, H_, Q_, K_ = t.shape
+    g = num_heads // H_
+
+    def at(b, h, q, k):
+        return t[b if B_ > 1 else 0, (h // g if g > 1 else h) if H_ > 1 else 0, q if Q_ > 1 else 0, k if K_ > 1 else 0]
+
+    return at
+
+
+def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse):
+    """Runs FlexAttention on (B, H, S, D) inputs; compiled as a whole so the closures built here
+    are part of the graph (no guard on their identity, so no recompiles for new contents)."""
+    H = q.shape[1]
+    bias_at = _index_fn(bias, H) if bias is not None else None
+    mask_at = _index_fn(mask, H) if mask is not None else None
+    off = K - Q
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if bias_at is not None:
+            score = score + bias_at(b, h, q_idx, kv_idx).to(score.dtype)
+        return score
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (q_idx < Q) & (kv_idx < K)
+        if is_causal:
+            keep = keep & (kv_idx <= q_idx + off)
+        if mask_at is not None:
+            keep = keep & mask_at(b, h, torch.clamp(q_idx, max=Q - 1), torch.clamp(kv_idx, max=K - 1))
+        return keep
+
+    kv_num, kv_idx, full_num, full_idx = block_mask_tensors
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                  seq_lengths=(Q, K))
+    gqa = q.shape[1] != k.shape[1]
+    res = flex_attention(q, k, v, score_mod=score_mod if (bias is not None or softcap > 0) else None,
+                         block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=need_lse,
+                         kernel_options=kernel_options)
+    return res if need_lse else (res, None)
+
+
+@functools.lru_cache(None)
+def _compiled():
+    return torch.compile(_attend, dynamic=False, fullgraph=True)
+
+
+def _block_tensors(mask, Q, K, H, is_causal):
+    bm = block_mask_from_dense(mask, Q, K, H, is_causal, mask_mod=None)
+    return bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices
+
+
+def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True):
+    B, Q, H, D = q.shape
+    K = k.shape[1]
+    row_bias = None
+    if bias is not None and bias.shape[3] == 1 and K > 1:
+        # A bias constant along keys shifts a whole row's scores: the softmax (and out) ignore it,
+        # only the LSE moves. Routing it through the score_mod makes FlexAttention sum dS over the
+        # row in low precision, a cancellation that leaves O(1e-2) noise in dbias; adding it to
+        # the LSE instead gives the exact gradient (d lse / d bias = 1 on rows with any key).
+        row_bias, bias = bias, None
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    tensors = _block_tensors(mask, Q, K, H, is_causal)
+    opts = _kernel_options(D, q.dtype, q.device, training)
+    # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
+    # when no LSE is needed, else run FlexAttention eagerly.
+    compile_ok = q.device.type == "cuda" or not need_lse
+    fn = _compiled() if (compile_ok and not torch.compiler.is_compiling()) else _attend
+    out, lse = fn(qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = out.transpose(1, 2)
+    if lse is None:
+        return out, None
+    lse = lse.to(acc)
+    if row_bias is not None:
+        from .reference import expand_heads
+        rb = expand_heads(row_bias, H)[..., 0].to(acc)  # ({1|B}, {1|H}, {1|Q})
+        # -inf rows (nothing visible) stay -inf; they contribute no gradient: torch.where.
+        lse = torch.where(torch.isinf(lse), lse, lse + rb)
+        if row_bias.requires_grad:
+            # Keep the bias in out's graph (zero gradient), as in the reference, so that
+            # autograd.grad(out, bias) works without allow_unused.
+            out = out + (row_bias.sum() * 0).to(out.dtype)
+    # FlexAttention leaves rows with nothing visible at out 0 / lse -inf, the flexdma convention.
+    return out, lse
+
+
+class _FlexFwdOpBwd(torch.autograd.Function):
+    """CPU training: FlexAttention forward, the flexdma C++ op's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, bias, is_causal, scale, softcap):
+        # FlexAttention refuses CPU inputs that require grad, even in no-grad mode.
+        out, lse = _forward(q.detach(), k.detach(), v.detach(), mask, bias.detach() if bias is not None else None,
+                            is_causal, scale, softcap, training=False)
+        out = out.contiguous()
+        ctx.save_for_backward(q, k, v, mask, bias, out, lse)
+        ctx.cfg = (is_causal, scale, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, mask, bias, out, lse = ctx.saved_tensors
+        is_causal, scale, softcap = ctx.cfg
+        bias_grad = bias is not None and ctx.needs_input_grad[4]
+        dq, dk, dv, dbias = torch.ops.flexdma.bwd(dout.contiguous(), q, k, v, mask, bias, out, lse, scale, is_causal,
+                                                  softcap, bias_grad, True)
+        return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None
+
+
+def flex_dma_attention(query, key, value, attn_mask, attn_bias, *, is_causal: bool, softmax_scale: float,
+                       softcap: float, need_lse: bool = True):
+    """(out (B, Q, H, D), lse (B, H, Q) or None if not need_lse) through FlexAttention; inputs
+    validated by flexdma.api."""
+    training = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
+    if training and query.device.type == "cpu":
+        return _FlexFwdOpBwd.apply(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap)
+    return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
