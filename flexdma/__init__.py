@@ -5,7 +5,9 @@ Attention with an additive (learnable) bias and a boolean key mask, computed Fla
 """
 from . import _dispatch
 from ._dispatch import available_backends
+from . import nn
 from .api import flash_dma_attention
+from .dynamic import dynamic_mask_attention
 from .masks import create_mask
 from .reference import attention_ref
 
@@ -17,4 +19,5 @@ if _dispatch._ops_loaded() is not None:  # pragma: no cover - only without a bui
 
     _warnings.warn(f"flexdma: {_dispatch._ops_loaded()}; only the 'flex' and 'reference' backends work")
 
-__all__ = ["flash_dma_attention", "create_mask", "available_backends", "attention_ref", "__version__"]
+__all__ = ["flash_dma_attention", "dynamic_mask_attention", "create_mask", "available_backends", "attention_ref", "nn",
+           "__version__"]

@@ -69,7 +69,8 @@ def create_mask(
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
         raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
     Bb, Hb, Qb, K = attn_bias.shape
-    Q = Qb if query_len is None else int(query_len)
+    # A symbolic length (torch.export with a dynamic dim) must stay symbolic.
+    Q = Qb if query_len is None else (query_len if isinstance(query_len, torch.SymInt) else int(query_len))
     if Qb not in (1, Q):
         raise ValueError(f"query_len={query_len} does not match attn_bias query dim {Qb}")
     if is_causal and Qb == 1 and query_len is None and K > 1:
@@ -100,8 +101,12 @@ def create_mask(
     result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
     rows = out_shape[2]
     step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
+    # Under torch.compile/export the row count may be symbolic: one chunk, no data-dependent loop.
+    if torch.compiler.is_compiling():
+        bounds = [(0, rows)]
+    else:
+        bounds = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+    for r0, r1 in bounds:
         b = attn_bias[:, :, r0:r1] if Qb > 1 else attn_bias
         a = None
         if allowed is not None:

@@ -1,0 +1,1 @@
+"""Adapters that plug flexdma into other libraries (optional dependencies, imported on demand)."""

@@ -1,0 +1,178 @@
+"""Attention layers built on dynamic mask attention."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .dynamic import dynamic_mask_attention
+
+KVCache = Tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, Hugging Face Llama convention; x (B, S, H, D), cos/sin (B|1, S, D) or (S, D)."""
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos.unsqueeze(2).to(x.dtype), sin.unsqueeze(2).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0,
+                   dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape positions.shape + (head_dim,) for apply_rotary."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _check_window(keep_window_size) -> int:
+    if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int) or keep_window_size <= 0:
+        raise ValueError(f"keep_window_size must be a positive int, got {keep_window_size!r}")
+    return keep_window_size
+
+
+class DynamicMaskAttention(nn.Module):
+    """Doge-style self-attention: GQA projections plus a learned per-key importance (dt_proj, A)
+    that picks the `keep_window_size` keys each query attends to and is added to the logits.
+
+    forward(hidden_states (B, S, hidden_size), position_embeddings=(cos, sin) or None,
+    attention_mask=(B, S_total) bool padding mask (True = real token) or None,
+    past_key_value=(k, v) each (B, S_past, num_kv_heads, head_dim) or None, use_cache=False)
+    returns the output (B, S, hidden_size), and with use_cache=True also the updated (k, v).
+    With a cache, S_total = S_past + S and the new queries attend causally (bottom-right) to all keys.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, keep_window_size: int = 2048, bias: bool = False,
+                 is_causal: bool = True, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
+            head_dim = hidden_size // num_heads
+        fk = {"device": device, "dtype": dtype}
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.keep_window_size = _check_window(keep_window_size)
+        self.is_causal, self.backend = is_causal, backend
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **fk)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias, **fk)
+        self.dt_proj = nn.Parameter(torch.empty(num_kv_heads, num_kv_heads * head_dim, **fk))
+        # A = 0 starts as plain attention over the first keys; training grows the importance scores.
+        self.A = nn.Parameter(torch.zeros(num_kv_heads, **fk))
+        nn.init.kaiming_uniform_(self.dt_proj, a=math.sqrt(5))
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                attention_mask: Optional[torch.Tensor] = None, past_key_value: Optional[KVCache] = None,
+                use_cache: bool = False):
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be (batch, seqlen, {self.hidden_size}), got {tuple(hidden_states.shape)}")
+        B, S, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if past_key_value is not None:
+            pk, pv = past_key_value
+            k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, k.shape[1]):
+                raise ValueError(f"attention_mask must be a bool (batch, {k.shape[1]}) padding mask, got "
+                                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
+        out = dynamic_mask_attention(q, k, v, self.dt_proj, self.A, keep_window_size=self.keep_window_size,
+                                     is_causal=self.is_causal, attn_mask=attention_mask, backend=self.backend)
+        out = self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
+        return (out, (k, v)) if use_cache else out
+
+
+class MultiheadDynamicMaskAttention(nn.Module):
+    """Drop-in for torch.nn.MultiheadAttention (same parameters and call), attending to the
+    `keep_window_size` most important keys of each query.
+
+    Supported subset: dropout=0, kdim=vdim=None, need_weights=False, bool masks. With A = 0 (the
+    initial value) and keep_window_size >= the key length it computes exactly what
+    torch.nn.MultiheadAttention computes with the same weights. Returns (output, None).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim=None, vdim=None,
+                 batch_first: bool = False, device=None, dtype=None, *, keep_window_size: int = 2048,
+                 backend: str = "auto"):
+        super().__init__()
+        if dropout != 0.0:
+            raise ValueError(f"dropout must be 0, got {dropout}")
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("add_bias_kv and add_zero_attn are not supported")
+        if (kdim is not None and kdim != embed_dim) or (vdim is not None and vdim != embed_dim):
+            raise ValueError("kdim and vdim must be None (or equal to embed_dim)")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        fk = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.batch_first, self.backend = batch_first, backend
+        self.keep_window_size = _check_window(keep_window_size)
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **fk))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim, **fk)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)
+        self.dt_proj = nn.Parameter(torch.empty(num_heads, embed_dim, **fk))
+        self.A = nn.Parameter(torch.zeros(num_heads, **fk))
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if bias:
+            nn.init.zeros_(self.out_proj.bias)
+        nn.init.kaiming_uniform_(self.dt_proj, a=math.sqrt(5))
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
+                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+                is_causal: bool = False):
+        if need_weights:
+            raise ValueError("need_weights=True is not supported: the attention weights are never materialized")
+        if query.dim() != 3:
+            raise ValueError(f"query must be 3-D, got shape {tuple(query.shape)}")
+        if not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        B, L, E = query.shape
+        S = key.shape[1]
+        H, D = self.num_heads, self.head_dim
+        w, b = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3)
+        q = nn.functional.linear(query, w[0], b[0]).view(B, L, H, D)
+        k = nn.functional.linear(key, w[1], b[1]).view(B, S, H, D)
+        v = nn.functional.linear(value, w[2], b[2]).view(B, S, H, D)
+
+        allowed = None
+        if key_padding_mask is not None:
+            if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S):
+                raise ValueError(f"key_padding_mask must be a bool ({B}, {S}) tensor, got "
+                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+            allowed = (~key_padding_mask)[:, None, None, :]
+        if attn_mask is not None:
+            if attn_mask.dtype != torch.bool:
+                raise TypeError(f"attn_mask must be a bool tensor (True = not allowed), got {attn_mask.dtype}")
+            if attn_mask.shape == (L, S):
+                am = (~attn_mask)[None, None]
+            elif attn_mask.shape == (B * H, L, S):
+                am = (~attn_mask).view(B, H, L, S)
+            else:
+                raise ValueError(f"attn_mask must be ({L}, {S}) or ({B * H}, {L}, {S}), got {tuple(attn_mask.shape)}")
+            allowed = am if allowed is None else allowed & am
+        out = dynamic_mask_attention(q, k, v, self.dt_proj, self.A, keep_window_size=self.keep_window_size,
+                                     is_causal=is_causal, attn_mask=allowed, backend=self.backend)
+        out = self.out_proj(out.reshape(B, L, E))
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None

@@ -1,0 +1,107 @@
+"""The compiler stack on a small DMA transformer: torch.compile(fullgraph), torch.export with a
+dynamic sequence length, and an AOTInductor package."""
+import copy
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from functorch.compile import make_boxed_func
+
+import flexdma
+from flexdma.examples.mqar import DMALanguageModel
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+VOCAB = 32
+
+
+def _backend(device):
+    # The compiled kernels: the C++ op on CPU, the CUDA kernels on GPU.
+    if device == "cuda":
+        return "auto"
+    if "cpu" not in flexdma.available_backends():
+        pytest.skip("flexdma was built without its CPU kernel")
+    return "cpu"
+
+
+def _model(device, **kw):
+    # keep_window_size below the sequence lengths used, so the top-k selection is part of the graph.
+    return DMALanguageModel(VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, keep_window_size=6,
+                            backend=_backend(device), **kw).to(device)
+
+
+class GraphRecorder:
+    """torch.compile backend that keeps the AOT forward/backward FX graphs and runs them as is."""
+
+    def __init__(self):
+        self.forward, self.backward = [], []
+        self.backend = aot_autograd(fw_compiler=self._keep(self.forward), bw_compiler=self._keep(self.backward))
+
+    @staticmethod
+    def _keep(store):
+        def compiler(gm, example_inputs):
+            store.append(gm)
+            return make_boxed_func(gm.forward)
+        return compiler
+
+
+def _targets(graphs):
+    return {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_training(device):
+    torch._dynamo.reset()
+    model = _model(device)
+    eager = copy.deepcopy(model)
+    rec = GraphRecorder()
+    compiled = torch.compile(model, fullgraph=True, backend=rec.backend)
+    opt_c = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    losses = []
+    tokens = torch.randint(VOCAB, (2, 12), device=device)  # one batch, so the loss must go down
+    for _ in range(4):
+        step_losses = []
+        for m, opt in ((compiled, opt_c), (eager, opt_e)):
+            loss = torch.nn.functional.cross_entropy(m(tokens)[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+    # One graph per direction (fullgraph=True would have raised on a break; same shapes, no recompile).
+    assert len(rec.forward) == 1 and len(rec.backward) == 1
+    assert "flexdma.fwd.default" in _targets(rec.forward)
+    assert "flexdma.bwd.default" in _targets(rec.backward)
+    for c, e in losses:
+        assert abs(c - e) <= 1e-4 * max(1.0, abs(e)), losses
+    assert losses[-1][0] < losses[0][0]
+
+
+@pytest.fixture(scope="module")
+def exported():
+    torch.manual_seed(0)
+    model = _model("cpu").eval()
+    seq = torch.export.Dim("seq", min=8, max=64)
+    ep = torch.export.export(model, (torch.randint(VOCAB, (2, 12)),), dynamic_shapes={"tokens": {1: seq}})
+    return model, ep
+
+
+@pytest.mark.parametrize("seqlen", [9, 12, 33])
+def test_export_dynamic_seqlen(exported, seqlen):
+    model, ep = exported
+    assert sum(str(n.target) == "flexdma.fwd.default" for n in ep.graph.nodes) == 2
+    tokens = torch.randint(VOCAB, (2, seqlen))
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(tokens), model(tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_aoti_package_runs(exported, tmp_path):
+    # The flexdma op has no Inductor lowering: the AOTI runtime calls its registered C++ kernel
+    # through the proxy executor, which this checks end to end.
+    model, ep = exported
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "dma.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    for seqlen in (10, 27):
+        tokens = torch.randint(VOCAB, (2, seqlen))
+        with torch.no_grad():
+            torch.testing.assert_close(runner(tokens), model(tokens), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,212 @@
+"""dynamic_mask_attention and the flexdma.nn layers against independent eager implementations."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexdma
+from flexdma.dynamic import dynamic_mask_attention
+from flexdma.nn import DynamicMaskAttention, MultiheadDynamicMaskAttention, apply_rotary, rotary_cos_sin
+from flexdma.reference import attention_ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _backends(device):
+    if device == "cuda":
+        return ["auto"]
+    return [b for b in ("cpu", "reference") if b in flexdma.available_backends()]
+
+
+CASES = [(d, b) for d in DEVICES for b in _backends(d)]
+
+
+def naive_dynamic_mask(bias, window, *, Q, padding=None, is_causal=True):
+    """Loop version of the top-k selection: per (b, h, query row) the `window` highest-bias visible
+    keys, ties to the lower key index."""
+    B, H, _, K = bias.shape
+    mask = torch.zeros(B, H, Q, K, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                vis = [j for j in range(K) if (not is_causal or j <= i + K - Q)
+                       and (padding is None or bool(padding[b, j]))]
+                vis.sort(key=lambda j: (-float(bias[b, h, 0, j]), j))
+                mask[b, h, i, vis[:window]] = True
+    return mask
+
+
+def eager_dma(q, k, v, dt_proj, A, window, *, padding=None, is_causal=True):
+    """float64 truth: explicit bias formula, loop mask, reference attention."""
+    B, K, KVH, D = v.shape
+    q, k, v, dt_proj, A = (t.double() for t in (q, k, v, dt_proj, A))
+    bias = (A * F.softplus(v.reshape(B, K, KVH * D) @ dt_proj.T)).transpose(1, 2)[:, :, None, :]
+    mask = naive_dynamic_mask(bias.detach().cpu(), window, Q=q.shape[1], padding=padding, is_causal=is_causal)
+    return attention_ref(q, k, v, mask.to(q.device), bias, is_causal=False)[0]
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("Q,K,window,padded", [(16, 16, 5, False), (16, 16, 64, True), (3, 20, 7, True),
+                                               (1, 9, 4, False)])
+def test_dynamic_mask_attention_matches_eager(device, backend, Q, K, window, padded):
+    B, H, KVH, D = 2, 4, 2, 16
+    q = torch.randn(B, Q, H, D, device=device, requires_grad=True)
+    k = torch.randn(B, K, KVH, D, device=device, requires_grad=True)
+    v = torch.randn(B, K, KVH, D, device=device, requires_grad=True)
+    dt = (0.3 * torch.randn(KVH, KVH * D, device=device)).requires_grad_()
+    A = torch.randn(KVH, device=device).requires_grad_()
+    padding = None
+    if padded:
+        padding = torch.ones(B, K, dtype=torch.bool, device=device)
+        padding[1, :2] = False
+    out = dynamic_mask_attention(q, k, v, dt, A, keep_window_size=window, attn_mask=padding, backend=backend)
+    ref = eager_dma(q, k, v, dt, A, window, padding=None if padding is None else padding.cpu())
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, dt, A), g)
+    grads_ref = torch.autograd.grad(ref, (q, k, v, dt, A), g.double())
+    for name, a, b in zip("q k v dt_proj A".split(), grads, grads_ref):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+
+
+def test_dynamic_mask_attention_window_prunes_keys():
+    # A window of 1 over per-key scores: every query sees exactly its best visible key.
+    B, S, H, D = 1, 8, 1, 4
+    q, k, v = torch.randn(B, S, H, D), torch.randn(B, S, H, D), torch.randn(B, S, H, D)
+    dt, A = torch.randn(1, D), torch.tensor([1.0])
+    out = dynamic_mask_attention(q, k, v, dt, A, keep_window_size=1, backend="reference")
+    score = F.softplus(v.reshape(S, D) @ dt.T).squeeze(-1)
+    for i in range(S):
+        best = int(torch.argmax(score[: i + 1]))
+        torch.testing.assert_close(out[0, i, 0], v[0, best, 0])
+
+
+def test_dynamic_mask_attention_bad_args():
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="dt_proj"):
+        dynamic_mask_attention(q, k, v, torch.randn(2, 8), torch.randn(2))
+    with pytest.raises(ValueError, match="A must"):
+        dynamic_mask_attention(q, k, v, torch.randn(2, 16), torch.randn(3))
+    with pytest.raises(TypeError, match="attn_mask"):
+        dynamic_mask_attention(q, k, v, torch.randn(2, 16), torch.randn(2), attn_mask=torch.ones(1, 4))
+
+
+def layer_eager(layer, x, cos, sin, padding):
+    """DynamicMaskAttention written out with plain tensor ops and the float64 truth."""
+    B, S, _ = x.shape
+    q = layer.q_proj(x).view(B, S, layer.num_heads, layer.head_dim)
+    k = layer.k_proj(x).view(B, S, layer.num_kv_heads, layer.head_dim)
+    v = layer.v_proj(x).view(B, S, layer.num_kv_heads, layer.head_dim)
+    c, s = cos[:, :, None], sin[:, :, None]
+    half = layer.head_dim // 2
+    rot = lambda t: t * c + torch.cat((-t[..., half:], t[..., :half]), -1) * s  # noqa: E731
+    o = eager_dma(rot(q), rot(k), v, layer.dt_proj, layer.A, layer.keep_window_size, padding=padding)
+    return layer.o_proj(o.float().reshape(B, S, -1))
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_dynamic_mask_attention_layer(device, backend):
+    B, S = 2, 12
+    layer = DynamicMaskAttention(32, 4, 2, 16, keep_window_size=6, backend=backend).to(device)
+    with torch.no_grad():
+        layer.A.normal_()
+    x = torch.randn(B, S, 32, device=device)
+    cos, sin = rotary_cos_sin(torch.arange(S, device=device).expand(B, S), 16)
+    padding = torch.ones(B, S, dtype=torch.bool, device=device)
+    padding[0, :3] = False
+    out = layer(x, (cos, sin), attention_mask=padding)
+    ref = layer_eager(layer, x, cos, sin, padding.cpu())
+    real = padding[:, :, None].expand_as(out)  # fully padded query rows are 0 by convention
+    torch.testing.assert_close(out[real], ref[real], atol=2e-5, rtol=1e-4)
+    out.square().sum().backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+def test_kv_cache_decoding_matches_full_forward(device, backend):
+    B, S, P = 2, 10, 4
+    layer = DynamicMaskAttention(32, 4, 1, keep_window_size=5, backend=backend).to(device)
+    with torch.no_grad():
+        layer.A.normal_()
+    x = torch.randn(B, S, 32, device=device)
+    rope = lambda a, b: rotary_cos_sin(torch.arange(a, b, device=device), 8)  # noqa: E731
+    full = layer(x, rope(0, S))
+    # Prefill P tokens, then decode one token at a time.
+    out, cache = layer(x[:, :P], rope(0, P), use_cache=True)
+    outs = [out]
+    for t in range(P, S):
+        out, cache = layer(x[:, t:t + 1], rope(t, t + 1), past_key_value=cache, use_cache=True)
+        outs.append(out)
+    assert cache[0].shape == (B, S, 1, 8)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_apply_rotary_matches_complex_rotation():
+    x = torch.randn(1, 5, 2, 8)
+    cos, sin = rotary_cos_sin(torch.arange(5), 8)
+    y = apply_rotary(x, cos, sin)
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2) / 8))
+    ang = torch.arange(5)[:, None] * inv
+    z = torch.complex(x[..., :4], x[..., 4:]) * torch.polar(torch.ones_like(ang), ang)[None, :, None]
+    torch.testing.assert_close(y, torch.cat((z.real, z.imag), -1), atol=1e-5, rtol=1e-5)
+
+
+def test_layer_bad_args():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        DynamicMaskAttention(32, 4, 3)
+    with pytest.raises(ValueError, match="keep_window_size"):
+        DynamicMaskAttention(32, 4, keep_window_size=0)
+    layer = DynamicMaskAttention(32, 4)
+    with pytest.raises(ValueError, match="attention_mask"):
+        layer(torch.randn(1, 4, 32), attention_mask=torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("device,backend", CASES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masking", ["none", "padding", "attn_mask", "causal", "cross"])
+def test_multihead_matches_torch(device, backend, batch_first, masking):
+    E, H, B, L = 32, 4, 2, 9
+    S = 13 if masking == "cross" else L
+    ours = MultiheadDynamicMaskAttention(E, H, batch_first=batch_first, keep_window_size=10_000, backend=backend).to(device)
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=batch_first).to(device)
+    with torch.no_grad():
+        theirs.in_proj_weight.copy_(ours.in_proj_weight)
+        theirs.in_proj_bias.copy_(torch.randn(3 * E))
+        ours.in_proj_bias.copy_(theirs.in_proj_bias)
+        ours.out_proj.weight.copy_(theirs.out_proj.weight)
+        ours.out_proj.bias.copy_(torch.randn(E))
+        theirs.out_proj.bias.copy_(ours.out_proj.bias)
+    shape = (lambda n: (B, n, E)) if batch_first else (lambda n: (n, B, E))
+    query = torch.randn(shape(L), device=device)
+    key = query if masking != "cross" else torch.randn(shape(S), device=device)
+    kw = {}
+    ours_kw = {}
+    if masking == "padding":
+        kpm = torch.zeros(B, S, dtype=torch.bool, device=device)
+        kpm[1, -3:] = True
+        kw["key_padding_mask"] = kpm
+    elif masking == "attn_mask":
+        kw["attn_mask"] = torch.rand(L, S, device=device) < 0.3
+        kw["attn_mask"][:, 0] = False  # no fully masked rows (torch gives NaN there)
+    elif masking == "causal":
+        kw["attn_mask"] = torch.ones(L, S, dtype=torch.bool, device=device).triu(1)
+        ours_kw = {"is_causal": True}
+    out, w = ours(query, key, key, **(kw if masking != "causal" else ours_kw))
+    assert w is None
+    ref, _ = theirs(query, key, key, need_weights=False, **kw)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_multihead_rejects_unsupported():
+    with pytest.raises(ValueError, match="dropout"):
+        MultiheadDynamicMaskAttention(16, 2, dropout=0.1)
+    with pytest.raises(ValueError, match="kdim"):
+        MultiheadDynamicMaskAttention(16, 2, kdim=8)
+    m = MultiheadDynamicMaskAttention(16, 2, batch_first=True)
+    x = torch.randn(1, 3, 16)
+    with pytest.raises(ValueError, match="need_weights"):
+        m(x, x, x, need_weights=True)
+    with pytest.raises(TypeError, match="attn_mask"):
+        m(x, x, x, attn_mask=torch.zeros(3, 3))
