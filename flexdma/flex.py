@@ -44,6 +44,11 @@ def unsupported_reason(query, key, value, attn_mask, attn_bias, *, is_causal, so
         return f"head_dim {d} is not a power of two >= 16 (FlexAttention's kernels)"
     if query.device.type == "cpu" and query.dtype == torch.float16:
         return "float16 on CPU"
+    if query.device.type == "cuda" and key.shape[1] < 16:
+        # Seen on an H100 (torch 2.11): wrong results / dbias for 1..5 keys.
+        return f"seqlen_k {key.shape[1]} < 16 on CUDA"
+    if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[1] > 1:
+        return "attn_mask broadcast over keys (key dim 1)"
     return None
 
 
@@ -193,6 +198,9 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
     return res if need_lse else (res, None)
 
 
+_RECOMPILE_LIMIT = 128
+
+
 @functools.lru_cache(None)
 def _compiled():
     return torch.compile(_attend, dynamic=False, fullgraph=True)
@@ -219,8 +227,14 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
     # when no LSE is needed, else run FlexAttention eagerly.
     compile_ok = q.device.type == "cuda" or not need_lse
-    fn = _compiled() if (compile_ok and not torch.compiler.is_compiling()) else _attend
-    out, lse = fn(qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
+    args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
+    if compile_ok and not torch.compiler.is_compiling():
+        # One compiled graph per shape family, all of them code of _attend: dynamo's default
+        # limit of 8 would make the 9th shape a hard error under fullgraph.
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            out, lse = _compiled()(*args)
+    else:
+        out, lse = _attend(*args)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = out.transpose(1, 2)
     if lse is None:
