@@ -237,7 +237,8 @@ operator.getitem""")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
     monkeypatch.setattr(_dispatch, "_warned", set())
-    q, k, v = qkv(D=32, dtype=torch.bfloat16, device="cuda")  # FlexAttention takes 32, the CUDA build does not
+    # FlexAttention takes head_dim 32 and 40 keys; the CUDA build does not take head_dim 32.
+    q, k, v = qkv(Q=24, K=40, D=32, dtype=torch.bfloat16, device="cuda")
     with pytest.warns(UserWarning, match=r"falls back from 'cuda' to 'flex': .*head_dim 32"):
         name = _dispatch.select("auto", q, k, v, None, None, is_causal=True, softcap=0.0, requires_grad=False)
     assert name == "flex"

@@ -70,8 +70,11 @@ def test_compile_fullgraph_training(device):
         losses.append(step_losses)
     # One graph per direction (fullgraph=True would have raised on a break; same shapes, no recompile).
     assert len(rec.forward) == 1 and len(rec.backward) == 1
-    assert "flexdma.fwd.default" in _targets(rec.forward)
-    assert "flexdma.bwd.default" in _targets(rec.backward)
+    if device == "cpu":
+        assert "flexdma.fwd.default" in _targets(rec.forward)
+        assert "flexdma.bwd.default" in _targets(rec.backward)
+    # On CUDA this float32 model with head_dim 8 is outside both the CUDA kernel and
+    # FlexAttention, so `auto` runs the reference (with a warning) and no flexdma op is traced.
     for c, e in losses:
         assert abs(c - e) <= 1e-4 * max(1.0, abs(e)), losses
     assert losses[-1][0] < losses[0][0]
