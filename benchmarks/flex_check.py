@@ -82,7 +82,7 @@ def main():
     t0 = time.time(); torch.autograd.grad(out, (qg, kg, vg, bg), dout, retain_graph=True); torch.cuda.synchronize()
     res["ours_bwd_first_call_s"] = time.time() - t0
     res["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(out, (qg, kg, vg, bg), dout, retain_graph=True))
-    opts = flex._kernel_options(128, q.dtype, q.device, True)
+    opts = flex._kernel_options(q.device, True)
     res["kernel_options"] = opts
 
     # (b) baseline: hand-written compiled flex_attention.

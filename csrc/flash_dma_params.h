@@ -71,9 +71,9 @@ struct BwdParams : FwdParams {
   // the kernel to sum over them, in a fixed order (no atomics).
   Broadcast4d dbias_accum;
 
-  // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), filled with
-  // delta = rowsum(dout * out). Kernels may use it, or recompute delta = rowsum(P * dP) in full
-  // precision (more accurate when out was rounded to bf16/fp16) and overwrite it.
+  // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised.
+  // Kernels write delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out) from an
+  // out rounded to bf16/fp16 is too coarse for a broadcast dbias), and read it back.
   void* softmax_d = nullptr;
 
   bool deterministic = true;

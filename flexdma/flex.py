@@ -24,13 +24,11 @@ BLOCK = 128
 __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
-def _kernel_options(head_dim: int, dtype: torch.dtype, device: torch.device, training: bool) -> Optional[dict]:
+def _kernel_options(device: torch.device, training: bool) -> Optional[dict]:
     if device.type != "cuda" or not training:
         return None
     # The default backward tiles exceed H100 shared memory once a captured bias needs a gradient
-    # (measured with torch 2.11); these fit for head_dim up to 256.
-    if head_dim <= 64:
-        return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
+    # (measured with torch 2.11); these fit for every head_dim up to 256.
     return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
 
 
@@ -223,7 +221,7 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
         row_bias, bias = bias, None
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     tensors = _block_tensors(mask, Q, K, H, is_causal)
-    opts = _kernel_options(D, q.dtype, q.device, training)
+    opts = _kernel_options(q.device, training)
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
     # when no LSE is needed, else run FlexAttention eagerly.
     compile_ok = q.device.type == "cuda" or not need_lse

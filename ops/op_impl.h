@@ -31,9 +31,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
   c10::optional<at::Tensor> accum;
   if (want_dbias) accum = alloc_dbias_accum(q, k, *bias);
-  const auto acc = acc_type(q.scalar_type());
-  // delta_i = sum_d dout_id * out_id, the row term of dS = P * (dP - delta); (B, H, Q).
-  at::Tensor softmax_d = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous();
+  // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q). The kernels fill it
+  // themselves as rowsum(P * dP) in float: rowsum(dout * out) from a bf16-rounded out is too
+  // coarse for a broadcast dbias, so computing it here would be a wasted pass.
+  at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
                   softmax_d, deterministic);

@@ -346,10 +346,9 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
   const T* v = static_cast<const T*>(p.v);
   const T* dout = static_cast<const T*>(p.dout);
   const A* lse = static_cast<const A*>(p.lse);
-  // delta_i = sum_j P_ij dP_ij. The caller's softmax_d holds it as rowsum(dO * O) from the
-  // output rounded to its dtype; with bf16 that rounding (~4e-3 relative) shows in dq and, summed
-  // over rows and heads, in a broadcast dbias. So pass 1 recomputes delta in the accumulation
-  // type from the P and dP it forms anyway, and overwrites softmax_d (caller-owned scratch).
+  // delta_i = sum_j P_ij dP_ij, computed by pass 1 in the accumulation type from the P and dP it
+  // forms anyway, into softmax_d (caller-owned scratch). rowsum(dO * O) from an output rounded
+  // to bf16 (~4e-3 relative) would show in dq and, summed over rows and heads, in a broadcast dbias.
   A* delta = static_cast<A*>(p.softmax_d);
   T* dq = static_cast<T*>(p.dq);
   T* dk = static_cast<T*>(p.dk);
