@@ -9,6 +9,7 @@ unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
 import os
 import glob
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup, find_packages
@@ -52,13 +53,18 @@ def _extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx = ["-O3", "-std=c++17"]
+    # Name the C++ runtime explicitly so that it is linked as the shared library torch uses. A
+    # toolchain seen on a GPU machine linked libstdc++ statically into the extension by default;
+    # that private copy's locale state was never set up, and formatting the message of any failed
+    # TORCH_CHECK crashed the process (SIGSEGV in std::ostream::_M_insert<long>).
+    link = ["-lstdc++"] if sys.platform.startswith("linux") else []
     sources = sorted(glob.glob("ops/flexdma_ops.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     with_cuda = _want_cuda()
     head_dims = _head_dims()
     archs = [a.strip() for a in os.environ.get("FLEXDMA_CUDA_ARCHS", "90").replace(",", ";").split(";") if a.strip()]
     _write_build_info(with_cuda, head_dims, archs)
     if not with_cuda:
-        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx})]
+        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)]
 
     hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
     gencode = []
@@ -75,7 +81,8 @@ def _extensions():
         nvcc.append("-DFLEXDMA_HAVE_CUTLASS")
     sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
     return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs,
-                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc})]
+                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc},
+                          extra_link_args=link)]
 
 
 def _cutlass_include():

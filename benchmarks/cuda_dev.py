@@ -80,6 +80,18 @@ def main():
     ks, vs = ks.expand(-1, H, -1, -1), vs.expand(-1, H, -1, -1)
     results["sdpa_causal_16k_fwd_ms"] = bench(
         lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    # Decoding: one query, per-key bias, mask = top-W of the bias (broadcast over the query).
+    for Kd in (4096, 65536, 524288):
+        kd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
+        vd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
+        bd = torch.randn(1, 1, 1, Kd, device=dev, dtype=dt)
+        md = torch.zeros(1, 1, 1, Kd, device=dev, dtype=torch.bool)
+        md[..., bd[0, 0, 0].float().topk(min(W, Kd)).indices] = True
+        qd = q[:, :1].contiguous()
+        results[f"decode_{Kd}_fwd_ms"] = bench(lambda: fwd(qd, kd, vd, md, bd, scale, True, 0.0, True))
+        kds, vds = (t.transpose(1, 2).expand(-1, H, -1, -1) for t in (kd, vd))
+        results[f"decode_{Kd}_dense_sdpa_ms"] = bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds))
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -29,6 +29,8 @@ CASES = {
     "bias_over_keys": (70, 200, False, ("1", "1", "Q", "K"), ("1", "1", "Q", "1"), 0.0, False),
     "one_query": (1, 300, True, None, ("1", "1", "1", "K"), 0.0, False),
     "long_per_row": (600, 700, True, ("1", "1", "Q", "K"), ("1", "1", "Q", "K"), 0.0, False),
+    # Few query tiles, many keys: the forward splits the keys over CTAs and merges the partials.
+    "split_keys": (5, 3000, True, ("1", "1", "Q", "K"), ("1", "1", "Q", "K"), 0.0, False),
 }
 
 
@@ -108,6 +110,26 @@ def test_block_sparse_mask_skips_tiles_correctly():
     _lse_check(lse, r64[1], rlo[1], "lse")
     for name, got, i in (("dq", dq, 2), ("dk", dk, 3), ("dv", dv, 4), ("dbias", db, 5)):
         assert_close_to_ref(got, r64[i], rlo[i], name)
+
+
+@pytest.mark.parametrize("K", [4096, 70001])
+@pytest.mark.parametrize("Q", [1, 3])
+def test_decode_with_sparse_broadcast_mask(Q, K):
+    # Decoding shape: one or a few queries, a mask broadcast over queries that keeps ~1% of the
+    # keys in long runs of empty tiles (the forward scans those 32 tiles at a time), key splits,
+    # and a key length that is not a multiple of the tile.
+    B, H, KVH, D, dtype = 1, 4, 1, 128, torch.bfloat16
+    q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
+    bias = torch.randn(1, KVH, 1, K, device=DEV).to(dtype)
+    mask = torch.zeros(1, 1, 1, K, dtype=torch.bool, device=DEV)
+    mask[..., torch.randperm(K, device=DEV)[: max(1, K // 100)]] = True
+    mask[..., -1] = True  # the tail tile
+    _poison(((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
+    out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    r64 = _ref(q, k, v, mask, bias, torch.randn_like(out), True, 0.1, 0.0, torch.float64)
+    rlo = _ref(q, k, v, mask, bias, torch.randn_like(out), True, 0.1, 0.0, dtype)
+    assert_close_to_ref(out, r64[0], rlo[0], "out")
+    _lse_check(lse, r64[1], rlo[1], "lse")
 
 
 @pytest.mark.parametrize("case", ["per_key_causal", "per_row_causal_q_gt_k", "bias_over_keys"])

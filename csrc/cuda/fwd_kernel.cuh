@@ -29,7 +29,17 @@ struct FwdSmem {
   static constexpr int kK = align128(cmax(kBlockM * tile_ld(D) * 2, 3 * kKeepSlot));
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
-  static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2;
+  static constexpr int kMisc = kBias + 2 * kBlockM * kLdBias * 2;  // one int: the key-tile scan's result
+  static constexpr int kBytes = kMisc + 16;
+};
+
+// Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of
+// the key tiles and writes its normalised partial O and its LSE (float) to o_part / lse_part,
+// laid out [split][batch][head][row](D); combine_splits merges them.
+struct FwdSplit {
+  int n = 1;
+  float* o_part = nullptr;
+  float* lse_part = nullptr;
 };
 
 // Launch-time facts about operand alignment (16-byte cp.async / vector loads allowed or not).
@@ -56,21 +66,52 @@ struct TileBounds {
     diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
     full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
   }
-  __device__ inline bool ok(int r, int c) const { return full || (r < lim_r && c < lim_c && c <= r + diag); }
+  // Non-short-circuit &: on a full tile every term is true, and the check compiles to compares
+  // and a predicate op instead of a branch per element.
+  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
 };
 
 // Whether the mask tile at n0 is copied raw into a smem slot by cp.async one tile ahead
 // (aligned rows, tile inside both lengths) rather than read when the tile comes up.
+// A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
+// query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
 __device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
-  return p.mask.ptr && mask_vec && m0 + kBlockM <= p.seqlen_q && n0 + kBlockN <= p.seqlen_k;
+  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) &&
+         n0 + kBlockN <= p.seqlen_k;
 }
 
-__device__ inline void issue_mask_raw(const FwdParams& p, uint8_t* slot, int64_t b, int64_t h, int64_t m0, int64_t n0) {
-  const uint8_t* mp = static_cast<const uint8_t*>(p.mask.ptr);
+// First key tile >= t (and < n_end) whose mask row has any kept byte, for a mask broadcast over
+// queries: 32 tiles per step, 16 bytes per thread, so long runs of empty tiles (decoding with a
+// top-k mask) cost one load round trip per 32 tiles instead of one per tile. Tiles cut by
+// seqlen_k are returned as they come; the caller's exact check decides them.
+__device__ inline int64_t skip_empty_bcast(const Plane<uint8_t>& m, int64_t t, int64_t n_end, int64_t seqlen_k,
+                                           int* s_first) {
+  const int64_t full_end = imin(n_end, seqlen_k / kBlockN);
+  constexpr int kPerStep = kThreads / (kBlockN / 16);
+  while (t < full_end) {
+    const int64_t tile = t + threadIdx.x / (kBlockN / 16);
+    bool hit = false;
+    if (tile < full_end) {
+      const uint4 v = *reinterpret_cast<const uint4*>(m.base + tile * kBlockN + (threadIdx.x % (kBlockN / 16)) * 16);
+      hit = (v.x | v.y | v.z | v.w) != 0;
+    }
+    if (threadIdx.x == 0) *s_first = kPerStep;
+    __syncthreads();
+    if (hit) atomicMin(s_first, (int)(threadIdx.x / (kBlockN / 16)));
+    __syncthreads();
+    const int first = *s_first;
+    __syncthreads();  // everyone has read it before thread 0 resets it
+    if (first < kPerStep) return t + first;
+    t += kPerStep;
+  }
+  return t;
+}
+
+__device__ inline void issue_mask_raw(const Plane<uint8_t>& m, uint8_t* slot, int64_t m0, int64_t n0) {
 #pragma unroll
   for (int u = 0; u < kBlockM * kBlockN / 16 / kThreads; ++u) {
     const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    cp_async16(slot + r * kLdKeep + col0, mp + bcast_offset(p.mask, b, h, m0 + r, n0 + col0));
+    cp_async16(slot + r * kLdKeep + col0, m.base + (m0 + r) * m.rs + n0 + col0);
   }
 }
 
@@ -99,9 +140,8 @@ __device__ inline bool raw_any(const uint8_t* slot, const TileBounds& tb) {
 
 // Builds the exact keep tile (mask & causal & bounds) of key tile n0 in a slot straight from
 // global memory and returns whether any element is kept; block-uniform (ends in a barrier).
-__device__ inline bool build_keep(const FwdParams& p, uint8_t* slot, bool mask_vec, int64_t b, int64_t h, int64_t m0,
-                                  int64_t n0) {
-  const uint8_t* mp = static_cast<const uint8_t*>(p.mask.ptr);
+__device__ inline bool build_keep(const FwdParams& p, const Plane<uint8_t>& m, uint8_t* slot, bool mask_vec,
+                                  int64_t m0, int64_t n0) {
   const TileBounds tb(p, m0, n0);
   constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
   uint4 v[kPer];
@@ -110,8 +150,8 @@ __device__ inline bool build_keep(const FwdParams& p, uint8_t* slot, bool mask_v
   for (int u = 0; u < kPer; ++u) {
     const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
     const int64_t i = m0 + r, j0 = n0 + col0;
-    direct[u] = mp && mask_vec && i < p.seqlen_q && j0 + 16 <= p.seqlen_k;
-    v[u] = direct[u] ? *reinterpret_cast<const uint4*>(mp + bcast_offset(p.mask, b, h, i, j0)) : make_uint4(0, 0, 0, 0);
+    direct[u] = m.base && mask_vec && i < p.seqlen_q && j0 + 16 <= p.seqlen_k;
+    v[u] = direct[u] ? *reinterpret_cast<const uint4*>(m.at(i, j0)) : make_uint4(0, 0, 0, 0);
   }
   int any = 0;
 #pragma unroll
@@ -121,7 +161,7 @@ __device__ inline bool build_keep(const FwdParams& p, uint8_t* slot, bool mask_v
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
       bool kk = tb.ok(r, col0 + e);
-      if (kk && mp) kk = direct[u] ? byte_of(v[u], e) != 0 : mp[bcast_offset(p.mask, b, h, m0 + r, n0 + col0 + e)] != 0;
+      if (kk && m.base) kk = direct[u] ? byte_of(v[u], e) != 0 : *m.at(m0 + r, n0 + col0 + e) != 0;
       wds[e / 4] |= uint32_t(kk) << (8 * (e % 4));
       any |= kk;
     }
@@ -136,13 +176,28 @@ template <typename T, int D>
 __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0,
                                 T* sk, T* sv, bool vec) {
   constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
   if (vec) {
+    // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
+    // offsets are fixed, the tile start moves.
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    const T* kr = k + (n0 + r0) * k_rs + col;
+    const T* vr = v + (n0 + r0) * v_rs + col;
+    T* skr = sk + r0 * tile_ld(D) + col;
+    T* svr = sv + r0 * tile_ld(D) + col;
+    if (n0 + kBlockN <= seqlen_k) {
 #pragma unroll
-    for (int u = 0; u < kBlockN * kChunks / kThreads; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
-      const bool ok = n0 + r < seqlen_k;
-      cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
-      cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
+      for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+        cp_async16(skr + u * kRowsPerPass * tile_ld(D), kr + u * kRowsPerPass * k_rs);
+        cp_async16(svr + u * kRowsPerPass * tile_ld(D), vr + u * kRowsPerPass * v_rs);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+        const bool ok = n0 + r0 + u * kRowsPerPass < seqlen_k;
+        cp_async16(skr + u * kRowsPerPass * tile_ld(D), ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
+        cp_async16(svr + u * kRowsPerPass * tile_ld(D), ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
+      }
     }
   } else {
     for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
@@ -157,35 +212,48 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
 // Requests the bias tile (m0, n0) into smem (row stride kLdBias); out-of-range entries are 0
 // (they are never kept). The 16-byte path needs contiguous keys and aligned strides.
 template <typename T>
-__device__ inline void issue_bias(const FwdParams& p, T* sb, bool vec, int64_t b, int64_t h, int64_t m0, int64_t n0) {
-  const T* bp = static_cast<const T*>(p.bias.ptr);
-  if (vec) {
+__device__ inline void issue_bias(const FwdParams& p, const Plane<T>& bb, T* sb, bool vec, int64_t m0, int64_t n0) {
+  // Rows past seqlen_q alias row 0 when the bias is broadcast over queries: safe to copy.
+  if (vec && (m0 + kBlockM <= p.seqlen_q || bb.rs == 0) && n0 + kBlockN <= p.seqlen_k) {
+    constexpr int kRowsPerPass = kThreads / (kBlockN / 8);
+    const int r0 = threadIdx.x / (kBlockN / 8), col0 = (threadIdx.x % (kBlockN / 8)) * 8;
+    const T* src = bb.base + (m0 + r0) * bb.rs + n0 + col0;
 #pragma unroll
-    for (int u = 0; u < kBlockM * kBlockN / 8 / kThreads; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 8), col0 = (c % (kBlockN / 8)) * 8;
-      const int64_t i = m0 + r, j0 = n0 + col0;
-      if (i < p.seqlen_q && j0 + 8 <= p.seqlen_k) {
-        cp_async16(sb + r * kLdBias + col0, bp + bcast_offset(p.bias, b, h, i, j0));
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          sb[r * kLdBias + col0 + e] = (i < p.seqlen_q && j0 + e < p.seqlen_k)
-                                           ? bp[bcast_offset(p.bias, b, h, i, j0 + e)]
-                                           : from_float<T>(0.f);
-      }
-    }
+    for (int u = 0; u < kBlockM / kRowsPerPass; ++u)
+      cp_async16(sb + (r0 + u * kRowsPerPass) * kLdBias + col0, src + u * kRowsPerPass * bb.rs);
   } else {
+    // Tiles cut by a sequence end, and strided / unaligned biases: element by element; entries
+    // outside the lengths are 0 (never kept).
     for (int c = threadIdx.x; c < kBlockM * kBlockN; c += kThreads) {
       const int r = c / kBlockN, col = c % kBlockN;
       const int64_t i = m0 + r, j = n0 + col;
-      sb[r * kLdBias + col] =
-          (i < p.seqlen_q && j < p.seqlen_k) ? bp[bcast_offset(p.bias, b, h, i, j)] : from_float<T>(0.f);
+      sb[r * kLdBias + col] = (i < p.seqlen_q && j < p.seqlen_k) ? *bb.at(i, j) : from_float<T>(0.f);
     }
   }
 }
 
+// Drops (-inf) the scores of a warp's C fragments whose keep byte is 0 (rows r0, r0 + 8);
+// kBounds also applies the tile's bounds and causal limit.
+template <bool kBounds>
+__device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* keep, int r0, int qc, const TileBounds& tb) {
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + 8 * hh, col = n * 8 + 2 * qc;
+      const uint32_t kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kLdKeep + col);
+      bool k0 = (kv2 & 0xffu) != 0, k1 = (kv2 >> 8) != 0;
+      if (kBounds) {
+        k0 &= tb.ok(r, col);
+        k1 &= tb.ok(r, col + 1);
+      }
+      s[n][2 * hh] = k0 ? s[n][2 * hh] : -CUDART_INF_F;
+      s[n][2 * hh + 1] = k1 ? s[n][2 * hh + 1] : -CUDART_INF_F;
+    }
+}
+
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, const FwdFlags f) {
+__global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem[];
   using L = FwdSmem<T, D>;
   constexpr int kLd = tile_ld(D);
@@ -216,16 +284,24 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
   const bool has_bias = p.bias.ptr != nullptr;
-  const ScoreMod mod{p.softmax_scale, p.softcap, p.bias, b, h};
-  const int64_t n_end = key_tile_end(p, m0);
+  const Plane<T> bias(p.bias, b, h);
+  const Plane<uint8_t> mask(p.mask, b, h);
+  const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
+  const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
+  const int64_t n_end = imin(n_all, t_begin + per_split);
+  int* s_first = reinterpret_cast<int*>(smem + L::kMisc);
+  const bool bcast_scan = (p.mask.ptr != nullptr) && f.mask_vec && p.mask.row_stride == 0;
 
   const bool has_mask = p.mask.ptr != nullptr;
+  const bool softcap_on = p.softcap > 0.f;
+  const float scale_l2 = p.softmax_scale * kLog2e;
+  const float cap_l2 = p.softcap * kLog2e, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
   auto issue_tile = [&](int64_t t, int buf, int raw_slot) {
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * kBlockN * kLd,
                    sV + buf * kBlockN * kLd, f.qkv_vec);
-    if (has_bias) issue_bias<T>(p, sB + buf * kBlockM * kLdBias, f.bias_vec, b, h, m0, t * kBlockN);
+    if (has_bias) issue_bias<T>(p, bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
     if (t + 1 < n_end && mask_async(p, f.mask_vec, m0, (t + 1) * kBlockN))
-      issue_mask_raw(p, sKeep + raw_slot * L::kKeepSlot, b, h, m0, (t + 1) * kBlockN);
+      issue_mask_raw(mask, sKeep + raw_slot * L::kKeepSlot, m0, (t + 1) * kBlockN);
     cp_async_commit();
   };
 
@@ -239,9 +315,14 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
   // Mask slots: sa holds tile t's mask bytes, sb_ the next tile's, sc the one after (in flight).
   // Without a mask every tile below n_end keeps something and no slot is used.
   int sa = 0, sb_ = 1, sc = 2;
-  int64_t t = 0;
-  if (has_mask)
-    while (t < n_end && !build_keep(p, sKeep, f.mask_vec, b, h, m0, t * kBlockN)) ++t;
+  int64_t t = t_begin;
+  if (has_mask) {
+    if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
+    while (t < n_end && !build_keep(p, mask, sKeep, f.mask_vec, m0, t * kBlockN)) {
+      ++t;
+      if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
+    }
+  }
   if (t < n_end) issue_tile(t, 0, sb_);
   int cur = 0;
   while (t < n_end) {
@@ -251,8 +332,11 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
     if (has_mask && tn < n_end) {
       uint8_t* slot = sKeep + sb_ * L::kKeepSlot;
       bool any = mask_async(p, f.mask_vec, m0, tn * kBlockN) ? raw_any(slot, TileBounds(p, m0, tn * kBlockN))
-                                                               : build_keep(p, slot, f.mask_vec, b, h, m0, tn * kBlockN);
-      while (!any && ++tn < n_end) any = build_keep(p, slot, f.mask_vec, b, h, m0, tn * kBlockN);
+                                                               : build_keep(p, mask, slot, f.mask_vec, m0, tn * kBlockN);
+      while (!any && ++tn < n_end) {
+        if (bcast_scan && (tn = skip_empty_bcast(mask, tn, n_end, p.seqlen_k, s_first)) >= n_end) break;
+        any = build_keep(p, mask, slot, f.mask_vec, m0, tn * kBlockN);
+      }
     }
     if (tn < n_end) issue_tile(tn, cur ^ 1, sc);
 
@@ -274,39 +358,65 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
         mma_16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
       }
 
-    // Score modification (softcap, bias, keep) and online softmax, rows g and g + 8.
+    // Scores in log2 units (scale * log2 e folded in once), so the softmax needs one exp2 per
+    // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
+    // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
     const TileBounds tb(p, m0, t * kBlockN);
-    const uint8_t* keep = sKeep + sa * L::kKeepSlot;
-    const T* sb = sB + cur * kBlockM * kLdBias;
+    if (softcap_on) {
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
+    } else {
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
+    }
+    if (has_bias) {
+      const T* sb = sB + cur * kBlockM * kLdBias;
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const float2 bv =
+              unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + (w * 16 + g + 8 * hh) * kLdBias + n * 8 + 2 * qc));
+          s[n][2 * hh] = fmaf(bv.x, kLog2e, s[n][2 * hh]);
+          s[n][2 * hh + 1] = fmaf(bv.y, kLog2e, s[n][2 * hh + 1]);
+        }
+    }
+    if (has_mask) {
+      // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
+      const uint8_t* keep = sKeep + sa * L::kKeepSlot;
+      if (tb.full)
+        apply_keep<false>(s, keep, w * 16 + g, qc, tb);
+      else
+        apply_keep<true>(s, keep, w * 16 + g, qc, tb);
+    } else if (!tb.full) {
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!tb.ok(w * 16 + g + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
+    }
     float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int r = w * 16 + g + 8 * hh, col = n * 8 + 2 * qc;
-        const uint32_t kv2 = has_mask ? *reinterpret_cast<const uint16_t*>(keep + r * kLdKeep + col) : 0x0101u;
-        const bool k0 = (kv2 & 0xffu) != 0 && tb.ok(r, col), k1 = (kv2 >> 8) != 0 && tb.ok(r, col + 1);
-        float2 bv = make_float2(0.f, 0.f);
-        if (has_bias) bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + r * kLdBias + col));
-        float dummy;
-        s[n][2 * hh] = mod(s[n][2 * hh], k0, bv.x, &dummy);
-        s[n][2 * hh + 1] = mod(s[n][2 * hh + 1], k1, bv.y, &dummy);
-        mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
-      }
+      for (int hh = 0; hh < 2; ++hh) mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
       mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
       const float m_new = fmaxf(row_max[hh], mx[hh]);
       const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
-      const float alpha = exp2f((row_max[hh] - m_use) * kLog2e);
-      const float mb = -m_use * kLog2e;
+      const float alpha = exp2f(row_max[hh] - m_use);
       row_max[hh] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
-        s[n][2 * hh] = exp2f(fmaf(s[n][2 * hh], kLog2e, mb));
-        s[n][2 * hh + 1] = exp2f(fmaf(s[n][2 * hh + 1], kLog2e, mb));
+        s[n][2 * hh] = exp2f(s[n][2 * hh] - m_use);
+        s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
         sum += s[n][2 * hh] + s[n][2 * hh + 1];
       }
       row_sum[hh] = row_sum[hh] * alpha + sum;
@@ -338,9 +448,11 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
     sc = s_old;
   }
 
-  // Epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and -inf.
+  // Epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and -inf. A split
+  // writes the same, in float, to its slice of the partial buffers.
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
-  float* lse = static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
+  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     float l = row_sum[hh];
@@ -351,20 +463,63 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, con
       const float m = row_max[hh];
       const bool empty = !(l > 0.f) || m == -CUDART_INF_F;
       const float inv = empty ? 0.f : 1.f / l;
-      T* orow = out + i * p.o_row_stride;
+      if (sp.n > 1) {
+        float* orow = sp.o_part + (row0 + i) * D;
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        const int col = d * 8 + 2 * qc;
-        if (f.out_vec) {
-          *reinterpret_cast<uint32_t*>(orow + col) = pack2<T>(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
-        } else {
-          orow[col] = from_float<T>(o[d][2 * hh] * inv);
-          orow[col + 1] = from_float<T>(o[d][2 * hh + 1] * inv);
+        for (int d = 0; d < D / 8; ++d)
+          *reinterpret_cast<float2*>(orow + d * 8 + 2 * qc) = make_float2(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
+      } else {
+        T* orow = out + i * p.o_row_stride;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+          const int col = d * 8 + 2 * qc;
+          if (f.out_vec) {
+            *reinterpret_cast<uint32_t*>(orow + col) = pack2<T>(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
+          } else {
+            orow[col] = from_float<T>(o[d][2 * hh] * inv);
+            orow[col + 1] = from_float<T>(o[d][2 * hh + 1] * inv);
+          }
         }
       }
-      if (qc == 0) lse[i] = empty ? -CUDART_INF_F : m + __logf(l);
+      // row_max is in log2 units: lse = ln 2 * (m + log2 l).
+      if (qc == 0) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * 0.6931471805599453f;
     }
   }
+}
+
+// Merges the key splits of every (batch, head, row), one warp per row, splits in a fixed order:
+// out = sum_s w_s O_s / sum_s w_s with w_s = exp(lse_s - max lse), lse = max + log sum w.
+// A row no split saw anything of stays 0 / -inf.
+template <typename T, int D>
+__global__ void combine_splits(const FwdParams p, const FwdSplit sp) {
+  const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
+  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x % 32;
+  float m = -CUDART_INF_F;
+  for (int s = lane; s < sp.n; s += 32) m = fmaxf(m, sp.lse_part[s * rows + row]);
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float acc[D / 32], wsum = 0.f;
+#pragma unroll
+  for (int e = 0; e < D / 32; ++e) acc[e] = 0.f;
+  if (m != -CUDART_INF_F) {
+    for (int s = 0; s < sp.n; ++s) {
+      const float l = sp.lse_part[s * rows + row];
+      if (l == -CUDART_INF_F) continue;
+      const float wgt = __expf(l - m);
+      wsum += wgt;
+      const float* o = sp.o_part + (s * rows + row) * D;
+#pragma unroll
+      for (int e = 0; e < D / 32; ++e) acc[e] = fmaf(wgt, o[lane + 32 * e], acc[e]);
+    }
+  }
+  const int64_t i = row % p.seqlen_q, bh = row / p.seqlen_q, h = bh % p.num_heads, b = bh / p.num_heads;
+  T* orow = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
+  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+#pragma unroll
+  for (int e = 0; e < D / 32; ++e) orow[lane + 32 * e] = from_float<T>(acc[e] * inv);
+  if (lane == 0) static_cast<float*>(p.lse)[row] = wsum > 0.f ? m + __logf(wsum) : -CUDART_INF_F;
 }
 
 }  // namespace cuda

@@ -19,8 +19,28 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 &&
               p.o_row_stride % 2 == 0 && p.o_head_stride % 2 == 0;
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch);
-  fwd_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p, f);
+  const int64_t ctas = ceil_div(p.seqlen_q, kBlockM) * p.num_heads * p.batch;
+  FwdSplit sp;
+  int dev = 0, sms = 1;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (ctas < sms) {
+    // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
+    // about two CTAs run per SM, each over at least 4 key tiles.
+    sp.n = (int)imax(1, imin(ceil_div(2 * sms, ctas), ceil_div(p.seqlen_k, 4 * kBlockN)));
+  }
+  if (sp.n > 1) {
+    const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
+    cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows * (D + 1) * sizeof(float), stream);
+    sp.lse_part = sp.o_part + sp.n * rows * D;
+  }
+  dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
+  fwd_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p, f, sp);
+  if (sp.n > 1) {
+    const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
+    combine_splits<T, D><<<(unsigned)ceil_div(rows, 4), 128, 0, stream>>>(p, sp);
+    cudaFreeAsync(sp.o_part, stream);
+  }
 }
 
 #define FLEXDMA_INSTANTIATE_FWD(D)                                            \

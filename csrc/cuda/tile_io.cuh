@@ -77,6 +77,19 @@ struct KVTileLoader {
   }
 };
 
+// A broadcast operand resolved to one (batch, query head) once per CTA: element (i, j) lives at
+// base + i * rs + j * cs. Resolving it up front keeps the 64-bit head division (h / head_ratio)
+// out of the tile loops, where it compiled to a call per load.
+template <typename E>
+struct Plane {
+  const E* base;
+  int64_t rs, cs;
+  __device__ inline Plane(const Broadcast4d& t, int64_t b, int64_t h)
+      : base(t.ptr ? static_cast<const E*>(t.ptr) + b * t.batch_stride + (h / t.head_ratio) * t.head_stride : nullptr),
+        rs(t.row_stride), cs(t.col_stride) {}
+  __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
+};
+
 // Where element (b, h, i, j) of a broadcast operand lives (h is the query head).
 __device__ inline int64_t bcast_offset(const Broadcast4d& t, int64_t b, int64_t h, int64_t i, int64_t j) {
   return b * t.batch_stride + (h / t.head_ratio) * t.head_stride + i * t.row_stride + j * t.col_stride;
