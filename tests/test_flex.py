@@ -3,6 +3,8 @@ the forward on CPU (and GPU), the CPU backward route (flex forward, flexdma op b
 backward with dbias, and no recompilation when only mask / bias contents change."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -80,6 +82,86 @@ def test_block_mask_matches_create_block_mask(Q, K, is_causal, kind):
         assert ours_full == ref_full
 
 
+def _tile_masks(Q, K, gen):
+    """Masks with every layout the kernel must read: full, broadcast and expanded (0-stride)
+    dims, a non-contiguous view, plus tile-sized blocks so that full tiles occur."""
+    nq, nk = -(-Q // 128), -(-K // 128)
+    tiles = torch.rand(2, 2, nq, nk, generator=gen) < 0.5
+    blocky = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :Q, :K].clone()
+    blocky[0, 0, min(3, Q - 1), min(5, K - 1)] = False
+    holes = blocky & (torch.rand(2, 2, Q, K, generator=gen) < 0.995)
+    return {
+        "random": torch.rand(2, 2, Q, K, generator=gen) < 0.3,
+        "blocky": blocky,
+        "holes": holes,
+        "per_key": torch.rand(2, 1, 1, K, generator=gen) < 0.5,
+        "batch_bcast": (torch.rand(1, 2, Q, K, generator=gen) < 0.9),
+        "expanded": (torch.rand(1, 1, Q, K, generator=gen) < 0.97).expand(2, 2, Q, K),
+        "key_bcast": torch.ones(2, 2, Q, 1, dtype=torch.bool).expand(2, 2, Q, K),
+        "transposed": (torch.rand(2, 2, K, Q, generator=gen) < 0.98).transpose(-1, -2),
+        "none": None,
+    }
+
+
+TILE_SHAPES = [(256, 256), (300, 200), (130, 513), (1, 129), (200, 1)]
+
+
+def _check_block_tiles(is_causal):
+    """Runs in a child process with TRITON_INTERPRET=1 (the mode is fixed when triton is imported):
+    the tile kernel against the torch tile reduction, the index kernel against the stable sort."""
+    from flexdma import _block_tiles
+
+    for Q, K in TILE_SHAPES:
+        gen = torch.Generator().manual_seed(Q * 31 + K)
+        for name, mask in _tile_masks(Q, K, gen).items():
+            want = flex._tile_flags_torch(mask, Q, K, is_causal, torch.device("cpu"))
+            # Both interior-tile loops; few large chunks, as the interpreter's cost is per chunk.
+            early = _block_tiles.tile_flags(mask, Q, K, is_causal, device="cpu", rows=64, early_exit=True)
+            got = _block_tiles.tile_flags(mask, Q, K, is_causal, device="cpu", rows=128, early_exit=False)
+            for g, w in zip(early, want):
+                assert torch.equal(g, w.expand_as(g)), (Q, K, is_causal, name, "early exit")
+            for g, w, what in zip(got, want, ("partial", "full")):
+                assert torch.equal(g, w.expand_as(g)), (Q, K, is_causal, name, what)
+                if name not in ("random", "blocky", "per_key"):
+                    continue
+                for t in (g, g.transpose(-1, -2)):  # kv side, q side
+                    for a, b in zip(_block_tiles.ordered(t), flex._ordered(t)):
+                        assert torch.equal(a, b), (Q, K, is_causal, name, what, "ordered")
+
+
+def test_block_tiles_kernel_interpreted_on_cpu():
+    """The Triton kernels (CUDA path) against the torch code (CPU path), on CPU through Triton's
+    interpreter: odd Q/K, Q != K, broadcast / 0-stride / transposed masks, causal on and off."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+    # One child per causal setting, run side by side: the interpreter is slow.
+    procs = [subprocess.Popen([sys.executable, "-c", f"import test_flex; test_flex._check_block_tiles({c})"], env=env,
+                              cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in (False, True)]
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out[-3000:]
+
+
+@requires_cuda
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_block_tiles_cuda_vs_torch_path(is_causal):
+    """The CUDA path (Triton kernel when triton is there) against the torch path, all eight tensors."""
+    for Q, K in TILE_SHAPES:
+        gen = torch.Generator().manual_seed(Q * 31 + K)
+        for name, mask in _tile_masks(Q, K, gen).items():
+            dev = None if mask is None else mask.cuda()
+            got = flex._block_tensors(dev, Q, K, 4, is_causal, device="cuda")
+            want = flex._block_tensors(mask, Q, K, 4, is_causal, device="cpu")
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert torch.equal(g.cpu(), w.expand_as(g)), (Q, K, name, i)
+
+
 # ------------------------------------------------------------------------------ forward
 CPU_CASES = [
     # (B, Q, K, H, KVH, D, mask pattern, bias pattern, causal, softcap)
@@ -88,6 +170,8 @@ CPU_CASES = [
     (2, 200, 300, 4, 2, 64, ("1", "1", "1", "K"), ("B", "1", "1", "K"), True, 0.0),
     (2, 200, 300, 4, 2, 64, None, ("1", "KVH", "Q", "1"), False, 0.0),
     (2, 200, 300, 4, 2, 64, ("B", "H", "Q", "K"), None, True, 0.0),
+    # Q, K multiples of 128: the mask_mod without bounds checks / clamps.
+    (1, 256, 384, 2, 1, 32, ("1", "1", "Q", "K"), ("1", "1", "Q", "K"), True, 0.0),
 ]
 
 

@@ -1,297 +1,679 @@
-// Backward kernels, both deterministic and free of atomics:
-//  - dkv_kernel: one CTA per (key tile, kv head, batch). It loops over the query heads of its kv
-//    head and over query tiles in a fixed order, accumulating dK, dV in shared memory and adding
-//    dS into dbias_accum (summing over broadcast rows / heads inside the CTA).
-//  - dq_kernel (launched first): one CTA per (query tile, head, batch); a first pass over the key
-//    tiles recomputes delta = rowsum(P * dP) in float (into softmax_d), a second one P and dS
-//    and accumulates dQ, the simplest deterministic dq.
-// Both recompute S with the forward's ScoreMod and skip all-false keep tiles before loading.
+// Backward kernels, FA2-style register design; deterministic, no atomics:
+//  - bwd_dq_kernel (launched first): one CTA of 4 warps per (query tile, head, batch), warp w
+//    owns query rows [16w, 16w + 16). A first pass over the kept key tiles recomputes
+//    delta = rowsum(P * dP) in float (into softmax_d: rowsum(dout * out) with out rounded to
+//    bf16 is too coarse for a broadcast dbias); a second one accumulates dQ = dS K in registers.
+//  - bwd_dkv_kernel: one CTA per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16);
+//    it walks the query heads of its kv head and the query tiles in a fixed order, with
+//    S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers, and adds dS into
+//    dbias_accum from a float smem tile (fixed order, so bitwise reproducible).
+// S, dP, P and dS live in mma.sync C fragments; P / dS are repacked as A fragments (no smem
+// round trip). Q, dO, K, V tiles sit in smem (rows padded to D + 8) and are read by ldmatrix.
+// An all-false keep tile (mask & causal & bounds) is skipped before any of its operand bytes
+// are requested; the next kept tile is searched (its mask bytes read, into a second keep slot)
+// while the current tile's cp.async copies are in flight. Mask / bias are resolved to base
+// pointers per CTA / work item with a 32-bit head division (BwdPlane): no 64-bit division call
+// in the loops. The per-element score math is branch-free: the CTA-uniform choices (softcap,
+// bias, keep tile) become selects or loops behind uniform branches.
 #pragma once
-#include "score.cuh"
-#include "warp_gemm.cuh"
+#include <type_traits>
+
+#include "mma_sm80.cuh"
+#include "tile_io.cuh"
 
 namespace flexdma {
 namespace cuda {
 
-template <typename T, int D>
-struct BwdSmem {
-  static constexpr int kTile = align128(64 * tile_ld(D) * 2);
-  static constexpr int kK = 0, kV = kK + kTile, kQ = kV + kTile, kDO = kQ + kTile;
-  static constexpr int kS = kDO + kTile;                        // float S, then float dS
-  static constexpr int kDP = kS + align128(kBlockM * kBlockN * 4);  // float dP
-  static constexpr int kP = kDP + align128(kBlockM * kBlockN * 4);  // T P
-  static constexpr int kDS = kP + align128(kBlockM * kLdP * 2);  // T dS * scale * softcap'
-  static constexpr int kAcc0 = kDS + align128(kBlockM * kLdP * 2);  // float dK (dkv) or dQ (dq)
-  static constexpr int kAcc1 = kAcc0 + align128(64 * D * 4);            // float dV (dkv only)
-  static constexpr int kKeep = kAcc1 + align128(64 * D * 4);
-  static constexpr int kLse = kKeep + align128(kBlockM * kBlockN);
-  static constexpr int kDelta = kLse + align128(kBlockM * 4);
-  static constexpr int kBytes = kDelta + align128(kBlockM * 4);
+constexpr int kBwdLdKeep = kBlockN + 16;  // 80-byte rows
+constexpr int kBwdLdBias = kBlockN + 8;   // 144-byte rows
+// Float [key][query] tile of dkv: first the additive term of each score, then dS. 72-word rows:
+// a warp's float2 fragment accesses (rows g, columns 2 * (lane % 4)) cover the banks once.
+constexpr int kBwdLdDS = kBlockN + 8;
+
+struct BwdFlags {
+  bool qkv_vec, mask_vec, bias_vec;
 };
 
-// Where a work item adds dS. With the bias broadcast over keys and several key tiles, each
-// key tile gets its own slice (tile_stride elements apart) that run_bwd sums in order.
-struct DbiasTarget {
+// Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
+// key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
+struct BwdDbias {
   float* ptr = nullptr;
   Broadcast4d layout;
   int64_t tile_stride = 0;
 };
 
-__device__ inline void load_row_stats(const BwdParams& p, float* lse, float* delta, int64_t b, int64_t h, int64_t m0) {
-  const float* l = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
-  const float* d = static_cast<const float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
-  for (int r = threadIdx.x; r < kBlockM; r += kThreads) {
-    const int64_t i = m0 + r;
-    lse[r] = i < p.seqlen_q ? l[i] : -CUDART_INF_F;
-    delta[r] = i < p.seqlen_q ? d[i] : 0.f;
+// A broadcast operand resolved to one (batch, query head): element (i, j) at base + i * rs +
+// j * cs. Same as tile_io's Plane, but the head index is divided in 32 bits: the 64-bit
+// division compiles to a call of a ~70-instruction routine, and the dkv kernel resolves
+// mask / bias once per work item.
+template <typename E>
+struct BwdPlane {
+  const E* base;
+  int64_t rs, cs;
+  __device__ inline BwdPlane(const Broadcast4d& t, int64_t b, int64_t h)
+      : base(t.ptr ? static_cast<const E*>(t.ptr) + b * t.batch_stride + (int)h / (int)t.head_ratio * t.head_stride
+                   : nullptr),
+        rs(t.row_stride), cs(t.col_stride) {}
+  __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
+};
+
+// Bounds and causal limits of tile (m0, n0) in tile-local coordinates: kept iff
+// r < lim_r && c < lim_c && c <= r + diag. `full`: no element is cut.
+struct BwdBounds {
+  bool full;
+  int lim_r, lim_c, diag;
+  __device__ inline BwdBounds(const FwdParams& p, int64_t m0, int64_t n0) {
+    const int64_t shift = p.seqlen_k - p.seqlen_q;
+    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
+    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
+    diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
+    full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
+  }
+  // Whether anything survives bounds and causality (row lim_r - 1 sees the most keys).
+  __device__ inline bool any() const { return lim_r > 0 && lim_c > 0 && lim_r - 1 + diag >= 0; }
+  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
+};
+
+__device__ inline uint32_t bwd_byte_of(const uint4& v, int e) {
+  const uint32_t w = e < 4 ? v.x : e < 8 ? v.y : e < 12 ? v.z : v.w;
+  return (w >> (8 * (e % 4))) & 0xffu;
+}
+
+// Builds the exact keep tile (mask & causal & bounds; m.base null: bounds only) of (m0, n0)
+// and returns whether any element is kept; block-uniform (ends in a barrier).
+__device__ inline bool bwd_build_keep(const BwdBounds& tb, const BwdPlane<uint8_t>& m, uint8_t* keep, bool mask_vec,
+                                      int64_t m0, int64_t n0) {
+  constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
+  uint4 v[kPer];
+  bool direct[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    direct[u] = m.base && mask_vec && r < tb.lim_r && col0 + 16 <= tb.lim_c;
+    v[u] = direct[u] ? *reinterpret_cast<const uint4*>(m.at(m0 + r, n0 + col0)) : make_uint4(0, 0, 0, 0);
+  }
+  int any = 0;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    uint8_t* dst = keep + r * kBwdLdKeep + col0;
+    if (direct[u]) {
+      uint32_t wds[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const bool kk = (bwd_byte_of(v[u], e) != 0) & tb.ok(r, col0 + e);
+        wds[e / 4] |= uint32_t(kk) << (8 * (e % 4));
+        any |= kk;
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(wds[0], wds[1], wds[2], wds[3]);
+    } else {
+      // Cut tiles and unaligned masks: byte by byte, not unrolled (rare; an unrolled version
+      // hoisted 16 predicated 64-bit-addressed loads and cost the kernels their registers).
+#pragma unroll 1
+      for (int e = 0; e < 16; ++e) {
+        bool kk = tb.ok(r, col0 + e);
+        if (kk && m.base) kk = *m.at(m0 + r, n0 + col0 + e) != 0;
+        dst[e] = kk;
+        any |= kk;
+      }
+    }
+  }
+  return __syncthreads_or(any) != 0;
+}
+
+// Requests 64 rows x D (row r at src + r * rs) into a smem tile (leading dim D + 8); rows at or
+// past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
+template <typename T, int D>
+__device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
+  constexpr int kLd = tile_ld(D);
+  constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  if (vec) {
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    const T* s = src + r0 * rs + col;
+    T* d = dst + r0 * kLd + col;
+    if (valid >= 64) {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(d + u * kRowsPerPass * kLd, s + u * kRowsPerPass * rs);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) {
+        const bool ok = r0 + u * kRowsPerPass < valid;
+        cp_async16(d + u * kRowsPerPass * kLd, ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
+      }
+    }
+  } else {
+    for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
+      const int r = c / D, col = c % D;
+      dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
+    }
   }
 }
 
-// Per warp-owned rows: from S (raw q.k) and dP, P = exp(s - lse) and dS = P * (dP - delta).
-// Writes P (T) if sP, dS * scale * d softcap (T) into sDS, and the plain dS (float, the bias
-// gradient) back into S.
+// Requests the bias tile (m0, n0) into smem (row stride kBwdLdBias); entries outside the
+// lengths are 0 (never kept).
 template <typename T>
-__device__ inline void grad_scores(const ScoreMod& mod, float* S, const float* dP, const uint8_t* keep,
-                                   const float* lse, const float* delta, T* sP, T* sDS, int64_t m0, int64_t n0) {
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float bv[16][2];
-  mod.load_bias<T>(keep, m0, n0, bv);
+__device__ inline void bwd_issue_bias(const BwdBounds& tb, const BwdPlane<T>& bb, T* sb, bool vec, int64_t m0, int64_t n0) {
+  if (vec && (tb.lim_r == kBlockM || bb.rs == 0) && tb.lim_c == kBlockN) {
+    constexpr int kRowsPerPass = kThreads / (kBlockN / 8);
+    const int r0 = threadIdx.x / (kBlockN / 8), col0 = (threadIdx.x % (kBlockN / 8)) * 8;
+    const T* src = bb.base + (m0 + r0) * bb.rs + n0 + col0;
 #pragma unroll
-  for (int rr = 0; rr < 16; ++rr) {
-    const int r = w * 16 + rr;
-    const float l = lse[r];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int c = lane + 32 * u, idx = r * kBlockN + c;
-      float t;
-      const float x = mod(S[idx], keep[idx], bv[rr][u], &t);
-      const float pr = (l == -CUDART_INF_F || x == -CUDART_INF_F) ? 0.f : __expf(x - l);
-      const float ds = pr * (dP[idx] - delta[r]);
-      if (sP) sP[r * kLdP + c] = from_float<T>(pr);
-      sDS[r * kLdP + c] = from_float<T>(ds * mod.scale * (mod.softcap > 0.f ? 1.f - t * t : 1.f));
-      S[idx] = ds;
+    for (int u = 0; u < kBlockM / kRowsPerPass; ++u)
+      cp_async16(sb + (r0 + u * kRowsPerPass) * kBwdLdBias + col0, src + u * kRowsPerPass * bb.rs);
+  } else {
+    for (int c = threadIdx.x; c < kBlockM * kBlockN; c += kThreads) {
+      const int r = c / kBlockN, col = c % kBlockN;
+      sb[r * kBwdLdBias + col] = (r < tb.lim_r && col < tb.lim_c) ? *bb.at(m0 + r, n0 + col) : from_float<T>(0.f);
     }
   }
-  __syncwarp();
 }
 
-// delta_r += sum_j P_rj * dP_rj over one key tile, for the warp-owned rows, in a fixed order.
-// The backward's row term recomputed in float: rowsum(dout * out) with out rounded to bf16 is
-// off by ~|dout||out| 2^-8, an error every dS of the row inherits and dbias sums up.
-template <typename T>
-__device__ inline void accumulate_delta(const ScoreMod& mod, const float* S, const float* dP, const uint8_t* keep,
-                                        const float* lse, float* delta, int64_t m0, int64_t n0) {
-  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float bv[16][2], acc[16];
-  mod.load_bias<T>(keep, m0, n0, bv);
+// C[16 x 64] += A[16 rows of sA] * B[64 rows of sB]^T over D (the "QK^T" pattern): A fragments
+// by ldmatrix from rows a_row0.., B by non-transposed ldmatrix. Two products share the k loop
+// (S and dP have the same shape) so their fragment loads interleave.
+template <typename T, int D, int kUnroll>
+__device__ inline void bwd_gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, float (&c1)[kBlockN / 8][4],
+                                    const T* a1, const T* b1, int a_row0) {
+  constexpr int kLd = tile_ld(D);
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int rr = 0; rr < 16; ++rr) {
-    const int r = w * 16 + rr;
-    const float l = lse[r];
-    acc[rr] = 0.f;
+  for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int c = lane + 32 * u, idx = r * kBlockN + c;
-      float t;
-      const float x = mod(S[idx], keep[idx], bv[rr][u], &t);
-      const float pr = (l == -CUDART_INF_F || x == -CUDART_INF_F) ? 0.f : __expf(x - l);
-      acc[rr] += pr * dP[idx];
+    for (int e = 0; e < 4; ++e) c0[n][e] = c1[n][e] = 0.f;
+  const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
+  const int boff = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
+#pragma unroll kUnroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t fa0[4], fa1[4];
+    ldmatrix_x4(fa0, a0 + aoff + kk * 16);
+    ldmatrix_x4(fa1, a1 + aoff + kk * 16);
+#pragma unroll
+    for (int np = 0; np < kBlockN / 16; ++np) {
+      uint32_t kb[4], vb[4];
+      ldmatrix_x4(kb, b0 + boff + np * 16 * kLd + kk * 16);
+      ldmatrix_x4(vb, b1 + boff + np * 16 * kLd + kk * 16);
+      mma_16816<T>(c0[2 * np], fa0, kb[0], kb[1]);
+      mma_16816<T>(c0[2 * np + 1], fa0, kb[2], kb[3]);
+      mma_16816<T>(c1[2 * np], fa1, vb[0], vb[1]);
+      mma_16816<T>(c1[2 * np + 1], fa1, vb[2], vb[3]);
     }
   }
-  // The 16 rows' reductions interleaved, so their shuffle latencies overlap.
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-    for (int rr = 0; rr < 16; ++rr) acc[rr] += __shfl_xor_sync(0xffffffffu, acc[rr], o);
-  if (lane == 0) {
-#pragma unroll
-    for (int rr = 0; rr < 16; ++rr) delta[w * 16 + rr] += acc[rr];
-  }
-  __syncwarp();
 }
 
-// Adds the float dS tile (rows m0.., keys n0..) into dbias in a fixed order. Called by all
-// threads after a barrier; rows / keys the target broadcasts over are summed here.
-__device__ inline void accumulate_dbias(const DbiasTarget& tgt, const float* dS, int64_t b, int64_t h, int64_t m0,
-                                        int64_t n0, int64_t n_tile, int64_t seqlen_q, int64_t seqlen_k) {
-  const Broadcast4d& L = tgt.layout;
-  float* base = tgt.ptr + n_tile * tgt.tile_stride + b * L.batch_stride + (h / L.head_ratio) * L.head_stride;
-  const int vr = (int)imin(kBlockM, seqlen_q - m0), vc = (int)imin(kBlockN, seqlen_k - n0);
-  if (L.row_stride != 0 && L.col_stride != 0) {
-    // Every read of the tile issued before any add, so the read latencies overlap.
-    constexpr int kPer = kBlockM * kBlockN / kThreads;
-    float old[kPer];
+// One product of the same pattern, for the dkv kernel: there S^T and dP^T are computed one
+// after the other (dV's GEMM in between), so that they are never both live next to dK and dV.
+template <typename T, int D>
+__device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, int a_row0) {
+  constexpr int kLd = tile_ld(D);
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / kBlockN, col = c % kBlockN;
-      old[u] = (r < vr && col < vc) ? base[(m0 + r) * L.row_stride + (n0 + col) * L.col_stride] : 0.f;
-    }
+  for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / kBlockN, col = c % kBlockN;
-      if (r < vr && col < vc) base[(m0 + r) * L.row_stride + (n0 + col) * L.col_stride] = old[u] + dS[c];
+    for (int e = 0; e < 4; ++e) c0[n][e] = 0.f;
+  const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
+  const int boff = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t fa0[4];
+    ldmatrix_x4(fa0, a0 + aoff + kk * 16);
+#pragma unroll
+    for (int np = 0; np < kBlockN / 16; ++np) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, b0 + boff + np * 16 * kLd + kk * 16);
+      mma_16816<T>(c0[2 * np], fa0, kb[0], kb[1]);
+      mma_16816<T>(c0[2 * np + 1], fa0, kb[2], kb[3]);
     }
-  } else if (L.col_stride != 0) {  // per-key bias: sum over the tile's rows
-    for (int col = threadIdx.x; col < vc; col += kThreads) {
-      float s = 0.f;
-      for (int r = 0; r < vr; ++r) s += dS[r * kBlockN + col];
-      base[(n0 + col) * L.col_stride] += s;
+  }
+}
+
+// O[16 x D] += A * B with A the 16 x 64 C fragments `x` repacked to T and B a [64 x D] smem
+// tile read transposed (the "PV" pattern).
+template <typename T, int D>
+__device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlockN / 8][4], const T* sb) {
+  constexpr int kLd = tile_ld(D);
+  const int lane = threadIdx.x % 32;
+  const int boff = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    const uint32_t a[4] = {pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+                           pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]), pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < D / 16; ++dp) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, sb + boff + kk * 16 * kLd + dp * 16);
+      mma_16816<T>(o[2 * dp], a, vb[0], vb[1]);
+      mma_16816<T>(o[2 * dp + 1], a, vb[2], vb[3]);
     }
-  } else if (L.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
-    for (int r = threadIdx.x; r < vr; r += kThreads) {
-      float s = 0.f;
-      for (int col = 0; col < vc; ++col) s += dS[r * kBlockN + col];
-      base[(m0 + r) * L.row_stride] += s;
+  }
+}
+
+// Stores a warp's 16 x D float accumulator (rows r0 + g, r0 + g + 8 of dst) times `mul`.
+template <typename T, int D>
+__device__ inline void bwd_store_acc(T* dst, int64_t rs, const float (&acc)[D / 8][4], float mul, int r0, int valid) {
+  const int lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int r = r0 + g + 8 * hh;
+    if (r < valid) {
+      T* row = dst + r * rs;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        row[d * 8 + 2 * qc] = from_float<T>(acc[d][2 * hh] * mul);
+        row[d * 8 + 2 * qc + 1] = from_float<T>(acc[d][2 * hh + 1] * mul);
+      }
     }
-  } else if (threadIdx.x == 0) {
-    float s = 0.f;
-    for (int r = 0; r < vr; ++r)
-      for (int col = 0; col < vc; ++col) s += dS[r * kBlockN + col];
-    base[0] += s;
   }
 }
 
 template <typename T, int D>
-__device__ inline void store_rows(T* dst, int64_t row_stride, const float* src, int valid) {
-  for (int c = threadIdx.x; c < valid * D; c += kThreads) {
-    const int r = c / D, d = c % D;
-    dst[r * row_stride + d] = from_float<T>(src[c]);
-  }
-}
+struct BwdDqSmem {
+  static constexpr int kTile = align128(kBlockM * tile_ld(D) * 2);
+  static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile;
+  static constexpr int kBias = 4 * kTile;
+  static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
+  static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
+  static constexpr int kBytes = kKeep + 2 * kKeepSlot;
+};
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdParams p, const DbiasTarget dbias, bool vec, bool mask_vec) {
+struct BwdDkvSmem {
+  static constexpr int kTile = align128(kBlockM * tile_ld(D) * 2);
+  static constexpr int kK = 0, kV = kTile, kQ = 2 * kTile, kDO = 3 * kTile;
+  static constexpr int kBias = 4 * kTile;
+  static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
+  static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
+  static constexpr int kL2 = kKeep + 2 * kKeepSlot;
+  static constexpr int kDelta = kL2 + align128(kBlockM * 4);
+  static constexpr int kDS = kDelta + align128(kBlockM * 4);
+  static constexpr int kBytes = kDS + align128(kBlockN * kBwdLdDS * 4);
+};
+
+constexpr float kBwdLog2e = 1.4426950408889634f;
+
+// lse in log2 units; an empty row (lse -inf) or a row past the length gets +inf, so that
+// exp2(x - l2) is 0 for every x including -inf, without a branch.
+__device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kBwdLog2e; }
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
   extern __shared__ __align__(128) unsigned char smem[];
-  using L = BwdSmem<T, D>;
+  using L = BwdDqSmem<T, D>;
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sDO = reinterpret_cast<T*>(smem + L::kDO);
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  T* sB = reinterpret_cast<T*>(smem + L::kBias);
+  uint8_t* sKeep = smem + L::kKeep;
+
+  // Heaviest (last, under causal) query tiles first, heads interleaved.
+  const int nh = (int)p.num_heads;
+  const int64_t h = (int)blockIdx.x % nh, b = blockIdx.y;
+  const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
+  const int64_t kvh = (int)h / (int)(p.num_heads / p.num_heads_k);
+  const int64_t m0 = m_tile * kBlockM;
+  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+
+  bwd_issue_rows<T, D>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride,
+                       p.q_row_stride, vr, f.qkv_vec);
+  bwd_issue_rows<T, D>(sDO, static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                                m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+  cp_async_commit();
+
+  const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
+  const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
+  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
+  const BwdPlane<T> bias(p.bias, b, h);
+  const BwdPlane<uint8_t> mask(p.mask, b, h);
+  const float scf = p.softcap > 0.f ? 1.f : 0.f;
+  const float mulf = p.softcap > 0.f ? p.softcap * kBwdLog2e : p.softmax_scale * kBwdLog2e;
+  const float soc = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
+
+  float l2[2], delta[2] = {0.f, 0.f};
+  {
+    const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = w * 16 + g + 8 * hh;
+      l2[hh] = r < vr ? bwd_l2(lse[m0 + r]) : CUDART_INF_F;
+    }
+  }
+  int64_t kend = p.seqlen_k;
+  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
+  const int64_t n_end = kend <= 0 ? 0 : ceil_div(kend, kBlockN);
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[d][e] = 0.f;
+
+  // First kept key tile >= t, its keep tile built into `slot` (only where a mask or a cut
+  // tile needs one); n_end if none. Block-uniform.
+  auto find_next = [&](int64_t t, uint8_t* slot) -> int64_t {
+#pragma unroll 1
+    for (; t < n_end; ++t) {
+      const BwdBounds tb(p, m0, t * kBlockN);
+      if (has_mask) {
+        if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
+      } else if (tb.any()) {
+        if (!tb.full) bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN);
+        return t;
+      }
+    }
+    return n_end;
+  };
+
+  // Pass 0: delta; pass 1: dQ. The same tiles are skipped in both. The pass is a compile-time
+  // constant so the element loop has no branch on it.
+  auto run_pass = [&](auto pass_c) {
+    constexpr int pass = decltype(pass_c)::value;
+    float dacc[2] = {0.f, 0.f};
+    int slot = 0;
+    int64_t t = find_next(0, sKeep);
+#pragma unroll 1
+    while (t < n_end) {
+      const int64_t n0 = t * kBlockN;
+      const BwdBounds tb(p, m0, n0);
+      const bool use_keep = has_mask || !tb.full;
+      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
+      bwd_issue_rows<T, D>(sK, kp + n0 * p.k_row_stride, p.k_row_stride, tb.lim_c, f.qkv_vec);
+      bwd_issue_rows<T, D>(sV, vp + n0 * p.v_row_stride, p.v_row_stride, tb.lim_c, f.qkv_vec);
+      if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
+      cp_async_commit();
+      // The next kept tile is found (its mask bytes read) while this tile's copies fly.
+      const int64_t tn = find_next(t + 1, sKeep + (slot ^ 1) * L::kKeepSlot);
+      cp_async_wait<0>();
+      __syncthreads();
+
+      float s[kBlockN / 8][4], dp[kBlockN / 8][4];
+      bwd_gemm_nt2<T, D, D / 16>(s, sQ, sK, dp, sDO, sV, w * 16);
+      if (scf != 0.f) {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] = tanhf(s[n][e] * soc);
+      }
+      // s holds raw q.k (or tanh of it under softcap); x = score in log2 units.
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w * 16 + g + 8 * hh, col = n * 8 + 2 * qc;
+          float2 bv = make_float2(0.f, 0.f);
+          if (has_bias) bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sB + r * kBwdLdBias + col));
+          uint32_t kv2 = 0x0101u;
+          if (use_keep) kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kBwdLdKeep + col);
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int e = 2 * hh + e1;
+            const float raw = s[n][e];
+            float x = fmaf(e1 ? bv.y : bv.x, kBwdLog2e, raw * mulf);
+            x = ((kv2 >> (8 * e1)) & 0xffu) ? x : -CUDART_INF_F;
+            const float pr = exp2f(x - l2[hh]);
+            if constexpr (pass == 0) {
+              dacc[hh] = fmaf(pr, dp[n][e], dacc[hh]);
+            } else {
+              s[n][e] = pr * (dp[n][e] - delta[hh]) * fmaf(-scf * raw, raw, 1.f);
+            }
+          }
+        }
+      if constexpr (pass == 1) bwd_gemm_pv<T, D>(dq, s, sK);
+      __syncthreads();  // K / V / bias and this keep slot are free for the next tile
+      t = tn;
+      slot ^= 1;
+    }
+    cp_async_wait<0>();  // Q / dO copies of a CTA that kept no tile
+    if constexpr (pass == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 1);
+        dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 2);
+        delta[hh] = dacc[hh];
+      }
+      float* d = static_cast<float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q + m0;
+      if (qc == 0) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          if (w * 16 + g + 8 * hh < vr) d[w * 16 + g + 8 * hh] = delta[hh];
+      }
+    }
+  };
+  run_pass(std::integral_constant<int, 0>{});
+  run_pass(std::integral_constant<int, 1>{});
+  bwd_store_acc<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
+                      p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  using L = BwdDkvSmem<T, D>;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sDO = reinterpret_cast<T*>(smem + L::kDO);
-  float* sS = reinterpret_cast<float*>(smem + L::kS);
-  float* sDP = reinterpret_cast<float*>(smem + L::kDP);
-  T* sP = reinterpret_cast<T*>(smem + L::kP);
-  T* sDS = reinterpret_cast<T*>(smem + L::kDS);
-  float* sDK = reinterpret_cast<float*>(smem + L::kAcc0);
-  float* sDV = reinterpret_cast<float*>(smem + L::kAcc1);
-  uint8_t* keep = smem + L::kKeep;
-  float* sLse = reinterpret_cast<float*>(smem + L::kLse);
+  T* sB = reinterpret_cast<T*>(smem + L::kBias);
+  uint8_t* sKeep = smem + L::kKeep;
+  float* sL2 = reinterpret_cast<float*>(smem + L::kL2);
   float* sDelta = reinterpret_cast<float*>(smem + L::kDelta);
+  float* sDS = reinterpret_cast<float*>(smem + L::kDS);
 
   const int64_t n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int64_t n0 = n_tile * kBlockN;
   const int64_t ratio = p.num_heads / p.num_heads_k;
-  KVTileLoader<T, D> load_kv{static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
-                             static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
-                             p.k_row_stride, p.v_row_stride, p.seqlen_k, vec};
-  load_kv(n_tile, sK, sV);
-  for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) { sDK[c] = 0.f; sDV[c] = 0.f; }
+  const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+
+  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
+  bwd_issue_rows<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride + n0 * p.k_row_stride,
+                       p.k_row_stride, vc, f.qkv_vec);
+  bwd_issue_rows<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride + n0 * p.v_row_stride,
+                       p.v_row_stride, vc, f.qkv_vec);
+  cp_async_commit();
+
+  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = dbias.ptr != nullptr;
+  const float scf = p.softcap > 0.f ? 1.f : 0.f;
+  const float mulf = p.softcap > 0.f ? p.softcap * kBwdLog2e : p.softmax_scale * kBwdLog2e;
+  const float soc = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
+
+  float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
 
   // Causal: the first query row that sees key n0 is n0 - (K - Q).
   int64_t m_first = 0;
   if (p.is_causal) m_first = imax(0, n0 - (p.seqlen_k - p.seqlen_q));
   const int64_t m_tiles = ceil_div(p.seqlen_q, kBlockM);
-  for (int64_t g = 0; g < ratio; ++g) {
-    const int64_t h = kvh * ratio + g;
-    const ScoreMod mod{p.softmax_scale, p.softcap, p.bias, b, h};
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-    const T* dout = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-    for (int64_t mt = m_first / kBlockM; mt < m_tiles; ++mt) {
-      const int64_t m0 = mt * kBlockM;
-      __syncthreads();
-      if (!load_keep_tile(keep, p.mask, mask_vec, b, h, m0, n0, p.seqlen_q, p.seqlen_k, p.is_causal)) continue;
-      const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
-      load_rows<T, kBlockM, D>(sQ, q + m0 * p.q_row_stride, p.q_row_stride, vr, vec);
-      load_rows<T, kBlockM, D>(sDO, dout + m0 * p.do_row_stride, p.do_row_stride, vr, vec);
-      load_row_stats(p, sLse, sDelta, b, h, m0);
-      __syncthreads();
-      warp_gemm<T, kBlockN, D, false, true, false>(sS, kBlockN, sQ, tile_ld(D), sK, tile_ld(D));
-      warp_gemm<T, kBlockN, D, false, true, false>(sDP, kBlockN, sDO, tile_ld(D), sV, tile_ld(D));
-      grad_scores<T>(mod, sS, sDP, keep, sLse, sDelta, sP, sDS, m0, n0);
-      __syncthreads();
-      if (dbias.ptr) accumulate_dbias(dbias, sS, b, h, m0, n0, n_tile, p.seqlen_q, p.seqlen_k);
-      // Rows of dK / dV are keys: A = P^T and dS^T, read transposed from the row-major tiles.
-      warp_gemm<T, D, kBlockM, true, false, true>(sDV, D, sP, kLdP, sDO, tile_ld(D));
-      warp_gemm<T, D, kBlockM, true, false, true>(sDK, D, sDS, kLdP, sQ, tile_ld(D));
+  const Broadcast4d& DL = dbias.layout;
+  const int64_t mt_begin = m_first / kBlockM;
+  // Work items (query head gq, query tile mt) in a fixed order. find_next advances to the first
+  // kept one at or after (gq, mt), its keep tile built into `slot`; false when none is left.
+  // Block-uniform.
+  auto find_next = [&](int64_t& gq, int64_t& mt, uint8_t* slot) -> bool {
+#pragma unroll 1
+    for (; gq < ratio; ++gq, mt = mt_begin) {
+      const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
+#pragma unroll 1
+      for (; mt < m_tiles; ++mt) {
+        const BwdBounds tb(p, mt * kBlockM, n0);
+        if (has_mask) {
+          if (bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
+        } else if (tb.any()) {
+          if (!tb.full) bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0);
+          return true;
+        }
+      }
     }
-  }
-  __syncthreads();
-  const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
-  store_rows<T, D>(static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride,
-                   p.dk_row_stride, sDK, vc);
-  store_rows<T, D>(static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride,
-                   p.dv_row_stride, sDV, vc);
-}
+    return false;
+  };
+  int64_t gq = 0, mt = mt_begin;
+  int slot = 0;
+  bool have = find_next(gq, mt, sKeep);
+#pragma unroll 1
+  while (have) {
+    {
+      const int64_t h = kvh * ratio + gq;
+      const BwdPlane<T> bias(p.bias, b, h);
+      const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+      const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+      const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+      const float* dlt = static_cast<const float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
+      const int64_t m0 = mt * kBlockM;
+      const BwdBounds tb(p, m0, n0);
+      const int vr = tb.lim_r;
+      bwd_issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
+      bwd_issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+      if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
+      cp_async_commit();
+      if (threadIdx.x < kBlockM) {
+        const int r = threadIdx.x;
+        sL2[r] = r < vr ? bwd_l2(lse[m0 + r]) : CUDART_INF_F;
+        sDelta[r] = r < vr ? dlt[m0 + r] : 0.f;
+      }
+    }
+    // The next kept item is found (its mask bytes read) while this item's copies fly.
+    int64_t gq_n = gq, mt_n = mt + 1;
+    const bool have_n = find_next(gq_n, mt_n, sKeep + (slot ^ 1) * L::kKeepSlot);
+    cp_async_wait<0>();
+    __syncthreads();
+    {
+      const int64_t h = kvh * ratio + gq;
+      const int64_t m0 = mt * kBlockM;
+      const BwdBounds tb(p, m0, n0);
+      const int vr = tb.lim_r;
+      const bool use_keep = has_mask || !tb.full;
+      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
+      float* db_base = want_db ? dbias.ptr + n_tile * dbias.tile_stride + b * DL.batch_stride +
+                                     (int)h / (int)DL.head_ratio * DL.head_stride
+                               : nullptr;
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdParams p, bool vec, bool mask_vec) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  using L = BwdSmem<T, D>;
-  T* sK = reinterpret_cast<T*>(smem + L::kK);
-  T* sV = reinterpret_cast<T*>(smem + L::kV);
-  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
-  T* sDO = reinterpret_cast<T*>(smem + L::kDO);
-  float* sS = reinterpret_cast<float*>(smem + L::kS);
-  float* sDP = reinterpret_cast<float*>(smem + L::kDP);
-  T* sDS = reinterpret_cast<T*>(smem + L::kDS);
-  float* sDQ = reinterpret_cast<float*>(smem + L::kAcc0);
-  uint8_t* keep = smem + L::kKeep;
-  float* sLse = reinterpret_cast<float*>(smem + L::kLse);
-  float* sDelta = reinterpret_cast<float*>(smem + L::kDelta);
+      // Transposed scores: rows = this warp's 16 keys, columns = the tile's 64 queries. The
+      // additive part of each score in log2 units (bias - lse, or -inf where dropped) is first
+      // gathered from the [query][key] bias / keep tiles into this warp's rows of sDS, so the
+      // element loop after the GEMMs reads one float2 per pair instead of four scattered
+      // scalars (whose hoisted loads cost the registers that dK / dV need).
+      {
+        const float2* l2v = reinterpret_cast<const float2*>(sL2);
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
+            const float2 l2c = l2v[c / 2];
+            float a0 = -l2c.x, a1 = -l2c.y;
+            if (has_bias) {
+              a0 = fmaf(to_float<T>(sB[c * kBwdLdBias + r]), kBwdLog2e, a0);
+              a1 = fmaf(to_float<T>(sB[(c + 1) * kBwdLdBias + r]), kBwdLog2e, a1);
+            }
+            if (use_keep) {
+              a0 = keep[c * kBwdLdKeep + r] ? a0 : -CUDART_INF_F;
+              a1 = keep[(c + 1) * kBwdLdKeep + r] ? a1 : -CUDART_INF_F;
+            }
+            *reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c) = make_float2(a0, a1);
+          }
+        __syncwarp();
+      }
+      float s[kBlockN / 8][4];
+      bwd_gemm_nt<T, D>(s, sK, sQ, w * 16);
+      if (scf != 0.f) {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] = tanhf(s[n][e] * soc);
+      }
+      // P^T; the softcap derivative 1 - t^2 is kept where the additive term was (read once).
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
+          float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
+          const float2 add = *slot;
+          const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
+          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x));
+          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
+          *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
+        }
+      bwd_gemm_pv<T, D>(dv, s, sDO);
+      float dp[kBlockN / 8][4];
+      bwd_gemm_nt<T, D>(dp, sV, sDO, w * 16);
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n) {
+        const int c = n * 8 + 2 * qc;  // query
+        const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w * 16 + g + 8 * hh;  // key
+          float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
+          const float2 der = *slot;
+          const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
+          const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
+          *slot = make_float2(ds0, ds1);  // this thread's own slot: no hazard
+          dp[n][2 * hh] = ds0 * der.x;
+          dp[n][2 * hh + 1] = ds1 * der.y;
+        }
+      }
+      bwd_gemm_pv<T, D>(dk, dp, sQ);
 
-  const int64_t m_tile = gridDim.x - 1 - blockIdx.x;
-  const int64_t h = blockIdx.y, b = blockIdx.z;
-  const int64_t kvh = h / (p.num_heads / p.num_heads_k);
-  const int64_t m0 = m_tile * kBlockM;
-  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
-  load_rows<T, kBlockM, D>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride,
-                           p.q_row_stride, vr, vec);
-  load_rows<T, kBlockM, D>(sDO, static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                                    m0 * p.do_row_stride, p.do_row_stride, vr, vec);
-  load_row_stats(p, sLse, sDelta, b, h, m0);
-  for (int c = threadIdx.x; c < kBlockM * D; c += kThreads) sDQ[c] = 0.f;
-
-  KVTileLoader<T, D> load_kv{static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride,
-                             static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride,
-                             p.k_row_stride, p.v_row_stride, p.seqlen_k, vec};
-  const ScoreMod mod{p.softmax_scale, p.softcap, p.bias, b, h};
-  int64_t kend = p.seqlen_k;
-  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
-  const int64_t n_end = kend <= 0 ? 0 : ceil_div(kend, kBlockN);
-  // Pass 1: delta = rowsum(P * dP) in float over all visible key tiles; written to softmax_d
-  // for dkv_kernel, which runs after this kernel.
-  for (int r = threadIdx.x; r < kBlockM; r += kThreads) sDelta[r] = 0.f;
-  for (int64_t t = 0; t < n_end; ++t) {
-    __syncthreads();
-    if (!load_keep_tile(keep, p.mask, mask_vec, b, h, m0, t * kBlockN, p.seqlen_q, p.seqlen_k, p.is_causal)) continue;
-    load_kv(t, sK, sV);
-    __syncthreads();
-    warp_gemm<T, kBlockN, D, false, true, false>(sS, kBlockN, sQ, tile_ld(D), sK, tile_ld(D));
-    warp_gemm<T, kBlockN, D, false, true, false>(sDP, kBlockN, sDO, tile_ld(D), sV, tile_ld(D));
-    accumulate_delta<T>(mod, sS, sDP, keep, sLse, sDelta, m0, t * kBlockN);
+      if (want_db) {
+        __syncthreads();
+        // Fixed order: per element one add per (head, query tile); broadcast rows / keys summed
+        // here in index order.
+        const int lc = tb.lim_c;
+        if (DL.row_stride != 0 && DL.col_stride != 0) {
+          // Thread owns key column tid % 64 of rows tid / 64 + 2u: one base pointer and one
+          // stride, so the 32 reads (issued before any add) need no per-element 64-bit math.
+          constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
+          const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
+          float* dst = db_base + (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
+          const int64_t step = kRowStep * DL.row_stride;
+          const bool col_ok = col < lc;
+          float old[kPer];
+#pragma unroll
+          for (int u = 0; u < kPer; ++u) old[u] = (col_ok && r0 + kRowStep * u < vr) ? dst[u * step] : 0.f;
+#pragma unroll
+          for (int u = 0; u < kPer; ++u)
+            if (col_ok && r0 + kRowStep * u < vr) dst[u * step] = old[u] + sDS[col * kBwdLdDS + r0 + kRowStep * u];
+        } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
+          if (threadIdx.x < lc) {
+            const int col = threadIdx.x;
+            float acc = 0.f;
+            for (int r = 0; r < vr; ++r) acc += sDS[col * kBwdLdDS + r];
+            db_base[(n0 + col) * DL.col_stride] += acc;
+          }
+        } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
+          if (threadIdx.x < vr) {
+            const int r = threadIdx.x;
+            float acc = 0.f;
+            for (int col = 0; col < lc; ++col) acc += sDS[col * kBwdLdDS + r];
+            db_base[(m0 + r) * DL.row_stride] += acc;
+          }
+        } else if (threadIdx.x == 0) {
+          float acc = 0.f;
+          for (int r = 0; r < vr; ++r)
+            for (int col = 0; col < lc; ++col) acc += sDS[col * kBwdLdDS + r];
+          db_base[0] += acc;
+        }
+      }
+    }
+    __syncthreads();  // Q / dO / bias / sDS and this keep slot are free for the next item
+    gq = gq_n;
+    mt = mt_n;
+    have = have_n;
+    slot ^= 1;
   }
-  __syncthreads();
-  {
-    float* d = static_cast<float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
-    for (int r = threadIdx.x; r < vr; r += kThreads) d[m0 + r] = sDelta[r];
-  }
-  // Pass 2: dQ.
-  for (int64_t t = 0; t < n_end; ++t) {
-    __syncthreads();
-    if (!load_keep_tile(keep, p.mask, mask_vec, b, h, m0, t * kBlockN, p.seqlen_q, p.seqlen_k, p.is_causal)) continue;
-    load_kv(t, sK, sV);
-    __syncthreads();
-    warp_gemm<T, kBlockN, D, false, true, false>(sS, kBlockN, sQ, tile_ld(D), sK, tile_ld(D));
-    warp_gemm<T, kBlockN, D, false, true, false>(sDP, kBlockN, sDO, tile_ld(D), sV, tile_ld(D));
-    grad_scores<T>(mod, sS, sDP, keep, sLse, sDelta, static_cast<T*>(nullptr), sDS, m0, t * kBlockN);
-    warp_gemm<T, D, kBlockN, false, false, true>(sDQ, D, sDS, kLdP, sK, tile_ld(D));
-  }
-  __syncthreads();
-  store_rows<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
-                   p.dq_row_stride, sDQ, vr);
+  cp_async_wait<0>();
+  bwd_store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
+  bwd_store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
 }
 
 // Sums the per-key-tile dbias slices into the accumulator in tile order.
-__global__ void reduce_dbias_tiles(float* accum, const float* scratch, int64_t span, int64_t tiles) {
+__global__ void bwd_reduce_dbias_tiles(float* accum, const float* scratch, int64_t span, int64_t tiles) {
   for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < span; e += (int64_t)gridDim.x * blockDim.x) {
     float s = accum[e];
     for (int64_t t = 0; t < tiles; ++t) s += scratch[t * span + e];

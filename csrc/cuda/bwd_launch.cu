@@ -1,6 +1,7 @@
-// Grids and launches of the backward: dK/dV/dbias (one CTA per key tile, kv head, batch), then
-// dQ (one CTA per query tile, head, batch); a bias broadcast over keys gets per-key-tile dbias
-// slices summed in tile order afterwards, so no two CTAs ever write the same element.
+// Grids and launches of the backward: dQ (one CTA per query tile and head, heavy tiles first;
+// it also writes the float delta into softmax_d), then dK/dV/dbias (one CTA per key tile, kv
+// head, batch); a bias broadcast over keys gets per-key-tile dbias slices summed in tile order
+// afterwards, so no two CTAs ever write the same element.
 #include "bwd_kernel.cuh"
 #include "launch.h"
 
@@ -9,16 +10,20 @@ namespace cuda {
 
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
-  constexpr int kSmem = BwdSmem<T, D>::kBytes;
-  cudaFuncSetAttribute(dkv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  cudaFuncSetAttribute(dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  const bool vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
-                   aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
-                   aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride) &&
-                   aligned16(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  constexpr int kSmemQ = BwdDqSmem<T, D>::kBytes, kSmemKV = BwdDkvSmem<T, D>::kBytes;
+  cudaFuncSetAttribute(bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemQ);
+  cudaFuncSetAttribute(bwd_dkv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  BwdFlags f;
+  f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
+              aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
+              aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride) &&
+              aligned16(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  f.mask_vec = mask_rows_aligned(p);
+  f.bias_vec = p.bias.ptr && p.bias.col_stride == 1 &&
+               aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN);
 
-  DbiasTarget dbias;
+  BwdDbias dbias;
   float* scratch = nullptr;
   int64_t span = 0;
   if (p.dbias_accum.ptr) {
@@ -35,16 +40,15 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
       dbias.tile_stride = span;
     }
   }
-  const bool mask_vec = mask_rows_aligned(p);
-  // dq first: it rewrites softmax_d with the float delta that dkv_kernel reads.
-  dim3 grid_q((unsigned)ceil_div(p.seqlen_q, kBlockM), (unsigned)p.num_heads, (unsigned)p.batch);
-  dq_kernel<T, D><<<grid_q, kThreads, kSmem, stream>>>(p, vec, mask_vec);
+  // dq first: it writes softmax_d with the float delta that the dkv kernel reads.
+  dim3 grid_q((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch);
+  bwd_dq_kernel<T, D><<<grid_q, kThreads, kSmemQ, stream>>>(p, f);
   dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
-  dkv_kernel<T, D><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, vec, mask_vec);
+  bwd_dkv_kernel<T, D><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
   if (scratch) {
     const int blocks = (int)imin(1024, ceil_div(span, 256));
-    reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
-                                                    scratch, span, n_tiles);
+    bwd_reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
+                                                        scratch, span, n_tiles);
     cudaFreeAsync(scratch, stream);
   }
 }

@@ -252,8 +252,10 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
     }
 }
 
+// At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
+// per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem[];
   using L = FwdSmem<T, D>;
   constexpr int kLd = tile_ld(D);
