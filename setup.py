@@ -39,9 +39,35 @@ def _want_cuda():
     return torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None
 
 
+def _static_libstdcxx():
+    """True when the C++ compiler has no shared libstdc++ to link, so the extension gets a private
+    static copy. Then a C++ exception thrown in the extension (every failed input check) meets
+    torch's own runtime on its way out and the process dies with SIGSEGV instead of raising: seen
+    with a GCC build that shipped only libstdc++.a. Naming -lstdc++ does not help, there is no
+    shared library to find; the fix is CXX=<a compiler with libstdc++.so>."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import subprocess
+
+    cxx = os.environ.get("CXX") or "c++"
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    # GCC prints the bare name back when it does not find the file.
+    return not os.path.isabs(found)
+
+
 def _write_build_info(with_cuda, head_dims, archs):
+    static = _static_libstdcxx()
+    if static:
+        print(f"WARNING: {os.environ.get('CXX') or 'c++'} has no shared libstdc++; flexdma._C links it "
+              "statically and any C++ error raised inside it will crash the process. Set CXX to a "
+              "compiler that has libstdc++.so.", file=sys.stderr)
     text = (
         "# Written by setup.py at build time.\n"
+        f"STATIC_LIBSTDCXX = {static!r}\n"
         f"WITH_CUDA = {with_cuda!r}\n"
         f"CUDA_HEAD_DIMS = {tuple(head_dims) if with_cuda else ()!r}\n"
         f"CUDA_ARCHS = {tuple(archs) if with_cuda else ()!r}\n"
@@ -53,11 +79,7 @@ def _extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx = ["-O3", "-std=c++17"]
-    # Name the C++ runtime explicitly so that it is linked as the shared library torch uses. A
-    # toolchain seen on a GPU machine linked libstdc++ statically into the extension by default;
-    # that private copy's locale state was never set up, and formatting the message of any failed
-    # TORCH_CHECK crashed the process (SIGSEGV in std::ostream::_M_insert<long>).
-    link = ["-lstdc++"] if sys.platform.startswith("linux") else []
+    link = []
     sources = sorted(glob.glob("ops/flexdma_ops.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     with_cuda = _want_cuda()
     head_dims = _head_dims()

@@ -18,6 +18,13 @@ if _dispatch._ops_loaded() is not None:  # pragma: no cover - only without a bui
     import warnings as _warnings
 
     _warnings.warn(f"flexdma: {_dispatch._ops_loaded()}; only the 'flex' and 'reference' backends work")
+elif getattr(_dispatch._build_info(), "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
+    import warnings as _warnings
+
+    # The failure it warns of is a crash, which no test can catch in-process: say it up front.
+    _warnings.warn("flexdma: flexdma._C was built with a compiler that links libstdc++ statically; an input "
+                   "error detected inside the C++ ops will crash the process instead of raising. Rebuild "
+                   "with CXX set to a compiler that has a shared libstdc++.")
 
 __all__ = ["flash_dma_attention", "dynamic_mask_attention", "create_mask", "available_backends", "attention_ref", "nn",
            "__version__"]

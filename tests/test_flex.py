@@ -137,8 +137,10 @@ def test_block_tiles_kernel_interpreted_on_cpu():
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
+    # The child imports flexdma the way this process did (an editable install may point elsewhere).
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(flex.__file__)))  # flexdma/flex.py
     env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (here, pkg_root, os.environ.get("PYTHONPATH")) if p))
     # One child per causal setting, run side by side: the interpreter is slow.
     procs = [subprocess.Popen([sys.executable, "-c", f"import test_flex; test_flex._check_block_tiles({c})"], env=env,
                               cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -4,6 +4,7 @@
 # ends up in $1/check.tgz plus a summary on stdout (the machine returns at most a few files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. tools/pick_cxx.sh
 out=$1; w=$(mktemp -d); mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 python3 -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1

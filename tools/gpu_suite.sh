@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU machine's part of the project's checks:
-#   bash tools/gpu_suite.sh build-test OUTDIR   # build (sm_90, head dims 64,128), self-check, GPU tests,
-#                                               # compute-sanitizer on small calls, flex check
+#   bash tools/gpu_suite.sh tests OUTDIR        # build (sm_90, head dims 64,128), self-check, GPU tests
+#   bash tools/gpu_suite.sh checks OUTDIR       # build, compute-sanitizer on small calls, flex check
+#   bash tools/gpu_suite.sh build-test OUTDIR   # both (may not fit one 10-minute call)
 #   PART=1|2 bash tools/gpu_suite.sh bench OUTDIR   # half of the benchmark suite (builds first)
 # Logs and JSON go under OUTDIR (a few files: the machine returns at most eight). COMMIT names the
 # commit measured (the copy may have no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. tools/pick_cxx.sh
 mode=$1; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
@@ -18,18 +20,25 @@ build() {
     $PY -m pip install --no-build-isolation --no-deps -e . > "$1" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s )) s"
 }
-if [ "$mode" = build-test ]; then
-  log=$out/gpu_tests.log
+header() {
   { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     echo "CXX=${CXX:-} CC=${CC:-}"; build "$out/build.log"
-    readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
+    readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee -a "$1"
+}
+if [ "$mode" = build-test ] || [ "$mode" = tests ]; then
+  log=$out/gpu_tests.log
+  header "$log"
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
   # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
   # AOTInductor runs on its own: a crash there must not take the other results with it.
-  timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -ra -p no:cacheprovider tests -k "not cpu and not aoti" >> "$log" 2>&1
+  timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -ra -p no:cacheprovider tests -k "not cpu and not aoti" --durations=12 >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"; tail -4 "$log"
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
+fi
+if [ "$mode" = build-test ] || [ "$mode" = checks ]; then
+  log=$out/gpu_checks.log
+  [ "$mode" = checks ] && header "$log"
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
     for c in "small 64" "small 128" "decode 128"; do
