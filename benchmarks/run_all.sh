@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The benchmark suite on an H100, every section against every peer, in two calls of ~9 minutes:
+# The benchmark suite on an H100, every section against every peer, in three calls of <= 8 minutes:
 #   PART=1 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # forward, decode
-#   PART=2 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # backward, window sweep, equivalence
+#   PART=2 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # backward, equivalence
+#   PART=3 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # window sweep
 # OUTDIR receives one JSON per subcommand (plots are left to `python -m benchmarks report`, which
 # also rewrites benchmarks/RESULTS.md once the JSON files are in benchmarks/results/) and run.log.
 # COMMIT defaults to `git describe --always --dirty`; pass it where the tree has no .git.
@@ -45,19 +46,18 @@ if [ "${QUICK:-0}" = 1 ]; then
   section 80 window --quick
   section 80 equivalence --quick --d 128
 else
-  # The full suite in two calls of under 10 minutes each (PART=1, then PART=2); lengths step x4
-  # so that both head dims and both bias kinds fit.
-  if [ "${PART:-1}" = 1 ]; then
-    # ~170 s: 20 cases, flexattn compiles each shape (2-11 s)
-    section 220 forward --lengths 256,1024,4096,16384,32768 --d 128,64
-    # ~100 s: one query against 256 .. 512K keys
-    section 150 decode --d 128,64 --lengths 256,1024,4096,16384,65536,262144,524288
-  else
-    # ~200 s: sdpa's backward is skipped above 16K (LIMITS: ~75 ms a call)
-    section 230 backward --lengths 256,1024,4096,16384,32768 --d 128,64
-    # ~30 s a window at 32K (forward + backward)
-    section 230 window --d 128 --bias per-row --windows 32,256,1024,4096,16384,32768
-    section 60 equivalence --quick
-  fi
+  # The seed's tables: every power of two from 256 to 32K (training) and to 512K (decode), both
+  # head dims, both bias kinds; the window sweep at 32K in x4 steps (D=128, per-row bias).
+  LENGTHS=256,512,1024,2048,4096,8192,16384,32768
+  case "${PART:-1}" in
+    1)  # ~250 s: flexattn compiles each shape (2-11 s); then one query against 256 .. 512K keys
+      section 300 forward --lengths $LENGTHS --d 128,64
+      section 170 decode --d 128,64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
+    2)  # ~300 s: sdpa's backward is skipped above 16K (LIMITS: ~75 ms a call)
+      section 330 backward --lengths $LENGTHS --d 128,64
+      section 80 equivalence --quick ;;
+    3)  # ~30 s a window at 32K (forward + backward)
+      section 260 window --d 128 --bias per-row --windows 32,128,512,2048,8192,32768 ;;
+  esac
 fi
 echo "== total $(( $(date +%s) - t0 )) s; files:"; ls -la "$out"

@@ -1,33 +1,30 @@
 #!/usr/bin/env bash
-# The GPU machine's part of the project's checks:
-#   bash tools/gpu_suite.sh tests OUTDIR        # build (sm_90, head dims 64,128), self-check, GPU tests
-#   bash tools/gpu_suite.sh checks OUTDIR       # build, compute-sanitizer on small calls, flex check
-#   bash tools/gpu_suite.sh build-test OUTDIR   # both (may not fit one 10-minute call)
-#   PART=1|2 bash tools/gpu_suite.sh bench OUTDIR   # half of the benchmark suite (builds first)
-# Logs and JSON go under OUTDIR (a few files: the machine returns at most eight). COMMIT names the
-# commit measured (the copy may have no .git).
+# The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
+#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests, AOTInductor tests
+#   bash tools/gpu_suite.sh checks OUTDIR         # compute-sanitizer on small calls, flex check
+#   PART=1|2 bash tools/gpu_suite.sh bench OUTDIR # half of the benchmark suite
+#   bash tools/gpu_suite.sh checks+bench OUTDIR   # parts joined by '+' run in one call
+# Every call builds first (sm_90, head dims 64,128). Logs and JSON go under OUTDIR (a few files:
+# the machine returns at most eight). COMMIT names the commit measured (the copy may have no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/pick_cxx.sh
-mode=$1; out=$2; mkdir -p "$out"
+modes=" ${1//+/ } "; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 $PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
-build() {
-  local s=$(date +%s)
+has() { [[ "$modes" == *" $1 "* ]]; }
+
+log=$out/gpu_$(echo "$1" | tr '+' '_').log
+{ echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
   FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-64,128} MAX_JOBS=16 \
-    $PY -m pip install --no-build-isolation --no-deps -e . > "$1" 2>&1
+    $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s )) s"
-}
-header() {
-  { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-    echo "CXX=${CXX:-} CC=${CC:-}"; build "$out/build.log"
-    readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee -a "$1"
-}
-if [ "$mode" = build-test ] || [ "$mode" = tests ]; then
-  log=$out/gpu_tests.log
-  header "$log"
+  readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
+
+if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
   # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
   # AOTInductor runs on its own: a crash there must not take the other results with it.
@@ -36,22 +33,20 @@ if [ "$mode" = build-test ] || [ "$mode" = tests ]; then
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
 fi
-if [ "$mode" = build-test ] || [ "$mode" = checks ]; then
-  log=$out/gpu_checks.log
-  [ "$mode" = checks ] && header "$log"
+if has checks; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
-    for c in "small 64" "small 128" "decode 128"; do
-      timeout 150 "$SAN" --tool $tool --error-exitcode 9 $PY tools/kernel_probe.py $c > "$out/san.tmp" 2>&1
-      echo "compute-sanitizer $tool $c rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
-    done
+    # One process for every case: forward + backward at both head dims and both dbias paths, and
+    # the split-key decode forward.
+    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY tools/kernel_probe.py small 64 small 128 smallkey 128 decode 128 \
+      > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool (small 64/128, smallkey 128, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
   done
   rm -f "$out/san.tmp"
   timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
-  echo "flex_check rc=$?"; tail -12 "$out/flex_check.log"
+  echo "flex_check rc=$?" | tee -a "$log"; tail -40 "$out/flex_check.log"
 fi
-if [ "$mode" = bench ]; then
-  build "$out/build_bench.log"
+if has bench; then
   DEADLINE_S=${DEADLINE_S:-500} bash benchmarks/run_all.sh "$out" "$commit" > /dev/null 2>&1
   tail -30 "$out/run.log"; rm -f "$out"/*.png
 fi
