@@ -16,8 +16,9 @@
 //                 Head index = h / head_ratio, head_ratio = H / (number of heads of that tensor);
 //                 with one head its head stride is 0, so the ratio does not matter.
 //   dbias         accumulated in float into `dbias_accum` (see BwdParams), never with atomics:
-//                 each (batch, kv head, key tile) work item loops over its query heads and all
-//                 query rows in a fixed order, so the result is bitwise reproducible.
+//                 each (batch, kv head, key tile) work item loops over all query rows and its
+//                 query heads in a fixed order, so the result is bitwise reproducible. A kernel
+//                 may store the final values in the bias dtype instead (`dbias_in_dtype`).
 #pragma once
 #include <cstdint>
 
@@ -59,7 +60,8 @@ struct BwdParams : FwdParams {
   void* dk = nullptr; int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   void* dv = nullptr; int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
-  // dbias: float32 (float64 for kFloat64) buffer, zero-filled by the caller, or nullptr when
+  // dbias: float32 (float64 for kFloat64) buffer (the bias dtype under dbias_in_dtype below),
+  // zero-filled by the caller, or nullptr when
   // the bias needs no gradient; kernels write through it (ptr is const only because the struct
   // is shared with the read-only operands). Its strides follow the same rules as Broadcast4d: a
   // kernel adds dS(b, h, i, j) into element (b * batch_stride + (h / head_ratio) * head_stride +
@@ -70,6 +72,14 @@ struct BwdParams : FwdParams {
   // keys keep the bias's own extent: a bias broadcast over rows (per-key) or over keys leaves
   // the kernel to sum over them, in a fixed order (no atomics).
   Broadcast4d dbias_accum;
+
+  // When true, dbias_accum has the bias dtype (not float) and receives the final gradient: no
+  // float buffer (4 GiB at 32K x 32K) and no cast pass. The caller sets it only when nothing is
+  // left to sum afterwards (accumulator dims = the bias's, bias broadcast over neither rows nor
+  // keys), and only for kernels that sum every head of a plane per tile in float before one
+  // store (the CUDA dkv kernel); the buffer is still zero-filled, for the tiles no work item
+  // keeps. Kernels that add per head (the CPU one) are never given it.
+  bool dbias_in_dtype = false;
 
   // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised.
   // Kernels write delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out) from an

@@ -38,7 +38,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
                     check_supported(p);
                     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
                     C10_CUDA_KERNEL_LAUNCH_CHECK();
-                  });
+                  },
+                  /*device_stores_dbias_dtype=*/true);
 }
 
 }  // namespace

@@ -24,13 +24,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const std::function<void(const BwdParams&)>& run) {
+    bool deterministic, const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
   const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
+  // device_stores_dbias_dtype: the device's kernel honours BwdParams::dbias_in_dtype.
+  const bool dbias_direct = want_dbias && device_stores_dbias_dtype && dbias_needs_no_finish(q, k, *bias);
   c10::optional<at::Tensor> accum;
-  if (want_dbias) accum = alloc_dbias_accum(q, k, *bias);
+  if (dbias_direct) {
+    accum = at::zeros(bias->sizes(), q.options().dtype(bias->scalar_type()));
+  } else if (want_dbias) {
+    accum = alloc_dbias_accum(q, k, *bias);
+  }
   // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q). The kernels fill it
   // themselves as rowsum(P * dP) in float: rowsum(dout * out) from a bf16-rounded out is too
   // coarse for a broadcast dbias, so computing it here would be a wasted pass.
@@ -38,12 +44,13 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
                   softmax_d, deterministic);
+  p.dbias_in_dtype = dbias_direct;
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);
   } else {
     dq.zero_(); dk.zero_(); dv.zero_();
   }
-  at::Tensor dbias = want_dbias ? finish_dbias(*accum, *bias) : at::empty({0}, q.options());
+  at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);
   return {dq, dk, dv, dbias};
 }
 

@@ -105,6 +105,16 @@ inline at::Tensor alloc_dbias_accum(const at::Tensor& q, const at::Tensor& k, co
   return at::zeros({nb, nh, bias.size(2), bias.size(3)}, q.options().dtype(acc_type(q.scalar_type())));
 }
 
+// Whether alloc_dbias_accum's buffer would have the bias's own shape and the kernel sums no rows
+// or keys: then finish_dbias would only cast, and a kernel able to store the final values in the
+// bias dtype (BwdParams::dbias_in_dtype) can write dbias itself.
+inline bool dbias_needs_no_finish(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias) {
+  if (bias.dim() != 4) return false;  // rejected with a clear message by fill_fwd_params
+  const bool batch_left = bias.size(0) == 1 && q.size(0) > 1;
+  const bool heads_left = bias.size(1) == 1 && k.size(2) > 1;
+  return !batch_left && !heads_left && bias.size(2) != 1 && bias.size(3) != 1;
+}
+
 inline at::Tensor finish_dbias(const at::Tensor& accum, const at::Tensor& bias) {
   at::Tensor d = accum;
   if (d.size(0) != bias.size(0)) d = d.sum(0, /*keepdim=*/true);

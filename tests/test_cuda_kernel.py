@@ -148,3 +148,31 @@ def test_unsupported_calls_raise(dtype, D):
     q, k, v = make_qkv(1, 8, 8, 2, 1, D, dtype=dtype, device=DEV)
     with pytest.raises(RuntimeError, match="does not support"):
         fwd(q, k, v, None, None, 0.1, False, 0.0, False)
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (4, 2)], ids=["gqa4", "gqa2x2"])
+def test_dbias_in_bias_dtype_sums_query_heads(heads):
+    # B = 1 and a bias (1, 1 | KVH, Q, K): nothing is left to sum after the kernel, so the dkv
+    # kernel stores dbias in the bias dtype itself, after summing dS over the query heads of a
+    # plane in shared memory. Per-head masks with whole 64x64 tiles off make the heads of one
+    # query tile skip differently (first / last head of a tile vary); an empty row; odd lengths.
+    H, KVH = heads
+    B, Q, K, D, dtype = 1, 203, 300, 128, torch.bfloat16
+    q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
+    blocks = torch.rand(1, H, (Q + 63) // 64, (K + 63) // 64, device=DEV) < 0.6
+    mask = blocks.repeat_interleave(64, 2).repeat_interleave(64, 3)[:, :, :Q, :K]
+    mask = mask & (torch.rand(1, H, Q, K, device=DEV) < 0.7)
+    mask[0, 1, 7] = False
+    bias = torch.randn(1, 1 if KVH == 1 else KVH, Q, K, device=DEV).to(dtype)
+    dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
+    out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    first = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
+    assert first[3].dtype == dtype and first[3].shape == bias.shape
+    r64 = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, torch.float64)
+    rlo = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, dtype)
+    for name, got, i in (("dq", first[0], 2), ("dk", first[1], 3), ("dv", first[2], 4), ("dbias", first[3], 5)):
+        assert_close_to_ref(got, r64[i], rlo[i], name)
+    for _ in range(2):
+        again = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)

@@ -4,9 +4,11 @@
 //    delta = rowsum(P * dP) in float (into softmax_d: rowsum(dout * out) with out rounded to
 //    bf16 is too coarse for a broadcast dbias); a second one accumulates dQ = dS K in registers.
 //  - bwd_dkv_kernel: one CTA per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16);
-//    it walks the query heads of its kv head and the query tiles in a fixed order, with
-//    S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers, and adds dS into
-//    dbias_accum from a float smem tile (fixed order, so bitwise reproducible).
+//    it walks the query tiles and, inside each, the query heads of its kv head in a fixed order,
+//    with S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers. dS of the
+//    heads that share a dbias plane is summed in a float smem tile and written once per query
+//    tile (fixed order, so bitwise reproducible): the float read-modify-write per head was the
+//    dominant dbias traffic, and a tile written once can go straight to the bias dtype.
 // S, dP, P and dS live in mma.sync C fragments; P / dS are repacked as A fragments (no smem
 // round trip). Q, dO, K, V tiles sit in smem (rows padded to D + 8) and are read by ldmatrix.
 // An all-false keep tile (mask & causal & bounds) is skipped before any of its operand bytes
@@ -36,10 +38,12 @@ struct BwdFlags {
 
 // Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
 // key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
+// in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values.
 struct BwdDbias {
-  float* ptr = nullptr;
+  void* ptr = nullptr;
   Broadcast4d layout;
   int64_t tile_stride = 0;
+  bool in_dtype = false;
 };
 
 // A broadcast operand resolved to one (batch, query head): element (i, j) at base + i * rs +
@@ -276,18 +280,30 @@ struct BwdDqSmem {
   static constexpr int kBytes = kKeep + 2 * kKeepSlot;
 };
 
+// The dkv kernel must stay <= ~113 KiB at D = 128 for 2 CTAs per SM, and the head-summed dbias
+// tile (kDB) needs 16 KiB more: the bias tile, read only by the gather that fills sDS, lives in
+// sDS's upper half (rows 32..63, exactly its size), and kDB is unpadded (swizzled, bwd_db_idx).
 template <typename T, int D>
 struct BwdDkvSmem {
   static constexpr int kTile = align128(kBlockM * tile_ld(D) * 2);
   static constexpr int kK = 0, kV = kTile, kQ = 2 * kTile, kDO = 3 * kTile;
-  static constexpr int kBias = 4 * kTile;
   static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
-  static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
+  static constexpr int kKeep = 4 * kTile;  // two slots
   static constexpr int kL2 = kKeep + 2 * kKeepSlot;
   static constexpr int kDelta = kL2 + align128(kBlockM * 4);
   static constexpr int kDS = kDelta + align128(kBlockM * 4);
-  static constexpr int kBytes = kDS + align128(kBlockN * kBwdLdDS * 4);
+  static constexpr int kBias = kDS + kBlockN / 2 * kBwdLdDS * 4;
+  static constexpr int kDB = kDS + align128(kBlockN * kBwdLdDS * 4);
+  static constexpr int kBytes = kDB + kBlockN * kBlockM * 4;
+  static_assert(kBlockM * kBwdLdBias * 2 <= kBlockN / 2 * kBwdLdDS * 4, "bias tile must fit in sDS's upper half");
 };
+
+// Element (key k, query q) of the unpadded float [key][query] dbias tile. The even XOR keeps
+// float2 pairs adjacent; the 4 keys of a half-warp's fragment access land in 4 different 8-word
+// groups (conflict-free), and a warp reading one query of 32 consecutive keys is 2-way.
+__device__ inline int bwd_db_idx(int k, int q) {
+  return k * kBlockM + (q ^ (((k & 3) << 3) | (((k >> 2) & 3) << 1)));
+}
 
 constexpr float kBwdLog2e = 1.4426950408889634f;
 
@@ -459,6 +475,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
   float* sL2 = reinterpret_cast<float*>(smem + L::kL2);
   float* sDelta = reinterpret_cast<float*>(smem + L::kDelta);
   float* sDS = reinterpret_cast<float*>(smem + L::kDS);
+  float* sDB = reinterpret_cast<float*>(smem + L::kDB);
 
   const int64_t n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int64_t n0 = n_tile * kBlockN;
@@ -491,29 +508,36 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
   const int64_t m_tiles = ceil_div(p.seqlen_q, kBlockM);
   const Broadcast4d& DL = dbias.layout;
   const int64_t mt_begin = m_first / kBlockM;
-  // Work items (query head gq, query tile mt) in a fixed order. find_next advances to the first
-  // kept one at or after (gq, mt), its keep tile built into `slot`; false when none is left.
+  // Work items (query tile mt, query head gq) in a fixed order, heads inner: the heads sharing a
+  // dbias plane follow each other, so their dS sums in smem. find_next advances to the first
+  // kept one at or after (mt, gq), its keep tile built into `slot`; false when none is left.
   // Block-uniform.
-  auto find_next = [&](int64_t& gq, int64_t& mt, uint8_t* slot) -> bool {
+  auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
-    for (; gq < ratio; ++gq, mt = mt_begin) {
-      const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
+    for (; mt < m_tiles; ++mt, gq = 0) {
+      const BwdBounds tb(p, mt * kBlockM, n0);
+      if (!tb.any()) continue;
 #pragma unroll 1
-      for (; mt < m_tiles; ++mt) {
-        const BwdBounds tb(p, mt * kBlockM, n0);
+      for (; gq < ratio; ++gq) {
         if (has_mask) {
+          const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
           if (bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
-        } else if (tb.any()) {
-          if (!tb.full) bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0);
+        } else {
+          if (!tb.full) bwd_build_keep(tb, BwdPlane<uint8_t>(p.mask, b, 0), slot, f.mask_vec, mt * kBlockM, n0);
           return true;
         }
       }
     }
     return false;
   };
+  // dbias plane of query head gq (heads of one plane are consecutive in gq).
+  auto db_plane = [&](int64_t gq_) -> int {
+    return DL.head_stride == 0 ? 0 : (int)(kvh * ratio + gq_) / (int)DL.head_ratio;
+  };
   int64_t gq = 0, mt = mt_begin;
   int slot = 0;
-  bool have = find_next(gq, mt, sKeep);
+  bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
+  bool have = find_next(mt, gq, sKeep);
 #pragma unroll 1
   while (have) {
     {
@@ -537,8 +561,10 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
       }
     }
     // The next kept item is found (its mask bytes read) while this item's copies fly.
-    int64_t gq_n = gq, mt_n = mt + 1;
-    const bool have_n = find_next(gq_n, mt_n, sKeep + (slot ^ 1) * L::kKeepSlot);
+    int64_t gq_n = gq + 1, mt_n = mt;
+    const bool have_n = find_next(mt_n, gq_n, sKeep + (slot ^ 1) * L::kKeepSlot);
+    // Last head of this plane in this query tile: the summed tile goes out now.
+    const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
     cp_async_wait<0>();
     __syncthreads();
     {
@@ -548,35 +574,47 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
       const int vr = tb.lim_r;
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;
-      float* db_base = want_db ? dbias.ptr + n_tile * dbias.tile_stride + b * DL.batch_stride +
-                                     (int)h / (int)DL.head_ratio * DL.head_stride
-                               : nullptr;
 
       // Transposed scores: rows = this warp's 16 keys, columns = the tile's 64 queries. The
       // additive part of each score in log2 units (bias - lse, or -inf where dropped) is first
-      // gathered from the [query][key] bias / keep tiles into this warp's rows of sDS, so the
-      // element loop after the GEMMs reads one float2 per pair instead of four scattered
-      // scalars (whose hoisted loads cost the registers that dK / dV need).
+      // gathered from the [query][key] bias / keep tiles into sDS, so the element loop after the
+      // GEMMs reads one float2 per pair instead of four scattered scalars (whose hoisted loads
+      // cost the registers that dK / dV need). sB overlays sDS's upper half (keys 32..63): keys
+      // 0..31 are written first, then keys 32..63 from values read before a barrier. Lane =
+      // key, warp = 16 queries: the bias / keep reads are consecutive bytes of one row.
       {
-        const float2* l2v = reinterpret_cast<const float2*>(sL2);
+        const uint16_t* sBh = reinterpret_cast<const uint16_t*>(sB);
+        const int key0 = lane, c0 = w * 16;
 #pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
+        for (int half = 0; half < 2; ++half) {
+          const int key = key0 + 32 * half;
+          uint32_t bv[8];
+          if (has_bias) {
 #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
-            const float2 l2c = l2v[c / 2];
-            float a0 = -l2c.x, a1 = -l2c.y;
+            for (int j = 0; j < 8; ++j)
+              bv[j] = uint32_t(sBh[(c0 + 2 * j) * kBwdLdBias + key]) |
+                      (uint32_t(sBh[(c0 + 2 * j + 1) * kBwdLdBias + key]) << 16);
+            if (half == 1) __syncthreads();
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float4 l2c = *reinterpret_cast<const float4*>(sL2 + c0 + 4 * j);
+            float a[4] = {-l2c.x, -l2c.y, -l2c.z, -l2c.w};
             if (has_bias) {
-              a0 = fmaf(to_float<T>(sB[c * kBwdLdBias + r]), kBwdLog2e, a0);
-              a1 = fmaf(to_float<T>(sB[(c + 1) * kBwdLdBias + r]), kBwdLog2e, a1);
+              const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
+              a[0] = fmaf(b0.x, kBwdLog2e, a[0]);
+              a[1] = fmaf(b0.y, kBwdLog2e, a[1]);
+              a[2] = fmaf(b1.x, kBwdLog2e, a[2]);
+              a[3] = fmaf(b1.y, kBwdLog2e, a[3]);
             }
             if (use_keep) {
-              a0 = keep[c * kBwdLdKeep + r] ? a0 : -CUDART_INF_F;
-              a1 = keep[(c + 1) * kBwdLdKeep + r] ? a1 : -CUDART_INF_F;
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kBwdLdKeep + key] ? a[e] : -CUDART_INF_F;
             }
-            *reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c) = make_float2(a0, a1);
+            *reinterpret_cast<float4*>(sDS + key * kBwdLdDS + c0 + 4 * j) = make_float4(a[0], a[1], a[2], a[3]);
           }
-        __syncwarp();
+        }
+        __syncthreads();
       }
       float s[kBlockN / 8][4];
       bwd_gemm_nt<T, D>(s, sK, sQ, w * 16);
@@ -613,55 +651,73 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
           const float2 der = *slot;
           const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
           const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
-          *slot = make_float2(ds0, ds1);  // this thread's own slot: no hazard
+          if (want_db) {  // this thread's own sDB slots in every head: no hazard
+            float2* a = reinterpret_cast<float2*>(sDB + bwd_db_idx(r, c));
+            if (first) {
+              *a = make_float2(ds0, ds1);
+            } else {
+              const float2 o = *a;
+              *a = make_float2(o.x + ds0, o.y + ds1);
+            }
+          }
           dp[n][2 * hh] = ds0 * der.x;
           dp[n][2 * hh + 1] = ds1 * der.y;
         }
       }
       bwd_gemm_pv<T, D>(dk, dp, sQ);
 
-      if (want_db) {
+      if (want_db && flush) {
         __syncthreads();
-        // Fixed order: per element one add per (head, query tile); broadcast rows / keys summed
-        // here in index order.
+        // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
+        // summed here in index order.
         const int lc = tb.lim_c;
+        const int64_t db_off = n_tile * dbias.tile_stride + b * DL.batch_stride +
+                               (int)h / (int)DL.head_ratio * DL.head_stride;
+        float* dbf = static_cast<float*>(dbias.ptr) + db_off;
         if (DL.row_stride != 0 && DL.col_stride != 0) {
-          // Thread owns key column tid % 64 of rows tid / 64 + 2u: one base pointer and one
-          // stride, so the 32 reads (issued before any add) need no per-element 64-bit math.
+          // One write per element: this CTA owns the tile (its plane's heads are all summed),
+          // and the caller's buffer is zero where no tile is written. Thread owns key column
+          // tid % 64 of rows tid / 64 + 2u.
           constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
           const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
-          float* dst = db_base + (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
+          const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
           const int64_t step = kRowStep * DL.row_stride;
-          const bool col_ok = col < lc;
-          float old[kPer];
+          if (col < lc) {
+            if (dbias.in_dtype) {
+              T* dst = static_cast<T*>(dbias.ptr) + db_off + off;
 #pragma unroll
-          for (int u = 0; u < kPer; ++u) old[u] = (col_ok && r0 + kRowStep * u < vr) ? dst[u * step] : 0.f;
+              for (int u = 0; u < kPer; ++u)
+                if (r0 + kRowStep * u < vr) dst[u * step] = from_float<T>(sDB[bwd_db_idx(col, r0 + kRowStep * u)]);
+            } else {
 #pragma unroll
-          for (int u = 0; u < kPer; ++u)
-            if (col_ok && r0 + kRowStep * u < vr) dst[u * step] = old[u] + sDS[col * kBwdLdDS + r0 + kRowStep * u];
+              for (int u = 0; u < kPer; ++u)
+                if (r0 + kRowStep * u < vr) dbf[off + u * step] = sDB[bwd_db_idx(col, r0 + kRowStep * u)];
+            }
+          }
         } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
           if (threadIdx.x < lc) {
             const int col = threadIdx.x;
             float acc = 0.f;
-            for (int r = 0; r < vr; ++r) acc += sDS[col * kBwdLdDS + r];
-            db_base[(n0 + col) * DL.col_stride] += acc;
+            for (int r = 0; r < vr; ++r) acc += sDB[bwd_db_idx(col, r)];
+            dbf[(n0 + col) * DL.col_stride] += acc;
           }
         } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
           if (threadIdx.x < vr) {
             const int r = threadIdx.x;
             float acc = 0.f;
-            for (int col = 0; col < lc; ++col) acc += sDS[col * kBwdLdDS + r];
-            db_base[(m0 + r) * DL.row_stride] += acc;
+            for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
+            dbf[(m0 + r) * DL.row_stride] += acc;
           }
         } else if (threadIdx.x == 0) {
           float acc = 0.f;
           for (int r = 0; r < vr; ++r)
-            for (int col = 0; col < lc; ++col) acc += sDS[col * kBwdLdDS + r];
-          db_base[0] += acc;
+            for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
+          dbf[0] += acc;
         }
       }
     }
-    __syncthreads();  // Q / dO / bias / sDS and this keep slot are free for the next item
+    __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
+    first = flush;
     gq = gq_n;
     mt = mt_n;
     have = have_n;

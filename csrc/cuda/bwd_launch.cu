@@ -27,9 +27,10 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   float* scratch = nullptr;
   int64_t span = 0;
   if (p.dbias_accum.ptr) {
-    dbias.ptr = static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr));
+    dbias.ptr = const_cast<void*>(p.dbias_accum.ptr);
     dbias.layout = p.dbias_accum;
-    if (p.dbias_accum.col_stride == 0 && n_tiles > 1) {
+    dbias.in_dtype = p.dbias_in_dtype;
+    if (!p.dbias_in_dtype && p.dbias_accum.col_stride == 0 && n_tiles > 1) {
       const Broadcast4d& a = p.dbias_accum;
       const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
       span = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
