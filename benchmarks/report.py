@@ -128,7 +128,9 @@ def header(doc: dict) -> str:
     if doc.get("not_run"):
         lines.append(f"- not run (time budget or input failure): {', '.join(doc['not_run'])}")
     if doc.get("elapsed_s") is not None:
-        lines.append(f"- wall time of the invocation: {doc['elapsed_s']:.0f} s")
+        n = len(doc.get("_paths", [])) or 1
+        what = "the invocation" if n == 1 else f"the {n} invocations merged here"
+        lines.append(f"- wall time of {what}: {doc['elapsed_s']:.0f} s")
     return "\n".join(lines)
 
 
@@ -184,9 +186,35 @@ def plot(doc: dict, stem: str) -> List[str]:
     return [path]
 
 
+def _case_key(row: dict) -> str:
+    # configs.Case.key, which names not_run entries
+    return f"{row['mode']}-{row['bias']}-D{row['D']}-Q{row['Q']}-K{row['K']}-W{row['W']}"
+
+
+def _merge(docs: List[dict]) -> dict:
+    """One document from several runs of a subcommand at one commit (a sweep split over calls):
+    rows of later runs replace the same case of earlier ones, and a case counts as not run only
+    if no run measured it."""
+    docs = sorted(docs, key=lambda d: (d.get("date", ""), d["_path"]))
+    out = dict(docs[-1])
+    rows: Dict[str, dict] = {}
+    for d in docs:
+        for r in d.get("rows", []):
+            rows[(_case_key(r), r.get("dir"))] = r
+    # Sweep order: mode, head dim (as the CLI runs them: larger first), bias kind, lengths, window.
+    out["rows"] = sorted(rows.values(), key=lambda r: (r["mode"], -r["D"], r["bias"] != "per-row", r["Q"], r["K"], r["W"], r.get("dir") != "fwd"))
+    out["not_run"] = sorted({n for d in docs for n in d.get("not_run", []) if n.split(":")[0] not in {k for k, _ in rows}})
+    out["elapsed_s"] = sum(d.get("elapsed_s") or 0 for d in docs)
+    out["peer_notes"] = {k: v for d in docs for k, v in (d.get("peer_notes") or {}).items()}
+    out["argv"] = [d.get("argv") for d in docs] if len(docs) > 1 else docs[0].get("argv")
+    out["_paths"] = [d["_path"] for d in docs]
+    return out
+
+
 def load_results(results_dir: str) -> List[dict]:
-    """Every flexdma-bench JSON under results_dir, newest per (GPU, subcommand), in subcommand order."""
-    newest: Dict[tuple, dict] = {}
+    """Every flexdma-bench JSON under results_dir: per (GPU, subcommand) the newest commit's runs,
+    merged into one document, in subcommand order."""
+    groups: Dict[tuple, Dict[str, List[dict]]] = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
         try:
             with open(path) as f:
@@ -197,10 +225,13 @@ def load_results(results_dir: str) -> List[dict]:
             continue  # other tools' files share the folder
         doc["_path"] = path
         k = (doc.get("gpu_short"), doc.get("subcommand"))
-        if k not in newest or (doc.get("date", ""), path) > (newest[k].get("date", ""), newest[k]["_path"]):
-            newest[k] = doc
+        groups.setdefault(k, {}).setdefault(doc.get("commit") or "", []).append(doc)
+    merged = []
+    for by_commit in groups.values():
+        newest = max(by_commit.values(), key=lambda ds: max((d.get("date", ""), d["_path"]) for d in ds))
+        merged.append(_merge(newest))
     order = {s: i for i, s in enumerate(("forward", "backward", "window", "decode", "equivalence"))}
-    return sorted(newest.values(), key=lambda d: (d.get("gpu_short") or "", order.get(d.get("subcommand"), 99)))
+    return sorted(merged, key=lambda d: (d.get("gpu_short") or "", order.get(d.get("subcommand"), 99)))
 
 
 def write_results_md(results_dir: str, md_path: str) -> str:
@@ -214,7 +245,7 @@ def write_results_md(results_dir: str, md_path: str) -> str:
     md_dir = os.path.dirname(os.path.abspath(md_path))
     for doc in docs:
         out += [f"## {doc.get('subcommand')} ({doc.get('gpu_short')})", "", markdown(doc, detail=False)]
-        stem = os.path.splitext(doc["_path"])[0]
+        stem = os.path.splitext(doc["_paths"][0])[0]
         pngs = plot(doc, stem)
         for png in pngs:
             out += [f"![{doc.get('subcommand')}]({os.path.relpath(png, md_dir)})", ""]

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The benchmark suite on an H100, every section against every peer, in three calls of <= 8 minutes:
+# The benchmark suite on an H100, every section against every peer, in six calls of <= 9 minutes:
 #   PART=1 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # forward, decode
 #   PART=2 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # backward, equivalence
-#   PART=3 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # window sweep
+#   PART=3 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # window sweep (per-row bias)
+#   PART=4 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # what 1 and 2 leave out: D=64 per-key, D=64 decode
+#   PART=5 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # more D=64 per-key, window sweep (per-key)
+#   PART=6 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # the longest D=64 per-key rows, equivalence (D=128)
 # OUTDIR receives one JSON per subcommand (plots are left to `python -m benchmarks report`, which
 # also rewrites benchmarks/RESULTS.md once the JSON files are in benchmarks/results/) and run.log.
 # COMMIT defaults to `git describe --always --dirty`; pass it where the tree has no .git.
@@ -47,7 +50,7 @@ if [ "${QUICK:-0}" = 1 ]; then
   section 80 equivalence --quick --d 128
 else
   # The seed's tables: every power of two from 256 to 32K (training) and to 512K (decode), both
-  # head dims, both bias kinds; the window sweep at 32K in x4 steps (D=128, per-row bias).
+  # head dims, both bias kinds; the window sweep at 32K in x4 steps (D=128, both bias kinds).
   LENGTHS=256,512,1024,2048,4096,8192,16384,32768
   case "${PART:-1}" in
     1)  # ~250 s: flexattn compiles each shape (2-11 s); then one query against 256 .. 512K keys
@@ -58,6 +61,20 @@ else
       section 80 equivalence --quick ;;
     3)  # ~30 s a window at 32K (forward + backward)
       section 260 window --d 128 --bias per-row --windows 32,128,512,2048,8192,32768 ;;
+    4)  # what parts 1 and 2 leave out within their budgets (the report merges a subcommand's
+        # files of one commit): the D=64 per-key training rows and the D=64 decode rows
+      section 110 forward --lengths 2048,4096,8192,16384,32768 --d 64 --bias per-key
+      section 150 backward --lengths 1024,2048,4096,8192,16384,32768 --d 64 --bias per-key
+      section 150 decode --d 64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
+    5)  # more of the D=64 per-key rows (each case compiles two FlexAttention peers: 30-60 s),
+        # the window sweep with a per-key bias
+      section 120 forward --lengths 8192,16384,32768 --d 64 --bias per-key
+      section 200 window --d 128 --bias per-key --windows 32,128,512,2048,8192,32768 ;;
+    6)  # the longest D=64 per-key rows, and the equivalence cases part 2 leaves out (D=128, odd
+        # lengths, decoding)
+      section 100 forward --lengths 32768 --d 64 --bias per-key
+      section 220 backward --lengths 16384,32768 --d 64 --bias per-key
+      section 200 equivalence --d 128 ;;
   esac
 fi
 echo "== total $(( $(date +%s) - t0 )) s; files:"; ls -la "$out"

@@ -130,6 +130,35 @@ def test_report_regenerates_results_md(tmp_path):
     assert "h100_20261122_abc1234_forward.png" in text
 
 
+def test_report_merges_runs_of_one_commit(tmp_path):
+    # A sweep split over calls: the second run measures what the first left out (not_run), and
+    # also re-measures one of its cases; an older commit's file is not mixed in.
+    first, second, old = _fake_doc(), _fake_doc(), _fake_doc()
+    keep, redo = first["rows"]
+    first["rows"], first["not_run"] = [keep, redo], ["train-per-key-D64-Q8192-K8192-W1024"]
+    extra = json.loads(json.dumps(redo))
+    extra.update(bias="per-key", D=64, Q=8192, K=8192)
+    again = json.loads(json.dumps(redo))
+    again["results"]["flexdma-auto"]["ms"] = 123.0
+    second["rows"], second["date"] = [extra, again], "2026-11-22T11:00:00Z"
+    old["commit"], old["date"] = "old0000", "2026-11-21T00:00:00Z"
+    old["rows"] = old["rows"][:1]
+    paths = [tmp_path / n for n in ("h100_a_forward.json", "h100_b_forward_part4.json")]
+    for p, d in zip(paths, (first, second)):
+        p.write_text(json.dumps(d))
+    (tmp_path / "h100_old_forward.json").write_text(json.dumps(old))
+    [doc] = report.load_results(str(tmp_path))
+    assert doc["commit"] == "abc1234" and doc["not_run"] == [] and len(doc["rows"]) == 3
+    assert [r["results"]["flexdma-auto"]["ms"] for r in doc["rows"] if r["Q"] == redo["Q"] and r["D"] == redo["D"]
+            and r["bias"] == redo["bias"]] == [123.0]  # the later run's figure
+    assert doc["_paths"] == [str(p) for p in paths]
+    assert "the 2 invocations merged here" in report.header(doc)
+    # the window sweep has a forward and a backward row per case: both survive a merge
+    bwd = json.loads(json.dumps(keep))
+    bwd["dir"] = "bwd"
+    assert len(report._merge([dict(first, rows=[keep], _path="a"), dict(second, rows=[bwd], _path="b")])["rows"]) == 2
+
+
 def test_progress_falls_back_to_prints(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     p = cli.Progress(2, "x")

@@ -2,7 +2,7 @@
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
 #   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests, AOTInductor tests
 #   bash tools/gpu_suite.sh checks OUTDIR         # compute-sanitizer on small calls, flex check
-#   PART=1|2 bash tools/gpu_suite.sh bench OUTDIR # half of the benchmark suite
+#   PART=1..6 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash tools/gpu_suite.sh checks+bench OUTDIR   # parts joined by '+' run in one call
 # Every call builds first (sm_90, head dims 64,128). Logs and JSON go under OUTDIR (a few files:
 # the machine returns at most eight). COMMIT names the commit measured (the copy may have no .git).
