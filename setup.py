@@ -16,7 +16,7 @@ from setuptools import setup, find_packages
 
 ROOT = Path(__file__).parent.resolve()
 # Head dims the CUDA kernels implement; others fall back to FlexAttention at run time.
-ALL_HEAD_DIMS = (64, 128)
+ALL_HEAD_DIMS = (32, 64, 96, 128)
 
 
 def _head_dims():

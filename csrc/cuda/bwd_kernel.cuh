@@ -132,7 +132,24 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
   constexpr int kLd = tile_ld(D);
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
-  if (vec) {
+  if constexpr (kThreads % kChunks != 0) {
+    // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
+    // linearly (64 * 12 = 6 per thread).
+    static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
+    if (vec) {
+#pragma unroll
+      for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+        const bool ok = r < valid;
+        cp_async16(dst + r * kLd + col, ok ? src + r * rs + col : src, ok ? 16 : 0);
+      }
+    } else {
+      for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
+        const int r = c / D, col = c % D;
+        dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
+      }
+    }
+  } else if (vec) {
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
     const T* s = src + r0 * rs + col;
     T* d = dst + r0 * kLd + col;

@@ -57,8 +57,14 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
 #define FLEXDMA_INSTANTIATE_BWD(D)                                            \
   template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t);       \
   template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t);
+#ifdef FLEXDMA_HEAD_DIM_32
+FLEXDMA_INSTANTIATE_BWD(32)
+#endif
 #ifdef FLEXDMA_HEAD_DIM_64
 FLEXDMA_INSTANTIATE_BWD(64)
+#endif
+#ifdef FLEXDMA_HEAD_DIM_96
+FLEXDMA_INSTANTIATE_BWD(96)
 #endif
 #ifdef FLEXDMA_HEAD_DIM_128
 FLEXDMA_INSTANTIATE_BWD(128)

@@ -10,8 +10,14 @@ namespace cuda {
 
 namespace {
 bool head_dim_built(int64_t d) {
+#ifdef FLEXDMA_HEAD_DIM_32
+  if (d == 32) return true;
+#endif
 #ifdef FLEXDMA_HEAD_DIM_64
   if (d == 64) return true;
+#endif
+#ifdef FLEXDMA_HEAD_DIM_96
+  if (d == 96) return true;
 #endif
 #ifdef FLEXDMA_HEAD_DIM_128
   if (d == 128) return true;
@@ -22,8 +28,14 @@ bool head_dim_built(int64_t d) {
 template <typename Fn>
 void dispatch(const FwdParams& p, Fn&& fn) {
   const bool bf16 = p.dtype == DType::kBFloat16;
+#ifdef FLEXDMA_HEAD_DIM_32
+  if (p.head_dim == 32) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 32>{}) : fn(__half{}, std::integral_constant<int, 32>{}); return; }
+#endif
 #ifdef FLEXDMA_HEAD_DIM_64
   if (p.head_dim == 64) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 64>{}) : fn(__half{}, std::integral_constant<int, 64>{}); return; }
+#endif
+#ifdef FLEXDMA_HEAD_DIM_96
+  if (p.head_dim == 96) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 96>{}) : fn(__half{}, std::integral_constant<int, 96>{}); return; }
 #endif
 #ifdef FLEXDMA_HEAD_DIM_128
   if (p.head_dim == 128) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 128>{}) : fn(__half{}, std::integral_constant<int, 128>{}); return; }
@@ -33,7 +45,8 @@ void dispatch(const FwdParams& p, Fn&& fn) {
 
 const char* unsupported_reason(const FwdParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bfloat16 or float16";
-  if (p.head_dim != 64 && p.head_dim != 128) return "head_dim must be 64 or 128";
+  if (p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)
+    return "head_dim must be 32, 64, 96 or 128";
   if (!head_dim_built(p.head_dim)) return "head_dim not built (FLEXDMA_HEAD_DIMS)";
   if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0) return "num_heads must be a multiple of num_heads_k";
   if (p.num_heads > 65535 || p.batch > 65535) return "batch and num_heads must be <= 65535";

@@ -177,7 +177,28 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
                                 T* sk, T* sv, bool vec) {
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
-  if (vec) {
+  if constexpr (kThreads % kChunks != 0) {
+    // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
+    // linearly (64 * 12 = 6 per thread).
+    static_assert(kBlockN * kChunks % kThreads == 0, "K/V tile must split evenly over the threads");
+    if (vec) {
+      const bool full = n0 + kBlockN <= seqlen_k;
+#pragma unroll
+      for (int u = 0; u < kBlockN * kChunks / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+        const bool ok = full || n0 + r < seqlen_k;
+        cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
+        cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
+      }
+    } else {
+      for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
+        const int r = c / D, col = c % D;
+        const bool ok = n0 + r < seqlen_k;
+        sk[r * tile_ld(D) + col] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+        sv[r * tile_ld(D) + col] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
+      }
+    }
+  } else if (vec) {
     // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
     // offsets are fixed, the tile start moves.
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
@@ -253,7 +274,8 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 }
 
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
-// per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two.
+// per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
+// D=64's bound, D=96 (85 KiB, 250 registers) D=128's.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem[];

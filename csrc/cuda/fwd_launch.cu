@@ -46,8 +46,14 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
 #define FLEXDMA_INSTANTIATE_FWD(D)                                            \
   template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);       \
   template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t);
+#ifdef FLEXDMA_HEAD_DIM_32
+FLEXDMA_INSTANTIATE_FWD(32)
+#endif
 #ifdef FLEXDMA_HEAD_DIM_64
 FLEXDMA_INSTANTIATE_FWD(64)
+#endif
+#ifdef FLEXDMA_HEAD_DIM_96
+FLEXDMA_INSTANTIATE_FWD(96)
 #endif
 #ifdef FLEXDMA_HEAD_DIM_128
 FLEXDMA_INSTANTIATE_FWD(128)
