@@ -163,12 +163,14 @@ def plot(doc: dict, stem: str) -> List[str]:
     cols = min(n, 2)
     rows_n = -(-n // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 4.2 * rows_n), squeeze=False)
+    # One colour per peer in every panel (a peer missing from a panel must not shift the others).
+    colour = {p: f"C{i}" for i, p in enumerate(_peers_in(doc))}
     for ax, ((dirn, d, bias), rows) in zip(axes.flat, sorted(panels.items())):
         for p in _peers_in(doc):
             pts = sorted((r[xkey], r["results"][p]["ms"]) for r in rows
                          if r["results"].get(p, {}).get("status") == "ok")
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p, color=colour[p])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("window W" if xkey == "W" else "sequence length (keys)")

@@ -4,7 +4,7 @@
 #   bash tools/gpu_suite.sh checks OUTDIR         # compute-sanitizer on small calls, flex check
 #   PART=1..6 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash tools/gpu_suite.sh checks+bench OUTDIR   # parts joined by '+' run in one call
-# Every call builds first (sm_90, head dims 64,128). Logs and JSON go under OUTDIR (a few files:
+# Every call builds first (sm_90, head dims 32,64,96,128). Logs and JSON go under OUTDIR (a few files:
 # the machine returns at most eight). COMMIT names the commit measured (the copy may have no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ has() { [[ "$modes" == *" $1 "* ]]; }
 log=$out/gpu_$(echo "$1" | tr '+' '_').log
 { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
-  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-64,128} MAX_JOBS=16 \
+  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128} MAX_JOBS=16 \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s )) s"
   readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
