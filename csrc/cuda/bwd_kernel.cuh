@@ -143,11 +143,7 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
         const bool ok = r < valid;
         cp_async16(dst + r * kLd + col, ok ? src + r * rs + col : src, ok ? 16 : 0);
       }
-    } else {
-      for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
-        const int r = c / D, col = c % D;
-        dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
-      }
+      return;
     }
   } else if (vec) {
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
@@ -163,11 +159,12 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
         cp_async16(d + u * kRowsPerPass * kLd, ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
       }
     }
-  } else {
-    for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
-      const int r = c / D, col = c % D;
-      dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
-    }
+    return;
+  }
+  // Strided or unaligned rows, any D: element by element.
+  for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
+    const int r = c / D, col = c % D;
+    dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
   }
 }
 

@@ -190,13 +190,7 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
         cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
         cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
       }
-    } else {
-      for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
-        const int r = c / D, col = c % D;
-        const bool ok = n0 + r < seqlen_k;
-        sk[r * tile_ld(D) + col] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
-        sv[r * tile_ld(D) + col] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
-      }
+      return;
     }
   } else if (vec) {
     // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
@@ -220,13 +214,14 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
         cp_async16(svr + u * kRowsPerPass * tile_ld(D), ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
       }
     }
-  } else {
-    for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
-      const int r = c / D, col = c % D;
-      const bool ok = n0 + r < seqlen_k;
-      sk[r * tile_ld(D) + col] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
-      sv[r * tile_ld(D) + col] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
-    }
+    return;
+  }
+  // Strided or unaligned K/V, any D: element by element.
+  for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
+    const int r = c / D, col = c % D;
+    const bool ok = n0 + r < seqlen_k;
+    sk[r * tile_ld(D) + col] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+    sv[r * tile_ld(D) + col] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
   }
 }
 
