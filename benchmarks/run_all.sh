@@ -53,13 +53,13 @@ else
   # head dims, both bias kinds; the window sweep at 32K in x4 steps (D=128, both bias kinds).
   LENGTHS=256,512,1024,2048,4096,8192,16384,32768
   case "${PART:-1}" in
-    1)  # ~250 s: flexattn compiles each shape (2-11 s); then one query against 256 .. 512K keys
+    1)  # ~450 s: two FlexAttention peers compile each shape (2-30 s); then one query against 256 .. 512K keys
       section 300 forward --lengths $LENGTHS --d 128,64
       section 170 decode --d 128,64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
     2)  # ~300 s: sdpa's backward is skipped above 16K (LIMITS: ~75 ms a call)
       section 330 backward --lengths $LENGTHS --d 128,64
       section 80 equivalence --quick ;;
-    3)  # ~30 s a window at 32K (forward + backward)
+    3)  # ~15 s a window at 32K (forward + backward, every peer)
       section 260 window --d 128 --bias per-row --windows 32,128,512,2048,8192,32768 ;;
     4)  # what parts 1 and 2 leave out within their budgets (the report merges a subcommand's
         # files of one commit): the D=64 per-key training rows and the D=64 decode rows
