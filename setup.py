@@ -79,14 +79,13 @@ def _extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx = ["-O3", "-std=c++17"]
-    link = []
     sources = sorted(glob.glob("ops/flexdma_ops.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     with_cuda = _want_cuda()
     head_dims = _head_dims()
     archs = [a.strip() for a in os.environ.get("FLEXDMA_CUDA_ARCHS", "90").replace(",", ";").split(";") if a.strip()]
     _write_build_info(with_cuda, head_dims, archs)
     if not with_cuda:
-        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link)]
+        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx})]
 
     hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
     gencode = []
@@ -103,8 +102,7 @@ def _extensions():
         nvcc.append("-DFLEXDMA_HAVE_CUTLASS")
     sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
     return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs,
-                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc},
-                          extra_link_args=link)]
+                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc})]
 
 
 def _cutlass_include():

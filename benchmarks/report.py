@@ -12,7 +12,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-from .configs import FLEXDMA_PEERS, PEERS
+from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
 _SHORT = {"ok": None, "oom": "OOM", "error": "err", "skipped": "skip", "unavailable": "n/a"}
@@ -189,8 +189,8 @@ def plot(doc: dict, stem: str) -> List[str]:
 
 
 def _case_key(row: dict) -> str:
-    # configs.Case.key, which names not_run entries
-    return f"{row['mode']}-{row['bias']}-D{row['D']}-Q{row['Q']}-K{row['K']}-W{row['W']}"
+    # The name not_run entries use.
+    return Case(row["mode"], row["Q"], row["K"], row["W"], row["D"], row["bias"]).key
 
 
 def _merge(docs: List[dict]) -> dict:

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Optional, Tuple
 
 import torch
@@ -157,7 +158,8 @@ def _block_tensors(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int,
     full_q_idx) for a dense (b, h, q|1, K) bool mask (None = all True), causal folded in; the q
     side (only the backward reads it) is None unless need_q."""
     device = mask.device if mask is not None else (torch.device(device) if device is not None else torch.device("cpu"))
-    if device.type == "cuda" and _block_tiles is not None:
+    triton_tiles = device.type == "cuda" and _block_tiles is not None
+    if triton_tiles:
         partial, full = _block_tiles.tile_flags(mask, Q, K, is_causal, device=device, block=BLOCK)
     else:
         partial, full = _tile_flags_torch(mask, Q, K, is_causal, device)
@@ -165,7 +167,7 @@ def _block_tensors(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int,
         g = num_heads // mask.shape[1]
         partial, full = partial.repeat_interleave(g, 1), full.repeat_interleave(g, 1)
     # On CUDA one small kernel per index pair instead of the sort and its casts.
-    order = _block_tiles.ordered if device.type == "cuda" and _block_tiles is not None else _ordered
+    order = _block_tiles.ordered if triton_tiles else _ordered
     kv = order(partial) + order(full)
     if not need_q:
         return kv + (None, None, None, None)
@@ -233,12 +235,7 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
             qi = torch.clamp(q_idx, max=Q - 1) if q_tail else q_idx
             ki = torch.clamp(kv_idx, max=K - 1) if k_tail else kv_idx
             conds.append(mask_at(b, h, qi, ki))
-        if not conds:
-            return q_idx >= 0
-        keep = conds[0]
-        for c in conds[1:]:
-            keep = keep & c
-        return keep
+        return functools.reduce(operator.and_, conds) if conds else q_idx >= 0
 
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
     gqa = q.shape[1] != k.shape[1]
