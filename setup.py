@@ -93,6 +93,9 @@ def _extensions():
         # wgmma and setmaxnreg need the arch-specific target (sm_90a).
         arch = a + "a" if a in ("90",) else a
         gencode += [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    if archs and all(a == "90" for a in archs):
+        # The forward's wgmma path is compiled only when every target is sm_90a.
+        gencode.append("-DFLEXDMA_SM90A")
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"] + gencode + hd_defs

@@ -8,6 +8,7 @@
 // previous tile's copies.
 #pragma once
 #include "mma_sm80.cuh"
+#include "mma_sm90.cuh"
 #include "score.cuh"
 
 namespace flexdma {
@@ -18,19 +19,40 @@ constexpr int kLdBias = kBlockN + 8;   // 144-byte rows, same reason
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// Whether the forward of head dim D runs its two products on wgmma (sm_90a builds, head dims
+// that fill whole 128-byte swizzle rows) instead of mma.sync.
+template <int D>
+constexpr bool fwd_wgmma() {
+#ifdef FLEXDMA_SM90A
+  return D % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+// Element index of (key row r, column col) in a K / V tile: 128-byte swizzled for wgmma, rows
+// padded to tile_ld(D) for ldmatrix.
+template <int D>
+__device__ inline int kv_index(int r, int col) {
+  if constexpr (fwd_wgmma<D>()) return sw128_offset(kBlockN, r, col) / 2;
+  else return r * tile_ld(D) + col;
+}
+template <int D>
+constexpr int kv_row_pitch() { return fwd_wgmma<D>() ? 64 : tile_ld(D); }  // elements between rows of a column block
+
 template <typename T, int D>
 struct FwdSmem {
-  static constexpr int kTileKV = kBlockN * tile_ld(D) * 2;
+  static constexpr int kTileKV = kBlockN * kv_row_pitch<D>() * (fwd_wgmma<D>() ? D / 64 : 1) * 2;
   static constexpr int kKeepSlot = kBlockM * kLdKeep;
   // The Q tile is only staged here until it is in registers; the region then holds three mask
   // slots (the tile being computed, the next one, the one after it in flight).
   static constexpr int kQ = 0;
   static constexpr int kKeep = 0;
-  static constexpr int kK = align128(cmax(kBlockM * tile_ld(D) * 2, 3 * kKeepSlot));
+  static constexpr int kK = (cmax(kBlockM * tile_ld(D) * 2, 3 * kKeepSlot) + 1023) / 1024 * 1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
   static constexpr int kMisc = kBias + 2 * kBlockM * kLdBias * 2;  // one int: the key-tile scan's result
-  static constexpr int kBytes = kMisc + 16;
+  static constexpr int kBytes = kMisc + 16 + (fwd_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
 
 // Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of
@@ -195,23 +217,26 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
   } else if (vec) {
     // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
     // offsets are fixed, the tile start moves.
+    // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    constexpr int kPass = kRowsPerPass * kv_row_pitch<D>();
+    static_assert(!fwd_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
     const T* kr = k + (n0 + r0) * k_rs + col;
     const T* vr = v + (n0 + r0) * v_rs + col;
-    T* skr = sk + r0 * tile_ld(D) + col;
-    T* svr = sv + r0 * tile_ld(D) + col;
+    T* skr = sk + kv_index<D>(r0, col);
+    T* svr = sv + kv_index<D>(r0, col);
     if (n0 + kBlockN <= seqlen_k) {
 #pragma unroll
       for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
-        cp_async16(skr + u * kRowsPerPass * tile_ld(D), kr + u * kRowsPerPass * k_rs);
-        cp_async16(svr + u * kRowsPerPass * tile_ld(D), vr + u * kRowsPerPass * v_rs);
+        cp_async16(skr + u * kPass, kr + u * kRowsPerPass * k_rs);
+        cp_async16(svr + u * kPass, vr + u * kRowsPerPass * v_rs);
       }
     } else {
 #pragma unroll
       for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
         const bool ok = n0 + r0 + u * kRowsPerPass < seqlen_k;
-        cp_async16(skr + u * kRowsPerPass * tile_ld(D), ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
-        cp_async16(svr + u * kRowsPerPass * tile_ld(D), ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
+        cp_async16(skr + u * kPass, ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
+        cp_async16(svr + u * kPass, ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
       }
     }
     return;
@@ -220,8 +245,8 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
   for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
     const int r = c / D, col = c % D;
     const bool ok = n0 + r < seqlen_k;
-    sk[r * tile_ld(D) + col] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
-    sv[r * tile_ld(D) + col] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
+    sk[kv_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+    sv[kv_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
   }
 }
 
@@ -273,7 +298,10 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr bool kWg = fwd_wgmma<D>();
+  // wgmma's swizzled K / V tiles need 1024-byte aligned blocks.
+  unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
   using L = FwdSmem<T, D>;
   constexpr int kLd = tile_ld(D);
   constexpr float kLog2e = 1.4426950408889634f;
@@ -316,8 +344,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   const float scale_l2 = p.softmax_scale * kLog2e;
   const float cap_l2 = p.softcap * kLog2e, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
   auto issue_tile = [&](int64_t t, int buf, int raw_slot) {
-    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * kBlockN * kLd,
-                   sV + buf * kBlockN * kLd, f.qkv_vec);
+    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
+                   sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias) issue_bias<T>(p, bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
     if (t + 1 < n_end && mask_async(p, f.mask_vec, m0, (t + 1) * kBlockN))
       issue_mask_raw(mask, sKeep + raw_slot * L::kKeepSlot, m0, (t + 1) * kBlockN);
@@ -346,6 +374,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   int cur = 0;
   while (t < n_end) {
     cp_async_wait<0>();
+    if constexpr (kWg) fence_proxy_async();  // wgmma reads K / V through the async proxy
     __syncthreads();  // tile t (and the raw mask of t + 1) landed; tile t - 1's buffers are free
     int64_t tn = t + 1;
     if (has_mask && tn < n_end) {
@@ -360,22 +389,31 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     if (tn < n_end) issue_tile(tn, cur ^ 1, sc);
 
     // S = Q K^T for this warp's 16 rows x 64 keys.
-    const T* sk = sK + cur * kBlockN * kLd;
-    const T* sv = sV + cur * kBlockN * kLd;
+    const T* sk = sK + cur * L::kTileKV / 2;
+    const T* sv = sV + cur * L::kTileKV / 2;
     float s[kBlockN / 8][4];
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+    if constexpr (kWg) {
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+      for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, kBlockN, 0>(s, qf[kk], desc_k_major<kBlockN>(sk, kk), kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(s);
+    } else {
 #pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, sk + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * kLd + kk * 16 + ((lane >> 3) & 1) * 8);
-        mma_16816<T>(s[2 * np], qf[kk], kb[0], kb[1]);
-        mma_16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
-      }
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int np = 0; np < kBlockN / 16; ++np) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, sk + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * kLd + kk * 16 + ((lane >> 3) & 1) * 8);
+          mma_16816<T>(s[2 * np], qf[kk], kb[0], kb[1]);
+          mma_16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
+        }
+    }
 
     // Scores in log2 units (scale * log2 e folded in once), so the softmax needs one exp2 per
     // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
@@ -447,17 +485,32 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     }
 
     // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
+    uint32_t pa[kBlockN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                       pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    if constexpr (kWg) {
+      fence_acc(o);
+      wgmma_fence();
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
-        mma_16816<T>(o[2 * dp], a, vb[0], vb[1]);
-        mma_16816<T>(o[2 * dp + 1], a, vb[2], vb[3]);
-      }
+      for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_mn_major<kBlockN>(sv, kk), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(o);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
+          mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
+          mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
+        }
     }
     t = tn;
     cur ^= 1;

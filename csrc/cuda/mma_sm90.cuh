@@ -1,0 +1,130 @@
+// Hopper (sm_90a) warpgroup MMA: wgmma.mma_async with the A operand in registers and B read by
+// the tensor cores straight from shared memory through a matrix descriptor.
+//
+// Why: with mma.sync every warp of the CTA reads the whole K and V tile from shared memory by
+// ldmatrix (4x the bytes of the tile per step for 4 warps, 0.5 LDSM per HMMA); that, and the
+// instruction count, bounded the forward at ~260 TFLOP/s. A wgmma reads B once for the
+// warpgroup and issues a 64 x N x 16 product as one instruction.
+//
+// Register layouts (warp w of the warpgroup owns rows 16w .. 16w + 15, g = lane / 4, c = lane % 4)
+// are those of mma.sync m16n8k16 repeated over N / 8 column blocks, so the forward's softmax and
+// its P repack (C fragments -> A fragment) carry over unchanged:
+//   A 64x16 (registers): a0 (g, 2c..), a1 (g+8, 2c..), a2 (g, 2c+8..), a3 (g+8, 2c+8..)
+//   D 64xN: d[j][0..1] (g, 8j + 2c ..), d[j][2..3] (g + 8, 8j + 2c ..)
+//
+// Shared-memory tiles of B use the 128-byte swizzle: a tile of R rows x C 16-bit columns
+// (C a multiple of 64) is stored as C / 64 blocks of R rows x 128 bytes; inside a block the
+// 16-byte chunk j of row r sits at chunk j ^ (r % 8). Blocks start on 1024-byte boundaries.
+// The same layout serves K (B = K^T, "K-major": the reduction dim is contiguous) and V (B = V,
+// "MN-major": the output dim is contiguous, imm-trans-b = 1).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+#include "mma_sm80.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// Byte offset of element (r, col) in a 128-byte-swizzled tile of `rows` rows.
+__host__ __device__ constexpr int sw128_offset(int rows, int r, int col) {
+  return (col / 64) * rows * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
+}
+
+// Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte
+// units), swizzle mode 1 = 128 B (bits 62-63). Base offset 0: blocks are 1024-byte aligned.
+__device__ inline uint64_t sw128_desc(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  const uint64_t addr = smem_addr(smem);
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// B = tile^T for k step kk (16 columns of the reduction dim) of a swizzled tile with `rows`
+// rows: inside a 64-column block a k step moves 32 bytes (the hardware applies the XOR on the
+// address bits); 8-row groups are 1024 bytes apart (SBO); LBO is unused for this mode.
+template <int kRows>
+__device__ inline uint64_t desc_k_major(const void* tile, int kk) {
+  return sw128_desc(static_cast<const char*>(tile) + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+}
+
+// B = tile for k step kk (16 rows): 16 rows of 128 bytes = 2048 bytes per step; the 64-column
+// blocks along N are kRows * 128 bytes apart (LBO), 8-row groups 1024 bytes (SBO).
+template <int kRows>
+__device__ inline uint64_t desc_mn_major(const void* tile, int kk) {
+  return sw128_desc(static_cast<const char*>(tile) + kk * 2048, kRows * 128, 1024);
+}
+
+// Orders the warpgroup's register accesses before / after the async MMAs (wgmma.fence), closes a
+// group of them, and waits until at most N groups are pending.
+__device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Makes generic-proxy shared-memory writes (cp.async, st.shared) visible to the async proxy that
+// wgmma reads B through; issued by the writers before the barrier that publishes the tile.
+__device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of an accumulator across the fence / wait above.
+template <int J>
+__device__ inline void fence_acc(float (&d)[J][4]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+#define FLEXDMA_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define FLEXDMA_ACC_N64                                                                                       \
+  FLEXDMA_ACC4(0), FLEXDMA_ACC4(1), FLEXDMA_ACC4(2), FLEXDMA_ACC4(3), FLEXDMA_ACC4(4), FLEXDMA_ACC4(5), \
+      FLEXDMA_ACC4(6), FLEXDMA_ACC4(7)
+#define FLEXDMA_ACC_N128                                                                                     \
+  FLEXDMA_ACC_N64, FLEXDMA_ACC4(8), FLEXDMA_ACC4(9), FLEXDMA_ACC4(10), FLEXDMA_ACC4(11), FLEXDMA_ACC4(12), \
+      FLEXDMA_ACC4(13), FLEXDMA_ACC4(14), FLEXDMA_ACC4(15)
+#define FLEXDMA_REGS_N64                                                                                     \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
+  "%28,%29,%30,%31}"
+#define FLEXDMA_REGS_N128                                                                                      \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"   \
+  "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53," \
+  "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+// One wgmma: D (+)= A B with A from registers; `accumulate` = 0 ignores D's old value (scale-d
+// false), kTransB = 1 reads B MN-major.
+template <typename T, int N, int kTransB>
+__device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
+
+#define FLEXDMA_DEFINE_WGMMA_RS(T, TY)                                                                          \
+  template <>                                                                                                   \
+  __device__ inline void wgmma_rs<T, 64, 0>(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+                 " " FLEXDMA_REGS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                              \
+                 : FLEXDMA_ACC_N64                                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
+  }                                                                                                             \
+  template <>                                                                                                   \
+  __device__ inline void wgmma_rs<T, 64, 1>(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
+                 " " FLEXDMA_REGS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                              \
+                 : FLEXDMA_ACC_N64                                                                              \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
+  }                                                                                                             \
+  template <>                                                                                                   \
+  __device__ inline void wgmma_rs<T, 128, 1>(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
+                 " " FLEXDMA_REGS_N128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                             \
+                 : FLEXDMA_ACC_N128                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
+  }
+FLEXDMA_DEFINE_WGMMA_RS(__nv_bfloat16, "bf16")
+FLEXDMA_DEFINE_WGMMA_RS(__half, "f16")
+#undef FLEXDMA_DEFINE_WGMMA_RS
+#undef FLEXDMA_ACC4
+#undef FLEXDMA_ACC_N64
+#undef FLEXDMA_ACC_N128
+#undef FLEXDMA_REGS_N64
+#undef FLEXDMA_REGS_N128
+
+}  // namespace cuda
+}  // namespace flexdma
