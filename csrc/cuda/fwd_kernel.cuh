@@ -352,6 +352,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     cp_async_commit();
   };
 
+  const uint32_t q_live = p.softcap < 0.f ? 1u : 0u;
   float o[D / 8][4];
 #pragma unroll
   for (int d = 0; d < D / 8; ++d)
@@ -397,12 +398,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
     if constexpr (kWg) {
+      fence_regs(s);
+      fence_regs(qf);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, kBlockN, 0>(s, qf[kk], desc_k_major<kBlockN>(sk, kk), kk > 0);
       wgmma_commit();
       wgmma_wait<0>();
-      fence_acc(s);
+      fence_regs(s);
     } else {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
@@ -494,13 +497,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     }
     if constexpr (kWg) {
-      fence_acc(o);
+      fence_regs(o);
+      fence_regs(pa);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_mn_major<kBlockN>(sv, kk), 1);
       wgmma_commit();
       wgmma_wait<0>();
-      fence_acc(o);
+      fence_regs(o);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -511,6 +515,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
           mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
           mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
         }
+    }
+    if constexpr (kWg) {
+      // Q's fragments are read only by the S wgmma at the top of the loop. ptxas (CUDA 13.0)
+      // took them for dead after that read and gave their registers to P at D = 64 (wrong S
+      // from the second key tile on). A real instruction that rewrites them at the bottom of the
+      // loop keeps them live across P.V; q_live is 0 at run time (softcap >= 0 is checked).
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
     }
     t = tn;
     cur ^= 1;

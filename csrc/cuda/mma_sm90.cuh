@@ -66,13 +66,21 @@ __device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligne
 // wgmma reads B through; issued by the writers before the barrier that publishes the tile.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Keeps the compiler from moving accesses of an accumulator across the fence / wait above.
+// Keeps the compiler from moving writes or reads of wgmma operand registers (accumulators, A
+// fragments) across the fence / wait above: wgmma.fence only orders what comes before it.
 template <int J>
-__device__ inline void fence_acc(float (&d)[J][4]) {
+__device__ inline void fence_regs(float (&d)[J][4]) {
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+template <int J>
+__device__ inline void fence_regs(uint32_t (&a)[J][4]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[j][e])::"memory");
 }
 
 #define FLEXDMA_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
