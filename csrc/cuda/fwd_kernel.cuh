@@ -254,8 +254,11 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
 // (they are never kept). The 16-byte path needs contiguous keys and aligned strides.
 template <typename T>
 __device__ inline void issue_bias(const FwdParams& p, const Plane<T>& bb, T* sb, bool vec, int64_t m0, int64_t n0) {
-  // Rows past seqlen_q alias row 0 when the bias is broadcast over queries: safe to copy.
-  if (vec && (m0 + kBlockM <= p.seqlen_q || bb.rs == 0) && n0 + kBlockN <= p.seqlen_k) {
+  if (vec && bb.rs == 0 && n0 + kBlockN <= p.seqlen_k) {
+    // Broadcast over queries (per-key bias): one row serves the tile (readers use row 0). 64
+    // copies of the same 128 bytes cost 64x the L2 requests, all CTAs hitting the same lines.
+    if (threadIdx.x < kBlockN / 8) cp_async16(sb + threadIdx.x * 8, bb.base + n0 + threadIdx.x * 8);
+  } else if (vec && m0 + kBlockM <= p.seqlen_q && n0 + kBlockN <= p.seqlen_k) {
     constexpr int kRowsPerPass = kThreads / (kBlockN / 8);
     const int r0 = threadIdx.x / (kBlockN / 8), col0 = (threadIdx.x % (kBlockN / 8)) * 8;
     const T* src = bb.base + (m0 + r0) * bb.rs + n0 + col0;
@@ -331,6 +334,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
   const bool has_bias = p.bias.ptr != nullptr;
+  // This thread's bias rows in a smem bias tile; a bias broadcast over queries keeps only row 0.
+  const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias(p.bias, b, h);
   const Plane<uint8_t> mask(p.mask, b, h);
   const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
@@ -360,23 +365,18 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
   float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8; sum per thread
 
-  // Mask slots: sa holds tile t's mask bytes, sb_ the next tile's, sc the one after (in flight).
+  // Tile t's K / V / bias copies (and the raw mask bytes of t + 1) have landed in every thread's
+  // view, and in the async proxy's that wgmma reads through. Block-uniform.
+  auto land = [&]() {
+    cp_async_wait<0>();
+    if constexpr (kWg) fence_proxy_async();
+    __syncthreads();
+  };
+  // Mask slots: sa holds tile t's keep bytes, sb_ the next tile's, sc the one after (in flight).
   // Without a mask every tile below n_end keeps something and no slot is used.
   int sa = 0, sb_ = 1, sc = 2;
-  int64_t t = t_begin;
-  if (has_mask) {
-    if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
-    while (t < n_end && !build_keep(p, mask, sKeep, f.mask_vec, m0, t * kBlockN)) {
-      ++t;
-      if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
-    }
-  }
-  if (t < n_end) issue_tile(t, 0, sb_);
-  int cur = 0;
-  while (t < n_end) {
-    cp_async_wait<0>();
-    if constexpr (kWg) fence_proxy_async();  // wgmma reads K / V through the async proxy
-    __syncthreads();  // tile t (and the raw mask of t + 1) landed; tile t - 1's buffers are free
+  // First key tile after t that keeps something; its keep bytes end up in slot sb_. Block-uniform.
+  auto next_tile = [&](int64_t t) {
     int64_t tn = t + 1;
     if (has_mask && tn < n_end) {
       uint8_t* slot = sKeep + sb_ * L::kKeepSlot;
@@ -387,12 +387,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
         any = build_keep(p, mask, slot, f.mask_vec, m0, tn * kBlockN);
       }
     }
-    if (tn < n_end) issue_tile(tn, cur ^ 1, sc);
-
-    // S = Q K^T for this warp's 16 rows x 64 keys.
-    const T* sk = sK + cur * L::kTileKV / 2;
-    const T* sv = sV + cur * L::kTileKV / 2;
-    float s[kBlockN / 8][4];
+    return tn;
+  };
+  // S = Q K^T for this warp's 16 rows x 64 keys of the tile in buffer `buf`: issued and left
+  // in flight (wgmma) or computed (mma.sync).
+  float s[kBlockN / 8][4];
+  auto gemm_s = [&](int buf) {
+    const T* sk = sK + buf * L::kTileKV / 2;
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
@@ -404,8 +405,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, kBlockN, 0>(s, qf[kk], desc_k_major<kBlockN>(sk, kk), kk > 0);
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(s);
     } else {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
@@ -417,121 +416,168 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
           mma_16816<T>(s[2 * np + 1], qf[kk], kb[2], kb[3]);
         }
     }
+  };
 
-    // Scores in log2 units (scale * log2 e folded in once), so the softmax needs one exp2 per
-    // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
-    // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
-    const TileBounds tb(p, m0, t * kBlockN);
-    if (softcap_on) {
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
-    } else {
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
+  // The loop keeps the tensor cores busy while the block waits: on wgmma, P.V of tile t is in
+  // flight while tile t's successor lands and its mask is checked, and S of that successor is in
+  // flight while the tile after it is requested (into the buffers P.V of t has released).
+  // On mma.sync both products are synchronous and the copies are requested before S.
+  int64_t t = t_begin;
+  if (has_mask) {
+    if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
+    while (t < n_end && !build_keep(p, mask, sKeep, f.mask_vec, m0, t * kBlockN)) {
+      ++t;
+      if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
     }
-    if (has_bias) {
-      const T* sb = sB + cur * kBlockM * kLdBias;
+  }
+  int cur = 0;
+  int64_t tn = n_end;
+  uint32_t pa[kBlockN / 16][4];  // P of tile t as A fragments; read by the P.V wgmma until it is waited for
+  if (t < n_end) {
+    issue_tile(t, 0, sb_);
+    land();
+    tn = next_tile(t);
+    if (tn < n_end) issue_tile(tn, 1, sc);
+    gemm_s(0);
+    // Left only through the break (a single exit with P.V in flight keeps ptxas from
+    // serialising the wgmmas, C7515).
+    for (;;) {
+      if constexpr (kWg) {
+        wgmma_wait<0>();  // S of tile t (and P.V of the tile before)
+        fence_regs(s);
+        fence_regs(o);
+      }
+      const T* sv = sV + cur * L::kTileKV / 2;
+
+      // Scores in log2 units (scale * log2 e folded in once), so the softmax needs one exp2 per
+      // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
+      // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
+      const TileBounds tb(p, m0, t * kBlockN);
+      if (softcap_on) {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
+      } else {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
+      }
+      if (has_bias) {
+        const T* sb = sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias;
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const float2 bv =
+                unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + 8 * hh * bias_row_step + n * 8 + 2 * qc));
+            s[n][2 * hh] = fmaf(bv.x, kLog2e, s[n][2 * hh]);
+            s[n][2 * hh + 1] = fmaf(bv.y, kLog2e, s[n][2 * hh + 1]);
+          }
+      }
+      if (has_mask) {
+        // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
+        const uint8_t* keep = sKeep + sa * L::kKeepSlot;
+        if (tb.full)
+          apply_keep<false>(s, keep, w * 16 + g, qc, tb);
+        else
+          apply_keep<true>(s, keep, w * 16 + g, qc, tb);
+      } else if (!tb.full) {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!tb.ok(w * 16 + g + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
+      }
+      float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const float2 bv =
-              unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + (w * 16 + g + 8 * hh) * kLdBias + n * 8 + 2 * qc));
-          s[n][2 * hh] = fmaf(bv.x, kLog2e, s[n][2 * hh]);
-          s[n][2 * hh + 1] = fmaf(bv.y, kLog2e, s[n][2 * hh + 1]);
+        for (int hh = 0; hh < 2; ++hh) mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+        mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+        const float m_new = fmaxf(row_max[hh], mx[hh]);
+        const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
+        const float alpha = exp2f(row_max[hh] - m_use);
+        row_max[hh] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n) {
+          s[n][2 * hh] = exp2f(s[n][2 * hh] - m_use);
+          s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
+          sum += s[n][2 * hh] + s[n][2 * hh + 1];
         }
-    }
-    if (has_mask) {
-      // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
-      const uint8_t* keep = sKeep + sa * L::kKeepSlot;
-      if (tb.full)
-        apply_keep<false>(s, keep, w * 16 + g, qc, tb);
-      else
-        apply_keep<true>(s, keep, w * 16 + g, qc, tb);
-    } else if (!tb.full) {
+        row_sum[hh] = row_sum[hh] * alpha + sum;
 #pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!tb.ok(w * 16 + g + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
-    }
-    float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-      mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-      const float m_new = fmaxf(row_max[hh], mx[hh]);
-      const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
-      const float alpha = exp2f(row_max[hh] - m_use);
-      row_max[hh] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        s[n][2 * hh] = exp2f(s[n][2 * hh] - m_use);
-        s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
-        sum += s[n][2 * hh] + s[n][2 * hh + 1];
+        for (int d = 0; d < D / 8; ++d) {
+          o[d][2 * hh] *= alpha;
+          o[d][2 * hh + 1] *= alpha;
+        }
       }
-      row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        o[d][2 * hh] *= alpha;
-        o[d][2 * hh + 1] *= alpha;
-      }
-    }
 
-    // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
-    uint32_t pa[kBlockN / 16][4];
+      // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }
+      if constexpr (kWg) {
+        fence_regs(o);
+        fence_regs(pa);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_mn_major<kBlockN>(sv, kk), 1);
+        wgmma_commit();
+        // Q's fragments are read only by the S wgmma. ptxas (CUDA 13.0) took them for dead after
+        // that read and gave their registers to P at D = 64 (wrong S from the second key tile on).
+        // A real instruction that rewrites them here keeps them live across P.V; q_live is 0 at
+        // run time (softcap >= 0 is checked before launch).
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+          for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
+            mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
+            mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
+          }
+      }
+      if (tn >= n_end) break;
+
+      land();  // tile tn landed; every warp is done with tile t's bias and keep bytes
+      const int s_old = sa;
+      sa = sb_;
+      sb_ = sc;
+      sc = s_old;
+      const int64_t tnn = next_tile(tn);
+      // P.V of tile t is done from here on: its K / V / bias buffers take tile tnn. (Issuing S
+      // while P.V is still in flight makes ptxas serialise every wgmma, C7514.)
+      if constexpr (kWg) wgmma_wait<0>();
+      if constexpr (!kWg) {
+        if (tnn < n_end) issue_tile(tnn, cur, sc);
+      }
+      gemm_s(cur ^ 1);
+      if constexpr (kWg) {
+        if (tnn < n_end) issue_tile(tnn, cur, sc);
+      }
+      t = tn;
+      tn = tnn;
+      cur ^= 1;
     }
     if constexpr (kWg) {
-      fence_regs(o);
-      fence_regs(pa);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_mn_major<kBlockN>(sv, kk), 1);
-      wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-        for (int dp = 0; dp < D / 16; ++dp) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
-          mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
-          mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
-        }
     }
-    if constexpr (kWg) {
-      // Q's fragments are read only by the S wgmma at the top of the loop. ptxas (CUDA 13.0)
-      // took them for dead after that read and gave their registers to P at D = 64 (wrong S
-      // from the second key tile on). A real instruction that rewrites them at the bottom of the
-      // loop keeps them live across P.V; q_live is 0 at run time (softcap >= 0 is checked).
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
-    }
-    t = tn;
-    cur ^= 1;
-    const int s_old = sa;
-    sa = sb_;
-    sb_ = sc;
-    sc = s_old;
   }
 
   // Epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and -inf. A split
