@@ -46,6 +46,14 @@ struct FwdParams {
   Broadcast4d mask;  // bool stored as uint8 (0 / 1)
   Broadcast4d bias;  // same dtype as q
 
+  // Tile activity of the mask (optional; CUDA kernels only): bit (kt % 32) of word
+  // (b, mask head, qt, kt / 32) says whether the 64 x 64 tile (query tile qt, key tile kt) keeps
+  // anything once mask, bounds and causality apply. Laid out like a mask plane with rows = query
+  // tiles and columns = 32-bit words (col_stride 1); batch / head dims broadcast as the mask's.
+  // Computed once per mask (flexdma::tile_meta) and read by the forward and both backward
+  // kernels, so an empty tile is skipped without reading its mask bytes.
+  Broadcast4d tile_meta;
+
   float softmax_scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool is_causal = false;

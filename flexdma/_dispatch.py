@@ -105,7 +105,10 @@ def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires
 def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
     from . import _ops
 
-    return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic)
+    # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
+    # handed to the forward and kept by autograd for the backward. (The CPU kernel needs none.)
+    meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal) if mask is not None and q.is_cuda else None
+    return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
 
 
 def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, need_lse=True):

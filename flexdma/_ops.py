@@ -9,10 +9,11 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
 
-__all__ = ["fwd", "bwd"]
+__all__ = ["fwd", "bwd", "tile_meta"]
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
+tile_meta = torch.ops.flexdma.tile_meta
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -20,7 +21,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.register_fake("flexdma::fwd")
-def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic):
+def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta=None):
     B, Q, H, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype))
@@ -29,7 +30,7 @@ def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, 
 
 @torch.library.register_fake("flexdma::bwd")
 def _bwd_fake(grad_out, q, k, v, attn_mask, attn_bias, out, lse, softmax_scale, is_causal, softcap,
-              bias_requires_grad, deterministic):
+              bias_requires_grad, deterministic, tile_meta=None):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
     dv = v.new_empty(v.shape)
@@ -40,10 +41,20 @@ def _bwd_fake(grad_out, q, k, v, attn_mask, attn_bias, out, lse, softmax_scale, 
     return dq, dk, dv, dbias
 
 
+@torch.library.register_fake("flexdma::tile_meta")
+def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
+    # One int32 word per 32 key tiles of 64, per query tile of 64, per mask (batch, head).
+    words = ((seqlen_k + 63) // 64 + 31) // 32
+    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], (seqlen_q + 63) // 64, words),
+                               dtype=torch.int32)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic = inputs
+    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic = inputs[:9]
+    tile_meta = inputs[9] if len(inputs) > 9 else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse)
+    # The forward's tile activity bits serve the backward too: one pass over the mask per step.
+    ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse, tile_meta)
     ctx.softmax_scale = softmax_scale
     ctx.is_causal = is_causal
     ctx.softcap = softcap
@@ -53,13 +64,13 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, attn_mask, attn_bias, out, lse = ctx.saved_tensors
+    q, k, v, attn_mask, attn_bias, out, lse, tile_meta = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     dq, dk, dv, dbias = bwd(grad_out, q, k, v, attn_mask, attn_bias, out, lse, ctx.softmax_scale, ctx.is_causal,
-                            ctx.softcap, bias_grad, ctx.deterministic)
-    return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None
+                            ctx.softcap, bias_grad, ctx.deterministic, tile_meta)
+    return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None
 
 
 torch.library.register_autograd("flexdma::fwd", _backward, setup_context=_setup_context)

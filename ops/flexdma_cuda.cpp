@@ -15,26 +15,47 @@ void check_supported(const FwdParams& p) {
               " (use backend='auto' to fall back to FlexAttention)");
 }
 
+at::Tensor tile_meta_cuda(const at::Tensor& mask, int64_t seqlen_q, int64_t seqlen_k, bool is_causal) {
+  c10::cuda::CUDAGuard guard(mask.device());
+  const FwdParams p = tile_meta_params(mask, seqlen_q, seqlen_k, is_causal);
+  const auto shape = tile_meta_shape(mask.sizes(), seqlen_q, seqlen_k);
+  at::Tensor meta = at::zeros(shape, mask.options().dtype(at::kInt));
+  cuda::run_tile_meta(p, shape[0], shape[1], meta.data_ptr(), shape[3], at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return meta;
+}
+
+// The kernels read the tile activity of every mask they get; a caller that did not pass it (a
+// direct op call) pays for one pass over the mask here.
+c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& tile_meta,
+                                   const at::Tensor& q, const at::Tensor& k, bool is_causal) {
+  if (tile_meta.has_value() && tile_meta->defined()) return tile_meta;
+  if (!mask.has_value() || !mask->defined() || mask->dim() != 4 || mask->scalar_type() != at::kBool) return tile_meta;
+  return tile_meta_cuda(*mask, q.size(1), k.size(1), is_causal);
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const c10::optional<at::Tensor>& mask,
                                             const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                            bool is_causal, double softcap, bool /*deterministic*/) {
+                                            bool is_causal, double softcap, bool /*deterministic*/,
+                                            const c10::optional<at::Tensor>& tile_meta) {
   c10::cuda::CUDAGuard guard(q.device());
-  return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, [](const FwdParams& p) {
-    check_supported(p);
-    cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, meta_for(mask, tile_meta, q, k, is_causal),
+                  [](const FwdParams& p) {
+                    check_supported(p);
+                    cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+                    C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
   c10::cuda::CUDAGuard guard(q.device());
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, [](const BwdParams& p) {
+                  deterministic, meta_for(mask, tile_meta, q, k, is_causal), [](const BwdParams& p) {
                     check_supported(p);
                     cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
                     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -47,6 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
+  m.impl("tile_meta", &tile_meta_cuda);
 }
 
 }  // namespace flexdma

@@ -12,10 +12,11 @@ inline std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at
                                                    const c10::optional<at::Tensor>& mask,
                                                    const c10::optional<at::Tensor>& bias, double softmax_scale,
                                                    bool is_causal, double softcap,
+                                                   const c10::optional<at::Tensor>& tile_meta,
                                                    const std::function<void(const FwdParams&)>& run) {
   auto [out, lse] = alloc_fwd_outputs(q);
   FwdParams p;
-  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out, lse);
+  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out, lse, tile_meta);
   if (out.numel() > 0) run(p);
   return {out, lse};
 }
@@ -24,7 +25,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const std::function<void(const BwdParams&)>& run,
+    bool device_stores_dbias_dtype = false) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -43,7 +45,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
-                  softmax_d, deterministic);
+                  softmax_d, deterministic, tile_meta);
   p.dbias_in_dtype = dbias_direct;
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <vector>
+
 #include "../csrc/flash_dma_params.h"
 
 namespace flexdma {
@@ -61,10 +63,59 @@ inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* n
   return b;
 }
 
+// Shape of flexdma::tile_meta's result for a mask of `mask_sizes` (B|1, heads|1, ., .).
+inline std::vector<int64_t> tile_meta_shape(at::IntArrayRef mask_sizes, int64_t seqlen_q, int64_t seqlen_k) {
+  constexpr int64_t kTile = 64, kTilesPerWord = 32;
+  const int64_t key_tiles = (seqlen_k + kTile - 1) / kTile;
+  return {mask_sizes[0], mask_sizes[1], (seqlen_q + kTile - 1) / kTile, (key_tiles + kTilesPerWord - 1) / kTilesPerWord};
+}
+
+// The tile activity bits (FwdParams::tile_meta) of `mask`, checked against the mask they claim
+// to describe: a stale or foreign buffer would make the kernels skip kept tiles.
+inline Broadcast4d tile_meta_operand(const c10::optional<at::Tensor>& meta, const c10::optional<at::Tensor>& mask,
+                                     const at::Tensor& q, int64_t seqlen_k) {
+  Broadcast4d b;
+  if (!meta.has_value() || !meta->defined()) return b;
+  TORCH_CHECK(mask.has_value() && mask->defined(), "flexdma: tile_meta given without attn_mask");
+  const at::Tensor& m = *meta;
+  const auto want = tile_meta_shape(mask->sizes(), q.size(1), seqlen_k);
+  TORCH_CHECK(m.scalar_type() == at::kInt && m.sizes() == at::IntArrayRef(want) && m.is_contiguous() &&
+                  m.device() == q.device(),
+              "flexdma: tile_meta must be a contiguous int32 tensor of shape ", at::IntArrayRef(want), " on ",
+              q.device(), " (flexdma::tile_meta of this attn_mask), got ", m.scalar_type(), " ", m.sizes());
+  b.ptr = m.data_ptr();
+  b.batch_stride = m.size(0) == 1 ? 0 : m.stride(0);
+  b.head_stride = m.size(1) == 1 ? 0 : m.stride(1);
+  b.row_stride = m.stride(2);
+  b.col_stride = 1;
+  b.head_ratio = q.size(2) / m.size(1);
+  return b;
+}
+
+// FwdParams for flexdma::tile_meta: lengths, causality and the mask plane by plane (head_ratio
+// 1: the kernel walks the mask's own heads). Checks what the op needs of the mask alone.
+inline FwdParams tile_meta_params(const at::Tensor& mask, int64_t seqlen_q, int64_t seqlen_k, bool is_causal) {
+  TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kBool, "flexdma: tile_meta needs a 4-D bool attn_mask, got ",
+              mask.scalar_type(), " ", mask.sizes());
+  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, "flexdma: tile_meta lengths must be >= 0, got ", seqlen_q, ", ", seqlen_k);
+  TORCH_CHECK((mask.size(2) == 1 || mask.size(2) == seqlen_q) && (mask.size(3) == 1 || mask.size(3) == seqlen_k),
+              "flexdma: attn_mask ", mask.sizes(), " does not broadcast to ", seqlen_q, " queries x ", seqlen_k, " keys");
+  FwdParams p;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.is_causal = is_causal;
+  p.mask.ptr = mask.data_ptr();
+  p.mask.batch_stride = mask.size(0) == 1 ? 0 : mask.stride(0);
+  p.mask.head_stride = mask.size(1) == 1 ? 0 : mask.stride(1);
+  p.mask.row_stride = mask.size(2) == 1 ? 0 : mask.stride(2);
+  p.mask.col_stride = mask.size(3) == 1 ? 0 : mask.stride(3);
+  return p;
+}
+
 inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
                             double softmax_scale, bool is_causal, double softcap, at::Tensor& out,
-                            at::Tensor& lse) {
+                            at::Tensor& lse, const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
   check_qkv(q, k, v);
   p.batch = q.size(0);
   p.seqlen_q = q.size(1);
@@ -85,6 +136,7 @@ inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor&
                 " must match query dtype ", q.scalar_type());
   p.mask = broadcast4d(mask, "attn_mask", q, p.seqlen_k, p.num_heads_k);
   p.bias = broadcast4d(bias, "attn_bias", q, p.seqlen_k, p.num_heads_k);
+  p.tile_meta = tile_meta_operand(tile_meta, mask, q, p.seqlen_k);
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.is_causal = is_causal;
@@ -127,9 +179,9 @@ inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tens
                             const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& lse,
                             double softmax_scale, bool is_causal, double softcap, at::Tensor& dq, at::Tensor& dk,
                             at::Tensor& dv, const c10::optional<at::Tensor>& dbias_accum, at::Tensor& softmax_d,
-                            bool deterministic) {
+                            bool deterministic, const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
   at::Tensor out_ = out, lse_ = lse;
-  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out_, lse_);
+  fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out_, lse_, tile_meta);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flexdma: grad_out/out must have query's shape");
   TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1, "flexdma: grad_out/out head_dim must be contiguous");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == acc_type(q.scalar_type()),

@@ -118,3 +118,100 @@ def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
     for a, b, c, name in zip(first, again, single, ("dq", "dk", "dv", "dbias")):
         assert torch.equal(a, b), f"{name} differs between two runs"
         assert torch.equal(a, c), f"{name} differs between thread counts"
+
+
+# ---- tile activity bits (flexdma::tile_meta) ----
+
+def tile_meta_ref(mask: torch.Tensor, Q: int, K: int, is_causal: bool) -> torch.Tensor:
+    """The bits spelled out: word w of row (b, h, qt) has bit i set iff the 64 x 64 tile
+    (qt, 32 w + i) keeps some (q, k) of the mask broadcast to Q x K, under bottom-right causality."""
+    m = mask.expand(mask.shape[0], mask.shape[1], Q, K).cpu()
+    if is_causal:
+        m = m & (torch.arange(K)[None, :] <= torch.arange(Q)[:, None] + (K - Q))
+    nq, nk = -(-Q // 64), -(-K // 64)
+    tiles = torch.zeros(*mask.shape[:2], nq * 64, nk * 64, dtype=torch.bool)
+    tiles[..., :Q, :K] = m
+    active = tiles.view(*mask.shape[:2], nq, 64, nk, 64).any(dim=(3, 5))  # (B, H, nq, nk)
+    words = torch.zeros(*mask.shape[:2], nq, -(-nk // 32), dtype=torch.int64)
+    for kt in range(nk):
+        words[..., kt // 32] |= active[..., kt].long() << (kt % 32)
+    return words.to(torch.int64)
+
+
+def _as_uint(meta: torch.Tensor) -> torch.Tensor:
+    return meta.to(torch.int64) & 0xFFFFFFFF
+
+
+TILE_META_CASES = [
+    # (mask shape, Q, K, causal)
+    ((1, 1, 130, 200), 130, 200, False),
+    ((2, 3, 130, 200), 130, 200, True),     # Q < K: bottom-right diagonal
+    ((1, 2, 300, 97), 300, 97, True),       # Q > K: leading rows see nothing
+    ((2, 1, 1, 3000), 5, 3000, True),       # broadcast over queries, > 32 key tiles (2 words)
+    ((1, 1, 70, 1), 70, 150, False),        # broadcast over keys
+    ((1, 1, 1, 4100), 1, 4100, True),       # decoding row
+]
+
+
+@pytest.mark.parametrize("shape,Q,K,causal", TILE_META_CASES)
+def test_tile_meta_matches_reference(shape, Q, K, causal):
+    torch.manual_seed(0)
+    # Sparse masks, so that whole tiles are empty; plus one all-false plane.
+    mask = torch.rand(shape) < 0.002
+    mask[0, 0] = False
+    got = torch.ops.flexdma.tile_meta(mask, Q, K, causal)
+    assert got.dtype == torch.int32 and got.shape == tile_meta_ref(mask, Q, K, causal).shape
+    assert torch.equal(_as_uint(got), tile_meta_ref(mask, Q, K, causal))
+    dense = torch.ones(shape, dtype=torch.bool)
+    assert torch.equal(_as_uint(torch.ops.flexdma.tile_meta(dense, Q, K, causal)), tile_meta_ref(dense, Q, K, causal))
+
+
+def test_opcheck_tile_meta_and_fwd_bwd_with_it():
+    q, k, v, mask, bias = _inputs(True, True, Q=70, K=90, requires_grad=False, bias_requires_grad=False)
+    torch.library.opcheck(torch.ops.flexdma.tile_meta, (mask, 70, 90, True))
+    meta = torch.ops.flexdma.tile_meta(mask, 70, 90, True)
+    torch.library.opcheck(fwd, (q, k, v, mask, bias, 0.25, True, 0.0, False, meta))
+    out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
+    out0, lse0 = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    torch.library.opcheck(bwd, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, False,
+                                meta))
+
+
+def test_tile_meta_that_does_not_fit_the_mask_is_refused():
+    q, k, v, mask, bias = _inputs(True, False, Q=70, K=90, requires_grad=False)
+    wrong = torch.ops.flexdma.tile_meta(mask[:, :, :5], 5, 90, False)  # another query length
+    with pytest.raises(RuntimeError, match="tile_meta must be a contiguous int32 tensor of shape"):
+        fwd(q, k, v, mask, None, 0.25, False, 0.0, False, wrong)
+    with pytest.raises(RuntimeError, match="tile_meta given without attn_mask"):
+        fwd(q, k, v, None, None, 0.25, False, 0.0, False, torch.ops.flexdma.tile_meta(mask, 70, 90, False))
+    with pytest.raises(RuntimeError, match="4-D bool attn_mask"):
+        torch.ops.flexdma.tile_meta(mask.float(), 70, 90, False)
+    with pytest.raises(RuntimeError, match="does not broadcast to"):
+        torch.ops.flexdma.tile_meta(mask, 71, 90, False)
+
+
+def test_autograd_hands_the_forward_tile_meta_to_the_backward(monkeypatch):
+    # The API computes the bits once (on CUDA) and autograd keeps them for bwd; on CPU the op
+    # takes them as an optional input the same way.
+    from flexdma import _ops
+
+    q, k, v, mask, bias = _inputs(True, True, Q=70, K=90)
+    meta = torch.ops.flexdma.tile_meta(mask, 70, 90, True)
+    seen = []
+    real_bwd = _ops.bwd
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real_bwd(*args)
+
+    monkeypatch.setattr(_ops, "bwd", spy)
+    out, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
+    out.sum().backward()
+    assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], meta)
+    grads = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)[0].sum().backward()
+    for g, t in zip(grads, (q, k, v, bias)):
+        assert torch.equal(g, t.grad)

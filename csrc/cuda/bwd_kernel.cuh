@@ -381,9 +381,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
 
   // First kept key tile >= t, its keep tile built into `slot` (only where a mask or a cut
   // tile needs one); n_end if none. Block-uniform.
+  // Tiles whose activity bit is clear are passed over without reading their mask bytes.
+  const uint32_t* meta_row = has_mask ? BwdPlane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
   auto find_next = [&](int64_t t, uint8_t* slot) -> int64_t {
 #pragma unroll 1
     for (; t < n_end; ++t) {
+      if (has_mask && (t = next_active_tile(meta_row, t, n_end)) >= n_end) break;
       const BwdBounds tb(p, m0, t * kBlockN);
       if (has_mask) {
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
@@ -534,6 +537,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
         if (has_mask) {
+          if (!tile_active(BwdPlane<uint32_t>(p.tile_meta, b, kvh * ratio + gq).at(mt, 0), n_tile)) continue;
           const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
           if (bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
         } else {

@@ -13,5 +13,10 @@ const char* unsupported_reason(const FwdParams& params);
 void run_fwd(const FwdParams& params, void* stream);
 void run_bwd(const BwdParams& params, void* stream);
 
+// Fills `meta` (zero-filled by the caller, mask_batches x mask_heads x ceil(Q / 64) x n_words
+// uint32) with the tile activity of params.mask (FwdParams::tile_meta).
+void run_tile_meta(const FwdParams& params, int64_t mask_batches, int64_t mask_heads, void* meta, int64_t n_words,
+                   void* stream);
+
 }  // namespace cuda
 }  // namespace flexdma

@@ -1,11 +1,10 @@
 // Forward kernel (FlashAttention-2 style): one CTA of 4 warps per (64-row query tile, head,
 // batch); warp w owns query rows [16w, 16w + 16). Q lives in registers as mma A fragments; S,
 // the online softmax statistics, P and the O accumulator never leave registers (P's C fragments
-// are repacked as the A operand of P.V). K, V and bias tiles are double buffered with cp.async:
-// tile t+1's copies are in flight while tile t is computed. The keep tile (mask & causal &
-// bounds) of the next tile is decided before any of its K/V/bias bytes are requested, so an
-// all-false tile costs only its mask bytes; its raw mask bytes themselves travel with the
-// previous tile's copies.
+// are repacked as the A operand of P.V). K, V, bias and mask tiles are double buffered with
+// cp.async: tile t+1's copies are in flight while tile t is computed. Which key tiles keep
+// anything comes from the mask's tile activity bits (FwdParams::tile_meta), so an all-false
+// tile costs no byte at all and finding the next kept tile needs no load round trip.
 #pragma once
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
@@ -44,15 +43,14 @@ template <typename T, int D>
 struct FwdSmem {
   static constexpr int kTileKV = kBlockN * kv_row_pitch<D>() * (fwd_wgmma<D>() ? D / 64 : 1) * 2;
   static constexpr int kKeepSlot = kBlockM * kLdKeep;
-  // The Q tile is only staged here until it is in registers; the region then holds three mask
-  // slots (the tile being computed, the next one, the one after it in flight).
+  // The Q tile is only staged here until it is in registers; the region then holds the mask
+  // bytes of the two K / V buffers' tiles.
   static constexpr int kQ = 0;
   static constexpr int kKeep = 0;
-  static constexpr int kK = (cmax(kBlockM * tile_ld(D) * 2, 3 * kKeepSlot) + 1023) / 1024 * 1024;
+  static constexpr int kK = (cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot) + 1023) / 1024 * 1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
-  static constexpr int kMisc = kBias + 2 * kBlockM * kLdBias * 2;  // one int: the key-tile scan's result
-  static constexpr int kBytes = kMisc + 16 + (fwd_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (fwd_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
 
 // Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of
@@ -69,64 +67,13 @@ struct FwdFlags {
   bool qkv_vec, mask_vec, bias_vec, out_vec;
 };
 
-// Last key tile (exclusive) a query tile starting at m0 can see.
-__device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
-  int64_t kend = p.seqlen_k;
-  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
-  return kend <= 0 ? 0 : ceil_div(kend, kBlockN);
-}
-
-// Bounds and causal limits of tile (m0, n0) in tile-local coordinates. Most tiles are `full`
-// (inside both lengths and entirely below the diagonal) and need no per-element check.
-struct TileBounds {
-  bool full;
-  int lim_r, lim_c, diag;  // kept iff r < lim_r && c < lim_c && c <= r + diag
-  __device__ inline TileBounds(const FwdParams& p, int64_t m0, int64_t n0) {
-    const int64_t shift = p.seqlen_k - p.seqlen_q;
-    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
-    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
-    diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
-    full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
-  }
-  // Non-short-circuit &: on a full tile every term is true, and the check compiles to compares
-  // and a predicate op instead of a branch per element.
-  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
-};
-
-// Whether the mask tile at n0 is copied raw into a smem slot by cp.async one tile ahead
-// (aligned rows, tile inside both lengths) rather than read when the tile comes up.
+// Whether the mask tile at n0 is copied raw into a smem slot by cp.async with its K / V tile
+// (aligned rows, tile inside both lengths) rather than built when the tile has landed.
 // A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
 // query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
 __device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
   return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) &&
          n0 + kBlockN <= p.seqlen_k;
-}
-
-// First key tile >= t (and < n_end) whose mask row has any kept byte, for a mask broadcast over
-// queries: 32 tiles per step, 16 bytes per thread, so long runs of empty tiles (decoding with a
-// top-k mask) cost one load round trip per 32 tiles instead of one per tile. Tiles cut by
-// seqlen_k are returned as they come; the caller's exact check decides them.
-__device__ inline int64_t skip_empty_bcast(const Plane<uint8_t>& m, int64_t t, int64_t n_end, int64_t seqlen_k,
-                                           int* s_first) {
-  const int64_t full_end = imin(n_end, seqlen_k / kBlockN);
-  constexpr int kPerStep = kThreads / (kBlockN / 16);
-  while (t < full_end) {
-    const int64_t tile = t + threadIdx.x / (kBlockN / 16);
-    bool hit = false;
-    if (tile < full_end) {
-      const uint4 v = *reinterpret_cast<const uint4*>(m.base + tile * kBlockN + (threadIdx.x % (kBlockN / 16)) * 16);
-      hit = (v.x | v.y | v.z | v.w) != 0;
-    }
-    if (threadIdx.x == 0) *s_first = kPerStep;
-    __syncthreads();
-    if (hit) atomicMin(s_first, (int)(threadIdx.x / (kBlockN / 16)));
-    __syncthreads();
-    const int first = *s_first;
-    __syncthreads();  // everyone has read it before thread 0 resets it
-    if (first < kPerStep) return t + first;
-    t += kPerStep;
-  }
-  return t;
 }
 
 __device__ inline void issue_mask_raw(const Plane<uint8_t>& m, uint8_t* slot, int64_t m0, int64_t n0) {
@@ -140,24 +87,6 @@ __device__ inline void issue_mask_raw(const Plane<uint8_t>& m, uint8_t* slot, in
 __device__ inline uint32_t byte_of(const uint4& v, int e) {
   const uint32_t w = e < 4 ? v.x : e < 8 ? v.y : e < 12 ? v.z : v.w;
   return (w >> (8 * (e % 4))) & 0xffu;
-}
-
-// Whether a raw mask slot (landed) keeps anything once bounds and causality apply;
-// block-uniform (ends in a barrier).
-__device__ inline bool raw_any(const uint8_t* slot, const TileBounds& tb) {
-  int any = 0;
-#pragma unroll
-  for (int u = 0; u < kBlockM * kBlockN / 16 / kThreads; ++u) {
-    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    const uint4 v = *reinterpret_cast<const uint4*>(slot + r * kLdKeep + col0);
-    if (tb.full) {
-      any |= (v.x | v.y | v.z | v.w) != 0;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) any |= byte_of(v, e) != 0 && tb.ok(r, col0 + e);
-    }
-  }
-  return __syncthreads_or(any) != 0;
 }
 
 // Builds the exact keep tile (mask & causal & bounds) of key tile n0 in a slot straight from
@@ -341,19 +270,19 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
   const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
   const int64_t n_end = imin(n_all, t_begin + per_split);
-  int* s_first = reinterpret_cast<int*>(smem + L::kMisc);
-  const bool bcast_scan = (p.mask.ptr != nullptr) && f.mask_vec && p.mask.row_stride == 0;
+  // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
+  const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
   const bool has_mask = p.mask.ptr != nullptr;
   const bool softcap_on = p.softcap > 0.f;
   const float scale_l2 = p.softmax_scale * kLog2e;
   const float cap_l2 = p.softcap * kLog2e, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
-  auto issue_tile = [&](int64_t t, int buf, int raw_slot) {
+  auto issue_tile = [&](int64_t t, int buf) {
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias) issue_bias<T>(p, bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
-    if (t + 1 < n_end && mask_async(p, f.mask_vec, m0, (t + 1) * kBlockN))
-      issue_mask_raw(mask, sKeep + raw_slot * L::kKeepSlot, m0, (t + 1) * kBlockN);
+    if (has_mask && mask_async(p, f.mask_vec, m0, t * kBlockN))
+      issue_mask_raw(mask, sKeep + buf * L::kKeepSlot, m0, t * kBlockN);
     cp_async_commit();
   };
 
@@ -372,23 +301,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
   };
-  // Mask slots: sa holds tile t's keep bytes, sb_ the next tile's, sc the one after (in flight).
-  // Without a mask every tile below n_end keeps something and no slot is used.
-  int sa = 0, sb_ = 1, sc = 2;
-  // First key tile after t that keeps something; its keep bytes end up in slot sb_. Block-uniform.
-  auto next_tile = [&](int64_t t) {
-    int64_t tn = t + 1;
-    if (has_mask && tn < n_end) {
-      uint8_t* slot = sKeep + sb_ * L::kKeepSlot;
-      bool any = mask_async(p, f.mask_vec, m0, tn * kBlockN) ? raw_any(slot, TileBounds(p, m0, tn * kBlockN))
-                                                               : build_keep(p, mask, slot, f.mask_vec, m0, tn * kBlockN);
-      while (!any && ++tn < n_end) {
-        if (bcast_scan && (tn = skip_empty_bcast(mask, tn, n_end, p.seqlen_k, s_first)) >= n_end) break;
-        any = build_keep(p, mask, slot, f.mask_vec, m0, tn * kBlockN);
-      }
-    }
-    return tn;
+  // Tile t (landed in buffer buf) gets its keep bytes where they were not copied raw (tiles a
+  // length cuts, unaligned masks). Block-uniform.
+  auto keep_tile = [&](int64_t t, int buf) {
+    if (has_mask && !mask_async(p, f.mask_vec, m0, t * kBlockN))
+      build_keep(p, mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN);
   };
+  // First key tile >= t (and < n_end) that keeps something.
+  auto next_active = [&](int64_t t) { return has_mask ? next_active_tile(meta_row, t, n_end) : t; };
   // S = Q K^T for this warp's 16 rows x 64 keys of the tile in buffer `buf`: issued and left
   // in flight (wgmma) or computed (mma.sync).
   float s[kBlockN / 8][4];
@@ -422,22 +342,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   // flight while tile t's successor lands and its mask is checked, and S of that successor is in
   // flight while the tile after it is requested (into the buffers P.V of t has released).
   // On mma.sync both products are synchronous and the copies are requested before S.
-  int64_t t = t_begin;
-  if (has_mask) {
-    if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
-    while (t < n_end && !build_keep(p, mask, sKeep, f.mask_vec, m0, t * kBlockN)) {
-      ++t;
-      if (bcast_scan) t = skip_empty_bcast(mask, t, n_end, p.seqlen_k, s_first);
-    }
-  }
+  int64_t t = next_active(t_begin);
   int cur = 0;
   int64_t tn = n_end;
   uint32_t pa[kBlockN / 16][4];  // P of tile t as A fragments; read by the P.V wgmma until it is waited for
   if (t < n_end) {
-    issue_tile(t, 0, sb_);
+    issue_tile(t, 0);
     land();
-    tn = next_tile(t);
-    if (tn < n_end) issue_tile(tn, 1, sc);
+    keep_tile(t, 0);
+    tn = next_active(t + 1);
+    if (tn < n_end) issue_tile(tn, 1);
     gemm_s(0);
     // Left only through the break (a single exit with P.V in flight keeps ptxas from
     // serialising the wgmmas, C7515).
@@ -478,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       }
       if (has_mask) {
         // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
-        const uint8_t* keep = sKeep + sa * L::kKeepSlot;
+        const uint8_t* keep = sKeep + cur * L::kKeepSlot;
         if (tb.full)
           apply_keep<false>(s, keep, w * 16 + g, qc, tb);
         else
@@ -555,20 +469,17 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       if (tn >= n_end) break;
 
       land();  // tile tn landed; every warp is done with tile t's bias and keep bytes
-      const int s_old = sa;
-      sa = sb_;
-      sb_ = sc;
-      sc = s_old;
-      const int64_t tnn = next_tile(tn);
-      // P.V of tile t is done from here on: its K / V / bias buffers take tile tnn. (Issuing S
+      keep_tile(tn, cur ^ 1);
+      const int64_t tnn = next_active(tn + 1);
+      // P.V of tile t is done from here on: its K / V / bias / mask buffers take tile tnn. (Issuing S
       // while P.V is still in flight makes ptxas serialise every wgmma, C7514.)
       if constexpr (kWg) wgmma_wait<0>();
       if constexpr (!kWg) {
-        if (tnn < n_end) issue_tile(tnn, cur, sc);
+        if (tnn < n_end) issue_tile(tnn, cur);
       }
       gemm_s(cur ^ 1);
       if constexpr (kWg) {
-        if (tnn < n_end) issue_tile(tnn, cur, sc);
+        if (tnn < n_end) issue_tile(tnn, cur);
       }
       t = tn;
       tn = tnn;

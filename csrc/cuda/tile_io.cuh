@@ -32,6 +32,42 @@ template <typename T> __device__ inline T from_float(float x);
 template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// Last key tile (exclusive) a query tile starting at m0 can see.
+__device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
+  int64_t kend = p.seqlen_k;
+  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
+  return kend <= 0 ? 0 : ceil_div(kend, kBlockN);
+}
+
+// Bounds and causal limits of tile (m0, n0) in tile-local coordinates. Most tiles are `full`
+// (inside both lengths and entirely below the diagonal) and need no per-element check.
+struct TileBounds {
+  bool full;
+  int lim_r, lim_c, diag;  // kept iff r < lim_r && c < lim_c && c <= r + diag
+  __device__ inline TileBounds(const FwdParams& p, int64_t m0, int64_t n0) {
+    const int64_t shift = p.seqlen_k - p.seqlen_q;
+    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
+    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
+    diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
+    full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
+  }
+  // Non-short-circuit &: on a full tile every term is true, and the check compiles to compares
+  // and a predicate op instead of a branch per element.
+  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
+};
+
+// First key tile in [t, end) whose bit is set in a row of tile activity bits
+// (FwdParams::tile_meta); end if none. Reads one word per 32 tiles, the same in every thread.
+__device__ inline int64_t next_active_tile(const uint32_t* row, int64_t t, int64_t end) {
+  while (t < end) {
+    const uint32_t wd = row[t >> 5] >> (t & 31);
+    if (wd) return imin(end, t + __ffs(wd) - 1);
+    t = (t | 31) + 1;
+  }
+  return end;
+}
+__device__ inline bool tile_active(const uint32_t* row, int64_t t) { return (row[t >> 5] >> (t & 31)) & 1u; }
+
 // Copies `rows` x D elements (row r at src + r * row_stride, head_dim contiguous) into a smem
 // tile of kRows x D with leading dim tile_ld(D); rows past `valid` are zero so tails need no other predicate.
 // `vec` says that src and row_stride allow 16-byte loads.
