@@ -308,7 +308,11 @@ struct BwdDkvSmem {
   static constexpr int kDS = kDelta + align128(kBlockM * 4);
   static constexpr int kBias = kDS + kBlockN / 2 * kBwdLdDS * 4;
   static constexpr int kDB = kDS + align128(kBlockN * kBwdLdDS * 4);
-  static constexpr int kBytes = kDB + kBlockN * kBlockM * 4;
+  // Tile activity bits of the work items, one word per thread (2 x (115712 + 1024) bytes still
+  // fit an SM at D = 128).
+  static constexpr int kMetaItems = kThreads * 32;
+  static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
+  static constexpr int kBytes = kMeta + kThreads * 4;
   static_assert(kBlockM * kBwdLdBias * 2 <= kBlockN / 2 * kBwdLdDS * 4, "bias tile must fit in sDS's upper half");
 };
 
@@ -529,6 +533,33 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
   // dbias plane follow each other, so their dS sums in smem. find_next advances to the first
   // kept one at or after (mt, gq), its keep tile built into `slot`; false when none is left.
   // Block-uniform.
+  // Activity bits of this key tile's column for the work items in order, 4096 items at a time
+  // in smem (thread t loads word t), so skipping an empty item costs a shared load instead of
+  // a global round trip. Block-uniform.
+  uint32_t* sMeta = reinterpret_cast<uint32_t*>(smem + L::kMeta);
+  int meta_base = -1;
+  auto item_active = [&](int64_t mt, int64_t gq) -> bool {
+    // 32-bit item arithmetic: a 64-bit division compiles to a call, and this kernel is at its
+    // register limit.
+    const int item = (int)(mt - mt_begin) * (int)ratio + (int)gq, base = item & ~(L::kMetaItems - 1);
+    if (base != meta_base) {
+      __syncthreads();  // the previous chunk is no longer read
+      meta_base = base;
+      const uint32_t* col = static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / 32;
+      uint32_t bits = 0;
+#pragma unroll 4
+      for (int i = 0; i < 32; ++i) {
+        const int it = base + (int)threadIdx.x * 32 + i, mt_i = (int)mt_begin + it / (int)ratio;
+        const int h_i = (int)kvh * (int)ratio + it % (int)ratio;
+        if (mt_i < m_tiles)
+          bits |= ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
+                    (n_tile % 32)) & 1u) << i;
+      }
+      sMeta[threadIdx.x] = bits;
+      __syncthreads();
+    }
+    return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
+  };
   auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
     for (; mt < m_tiles; ++mt, gq = 0) {
@@ -537,7 +568,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
         if (has_mask) {
-          if (!tile_active(BwdPlane<uint32_t>(p.tile_meta, b, kvh * ratio + gq).at(mt, 0), n_tile)) continue;
+          if (!item_active(mt, gq)) continue;
           const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
           if (bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
         } else {
