@@ -386,11 +386,11 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
   // First kept key tile >= t, its keep tile built into `slot` (only where a mask or a cut
   // tile needs one); n_end if none. Block-uniform.
   // Tiles whose activity bit is clear are passed over without reading their mask bytes.
-  const uint32_t* meta_row = has_mask ? BwdPlane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
+  ActiveTiles active(has_mask ? BwdPlane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr);
   auto find_next = [&](int64_t t, uint8_t* slot) -> int64_t {
 #pragma unroll 1
     for (; t < n_end; ++t) {
-      if (has_mask && (t = next_active_tile(meta_row, t, n_end)) >= n_end) break;
+      if (has_mask && (t = active.next(t, n_end)) >= n_end) break;
       const BwdBounds tb(p, m0, t * kBlockN);
       if (has_mask) {
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;

@@ -308,7 +308,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       build_keep(p, mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN);
   };
   // First key tile >= t (and < n_end) that keeps something.
-  auto next_active = [&](int64_t t) { return has_mask ? next_active_tile(meta_row, t, n_end) : t; };
+  ActiveTiles active(meta_row);
+  auto next_active = [&](int64_t t) { return has_mask ? active.next(t, n_end) : t; };
   // S = Q K^T for this warp's 16 rows x 64 keys of the tile in buffer `buf`: issued and left
   // in flight (wgmma) or computed (mma.sync).
   float s[kBlockN / 8][4];

@@ -56,18 +56,28 @@ struct TileBounds {
   __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
 };
 
-// First key tile in [t, end) whose bit is set in a row of tile activity bits
-// (FwdParams::tile_meta); end if none. Reads one word per 32 tiles, the same in every thread.
-__device__ inline int64_t next_active_tile(const uint32_t* row, int64_t t, int64_t end) {
-  while (t < end) {
-    const uint32_t wd = row[t >> 5] >> (t & 31);
-    if (wd) return imin(end, t + __ffs(wd) - 1);
-    t = (t | 31) + 1;
+// A row of tile activity bits (FwdParams::tile_meta) walked forward: the current word stays in
+// a register, so the scan reads memory once per 32 tiles, not once per tile (a dependent load
+// in front of every tile's copies). The same in every thread.
+struct ActiveTiles {
+  const uint32_t* row;
+  int64_t w_idx = -1;
+  uint32_t word = 0;
+  __device__ explicit ActiveTiles(const uint32_t* r) : row(r) {}
+  // First tile in [t, end) whose bit is set; end if none.
+  __device__ inline int64_t next(int64_t t, int64_t end) {
+    while (t < end) {
+      if ((t >> 5) != w_idx) {
+        w_idx = t >> 5;
+        word = row[w_idx];
+      }
+      const uint32_t wd = word >> (t & 31);
+      if (wd) return imin(end, t + __ffs(wd) - 1);
+      t = (t | 31) + 1;
+    }
+    return end;
   }
-  return end;
-}
-__device__ inline bool tile_active(const uint32_t* row, int64_t t) { return (row[t >> 5] >> (t & 31)) & 1u; }
-
+};
 // Copies `rows` x D elements (row r at src + r * row_stride, head_dim contiguous) into a smem
 // tile of kRows x D with leading dim tile_ld(D); rows past `valid` are zero so tails need no other predicate.
 // `vec` says that src and row_stride allow 16-byte loads.
