@@ -6,6 +6,7 @@
 #   PART=4 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # what 1 and 2 leave out: D=64 per-key, D=64 decode
 #   PART=5 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # more D=64 per-key, window sweep (per-key)
 #   PART=6 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # the longest D=64 per-key rows, equivalence (D=128)
+#   PART=7 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # the kernel issue's target rows only, in one call
 # OUTDIR receives one JSON per subcommand (plots are left to `python -m benchmarks report`, which
 # also rewrites benchmarks/RESULTS.md once the JSON files are in benchmarks/results/) and run.log.
 # COMMIT defaults to `git describe --always --dirty`; pass it where the tree has no .git.
@@ -75,6 +76,13 @@ else
       section 100 forward --lengths 32768 --d 64 --bias per-key
       section 220 backward --lengths 16384,32768 --d 64 --bias per-key
       section 200 equivalence --d 128 ;;
+    7)  # the target table: 16K / 32K training rows (W=1024), the 32K backward, decoding up to
+        # 512K keys, and the per-key W=2048 / per-row W=1024 rows with their W=32 counterparts
+      section 170 forward --lengths 16384,32768 --d 128,64
+      section 130 backward --lengths 32768 --d 128,64
+      section 60 decode --d 128,64 --lengths 4096,65536,524288
+      section 90 window --d 128 --bias per-key --windows 32,2048
+      section 70 window --d 128 --bias per-row --windows 32,1024 ;;
   esac
 fi
 echo "== total $(( $(date +%s) - t0 )) s; files:"; ls -la "$out"
