@@ -98,36 +98,37 @@ __device__ inline void fence_regs(uint32_t (&a)[J][4]) {
   "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53," \
   "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
-// One wgmma: D (+)= A B with A from registers; `accumulate` = 0 ignores D's old value (scale-d
-// false), kTransB = 1 reads B MN-major.
-template <typename T, int N, int kTransB>
-__device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate);
+// The operands after D of a wgmma of width N: A's four registers, B's descriptor, the
+// accumulate predicate (set from a register) and imm-trans-b (an immediate).
+#define FLEXDMA_SETP_N64 "setp.ne.b32 p, %37, 0;\n"
+#define FLEXDMA_OPS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
+#define FLEXDMA_SETP_N128 "setp.ne.b32 p, %69, 0;\n"
+#define FLEXDMA_OPS_N128 ", {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
+#define FLEXDMA_WGMMA_RS(N, TY)                                                                                \
+  asm volatile("{\n.reg .pred p;\n" FLEXDMA_SETP_N##N "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
+               " " FLEXDMA_REGS_N##N FLEXDMA_OPS_N##N                                                         \
+               : FLEXDMA_ACC_N##N                                                                             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB))
 
-#define FLEXDMA_DEFINE_WGMMA_RS(T, TY)                                                                          \
-  template <>                                                                                                   \
-  __device__ inline void wgmma_rs<T, 64, 0>(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
-                 " " FLEXDMA_REGS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"                              \
-                 : FLEXDMA_ACC_N64                                                                              \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
-  }                                                                                                             \
-  template <>                                                                                                   \
-  __device__ inline void wgmma_rs<T, 64, 1>(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY \
-                 " " FLEXDMA_REGS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                              \
-                 : FLEXDMA_ACC_N64                                                                              \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
-  }                                                                                                             \
-  template <>                                                                                                   \
-  __device__ inline void wgmma_rs<T, 128, 1>(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b, int acc) { \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY \
-                 " " FLEXDMA_REGS_N128 ", {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                             \
-                 : FLEXDMA_ACC_N128                                                                             \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(acc));                         \
+// One wgmma: D (+)= A B with A from registers; `accumulate` = 0 ignores D's old value (scale-d
+// false), kTransB = 1 reads B MN-major. N (the width of D) is 64 or 128.
+template <typename T, int N, int kTransB>
+__device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma_rs: N must be 64 or 128");
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (N == 64) {
+    if constexpr (kBf16) FLEXDMA_WGMMA_RS(64, "bf16");
+    else FLEXDMA_WGMMA_RS(64, "f16");
+  } else {
+    if constexpr (kBf16) FLEXDMA_WGMMA_RS(128, "bf16");
+    else FLEXDMA_WGMMA_RS(128, "f16");
   }
-FLEXDMA_DEFINE_WGMMA_RS(__nv_bfloat16, "bf16")
-FLEXDMA_DEFINE_WGMMA_RS(__half, "f16")
-#undef FLEXDMA_DEFINE_WGMMA_RS
+}
+#undef FLEXDMA_WGMMA_RS
+#undef FLEXDMA_SETP_N64
+#undef FLEXDMA_OPS_N64
+#undef FLEXDMA_SETP_N128
+#undef FLEXDMA_OPS_N128
 #undef FLEXDMA_ACC4
 #undef FLEXDMA_ACC_N64
 #undef FLEXDMA_ACC_N128
