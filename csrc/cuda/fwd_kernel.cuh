@@ -1,7 +1,8 @@
-// Forward kernel (FlashAttention-2 style): one CTA of 4 warps per (64-row query tile, head,
-// batch); warp w owns query rows [16w, 16w + 16). Q lives in registers as mma A fragments; S,
-// the online softmax statistics, P and the O accumulator never leave registers (P's C fragments
-// are repacked as the A operand of P.V). K, V, bias and mask tiles are double buffered with
+// Forward kernel: one CTA of 4 warps (one warpgroup) per (64-row query tile, head, batch); warp
+// w owns query rows [16w, 16w + 16). Q lives in registers as A fragments; S, the online softmax
+// statistics, P and the O accumulator never leave registers (P's C fragments are repacked as the
+// A operand of P.V). Both products are wgmma (sm_90a, head dims 64 / 128: B read from swizzled
+// smem by the tensor cores) or mma.sync with ldmatrix (head dims 32 / 96, other targets). K, V, bias and mask tiles are double buffered with
 // cp.async: tile t+1's copies are in flight while tile t is computed. Which key tiles keep
 // anything comes from the mask's tile activity bits (FwdParams::tile_meta), so an all-false
 // tile costs no byte at all and finding the next kept tile needs no load round trip.
