@@ -123,7 +123,9 @@ __device__ inline bool build_keep(const FwdParams& p, const Plane<uint8_t>& m, u
 }
 
 // Requests the K and V rows of key tile n0 (zero rows past seqlen_k: P is 0 there, V must not
-// hold garbage that 0 * NaN would spread).
+// hold garbage that 0 * NaN would spread). Every K / V byte of the forward comes through here,
+// addressed by the tile's first key row: the one place a source of gathered key rows (an index
+// list) would plug in.
 template <typename T, int D>
 __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0,
                                 T* sk, T* sv, bool vec) {

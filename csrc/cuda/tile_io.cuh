@@ -107,22 +107,6 @@ __device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int 
   }
 }
 
-// The key-tile source: given a key tile index, issues the copy of its K and V rows. Kept apart
-// so that a later version can feed key tiles from an index list (sparse top-k layouts).
-template <typename T, int D>
-struct KVTileLoader {
-  const T* k; const T* v;          // already offset to (batch, kv head)
-  int64_t k_row_stride, v_row_stride;
-  int64_t seqlen_k;
-  bool vec;
-  __device__ inline void operator()(int64_t tile, T* sk, T* sv) const {
-    const int64_t n0 = tile * kBlockN;
-    const int valid = (int)imin(kBlockN, seqlen_k - n0);
-    load_rows<T, kBlockN, D>(sk, k + n0 * k_row_stride, k_row_stride, valid, vec);
-    load_rows<T, kBlockN, D>(sv, v + n0 * v_row_stride, v_row_stride, valid, vec);
-  }
-};
-
 // A broadcast operand resolved to one (batch, query head) once per CTA: element (i, j) lives at
 // base + i * rs + j * cs. Resolving it up front keeps the 64-bit head division (h / head_ratio)
 // out of the tile loops, where it compiled to a call per load.
