@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
-#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests, AOTInductor tests
+#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness, kernels
+#   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops), AOTInductor
 #   bash tools/gpu_suite.sh checks OUTDIR         # compute-sanitizer on small calls, flex check
 #   PART=1..6 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash tools/gpu_suite.sh checks+bench OUTDIR   # parts joined by '+' run in one call
@@ -24,12 +25,20 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
   echo "build rc=$? in $(( $(date +%s) - s )) s"
   readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
 
+# CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths, in
+# two calls (with four head dims built the whole suite outgrew one). AOTInductor runs on its own:
+# a crash there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
-  # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
-  # AOTInductor runs on its own: a crash there must not take the other results with it.
-  timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -ra -p no:cacheprovider tests -k "not cpu and not aoti" --durations=12 >> "$log" 2>&1
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
+    tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti" \
+    --durations=12 >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"; tail -4 "$log"
+fi
+if has tests2; then
+  timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
+    tests/test_mqar.py tests/test_nn.py tests/test_ops.py -k "not cpu and not aoti" --durations=12 >> "$log" 2>&1
+  echo "gpu tests (2) rc=$?" | tee -a "$log"; tail -4 "$log"
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
 fi
