@@ -106,8 +106,11 @@ def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
     from . import _ops
 
     # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
-    # handed to the forward and kept by autograd for the backward. (The CPU kernel needs none.)
-    meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal) if mask is not None and q.is_cuda else None
+    # handed to the forward and kept by autograd for the backward. Without a backward to share
+    # them with (inference, decoding) the op computes them itself: one Python op call less a step.
+    # The CPU kernel needs none.
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+    meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal) if mask is not None and q.is_cuda and train else None
     return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
 
 
