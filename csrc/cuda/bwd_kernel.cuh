@@ -61,23 +61,6 @@ struct BwdPlane {
   __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
 };
 
-// Bounds and causal limits of tile (m0, n0) in tile-local coordinates: kept iff
-// r < lim_r && c < lim_c && c <= r + diag. `full`: no element is cut.
-struct BwdBounds {
-  bool full;
-  int lim_r, lim_c, diag;
-  __device__ inline BwdBounds(const FwdParams& p, int64_t m0, int64_t n0) {
-    const int64_t shift = p.seqlen_k - p.seqlen_q;
-    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
-    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
-    diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
-    full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
-  }
-  // Whether anything survives bounds and causality (row lim_r - 1 sees the most keys).
-  __device__ inline bool any() const { return lim_r > 0 && lim_c > 0 && lim_r - 1 + diag >= 0; }
-  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
-};
-
 __device__ inline uint32_t bwd_byte_of(const uint4& v, int e) {
   const uint32_t w = e < 4 ? v.x : e < 8 ? v.y : e < 12 ? v.z : v.w;
   return (w >> (8 * (e % 4))) & 0xffu;
@@ -85,7 +68,7 @@ __device__ inline uint32_t bwd_byte_of(const uint4& v, int e) {
 
 // Builds the exact keep tile (mask & causal & bounds; m.base null: bounds only) of (m0, n0)
 // and returns whether any element is kept; block-uniform (ends in a barrier).
-__device__ inline bool bwd_build_keep(const BwdBounds& tb, const BwdPlane<uint8_t>& m, uint8_t* keep, bool mask_vec,
+__device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8_t>& m, uint8_t* keep, bool mask_vec,
                                       int64_t m0, int64_t n0) {
   constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
   uint4 v[kPer];
@@ -171,7 +154,7 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
 // Requests the bias tile (m0, n0) into smem (row stride kBwdLdBias); entries outside the
 // lengths are 0 (never kept).
 template <typename T>
-__device__ inline void bwd_issue_bias(const BwdBounds& tb, const BwdPlane<T>& bb, T* sb, bool vec, int64_t m0, int64_t n0) {
+__device__ inline void bwd_issue_bias(const TileBounds& tb, const BwdPlane<T>& bb, T* sb, bool vec, int64_t m0, int64_t n0) {
   if (vec && (tb.lim_r == kBlockM || bb.rs == 0) && tb.lim_c == kBlockN) {
     constexpr int kRowsPerPass = kThreads / (kBlockN / 8);
     const int r0 = threadIdx.x / (kBlockN / 8), col0 = (threadIdx.x % (kBlockN / 8)) * 8;
@@ -391,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
 #pragma unroll 1
     for (; t < n_end; ++t) {
       if (has_mask && (t = active.next(t, n_end)) >= n_end) break;
-      const BwdBounds tb(p, m0, t * kBlockN);
+      const TileBounds tb(p, m0, t * kBlockN);
       if (has_mask) {
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
       } else if (tb.any()) {
@@ -412,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
 #pragma unroll 1
     while (t < n_end) {
       const int64_t n0 = t * kBlockN;
-      const BwdBounds tb(p, m0, n0);
+      const TileBounds tb(p, m0, n0);
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;
       bwd_issue_rows<T, D>(sK, kp + n0 * p.k_row_stride, p.k_row_stride, tb.lim_c, f.qkv_vec);
@@ -563,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
   auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
     for (; mt < m_tiles; ++mt, gq = 0) {
-      const BwdBounds tb(p, mt * kBlockM, n0);
+      const TileBounds tb(p, mt * kBlockM, n0);
       if (!tb.any()) continue;
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
@@ -597,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
       const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
       const float* dlt = static_cast<const float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
       const int64_t m0 = mt * kBlockM;
-      const BwdBounds tb(p, m0, n0);
+      const TileBounds tb(p, m0, n0);
       const int vr = tb.lim_r;
       bwd_issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
       bwd_issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
@@ -619,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
     {
       const int64_t h = kvh * ratio + gq;
       const int64_t m0 = mt * kBlockM;
-      const BwdBounds tb(p, m0, n0);
+      const TileBounds tb(p, m0, n0);
       const int vr = tb.lim_r;
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;

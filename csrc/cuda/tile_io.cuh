@@ -51,6 +51,8 @@ struct TileBounds {
     diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
     full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
   }
+  // Whether anything survives bounds and causality (row lim_r - 1 sees the most keys).
+  __device__ inline bool any() const { return lim_r > 0 && lim_c > 0 && lim_r - 1 + diag >= 0; }
   // Non-short-circuit &: on a full tile every term is true, and the check compiles to compares
   // and a predicate op instead of a branch per element.
   __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
