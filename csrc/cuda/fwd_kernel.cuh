@@ -9,7 +9,7 @@
 #pragma once
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
-#include "score.cuh"
+#include "tile_io.cuh"
 
 namespace flexdma {
 namespace cuda {

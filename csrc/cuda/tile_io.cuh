@@ -122,55 +122,5 @@ struct Plane {
   __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
 };
 
-// Where element (b, h, i, j) of a broadcast operand lives (h is the query head).
-__device__ inline int64_t bcast_offset(const Broadcast4d& t, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return b * t.batch_stride + (h / t.head_ratio) * t.head_stride + i * t.row_stride + j * t.col_stride;
-}
-
-// Loads the kBlockM x kBlockN "keep" tile (mask & causal & bounds) into smem and returns whether
-// any element is kept: a false result lets the caller skip the K/V/bias loads and the MMAs.
-// The result is the same in every thread (it ends in a barrier). Each thread handles 16
-// consecutive keys of a row; `mask_vec` says a mask row can be read 16 bytes at a time
-// (contiguous keys, 16-byte aligned rows).
-__device__ inline bool load_keep_tile(uint8_t* keep, const Broadcast4d& mask, bool mask_vec, int64_t b, int64_t h,
-                                      int64_t m0, int64_t n0, int64_t seqlen_q, int64_t seqlen_k, bool causal) {
-  const uint8_t* mp = static_cast<const uint8_t*>(mask.ptr);
-  const int64_t shift = seqlen_k - seqlen_q;
-  int any = 0;
-  constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
-  uint4 raw[kPer];  // the 16-byte mask reads, issued together
-#pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    const int64_t i = m0 + r, j0 = n0 + col0;
-    raw[u] = (mp && mask_vec && i < seqlen_q && j0 + 16 <= seqlen_k)
-                 ? *reinterpret_cast<const uint4*>(mp + bcast_offset(mask, b, h, i, j0))
-                 : make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    const int64_t i = m0 + r, j0 = n0 + col0;
-    alignas(16) uint8_t k[16];
-    if (mp && mask_vec && i < seqlen_q && j0 + 16 <= seqlen_k) {
-      *reinterpret_cast<uint4*>(k) = raw[u];
-    } else {
-#pragma unroll
-      for (int u = 0; u < 16; ++u) {
-        const int64_t j = j0 + u;
-        k[u] = i < seqlen_q && j < seqlen_k && (!mp || mp[bcast_offset(mask, b, h, i, j)] != 0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      const int64_t j = j0 + u;
-      k[u] = k[u] != 0 && (!causal || j <= i + shift);
-      any |= k[u];
-    }
-    *reinterpret_cast<uint4*>(keep + r * kBlockN + col0) = *reinterpret_cast<const uint4*>(k);
-  }
-  return __syncthreads_or(any) != 0;
-}
-
 }  // namespace cuda
 }  // namespace flexdma
