@@ -50,8 +50,7 @@ def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic = inputs[:9]
-    tile_meta = inputs[9] if len(inputs) > 9 else None
+    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta = inputs
     out, lse = output
     # The forward's tile activity bits serve the backward too: one pass over the mask per step.
     ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse, tile_meta)

@@ -39,6 +39,15 @@ inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     TORCH_CHECK(t->stride(3) == 1, "flexdma: head_dim must be contiguous (stride 1)");
 }
 
+// Points b at a 4-D operand: element strides, 0 on its size-1 (broadcast) dims.
+inline void point_at(Broadcast4d& b, const at::Tensor& x) {
+  b.ptr = x.data_ptr();
+  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
+  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  b.row_stride = x.size(2) == 1 ? 0 : x.stride(2);
+  b.col_stride = x.size(3) == 1 ? 0 : x.stride(3);
+}
+
 // name is "attn_mask" or "attn_bias"; returns a Broadcast4d with stride 0 on size-1 dims.
 inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* name, const at::Tensor& q,
                                int64_t seqlen_k, int64_t kv_heads) {
@@ -54,11 +63,7 @@ inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* n
   TORCH_CHECK(x.size(2) == 1 || x.size(2) == Q, "flexdma: ", name, " query dim ", x.size(2), " must be 1 or ", Q);
   TORCH_CHECK(x.size(3) == 1 || x.size(3) == seqlen_k, "flexdma: ", name, " key dim ", x.size(3),
               " must be 1 or ", seqlen_k);
-  b.ptr = x.data_ptr();
-  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
-  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
-  b.row_stride = x.size(2) == 1 ? 0 : x.stride(2);
-  b.col_stride = x.size(3) == 1 ? 0 : x.stride(3);
+  point_at(b, x);
   b.head_ratio = H / x.size(1);
   return b;
 }
@@ -83,11 +88,7 @@ inline Broadcast4d tile_meta_operand(const c10::optional<at::Tensor>& meta, cons
                   m.device() == q.device(),
               "flexdma: tile_meta must be a contiguous int32 tensor of shape ", at::IntArrayRef(want), " on ",
               q.device(), " (flexdma::tile_meta of this attn_mask), got ", m.scalar_type(), " ", m.sizes());
-  b.ptr = m.data_ptr();
-  b.batch_stride = m.size(0) == 1 ? 0 : m.stride(0);
-  b.head_stride = m.size(1) == 1 ? 0 : m.stride(1);
-  b.row_stride = m.stride(2);
-  b.col_stride = 1;
+  point_at(b, m);  // the kernels index words from a row's start, never through col_stride
   b.head_ratio = q.size(2) / m.size(1);
   return b;
 }
@@ -104,11 +105,7 @@ inline FwdParams tile_meta_params(const at::Tensor& mask, int64_t seqlen_q, int6
   p.seqlen_q = seqlen_q;
   p.seqlen_k = seqlen_k;
   p.is_causal = is_causal;
-  p.mask.ptr = mask.data_ptr();
-  p.mask.batch_stride = mask.size(0) == 1 ? 0 : mask.stride(0);
-  p.mask.head_stride = mask.size(1) == 1 ? 0 : mask.stride(1);
-  p.mask.row_stride = mask.size(2) == 1 ? 0 : mask.stride(2);
-  p.mask.col_stride = mask.size(3) == 1 ? 0 : mask.stride(3);
+  point_at(p.mask, mask);
   return p;
 }
 
