@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "mma_sm80.cuh"
+#include "mma_sm90.cuh"
 #include "tile_io.cuh"
 
 namespace flexdma {
@@ -108,11 +109,10 @@ __device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8
   return __syncthreads_or(any) != 0;
 }
 
-// Requests 64 rows x D (row r at src + r * rs) into a smem tile (leading dim D + 8); rows at or
+// Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
 // past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
 template <typename T, int D>
 __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
-  constexpr int kLd = tile_ld(D);
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   if constexpr (kThreads % kChunks != 0) {
@@ -124,22 +124,25 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
       for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
         const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
         const bool ok = r < valid;
-        cp_async16(dst + r * kLd + col, ok ? src + r * rs + col : src, ok ? 16 : 0);
+        cp_async16(dst + tile_index<D>(r, col), ok ? src + r * rs + col : src, ok ? 16 : 0);
       }
       return;
     }
   } else if (vec) {
+    // kRowsPerPass is a multiple of 8 on wgmma, so a thread's chunk keeps its swizzle in every pass.
+    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
+    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
     const T* s = src + r0 * rs + col;
-    T* d = dst + r0 * kLd + col;
+    T* d = dst + tile_index<D>(r0, col);
     if (valid >= 64) {
 #pragma unroll
-      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(d + u * kRowsPerPass * kLd, s + u * kRowsPerPass * rs);
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(d + u * kPass, s + u * kRowsPerPass * rs);
     } else {
 #pragma unroll
       for (int u = 0; u < 64 / kRowsPerPass; ++u) {
         const bool ok = r0 + u * kRowsPerPass < valid;
-        cp_async16(d + u * kRowsPerPass * kLd, ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
+        cp_async16(d + u * kPass, ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
       }
     }
     return;
@@ -147,7 +150,7 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
   // Strided or unaligned rows, any D: element by element.
   for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
     const int r = c / D, col = c % D;
-    dst[r * kLd + col] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
+    dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
   }
 }
 
@@ -170,9 +173,15 @@ __device__ inline void bwd_issue_bias(const TileBounds& tb, const BwdPlane<T>& b
   }
 }
 
+// On wgmma (use_wgmma<D>) every product below is one warpgroup MMA per 16-wide k step, issued,
+// committed and waited for in place: the tiles are read by the tensor cores from smem (A too,
+// for the products of two smem tiles), which is what the mma.sync versions spent their
+// ldmatrix traffic and most of their instructions on. The C / A register layouts are the same.
+
 // C[16 x 64] += A[16 rows of sA] * B[64 rows of sB]^T over D (the "QK^T" pattern): A fragments
 // by ldmatrix from rows a_row0.., B by non-transposed ldmatrix. Two products share the k loop
-// (S and dP have the same shape) so their fragment loads interleave.
+// (S and dP have the same shape) so their fragment loads interleave; on wgmma they are one
+// group (the whole 64-row tiles, a_row0 unused).
 template <typename T, int D, int kUnroll>
 __device__ inline void bwd_gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, float (&c1)[kBlockN / 8][4],
                                     const T* a1, const T* b1, int a_row0) {
@@ -182,6 +191,20 @@ __device__ inline void bwd_gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, co
   for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) c0[n][e] = c1[n][e] = 0.f;
+  if constexpr (use_wgmma<D>()) {
+    fence_regs(c0);
+    fence_regs(c1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c1, desc_k_major<64>(a1, kk), desc_k_major<kBlockN>(b1, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(c0);
+    fence_regs(c1);
+    return;
+  }
   const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
   const int boff = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
 #pragma unroll kUnroll
@@ -212,6 +235,16 @@ __device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, con
   for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) c0[n][e] = 0.f;
+  if constexpr (use_wgmma<D>()) {
+    fence_regs(c0);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(c0);
+    return;
+  }
   const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
   const int boff = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -234,6 +267,25 @@ template <typename T, int D>
 __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlockN / 8][4], const T* sb) {
   constexpr int kLd = tile_ld(D);
   const int lane = threadIdx.x % 32;
+  if constexpr (use_wgmma<D>()) {
+    uint32_t a[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      a[kk][0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+      a[kk][1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+      a[kk][2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+      a[kk][3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
+    fence_regs(o);
+    fence_regs(a);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, a[kk], desc_mn_major<64>(sb, kk), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+    return;
+  }
   const int boff = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
 #pragma unroll
   for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -269,12 +321,12 @@ __device__ inline void bwd_store_acc(T* dst, int64_t rs, const float (&acc)[D / 
 
 template <typename T, int D>
 struct BwdDqSmem {
-  static constexpr int kTile = align128(kBlockM * tile_ld(D) * 2);
+  static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile;
   static constexpr int kBias = 4 * kTile;
   static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
   static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
-  static constexpr int kBytes = kKeep + 2 * kKeepSlot;
+  static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
 
 // The dkv kernel must stay <= ~113 KiB at D = 128 for 2 CTAs per SM, and the head-summed dbias
@@ -282,7 +334,7 @@ struct BwdDqSmem {
 // sDS's upper half (rows 32..63, exactly its size), and kDB is unpadded (swizzled, bwd_db_idx).
 template <typename T, int D>
 struct BwdDkvSmem {
-  static constexpr int kTile = align128(kBlockM * tile_ld(D) * 2);
+  static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kK = 0, kV = kTile, kQ = 2 * kTile, kDO = 3 * kTile;
   static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
   static constexpr int kKeep = 4 * kTile;  // two slots
@@ -295,7 +347,7 @@ struct BwdDkvSmem {
   // fit an SM at D = 128).
   static constexpr int kMetaItems = kThreads * 32;
   static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
-  static constexpr int kBytes = kMeta + kThreads * 4;
+  static constexpr int kBytes = kMeta + kThreads * 4 + (use_wgmma<D>() ? 1024 : 0);
   static_assert(kBlockM * kBwdLdBias * 2 <= kBlockN / 2 * kBwdLdDS * 4, "bias tile must fit in sDS's upper half");
 };
 
@@ -314,7 +366,10 @@ __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr bool kWg = use_wgmma<D>();
+  // wgmma's swizzled tiles need 1024-byte aligned blocks.
+  unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
   using L = BwdDqSmem<T, D>;
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   T* sDO = reinterpret_cast<T*>(smem + L::kDO);
@@ -405,6 +460,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
       // The next kept tile is found (its mask bytes read) while this tile's copies fly.
       const int64_t tn = find_next(t + 1, sKeep + (slot ^ 1) * L::kKeepSlot);
       cp_async_wait<0>();
+      if constexpr (kWg) fence_proxy_async();  // the tiles, for the async proxy wgmma reads through
       __syncthreads();
 
       float s[kBlockN / 8][4], dp[kBlockN / 8][4];
@@ -468,7 +524,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr bool kWg = use_wgmma<D>();
+  unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
   using L = BwdDkvSmem<T, D>;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
@@ -598,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
     // Last head of this plane in this query tile: the summed tile goes out now.
     const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
     cp_async_wait<0>();
+    if constexpr (kWg) fence_proxy_async();
     __syncthreads();
     {
       const int64_t h = kvh * ratio + gq;

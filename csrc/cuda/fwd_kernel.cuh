@@ -19,30 +19,9 @@ constexpr int kLdBias = kBlockN + 8;   // 144-byte rows, same reason
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
-// Whether the forward of head dim D runs its two products on wgmma (sm_90a builds, head dims
-// that fill whole 128-byte swizzle rows) instead of mma.sync.
-template <int D>
-constexpr bool fwd_wgmma() {
-#ifdef FLEXDMA_SM90A
-  return D % 64 == 0;
-#else
-  return false;
-#endif
-}
-
-// Element index of (key row r, column col) in a K / V tile: 128-byte swizzled for wgmma, rows
-// padded to tile_ld(D) for ldmatrix.
-template <int D>
-__device__ inline int kv_index(int r, int col) {
-  if constexpr (fwd_wgmma<D>()) return sw128_offset(kBlockN, r, col) / 2;
-  else return r * tile_ld(D) + col;
-}
-template <int D>
-constexpr int kv_row_pitch() { return fwd_wgmma<D>() ? 64 : tile_ld(D); }  // elements between rows of a column block
-
 template <typename T, int D>
 struct FwdSmem {
-  static constexpr int kTileKV = kBlockN * kv_row_pitch<D>() * (fwd_wgmma<D>() ? D / 64 : 1) * 2;
+  static constexpr int kTileKV = tile_bytes<D>();
   static constexpr int kKeepSlot = kBlockM * kLdKeep;
   // The Q tile is only staged here until it is in registers; the region then holds the mask
   // bytes of the two K / V buffers' tiles.
@@ -51,7 +30,7 @@ struct FwdSmem {
   static constexpr int kK = (cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot) + 1023) / 1024 * 1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
-  static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (fwd_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
 
 // Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of
@@ -151,12 +130,12 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
     // offsets are fixed, the tile start moves.
     // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
-    constexpr int kPass = kRowsPerPass * kv_row_pitch<D>();
-    static_assert(!fwd_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
+    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
     const T* kr = k + (n0 + r0) * k_rs + col;
     const T* vr = v + (n0 + r0) * v_rs + col;
-    T* skr = sk + kv_index<D>(r0, col);
-    T* svr = sv + kv_index<D>(r0, col);
+    T* skr = sk + tile_index<D>(r0, col);
+    T* svr = sv + tile_index<D>(r0, col);
     if (n0 + kBlockN <= seqlen_k) {
 #pragma unroll
       for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
@@ -177,8 +156,8 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
   for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
     const int r = c / D, col = c % D;
     const bool ok = n0 + r < seqlen_k;
-    sk[kv_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
-    sv[kv_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
+    sk[tile_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+    sv[tile_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
   }
 }
 
@@ -234,7 +213,7 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  constexpr bool kWg = fwd_wgmma<D>();
+  constexpr bool kWg = use_wgmma<D>();
   // wgmma's swizzled K / V tiles need 1024-byte aligned blocks.
   unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
   using L = FwdSmem<T, D>;

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "mma_sm80.cuh"
+#include "tile_io.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -32,6 +33,30 @@ namespace cuda {
 __host__ __device__ constexpr int sw128_offset(int rows, int r, int col) {
   return (col / 64) * rows * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
 }
+
+// Whether head dim D runs its products on wgmma (sm_90a builds, head dims that fill whole
+// 128-byte swizzle rows) instead of mma.sync with ldmatrix.
+template <int D>
+constexpr bool use_wgmma() {
+#ifdef FLEXDMA_SM90A
+  return D % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+// Element index of (row r, column col) in a 64-row Q / dO / K / V tile: 128-byte swizzled for
+// wgmma, rows padded to tile_ld(D) for ldmatrix.
+template <int D>
+__device__ inline int tile_index(int r, int col) {
+  if constexpr (use_wgmma<D>()) return sw128_offset(64, r, col) / 2;
+  else return r * tile_ld(D) + col;
+}
+// Elements between consecutive rows of a column block, and the bytes of a 64-row tile.
+template <int D>
+constexpr int tile_row_pitch() { return use_wgmma<D>() ? 64 : tile_ld(D); }
+template <int D>
+constexpr int tile_bytes() { return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ? D / 64 : 1) * 2; }
 
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte
 // units), swizzle mode 1 = 128 B (bits 62-63). Base offset 0: blocks are 1024-byte aligned.
@@ -123,6 +148,23 @@ __device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], ui
     if constexpr (kBf16) FLEXDMA_WGMMA_RS(128, "bf16");
     else FLEXDMA_WGMMA_RS(128, "f16");
   }
+}
+
+// One wgmma of width 64 with both operands in shared memory, both K-major (the backward's
+// S = Q K^T and dP = dO V^T, and their transposes): A is a 64-row tile read through the same
+// descriptor form as B.
+template <typename T>
+__device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : FLEXDMA_ACC_N64
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : FLEXDMA_ACC_N64
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 #undef FLEXDMA_WGMMA_RS
 #undef FLEXDMA_SETP_N64
