@@ -112,6 +112,19 @@ __device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8
 // Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
 // past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
 template <typename T, int D>
+__device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec);
+
+// The K / V tile of keys [n0, n0 + 64) from a key source (tile_io.cuh); base is row 0 of K or V.
+template <typename T, int D, typename Keys>
+__device__ inline void bwd_issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
+                                      bool vec) {
+  if constexpr (Keys::kContiguous)
+    bwd_issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
+  else
+    issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
+}
+
+template <typename T, int D>
 __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
@@ -262,8 +275,9 @@ __device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, con
 }
 
 // O[16 x D] += A * B with A the 16 x 64 C fragments `x` repacked to T and B a [64 x D] smem
-// tile read transposed (the "PV" pattern).
-template <typename T, int D>
+// tile read transposed (the "PV" pattern). kWait = false (wgmma) leaves the product in flight:
+// the caller waits for it (wgmma_wait, then fence_regs(o)) before touching o or overwriting sb.
+template <typename T, int D, bool kWait = true>
 __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlockN / 8][4], const T* sb) {
   constexpr int kLd = tile_ld(D);
   const int lane = threadIdx.x % 32;
@@ -282,8 +296,10 @@ __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlock
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, a[kk], desc_mn_major<64>(sb, kk), 1);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(o);
+    if constexpr (kWait) {
+      wgmma_wait<0>();
+      fence_regs(o);
+    }
     return;
   }
   const int boff = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
@@ -453,8 +469,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
       const TileBounds tb(p, m0, n0);
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;
-      bwd_issue_rows<T, D>(sK, kp + n0 * p.k_row_stride, p.k_row_stride, tb.lim_c, f.qkv_vec);
-      bwd_issue_rows<T, D>(sV, vp + n0 * p.v_row_stride, p.v_row_stride, tb.lim_c, f.qkv_vec);
+      bwd_issue_keys<T, D>(sK, kp, p.k_row_stride, ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+      bwd_issue_keys<T, D>(sV, vp, p.v_row_stride, ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
       if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
       cp_async_commit();
       // The next kept tile is found (its mask bytes read) while this tile's copies fly.
@@ -547,10 +563,10 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
 
   T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
   T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
-  bwd_issue_rows<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride + n0 * p.k_row_stride,
-                       p.k_row_stride, vc, f.qkv_vec);
-  bwd_issue_rows<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride + n0 * p.v_row_stride,
-                       p.v_row_stride, vc, f.qkv_vec);
+  bwd_issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
+                       ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  bwd_issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
+                       ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
   cp_async_commit();
 
   const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = dbias.ptr != nullptr;
@@ -728,9 +744,11 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
           s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
           *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
         }
-      bwd_gemm_pv<T, D>(dv, s, sDO);
+      // dV's product stays in flight under dP^T's: one wait for both.
+      bwd_gemm_pv<T, D, !kWg>(dv, s, sDO);
       float dp[kBlockN / 8][4];
       bwd_gemm_nt<T, D>(dp, sV, sDO, w * 16);
+      if constexpr (kWg) fence_regs(dv);
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
         const int c = n * 8 + 2 * qc;  // query

@@ -102,12 +102,17 @@ __device__ inline bool build_keep(const FwdParams& p, const Plane<uint8_t>& m, u
 }
 
 // Requests the K and V rows of key tile n0 (zero rows past seqlen_k: P is 0 there, V must not
-// hold garbage that 0 * NaN would spread). Every K / V byte of the forward comes through here,
-// addressed by the tile's first key row: the one place a source of gathered key rows (an index
-// list) would plug in.
-template <typename T, int D>
+// hold garbage that 0 * NaN would spread). Every K / V byte of the forward comes through here;
+// `keys` says which rows of K / V the tile's keys are (tile_io.cuh: contiguous, or gathered
+// through an index list). k and v point at row 0.
+template <typename T, int D, typename Keys = ContiguousKeys>
 __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0,
-                                T* sk, T* sv, bool vec) {
+                                T* sk, T* sv, bool vec, const Keys& keys = Keys{}) {
+  if constexpr (!Keys::kContiguous) {
+    issue_key_rows<T, D>(sk, k, k_rs, keys, n0, seqlen_k, vec);
+    issue_key_rows<T, D>(sv, v, v_rs, keys, n0, seqlen_k, vec);
+    return;
+  }
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
   if constexpr (kThreads % kChunks != 0) {

@@ -29,34 +29,7 @@
 namespace flexdma {
 namespace cuda {
 
-// Byte offset of element (r, col) in a 128-byte-swizzled tile of `rows` rows.
-__host__ __device__ constexpr int sw128_offset(int rows, int r, int col) {
-  return (col / 64) * rows * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
-}
-
-// Whether head dim D runs its products on wgmma (sm_90a builds, head dims that fill whole
-// 128-byte swizzle rows) instead of mma.sync with ldmatrix.
-template <int D>
-constexpr bool use_wgmma() {
-#ifdef FLEXDMA_SM90A
-  return D % 64 == 0;
-#else
-  return false;
-#endif
-}
-
-// Element index of (row r, column col) in a 64-row Q / dO / K / V tile: 128-byte swizzled for
-// wgmma, rows padded to tile_ld(D) for ldmatrix.
-template <int D>
-__device__ inline int tile_index(int r, int col) {
-  if constexpr (use_wgmma<D>()) return sw128_offset(64, r, col) / 2;
-  else return r * tile_ld(D) + col;
-}
-// Elements between consecutive rows of a column block, and the bytes of a 64-row tile.
-template <int D>
-constexpr int tile_row_pitch() { return use_wgmma<D>() ? 64 : tile_ld(D); }
-template <int D>
-constexpr int tile_bytes() { return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ? D / 64 : 1) * 2; }
+// sw128_offset, use_wgmma and the tile layout helpers live in tile_io.cuh.
 
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte
 // units), swizzle mode 1 = 128 B (bits 62-63). Base offset 0: blocks are 1024-byte aligned.

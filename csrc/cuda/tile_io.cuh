@@ -6,6 +6,7 @@
 #include <math_constants.h>
 
 #include "../flash_dma_params.h"
+#include "mma_sm80.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -25,12 +26,79 @@ __host__ __device__ constexpr int tile_ld(int d) { return d + 8; }
 constexpr int kLdP = kBlockN + 8;
 __host__ __device__ constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
 
+// Byte offset of element (r, col) in a 128-byte-swizzled tile of `rows` rows.
+__host__ __device__ constexpr int sw128_offset(int rows, int r, int col) {
+  return (col / 64) * rows * 128 + r * 128 + ((((col % 64) / 8) ^ (r % 8)) * 16) + (col % 8) * 2;
+}
+
+// Whether head dim D runs its products on wgmma (sm_90a builds, head dims that fill whole
+// 128-byte swizzle rows) instead of mma.sync with ldmatrix.
+template <int D>
+constexpr bool use_wgmma() {
+#ifdef FLEXDMA_SM90A
+  return D % 64 == 0;
+#else
+  return false;
+#endif
+}
+
+// Element index of (row r, column col) in a 64-row Q / dO / K / V tile: 128-byte swizzled for
+// wgmma, rows padded to tile_ld(D) for ldmatrix.
+template <int D>
+__device__ inline int tile_index(int r, int col) {
+  if constexpr (use_wgmma<D>()) return sw128_offset(64, r, col) / 2;
+  else return r * tile_ld(D) + col;
+}
+// Elements between consecutive rows of a column block, and the bytes of a 64-row tile.
+template <int D>
+constexpr int tile_row_pitch() { return use_wgmma<D>() ? 64 : tile_ld(D); }
+template <int D>
+constexpr int tile_bytes() { return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ? D / 64 : 1) * 2; }
+
+
+// Where the key rows of a tile come from: key i of the sequence a kernel walks (i < seqlen_k) is
+// row at(i) of K / V. The op family instantiates ContiguousKeys (key i is row i); GatheredKeys
+// maps through an index list, so a caller can feed key tiles from selected rows (the keys a
+// per-key top-k keeps) without first copying them into a dense K / V. Only the K / V tile loads
+// (issue_kv, bwd_issue_rows) take a key source; mask and bias columns stay indexed by i.
+struct ContiguousKeys {
+  static constexpr bool kContiguous = true;
+  __device__ int64_t at(int64_t i) const { return i; }
+};
+struct GatheredKeys {
+  static constexpr bool kContiguous = false;
+  const int32_t* idx;  // seqlen_k row numbers of K / V
+  __device__ int64_t at(int64_t i) const { return idx[i]; }
+};
+
 template <typename T> __device__ inline float to_float(T x);
 template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
 template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T> __device__ inline T from_float(float x);
 template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// Requests the 64 key rows [n0, n0 + 64) of a non-contiguous key source into a smem tile
+// (tile_index layout), one 16-byte chunk (or, without `vec`, one element) per step, every chunk
+// addressed through keys.at; keys at or past seqlen_k give zero rows. `base` is row 0 of K or V.
+template <typename T, int D, typename Keys>
+__device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
+                                      bool vec) {
+  constexpr int kChunks = D / 8;
+  static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+    const bool ok = n0 + r < seqlen_k;
+    const T* src = base + (ok ? keys.at(n0 + r) : 0) * rs + col;
+    if (vec) {
+      cp_async16(dst + tile_index<D>(r, col), src, ok ? 16 : 0);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[tile_index<D>(r, col + e)] = ok ? src[e] : from_float<T>(0.f);
+    }
+  }
+}
 
 // Last key tile (exclusive) a query tile starting at m0 can see.
 __device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
