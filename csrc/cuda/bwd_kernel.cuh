@@ -275,9 +275,8 @@ __device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, con
 }
 
 // O[16 x D] += A * B with A the 16 x 64 C fragments `x` repacked to T and B a [64 x D] smem
-// tile read transposed (the "PV" pattern). kWait = false (wgmma) leaves the product in flight:
-// the caller waits for it (wgmma_wait, then fence_regs(o)) before touching o or overwriting sb.
-template <typename T, int D, bool kWait = true>
+// tile read transposed (the "PV" pattern).
+template <typename T, int D>
 __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlockN / 8][4], const T* sb) {
   constexpr int kLd = tile_ld(D);
   const int lane = threadIdx.x % 32;
@@ -296,10 +295,8 @@ __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlock
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, a[kk], desc_mn_major<64>(sb, kk), 1);
     wgmma_commit();
-    if constexpr (kWait) {
-      wgmma_wait<0>();
-      fence_regs(o);
-    }
+    wgmma_wait<0>();
+    fence_regs(o);
     return;
   }
   const int boff = ((lane & 7) + ((lane >> 3) & 1) * 8) * kLd + (lane >> 4) * 8;
@@ -744,11 +741,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
           s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
           *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
         }
-      // dV's product stays in flight under dP^T's: one wait for both.
-      bwd_gemm_pv<T, D, !kWg>(dv, s, sDO);
+      bwd_gemm_pv<T, D>(dv, s, sDO);
       float dp[kBlockN / 8][4];
       bwd_gemm_nt<T, D>(dp, sV, sDO, w * 16);
-      if constexpr (kWg) fence_regs(dv);
 #pragma unroll
       for (int n = 0; n < kBlockN / 8; ++n) {
         const int c = n * 8 + 2 * qc;  // query
