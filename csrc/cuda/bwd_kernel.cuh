@@ -282,13 +282,7 @@ __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlock
   const int lane = threadIdx.x % 32;
   if constexpr (use_wgmma<D>()) {
     uint32_t a[kBlockN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      a[kk][0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
-      a[kk][1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
-      a[kk][2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-      a[kk][3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-    }
+    c_to_a<T>(x, a);
     fence_regs(o);
     fence_regs(a);
     wgmma_fence();

@@ -421,13 +421,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       }
 
       // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[kk][0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }
+      c_to_a<T>(s, pa);
       if constexpr (kWg) {
         fence_regs(o);
         fence_regs(pa);

@@ -64,6 +64,20 @@ template <> __device__ inline uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// The 16 x 64 C fragments of a score tile (8 column blocks) repacked as the four 16 x 16 A
+// fragments of a product over those 64 columns (P.V, dS.K): the C layout of one column-block
+// pair is the A layout of one k step.
+template <typename T>
+__device__ inline void c_to_a(const float (&x)[8][4], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = pack2<T>(x[2 * kk][0], x[2 * kk][1]);
+    a[kk][1] = pack2<T>(x[2 * kk][2], x[2 * kk][3]);
+    a[kk][2] = pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+  }
+}
+
 template <typename T> __device__ inline float2 unpack2(uint32_t v);
 template <> __device__ inline float2 unpack2<__nv_bfloat16>(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
