@@ -1,8 +1,10 @@
 // Backward kernels, FA2-style register design; deterministic, no atomics:
 //  - bwd_dq_kernel (launched first): one CTA of 4 warps per (query tile, head, batch), warp w
-//    owns query rows [16w, 16w + 16). A first pass over the kept key tiles recomputes
-//    delta = rowsum(P * dP) in float (into softmax_d: rowsum(dout * out) with out rounded to
-//    bf16 is too coarse for a broadcast dbias); a second one accumulates dQ = dS K in registers.
+//    owns query rows [16w, 16w + 16). One pass over the kept key tiles accumulates
+//    dQ = P (dP - rowsum(dout * out)) K in registers (FlashAttention's delta, from the bf16 out)
+//    and, next to it, the exact delta = rowsum(P * dP) in float, which goes to softmax_d for the
+//    dkv kernel: the bf16-out delta is too coarse for a dbias summed over rows or heads (one
+//    systematic error per row adds up), and dQ is what FlashAttention computes.
 //  - bwd_dkv_kernel: one CTA per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16);
 //    it walks the query tiles and, inside each, the query heads of its kv head in a fixed order,
 //    with S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers. dS of the
@@ -412,10 +414,23 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
   float l2[2], delta[2] = {0.f, 0.f};
   {
     const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+    const T* orow = static_cast<const T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
+    const T* dorow = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int r = w * 16 + g + 8 * hh;
       l2[hh] = r < vr ? bwd_l2(lse[m0 + r]) : CUDART_INF_F;
+      // rowsum(dout * out): the quad's four threads take a quarter of the row each.
+      float acc = 0.f;
+      if (r < vr) {
+        const T* o = orow + (m0 + r) * p.o_row_stride;
+        const T* d = dorow + (m0 + r) * p.do_row_stride;
+#pragma unroll 8
+        for (int c = qc; c < D; c += 4) acc = fmaf(to_float(o[c]), to_float(d[c]), acc);
+      }
+      acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+      acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+      delta[hh] = acc;
     }
   }
   int64_t kend = p.seqlen_k;
@@ -447,11 +462,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
     return n_end;
   };
 
-  // Pass 0: delta; pass 1: dQ. The same tiles are skipped in both. The pass is a compile-time
-  // constant so the element loop has no branch on it.
-  auto run_pass = [&](auto pass_c) {
-    constexpr int pass = decltype(pass_c)::value;
-    float dacc[2] = {0.f, 0.f};
+  {
+    float dacc[2] = {0.f, 0.f};  // exact delta, for the dkv kernel
     int slot = 0;
     int64_t t = find_next(0, sKeep);
 #pragma unroll 1
@@ -495,36 +507,28 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
             float x = fmaf(e1 ? bv.y : bv.x, kBwdLog2e, raw * mulf);
             x = ((kv2 >> (8 * e1)) & 0xffu) ? x : -CUDART_INF_F;
             const float pr = exp2f(x - l2[hh]);
-            if constexpr (pass == 0) {
-              dacc[hh] = fmaf(pr, dp[n][e], dacc[hh]);
-            } else {
-              s[n][e] = pr * (dp[n][e] - delta[hh]) * fmaf(-scf * raw, raw, 1.f);
-            }
+            dacc[hh] = fmaf(pr, dp[n][e], dacc[hh]);
+            s[n][e] = pr * (dp[n][e] - delta[hh]) * fmaf(-scf * raw, raw, 1.f);
           }
         }
-      if constexpr (pass == 1) bwd_gemm_pv<T, D>(dq, s, sK);
+      bwd_gemm_pv<T, D>(dq, s, sK);
       __syncthreads();  // K / V / bias and this keep slot are free for the next tile
       t = tn;
       slot ^= 1;
     }
     cp_async_wait<0>();  // Q / dO copies of a CTA that kept no tile
-    if constexpr (pass == 0) {
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 1);
-        dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 2);
-        delta[hh] = dacc[hh];
-      }
-      float* d = static_cast<float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q + m0;
-      if (qc == 0) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          if (w * 16 + g + 8 * hh < vr) d[w * 16 + g + 8 * hh] = delta[hh];
-      }
+    for (int hh = 0; hh < 2; ++hh) {
+      dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 1);
+      dacc[hh] += __shfl_xor_sync(0xffffffffu, dacc[hh], 2);
     }
-  };
-  run_pass(std::integral_constant<int, 0>{});
-  run_pass(std::integral_constant<int, 1>{});
+    float* d = static_cast<float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q + m0;
+    if (qc == 0) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        if (w * 16 + g + 8 * hh < vr) d[w * 16 + g + 8 * hh] = dacc[hh];
+    }
+  }
   bwd_store_acc<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
                       p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
 }
