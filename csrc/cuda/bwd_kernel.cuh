@@ -29,7 +29,6 @@
 namespace flexdma {
 namespace cuda {
 
-constexpr int kBwdLdKeep = kBlockN + 16;  // 80-byte rows
 constexpr int kBwdLdBias = kBlockN + 8;   // 144-byte rows
 // Float [key][query] tile of dkv: first the additive term of each score, then dS. 72-word rows:
 // a warp's float2 fragment accesses (rows g, columns 2 * (lane % 4)) cover the banks once.
@@ -86,7 +85,7 @@ __device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
     const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    uint8_t* dst = keep + r * kBwdLdKeep + col0;
+    uint8_t* dst = keep + r * kLdKeep + col0;
     if (direct[u]) {
       uint32_t wds[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
@@ -333,7 +332,7 @@ struct BwdDqSmem {
   static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile;
   static constexpr int kBias = 4 * kTile;
-  static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
+  static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
   static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
   static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
@@ -345,7 +344,7 @@ template <typename T, int D>
 struct BwdDkvSmem {
   static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kK = 0, kV = kTile, kQ = 2 * kTile, kDO = 3 * kTile;
-  static constexpr int kKeepSlot = align128(kBlockM * kBwdLdKeep);
+  static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
   static constexpr int kKeep = 4 * kTile;  // two slots
   static constexpr int kL2 = kKeep + 2 * kKeepSlot;
   static constexpr int kDelta = kL2 + align128(kBlockM * 4);
@@ -445,7 +444,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
 
   // First kept key tile >= t, its keep tile built into `slot` (only where a mask or a cut
   // tile needs one); n_end if none. Block-uniform.
-  // Tiles whose activity bit is clear are passed over without reading their mask bytes.
+  // Tiles whose activity bit is clear are passed over without reading their mask bytes; a set bit
+  // on a tile with no bounds or causal cut means its raw mask bytes are its keep tile, copied
+  // asynchronously (committed: the wait before the tile is used covers them).
   ActiveTiles active(has_mask ? BwdPlane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr);
   auto find_next = [&](int64_t t, uint8_t* slot) -> int64_t {
 #pragma unroll 1
@@ -453,6 +454,11 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
       if (has_mask && (t = active.next(t, n_end)) >= n_end) break;
       const TileBounds tb(p, m0, t * kBlockN);
       if (has_mask) {
+        if (tb.full && f.mask_vec) {
+          issue_mask_raw(mask, slot, m0, t * kBlockN);
+          cp_async_commit();
+          return t;
+        }
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
       } else if (tb.any()) {
         if (!tb.full) bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN);
@@ -499,7 +505,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
           float2 bv = make_float2(0.f, 0.f);
           if (has_bias) bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sB + r * kBwdLdBias + col));
           uint32_t kv2 = 0x0101u;
-          if (use_keep) kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kBwdLdKeep + col);
+          if (use_keep) kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kLdKeep + col);
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
             const int e = 2 * hh + e1;
@@ -622,6 +628,11 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
         if (has_mask) {
           if (!item_active(mt, gq)) continue;
           const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
+          if (tb.full && f.mask_vec) {  // as in the dq kernel: the bit says it keeps something
+            issue_mask_raw(mask, slot, mt * kBlockM, n0);
+            cp_async_commit();
+            return true;
+          }
           if (bwd_build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
         } else {
           if (!tb.full) bwd_build_keep(tb, BwdPlane<uint8_t>(p.mask, b, 0), slot, f.mask_vec, mt * kBlockM, n0);
@@ -711,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
             }
             if (use_keep) {
 #pragma unroll
-              for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kBwdLdKeep + key] ? a[e] : -CUDART_INF_F;
+              for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kLdKeep + key] ? a[e] : -CUDART_INF_F;
             }
             *reinterpret_cast<float4*>(sDS + key * kBwdLdDS + c0 + 4 * j) = make_float4(a[0], a[1], a[2], a[3]);
           }

@@ -14,7 +14,6 @@
 namespace flexdma {
 namespace cuda {
 
-constexpr int kLdKeep = kBlockN + 16;  // 80-byte rows: a warp's fragment reads hit distinct banks
 constexpr int kLdBias = kBlockN + 8;   // 144-byte rows, same reason
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
@@ -54,14 +53,6 @@ struct FwdFlags {
 __device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
   return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) &&
          n0 + kBlockN <= p.seqlen_k;
-}
-
-__device__ inline void issue_mask_raw(const Plane<uint8_t>& m, uint8_t* slot, int64_t m0, int64_t n0) {
-#pragma unroll
-  for (int u = 0; u < kBlockM * kBlockN / 16 / kThreads; ++u) {
-    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
-    cp_async16(slot + r * kLdKeep + col0, m.base + (m0 + r) * m.rs + n0 + col0);
-  }
 }
 
 __device__ inline uint32_t byte_of(const uint4& v, int e) {

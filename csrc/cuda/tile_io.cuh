@@ -25,6 +25,9 @@ __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 __host__ __device__ constexpr int tile_ld(int d) { return d + 8; }
 constexpr int kLdP = kBlockN + 8;
 __host__ __device__ constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
+// Keep tiles (one byte per element of a 64 x 64 tile): 80-byte rows, so a warp's fragment reads
+// hit distinct banks and 16-byte copies stay aligned.
+constexpr int kLdKeep = kBlockN + 16;
 
 // Byte offset of element (r, col) in a 128-byte-swizzled tile of `rows` rows.
 __host__ __device__ constexpr int sw128_offset(int rows, int r, int col) {
@@ -97,6 +100,18 @@ __device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const K
 #pragma unroll
       for (int e = 0; e < 8; ++e) dst[tile_index<D>(r, col + e)] = ok ? src[e] : from_float<T>(0.f);
     }
+  }
+}
+
+// Requests the raw mask bytes of tile (m0, n0) into a keep slot (rows kLdKeep apart), 16 bytes a
+// copy: for tiles that need no bounds or causal check, with 16-byte aligned mask rows. Bool bytes
+// are 0 / 1, so the raw bytes are the keep tile.
+template <typename MaskPlane>
+__device__ inline void issue_mask_raw(const MaskPlane& m, uint8_t* slot, int64_t m0, int64_t n0) {
+#pragma unroll
+  for (int u = 0; u < kBlockM * kBlockN / 16 / kThreads; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    cp_async16(slot + r * kLdKeep + col0, m.base + (m0 + r) * m.rs + n0 + col0);
   }
 }
 
