@@ -241,7 +241,9 @@ __device__ inline void bwd_gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, co
 
 // One product of the same pattern, for the dkv kernel: there S^T and dP^T are computed one
 // after the other (dV's GEMM in between), so that they are never both live next to dK and dV.
-template <typename T, int D>
+// kWait = false (wgmma) leaves the product in flight; the caller waits (wgmma_wait<0>, then
+// fence_regs(c0)) before reading c0.
+template <typename T, int D, bool kWait = true>
 __device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, int a_row0) {
   constexpr int kLd = tile_ld(D);
   const int lane = threadIdx.x % 32;
@@ -255,8 +257,10 @@ __device__ inline void bwd_gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, con
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(c0);
+    if constexpr (kWait) {
+      wgmma_wait<0>();
+      fence_regs(c0);
+    }
     return;
   }
   const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
@@ -688,6 +692,10 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;
 
+      // On wgmma, S^T = K Q^T runs while the block gathers the additive terms (it reads only the
+      // K / Q tiles, the gather only bias, keep and lse). dP^T too would spill at D = 128.
+      float s[kBlockN / 8][4];
+      if constexpr (kWg) bwd_gemm_nt<T, D, false>(s, sK, sQ, w * 16);
       // Transposed scores: rows = this warp's 16 keys, columns = the tile's 64 queries. The
       // additive part of each score in log2 units (bias - lse, or -inf where dropped) is first
       // gathered from the [query][key] bias / keep tiles into sDS, so the element loop after the
@@ -729,8 +737,12 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
         }
         __syncthreads();
       }
-      float s[kBlockN / 8][4];
-      bwd_gemm_nt<T, D>(s, sK, sQ, w * 16);
+      if constexpr (kWg) {
+        wgmma_wait<0>();
+        fence_regs(s);
+      } else {
+        bwd_gemm_nt<T, D>(s, sK, sQ, w * 16);
+      }
       if (scf != 0.f) {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
