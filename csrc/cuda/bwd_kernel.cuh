@@ -11,11 +11,13 @@
 //    heads that share a dbias plane is summed in a float smem tile and written once per query
 //    tile (fixed order, so bitwise reproducible): the float read-modify-write per head was the
 //    dominant dbias traffic, and a tile written once can go straight to the bias dtype.
-// S, dP, P and dS live in mma.sync C fragments; P / dS are repacked as A fragments (no smem
-// round trip). Q, dO, K, V tiles sit in smem (rows padded to D + 8) and are read by ldmatrix.
-// An all-false keep tile (mask & causal & bounds) is skipped before any of its operand bytes
-// are requested; the next kept tile is searched (its mask bytes read, into a second keep slot)
-// while the current tile's cp.async copies are in flight. Mask / bias are resolved to base
+// S, dP, P and dS live in C fragments (wgmma's or mma.sync's, the same per-warp layout); P / dS
+// are repacked as A fragments (no smem round trip). Q, dO, K, V tiles sit in smem, 128-byte
+// swizzled and read by wgmma (sm_90a, head dims 64 / 128) or padded to D + 8 and read by
+// ldmatrix (head dims 32 / 96). An all-false keep tile (mask & causal & bounds) is skipped
+// before any of its operand bytes are requested (tile activity bits); the next kept tile is
+// found, and its keep tile requested (raw mask bytes) or built (cut tiles) into a second keep
+// slot, while the current tile's cp.async copies are in flight. Mask / bias are resolved to base
 // pointers per CTA / work item with a 32-bit head division (BwdPlane): no 64-bit division call
 // in the loops. The per-element score math is branch-free: the CTA-uniform choices (softcap,
 // bias, keep tile) become selects or loops behind uniform branches.
