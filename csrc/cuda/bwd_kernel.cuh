@@ -22,8 +22,6 @@
 // in the loops. The per-element score math is branch-free: the CTA-uniform choices (softcap,
 // bias, keep tile) become selects or loops behind uniform branches.
 #pragma once
-#include <type_traits>
-
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
 #include "tile_io.cuh"
@@ -115,19 +113,6 @@ __device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8
 // Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
 // past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
 template <typename T, int D>
-__device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec);
-
-// The K / V tile of keys [n0, n0 + 64) from a key source (tile_io.cuh); base is row 0 of K or V.
-template <typename T, int D, typename Keys>
-__device__ inline void bwd_issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
-                                      bool vec) {
-  if constexpr (Keys::kContiguous)
-    bwd_issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
-  else
-    issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
-}
-
-template <typename T, int D>
 __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
@@ -168,6 +153,16 @@ __device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int vali
     const int r = c / D, col = c % D;
     dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
   }
+}
+
+// The K / V tile of keys [n0, n0 + 64) from a key source (tile_io.cuh); base is row 0 of K or V.
+template <typename T, int D, typename Keys>
+__device__ inline void bwd_issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
+                                      bool vec) {
+  if constexpr (Keys::kContiguous)
+    bwd_issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
+  else
+    issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
 }
 
 // Requests the bias tile (m0, n0) into smem (row stride kBwdLdBias); entries outside the
