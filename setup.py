@@ -15,8 +15,10 @@ from pathlib import Path
 from setuptools import setup, find_packages
 
 ROOT = Path(__file__).parent.resolve()
-# Head dims the CUDA kernels implement; others fall back to FlexAttention at run time.
-ALL_HEAD_DIMS = (32, 64, 96, 128)
+# Head dims the CUDA kernels implement; others fall back to FlexAttention at run time. The wide
+# ones run only on wgmma, so they are built only for sm_90a-only builds.
+ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+WGMMA_ONLY_HEAD_DIMS = (192, 256)
 
 
 def _head_dims():
@@ -83,6 +85,12 @@ def _extensions():
     with_cuda = _want_cuda()
     head_dims = _head_dims()
     archs = [a.strip() for a in os.environ.get("FLEXDMA_CUDA_ARCHS", "90").replace(",", ";").split(";") if a.strip()]
+    if archs and not all(a == "90" for a in archs):
+        dropped = [d for d in head_dims if d in WGMMA_ONLY_HEAD_DIMS]
+        if dropped:
+            print(f"flexdma: head dims {dropped} need an sm_90-only build (FLEXDMA_CUDA_ARCHS=90); "
+                  "they fall back at run time", file=sys.stderr)
+        head_dims = tuple(d for d in head_dims if d not in WGMMA_ONLY_HEAD_DIMS)
     _write_build_info(with_cuda, head_dims, archs)
     if not with_cuda:
         return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx})]

@@ -237,7 +237,7 @@ operator.getitem""")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
     monkeypatch.setattr(_dispatch, "_warned", set())
-    # FlexAttention takes head_dim 16 and 40 keys; the CUDA kernels implement 32, 64, 96, 128 only.
+    # FlexAttention takes head_dim 16 and 40 keys; the CUDA kernels implement 32, 64, 96, 128, 192, 256 only.
     q, k, v = qkv(Q=24, K=40, D=16, dtype=torch.bfloat16, device="cuda")
     with pytest.warns(UserWarning, match=r"falls back from 'cuda' to 'flex': .*head_dim 16"):
         name = _dispatch.select("auto", q, k, v, None, None, is_causal=True, softcap=0.0, requires_grad=False)

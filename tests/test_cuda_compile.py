@@ -18,9 +18,9 @@ FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr",
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
 
 
-def _nvcc(src, tmp_path, link=False):
+def _nvcc(src, tmp_path, link=False, flags=FLAGS):
     out = tmp_path / (os.path.basename(src) + (".bin" if link else ".o"))
-    cmd = [NVCC, *FLAGS, "-Xptxas", "-v", os.path.join(ROOT, src), "-o", str(out)]
+    cmd = [NVCC, *flags, "-Xptxas", "-v", os.path.join(ROOT, src), "-o", str(out)]
     if not link:
         cmd.insert(1, "-c")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -46,6 +46,17 @@ def test_kernels_compile_without_spills(src, tmp_path):
     spills = _spills(_nvcc(src, tmp_path))
     assert spills, "ptxas reported no kernels"
     assert all(v == 0 for v in spills.values()), f"register spills: { {k: v for k, v in spills.items() if v} }"
+
+
+@pytest.mark.parametrize("src", ["csrc/cuda/fwd_launch.cu", "csrc/cuda/bwd_launch.cu"])
+def test_wide_head_dims_compile(src, tmp_path):
+    # Head dims 192 / 256 hold D / 2 accumulator floats a thread next to the score tiles: a few
+    # dozen spilled bytes are known (ptxas, CUDA 13.0); a change that spills hundreds fails here.
+    wide = [f for f in FLAGS if not f.startswith("-DFLEXDMA_HEAD_DIM_")] + ["-DFLEXDMA_HEAD_DIM_192",
+                                                                           "-DFLEXDMA_HEAD_DIM_256"]
+    spills = _spills(_nvcc(src, tmp_path, flags=wide))
+    assert len(spills) >= 4, f"expected the D=192/256 kernels, ptxas reported {sorted(spills)}"
+    assert all(v <= 128 for v in spills.values()), f"register spills: { {k: v for k, v in spills.items() if v} }"
 
 
 def test_dispatch_compiles(tmp_path):

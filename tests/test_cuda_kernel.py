@@ -1,7 +1,8 @@
 """The CUDA kernels behind torch.ops.flexdma.fwd / bwd, tested against the float64 reference with
 FlashAttention's tolerance rule: output and LSE, dq / dk / dv / dbias, for bf16 / fp16, head dims
-32 / 64 / 96 / 128 (those the build has), GQA, every broadcast layout of mask and bias, causal with Q != K, odd lengths, rows
-with no key, softcap; plus bitwise-deterministic backward and outputs that are fully written."""
+32 / 64 / 96 / 128 / 192 / 256 (those the build has), GQA, every broadcast layout of mask and bias,
+causal with Q != K, odd lengths, rows with no key, softcap; plus bitwise-deterministic backward and
+outputs that are fully written."""
 from __future__ import annotations
 
 import math
@@ -96,7 +97,7 @@ def _run_case(dtype, D, H, KVH, case, B=2):
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads", [(2, 1), (2, 2)], ids=["gqa2", "mha"])
-@pytest.mark.parametrize("D", _head_dims(32, 64, 96, 128))
+@pytest.mark.parametrize("D", _head_dims(32, 64, 96, 128, 192, 256))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fwd_bwd_vs_reference(dtype, D, heads, case):
     _run_case(dtype, D, heads[0], heads[1], case)
@@ -180,8 +181,9 @@ def test_decode_with_sparse_broadcast_mask(Q, K):
 
 
 @pytest.mark.parametrize("case", ["per_key_causal", "per_row_causal_q_gt_k", "bias_over_keys"])
-def test_backward_is_bitwise_deterministic(case):
-    args = _run_case(torch.bfloat16, 128, 4, 1, case)
+@pytest.mark.parametrize("D", _head_dims(128, 256))  # 256: dK and dV in two passes
+def test_backward_is_bitwise_deterministic(case, D):
+    args = _run_case(torch.bfloat16, D, 4, 1, case)
     q, k, v, mask, bias, dout, out, lse, scale, causal, softcap = args
     first = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
     for _ in range(3):

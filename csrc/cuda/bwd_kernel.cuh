@@ -110,57 +110,12 @@ __device__ inline bool bwd_build_keep(const TileBounds& tb, const BwdPlane<uint8
   return __syncthreads_or(any) != 0;
 }
 
-// Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
-// past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
-template <typename T, int D>
-__device__ inline void bwd_issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
-  constexpr int kChunks = D / 8;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  if constexpr (kThreads % kChunks != 0) {
-    // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
-    // linearly (64 * 12 = 6 per thread).
-    static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
-    if (vec) {
-#pragma unroll
-      for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
-        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
-        const bool ok = r < valid;
-        cp_async16(dst + tile_index<D>(r, col), ok ? src + r * rs + col : src, ok ? 16 : 0);
-      }
-      return;
-    }
-  } else if (vec) {
-    // kRowsPerPass is a multiple of 8 on wgmma, so a thread's chunk keeps its swizzle in every pass.
-    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
-    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
-    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
-    const T* s = src + r0 * rs + col;
-    T* d = dst + tile_index<D>(r0, col);
-    if (valid >= 64) {
-#pragma unroll
-      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(d + u * kPass, s + u * kRowsPerPass * rs);
-    } else {
-#pragma unroll
-      for (int u = 0; u < 64 / kRowsPerPass; ++u) {
-        const bool ok = r0 + u * kRowsPerPass < valid;
-        cp_async16(d + u * kPass, ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
-      }
-    }
-    return;
-  }
-  // Strided or unaligned rows, any D: element by element.
-  for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
-    const int r = c / D, col = c % D;
-    dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
-  }
-}
-
 // The K / V tile of keys [n0, n0 + 64) from a key source (tile_io.cuh); base is row 0 of K or V.
 template <typename T, int D, typename Keys>
 __device__ inline void bwd_issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
                                       bool vec) {
   if constexpr (Keys::kContiguous)
-    bwd_issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
+    issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
   else
     issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
 }
@@ -289,7 +244,7 @@ __device__ inline void bwd_gemm_pv(float (&o)[D / 8][4], const float (&x)[kBlock
     fence_regs(a);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, a[kk], desc_mn_major<64>(sb, kk), 1);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, 64>(o, a[kk], sb, kk);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
@@ -373,8 +328,9 @@ constexpr float kBwdLog2e = 1.4426950408889634f;
 // exp2(x - l2) is 0 for every x including -inf, without a branch.
 __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kBwdLog2e; }
 
+// Up to D = 128 two CTAs share an SM; wider heads (157 / 175 KiB of smem at D = 256) run one.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   // wgmma's swizzled tiles need 1024-byte aligned blocks.
@@ -396,9 +352,9 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
   const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  bwd_issue_rows<T, D>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride,
+  issue_rows<T, D>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride,
                        p.q_row_stride, vr, f.qkv_vec);
-  bwd_issue_rows<T, D>(sDO, static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+  issue_rows<T, D>(sDO, static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
                                 m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
   cp_async_commit();
 
@@ -540,8 +496,14 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dq_kernel(const BwdParams p, 
                       p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
+// kPart 0: dK, dV and dbias in one pass. Wider heads than 128 cannot hold both accumulators
+// (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
+// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK and dbias.
+template <typename T, int D, int kPart>
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
+    bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
+  constexpr bool kDv = kPart != 2, kDk = kPart != 1;
+  static_assert(kPart == 0 || D > 128, "narrow heads take both accumulators in one pass");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
@@ -567,20 +529,25 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
   T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
   bwd_issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
                        ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
-  bwd_issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
-                       ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  if constexpr (kDk)
+    bwd_issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
+                         ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
   cp_async_commit();
 
-  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = dbias.ptr != nullptr;
+  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
   const float scf = p.softcap > 0.f ? 1.f : 0.f;
   const float mulf = p.softcap > 0.f ? p.softcap * kBwdLog2e : p.softmax_scale * kBwdLog2e;
   const float soc = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
 
-  float dk[D / 8][4], dv[D / 8][4];
+  constexpr int kDkRows = kDk ? D / 8 : 1, kDvRows = kDv ? D / 8 : 1;  // a pass without one keeps a stub
+  float dk[kDkRows][4], dv[kDvRows][4];
 #pragma unroll
   for (int d = 0; d < D / 8; ++d)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[d][e] = dv[d][e] = 0.f;
+    for (int e = 0; e < 4; ++e) {
+      if (d < kDkRows) dk[d][e] = 0.f;
+      if (d < kDvRows) dv[d][e] = 0.f;
+    }
 
   // Causal: the first query row that sees key n0 is n0 - (K - Q).
   int64_t m_first = 0;
@@ -663,8 +630,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
       const int64_t m0 = mt * kBlockM;
       const TileBounds tb(p, m0, n0);
       const int vr = tb.lim_r;
-      bwd_issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
-      bwd_issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+      issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
+      issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
       if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
       cp_async_commit();
       if (threadIdx.x < kBlockM) {
@@ -759,82 +726,84 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
           s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
           *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
         }
-      bwd_gemm_pv<T, D>(dv, s, sDO);
-      float dp[kBlockN / 8][4];
-      bwd_gemm_nt<T, D>(dp, sV, sDO, w * 16);
+      if constexpr (kDv) bwd_gemm_pv<T, D>(dv, s, sDO);
+      if constexpr (kDk) {
+        float dp[kBlockN / 8][4];
+        bwd_gemm_nt<T, D>(dp, sV, sDO, w * 16);
 #pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n) {
-        const int c = n * 8 + 2 * qc;  // query
-        const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
+        for (int n = 0; n < kBlockN / 8; ++n) {
+          const int c = n * 8 + 2 * qc;  // query
+          const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = w * 16 + g + 8 * hh;  // key
-          float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
-          const float2 der = *slot;
-          const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
-          const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
-          if (want_db) {  // this thread's own sDB slots in every head: no hazard
-            float2* a = reinterpret_cast<float2*>(sDB + bwd_db_idx(r, c));
-            if (first) {
-              *a = make_float2(ds0, ds1);
-            } else {
-              const float2 o = *a;
-              *a = make_float2(o.x + ds0, o.y + ds1);
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = w * 16 + g + 8 * hh;  // key
+            float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
+            const float2 der = *slot;
+            const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
+            const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
+            if (want_db) {  // this thread's own sDB slots in every head: no hazard
+              float2* a = reinterpret_cast<float2*>(sDB + bwd_db_idx(r, c));
+              if (first) {
+                *a = make_float2(ds0, ds1);
+              } else {
+                const float2 o = *a;
+                *a = make_float2(o.x + ds0, o.y + ds1);
+              }
             }
+            dp[n][2 * hh] = ds0 * der.x;
+            dp[n][2 * hh + 1] = ds1 * der.y;
           }
-          dp[n][2 * hh] = ds0 * der.x;
-          dp[n][2 * hh + 1] = ds1 * der.y;
         }
-      }
-      bwd_gemm_pv<T, D>(dk, dp, sQ);
+        bwd_gemm_pv<T, D>(dk, dp, sQ);
 
-      if (want_db && flush) {
-        __syncthreads();
-        // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
-        // summed here in index order.
-        const int lc = tb.lim_c;
-        const int64_t db_off = n_tile * dbias.tile_stride + b * DL.batch_stride +
-                               (int)h / (int)DL.head_ratio * DL.head_stride;
-        float* dbf = static_cast<float*>(dbias.ptr) + db_off;
-        if (DL.row_stride != 0 && DL.col_stride != 0) {
-          // One write per element: this CTA owns the tile (its plane's heads are all summed),
-          // and the caller's buffer is zero where no tile is written. Thread owns key column
-          // tid % 64 of rows tid / 64 + 2u.
-          constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
-          const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
-          const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
-          const int64_t step = kRowStep * DL.row_stride;
-          if (col < lc) {
-            if (dbias.in_dtype) {
-              T* dst = static_cast<T*>(dbias.ptr) + db_off + off;
+        if (want_db && flush) {
+          __syncthreads();
+          // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
+          // summed here in index order.
+          const int lc = tb.lim_c;
+          const int64_t db_off = n_tile * dbias.tile_stride + b * DL.batch_stride +
+                                 (int)h / (int)DL.head_ratio * DL.head_stride;
+          float* dbf = static_cast<float*>(dbias.ptr) + db_off;
+          if (DL.row_stride != 0 && DL.col_stride != 0) {
+            // One write per element: this CTA owns the tile (its plane's heads are all summed),
+            // and the caller's buffer is zero where no tile is written. Thread owns key column
+            // tid % 64 of rows tid / 64 + 2u.
+            constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
+            const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
+            const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
+            const int64_t step = kRowStep * DL.row_stride;
+            if (col < lc) {
+              if (dbias.in_dtype) {
+                T* dst = static_cast<T*>(dbias.ptr) + db_off + off;
 #pragma unroll
-              for (int u = 0; u < kPer; ++u)
-                if (r0 + kRowStep * u < vr) dst[u * step] = from_float<T>(sDB[bwd_db_idx(col, r0 + kRowStep * u)]);
-            } else {
+                for (int u = 0; u < kPer; ++u)
+                  if (r0 + kRowStep * u < vr) dst[u * step] = from_float<T>(sDB[bwd_db_idx(col, r0 + kRowStep * u)]);
+              } else {
 #pragma unroll
-              for (int u = 0; u < kPer; ++u)
-                if (r0 + kRowStep * u < vr) dbf[off + u * step] = sDB[bwd_db_idx(col, r0 + kRowStep * u)];
+                for (int u = 0; u < kPer; ++u)
+                  if (r0 + kRowStep * u < vr) dbf[off + u * step] = sDB[bwd_db_idx(col, r0 + kRowStep * u)];
+              }
             }
-          }
-        } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
-          if (threadIdx.x < lc) {
-            const int col = threadIdx.x;
+          } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
+            if (threadIdx.x < lc) {
+              const int col = threadIdx.x;
+              float acc = 0.f;
+              for (int r = 0; r < vr; ++r) acc += sDB[bwd_db_idx(col, r)];
+              dbf[(n0 + col) * DL.col_stride] += acc;
+            }
+          } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
+            if (threadIdx.x < vr) {
+              const int r = threadIdx.x;
+              float acc = 0.f;
+              for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
+              dbf[(m0 + r) * DL.row_stride] += acc;
+            }
+          } else if (threadIdx.x == 0) {
             float acc = 0.f;
-            for (int r = 0; r < vr; ++r) acc += sDB[bwd_db_idx(col, r)];
-            dbf[(n0 + col) * DL.col_stride] += acc;
+            for (int r = 0; r < vr; ++r)
+              for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
+            dbf[0] += acc;
           }
-        } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
-          if (threadIdx.x < vr) {
-            const int r = threadIdx.x;
-            float acc = 0.f;
-            for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
-            dbf[(m0 + r) * DL.row_stride] += acc;
-          }
-        } else if (threadIdx.x == 0) {
-          float acc = 0.f;
-          for (int r = 0; r < vr; ++r)
-            for (int col = 0; col < lc; ++col) acc += sDB[bwd_db_idx(col, r)];
-          dbf[0] += acc;
         }
       }
     }
@@ -846,8 +815,8 @@ __global__ void __launch_bounds__(kThreads, 2) bwd_dkv_kernel(const BwdParams p,
     slot ^= 1;
   }
   cp_async_wait<0>();
-  bwd_store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
-  bwd_store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
+  if constexpr (kDk) bwd_store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
+  if constexpr (kDv) bwd_store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
 }
 
 // Sums the per-key-tile dbias slices into the accumulator in tile order.

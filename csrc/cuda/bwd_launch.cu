@@ -11,8 +11,11 @@ namespace cuda {
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int kSmemQ = BwdDqSmem<T, D>::kBytes, kSmemKV = BwdDkvSmem<T, D>::kBytes;
+  // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dbias) pass above.
+  constexpr bool kSplit = D > 128;
   cudaFuncSetAttribute(bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemQ);
-  cudaFuncSetAttribute(bwd_dkv_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  cudaFuncSetAttribute(bwd_dkv_kernel<T, D, kSplit ? 1 : 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  if constexpr (kSplit) cudaFuncSetAttribute(bwd_dkv_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
   BwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -45,7 +48,8 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   dim3 grid_q((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch);
   bwd_dq_kernel<T, D><<<grid_q, kThreads, kSmemQ, stream>>>(p, f);
   dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
-  bwd_dkv_kernel<T, D><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
+  bwd_dkv_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
+  if constexpr (kSplit) bwd_dkv_kernel<T, D, 2><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
   if (scratch) {
     const int blocks = (int)imin(1024, ceil_div(span, 256));
     bwd_reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
@@ -68,6 +72,13 @@ FLEXDMA_INSTANTIATE_BWD(96)
 #endif
 #ifdef FLEXDMA_HEAD_DIM_128
 FLEXDMA_INSTANTIATE_BWD(128)
+#endif
+// Wider heads exist only on wgmma (Q / dO / K / V read from swizzled smem).
+#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
+FLEXDMA_INSTANTIATE_BWD(192)
+#endif
+#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
+FLEXDMA_INSTANTIATE_BWD(256)
 #endif
 
 }  // namespace cuda

@@ -22,6 +22,12 @@ bool head_dim_built(int64_t d) {
 #ifdef FLEXDMA_HEAD_DIM_128
   if (d == 128) return true;
 #endif
+#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
+  if (d == 192) return true;
+#endif
+#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
+  if (d == 256) return true;
+#endif
   return false;
 }
 
@@ -40,13 +46,20 @@ void dispatch(const FwdParams& p, Fn&& fn) {
 #ifdef FLEXDMA_HEAD_DIM_128
   if (p.head_dim == 128) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 128>{}) : fn(__half{}, std::integral_constant<int, 128>{}); return; }
 #endif
+#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
+  if (p.head_dim == 192) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 192>{}) : fn(__half{}, std::integral_constant<int, 192>{}); return; }
+#endif
+#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
+  if (p.head_dim == 256) { bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, 256>{}) : fn(__half{}, std::integral_constant<int, 256>{}); return; }
+#endif
 }
 }  // namespace
 
 const char* unsupported_reason(const FwdParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype must be bfloat16 or float16";
-  if (p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128)
-    return "head_dim must be 32, 64, 96 or 128";
+  if (p.head_dim != 32 && p.head_dim != 64 && p.head_dim != 96 && p.head_dim != 128 && p.head_dim != 192 &&
+      p.head_dim != 256)
+    return "head_dim must be 32, 64, 96, 128, 192 or 256";
   if (!head_dim_built(p.head_dim)) return "head_dim not built (FLEXDMA_HEAD_DIMS)";
   if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0) return "num_heads must be a multiple of num_heads_k";
   if (p.num_heads > 65535 || p.batch > 65535) return "batch and num_heads must be <= 65535";

@@ -18,15 +18,23 @@ constexpr int kLdBias = kBlockN + 8;   // 144-byte rows, same reason
 
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
+// Heads wider than 128 keep Q in smem for the whole CTA and read it by wgmma (S with both operands
+// in smem): as A fragments it would take D / 4 registers next to the D / 2 of the O accumulator.
+template <int D>
+constexpr bool fwd_q_in_smem() {
+  return D > 128;
+}
+
 template <typename T, int D>
 struct FwdSmem {
   static constexpr int kTileKV = tile_bytes<D>();
   static constexpr int kKeepSlot = kBlockM * kLdKeep;
-  // The Q tile is only staged here until it is in registers; the region then holds the mask
-  // bytes of the two K / V buffers' tiles.
+  // Up to D = 128 the Q tile is only staged here until it is in registers; the region then holds
+  // the mask bytes of the two K / V buffers' tiles. Wider, Q (swizzled) stays, the keep slots follow.
   static constexpr int kQ = 0;
-  static constexpr int kKeep = 0;
-  static constexpr int kK = (cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot) + 1023) / 1024 * 1024;
+  static constexpr int kKeep = fwd_q_in_smem<D>() ? tile_bytes<D>() : 0;
+  static constexpr int kK = ((fwd_q_in_smem<D>() ? kKeep + 2 * kKeepSlot : cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot)) +
+                             1023) / 1024 * 1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
   static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
@@ -103,6 +111,11 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
     issue_key_rows<T, D>(sk, k, k_rs, keys, n0, seqlen_k, vec);
     issue_key_rows<T, D>(sv, v, v_rs, keys, n0, seqlen_k, vec);
     return;
+  } else if constexpr (D > 128) {
+    const int valid = (int)imin(kBlockN, seqlen_k - n0);
+    issue_rows<T, D>(sk, k + n0 * k_rs, k_rs, valid, vec);
+    issue_rows<T, D>(sv, v + n0 * v_rs, v_rs, valid, vec);
+    return;
   }
   constexpr int kChunks = D / 8;
   constexpr int kRowsPerPass = kThreads / kChunks;
@@ -127,7 +140,7 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
     // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
     const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
     constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
-    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
+    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0 || D > 128, "swizzle must repeat every pass");
     const T* kr = k + (n0 + r0) * k_rs + col;
     const T* vr = v + (n0 + r0) * v_rs + col;
     T* skr = sk + tile_index<D>(r0, col);
@@ -205,11 +218,14 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
-// D=64's bound, D=96 (85 KiB, 250 registers) D=128's.
+// D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
+    fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
+  constexpr bool kQSmem = fwd_q_in_smem<D>();
+  static_assert(!kQSmem || kWg, "head dims above 128 need the sm_90a (wgmma) build");
   // wgmma's swizzled K / V tiles need 1024-byte aligned blocks.
   unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
   using L = FwdSmem<T, D>;
@@ -231,12 +247,18 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
-  __syncthreads();
-  uint32_t qf[D / 16][4];
+  uint32_t qf[kQSmem ? 1 : D / 16][4];
+  if constexpr (kQSmem) {
+    // Requested here, landed by the first tile's wait.
+    issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+    cp_async_commit();
+  } else {
+    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+    __syncthreads();
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + (w * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
-  __syncthreads();  // sQ's bytes now become keep / raw mask buffers
+    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + (w * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+    __syncthreads();  // sQ's bytes now become keep / raw mask buffers
+  }
 
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
@@ -297,7 +319,13 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
-    if constexpr (kWg) {
+    if constexpr (kQSmem) {
+      fence_regs(s);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
+      wgmma_commit();
+    } else if constexpr (kWg) {
       fence_regs(s);
       fence_regs(qf);
       wgmma_fence();
@@ -418,16 +446,18 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
         fence_regs(pa);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_mn_major<kBlockN>(sv, kk), 1);
+        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(o, pa[kk], sv, kk);
         wgmma_commit();
         // Q's fragments are read only by the S wgmma. ptxas (CUDA 13.0) took them for dead after
         // that read and gave their registers to P at D = 64 (wrong S from the second key tile on).
         // A real instruction that rewrites them here keeps them live across P.V; q_live is 0 at
         // run time (softcap >= 0 is checked before launch).
+        if constexpr (!kQSmem) {
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
+          for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
+            for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
+        }
       } else {
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk)
@@ -463,6 +493,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : 2) fwd_kernel(const Fw
       fence_regs(o);
     }
   }
+  if constexpr (kQSmem) cp_async_wait<0>();  // Q's copies, where no tile was kept
 
   // Epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and -inf. A split
   // writes the same, in float, to its slice of the partial buffers.

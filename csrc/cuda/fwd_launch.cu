@@ -58,6 +58,13 @@ FLEXDMA_INSTANTIATE_FWD(96)
 #ifdef FLEXDMA_HEAD_DIM_128
 FLEXDMA_INSTANTIATE_FWD(128)
 #endif
+// Wider heads exist only on wgmma (Q / dO / K / V read from swizzled smem).
+#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
+FLEXDMA_INSTANTIATE_FWD(192)
+#endif
+#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
+FLEXDMA_INSTANTIATE_FWD(256)
+#endif
 
 }  // namespace cuda
 }  // namespace flexdma

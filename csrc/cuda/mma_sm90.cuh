@@ -123,6 +123,23 @@ __device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], ui
   }
 }
 
+// O[64 x D] += A B for k step kk, B an MN-major swizzled tile of kRows rows (V in P.V, dO / Q in
+// the backward's dV / dK): one wgmma of width D up to 128; wider heads take one per 64-column
+// block (each block is its own kRows x 128-byte region), which keeps the register lists of the
+// asm above at two widths.
+template <typename T, int D, int kRows>
+__device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4], const T* tile, int kk) {
+  if constexpr (D <= 128) {
+    wgmma_rs<T, D, 1>(o, a, desc_mn_major<kRows>(tile, kk), 1);
+  } else {
+    static_assert(D % 64 == 0, "wide heads come in 64-column blocks");
+#pragma unroll
+    for (int c = 0; c < D / 64; ++c)
+      wgmma_rs<T, 64, 1>(*reinterpret_cast<float(*)[8][4]>(&o[8 * c][0]), a, desc_mn_major<kRows>(tile + c * kRows * 64, kk),
+                         1);
+  }
+}
+
 // One wgmma of width 64 with both operands in shared memory, both K-major (the backward's
 // S = Q K^T and dP = dO V^T, and their transposes): A is a 64-row tile read through the same
 // descriptor form as B.

@@ -63,7 +63,7 @@ constexpr int tile_bytes() { return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ?
 // row at(i) of K / V. The op family instantiates ContiguousKeys (key i is row i); GatheredKeys
 // maps through an index list, so a caller can feed key tiles from selected rows (the keys a
 // per-key top-k keeps) without first copying them into a dense K / V. Only the K / V tile loads
-// (issue_kv, bwd_issue_rows) take a key source; mask and bias columns stay indexed by i.
+// (issue_kv, bwd_issue_keys) take a key source; mask and bias columns stay indexed by i.
 struct ContiguousKeys {
   static constexpr bool kContiguous = true;
   __device__ int64_t at(int64_t i) const { return i; }
@@ -100,6 +100,54 @@ __device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const K
 #pragma unroll
       for (int e = 0; e < 8; ++e) dst[tile_index<D>(r, col + e)] = ok ? src[e] : from_float<T>(0.f);
     }
+  }
+}
+
+// Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
+// past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
+template <typename T, int D>
+__device__ inline void issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  if constexpr (kThreads % kChunks != 0) {
+    // D = 96 / 192: 12 / 24 chunks a row do not split 128 threads into whole rows; walk the
+    // tile's chunks linearly (6 / 12 per thread).
+    static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
+    if (vec) {
+#pragma unroll
+      for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+        const bool ok = r < valid;
+        cp_async16(dst + tile_index<D>(r, col), ok ? src + r * rs + col : src, ok ? 16 : 0);
+      }
+      return;
+    }
+  } else if (vec) {
+    // Where kRowsPerPass is a multiple of 8 (or there is no swizzle) a thread's chunk keeps its
+    // swizzle in every pass and the destination moves by a constant; at D = 256 (4 rows a pass)
+    // it alternates, and each pass takes its own index.
+    constexpr bool kFixed = !use_wgmma<D>() || kRowsPerPass % 8 == 0;
+    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    const T* s = src + r0 * rs + col;
+    T* d = dst + tile_index<D>(r0, col);
+    auto at = [&](int u) { return kFixed ? d + u * kPass : dst + tile_index<D>(r0 + u * kRowsPerPass, col); };
+    if (valid >= 64) {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(at(u), s + u * kRowsPerPass * rs);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) {
+        const bool ok = r0 + u * kRowsPerPass < valid;
+        cp_async16(at(u), ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
+      }
+    }
+    return;
+  }
+  // Strided or unaligned rows, any D: element by element.
+  for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
+    const int r = c / D, col = c % D;
+    dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
   }
 }
 
