@@ -4,6 +4,7 @@ CPU kernels are always built. CUDA kernels are built when torch has CUDA and nvc
 unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
   FLEXDMA_CUDA_ARCHS   e.g. "90" or "80;90" (default "90")
   FLEXDMA_HEAD_DIMS    e.g. "64,128" (default: 32,64,96,128; 192 and 256 only when named)
+  FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-DFLEXDMA_EXP_DBIAS_VEC" (staged kernel experiments)
   MAX_JOBS             parallel compile jobs (ninja)
 """
 import os
@@ -109,6 +110,7 @@ def _extensions():
     nvcc = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"] + gencode + hd_defs
+    nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
     cutlass = os.environ.get("FLEXDMA_CUTLASS_INCLUDE") or _cutlass_include()
     include_dirs = [str(ROOT / "csrc")] + ([cutlass] if cutlass else [])
     if cutlass:

@@ -41,11 +41,15 @@ struct BwdFlags {
 // Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
 // key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values.
+// vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a full tile is stored 8
+// elements a store. FLEXDMA_EXP_DBIAS_VEC builds only (that and the per-key flush over four warps
+// wait for a GPU run; benchmarks/NOTES.md, session 7).
 struct BwdDbias {
   void* ptr = nullptr;
   Broadcast4d layout;
   int64_t tile_stride = 0;
   bool in_dtype = false;
+  bool vec = false;
 };
 
 // A broadcast operand resolved to one (batch, query head): element (i, j) at base + i * rs +
@@ -765,6 +769,28 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
                                  (int)h / (int)DL.head_ratio * DL.head_stride;
           float* dbf = static_cast<float*>(dbias.ptr) + db_off;
           if (DL.row_stride != 0 && DL.col_stride != 0) {
+#ifdef FLEXDMA_EXP_DBIAS_VEC
+            const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;
+            if (vec_tile) {
+              // 16-byte stores of 8 keys: thread owns query row lane + 32 (w % 2) and key chunks
+              // w / 2 + 2u. One load reads one key of 32 consecutive queries (conflict-free under
+              // bwd_db_idx's swizzle); one store writes 16 bytes of 32 rows. The scalar path below
+              // spent ~20 instructions an element (address, predicate, swizzle, convert).
+              const int q = lane + 32 * (w & 1);
+              T* dst = static_cast<T*>(dbias.ptr) + db_off + (m0 + q) * DL.row_stride + n0;
+#pragma unroll
+              for (int u = 0; u < kBlockN / 8 / 2; ++u) {
+                const int c8 = (w >> 1) + 2 * u;
+                uint32_t pk[4];
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                  pk[j] = pack2<T>(sDB[bwd_db_idx(8 * c8 + 2 * j, q)], sDB[bwd_db_idx(8 * c8 + 2 * j + 1, q)]);
+                *reinterpret_cast<uint4*>(dst + 8 * c8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+              }
+            }
+#else
+            constexpr bool vec_tile = false;
+#endif
             // One write per element: this CTA owns the tile (its plane's heads are all summed),
             // and the caller's buffer is zero where no tile is written. Thread owns key column
             // tid % 64 of rows tid / 64 + 2u.
@@ -772,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
             const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
             const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
             const int64_t step = kRowStep * DL.row_stride;
-            if (col < lc) {
+            if (!vec_tile && col < lc) {
               if (dbias.in_dtype) {
                 T* dst = static_cast<T*>(dbias.ptr) + db_off + off;
 #pragma unroll
@@ -785,6 +811,21 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
               }
             }
           } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
+#ifdef FLEXDMA_EXP_DBIAS_VEC
+            if (vr == kBlockM) {
+              // All four warps: thread sums 32 rows of key tid % 64 (four chains), the upper
+              // half hands its sum over in sL2 (read by nobody until the next item's barrier).
+              // Before, two warps walked all 64 rows in one dependent chain.
+              const int col = threadIdx.x % kBlockN, half = threadIdx.x / kBlockN;
+              float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+              for (int r = 0; r < kBlockM / 2; ++r) a[r % 4] += sDB[bwd_db_idx(col, half * (kBlockM / 2) + r)];
+              const float acc = (a[0] + a[1]) + (a[2] + a[3]);
+              if (half == 1) sL2[col] = acc;
+              __syncthreads();
+              if (half == 0 && col < lc) dbf[(n0 + col) * DL.col_stride] += acc + sL2[col];
+            } else
+#endif
             if (threadIdx.x < lc) {
               const int col = threadIdx.x;
               float acc = 0.f;

@@ -33,6 +33,10 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
     dbias.ptr = const_cast<void*>(p.dbias_accum.ptr);
     dbias.layout = p.dbias_accum;
     dbias.in_dtype = p.dbias_in_dtype;
+#ifdef FLEXDMA_EXP_DBIAS_VEC
+    const Broadcast4d& a = p.dbias_accum;
+    dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
+#endif
     if (!p.dbias_in_dtype && p.dbias_accum.col_stride == 0 && n_tiles > 1) {
       const Broadcast4d& a = p.dbias_accum;
       const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
