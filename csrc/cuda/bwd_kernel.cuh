@@ -332,7 +332,7 @@ constexpr float kBwdLog2e = 1.4426950408889634f;
 // exp2(x - l2) is 0 for every x including -inf, without a branch.
 __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kBwdLog2e; }
 
-// Up to D = 128 two CTAs share an SM; wider heads (157 / 175 KiB of smem at D = 256) run one.
+// Up to D = 128 two CTAs share an SM; wider heads (dq 148, dk/dv 174 KiB of smem at D = 256) run one.
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
