@@ -43,8 +43,9 @@ def _spills(ptxas_log):
 
 @pytest.mark.parametrize("src,extra", [("csrc/cuda/fwd_launch.cu", []), ("csrc/cuda/bwd_launch.cu", []),
                                        ("csrc/cuda/tile_meta.cu", []),
-                                       # the staged dbias flush experiment (NOTES.md, session 7)
-                                       ("csrc/cuda/bwd_launch.cu", ["-DFLEXDMA_EXP_DBIAS_VEC"])])
+                                       # the staged backward experiments (NOTES.md, session 7)
+                                       ("csrc/cuda/bwd_launch.cu",
+                                        ["-DFLEXDMA_EXP_DBIAS_VEC", "-DFLEXDMA_EXP_DQ_PREFETCH"])])
 def test_kernels_compile_without_spills(src, extra, tmp_path):
     spills = _spills(_nvcc(src, tmp_path, flags=FLAGS + extra))
     assert spills, "ptxas reported no kernels"

@@ -287,13 +287,21 @@ __device__ inline void bwd_store_acc(T* dst, int64_t rs, const float (&acc)[D / 
   }
 }
 
+// FLEXDMA_EXP_DQ_PREFETCH (staged, NOTES.md session 7): K and bias double buffered (kK2, a second
+// bias slot); 109 KiB at D = 128, still two CTAs per SM.
+#ifdef FLEXDMA_EXP_DQ_PREFETCH
+constexpr int kDqKBufs = 2;
+#else
+constexpr int kDqKBufs = 1;
+#endif
 template <typename T, int D>
 struct BwdDqSmem {
   static constexpr int kTile = align128(tile_bytes<D>());
-  static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile;
-  static constexpr int kBias = 4 * kTile;
+  static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile, kK2 = 4 * kTile;
+  static constexpr int kBias = (3 + kDqKBufs) * kTile;
+  static constexpr int kBiasSlot = align128(kBlockM * kBwdLdBias * 2);
   static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
-  static constexpr int kKeep = kBias + align128(kBlockM * kBwdLdBias * 2);  // two slots
+  static constexpr int kKeep = kBias + kDqKBufs * kBiasSlot;  // two slots
   static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
 };
 
@@ -417,7 +425,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
       if (has_mask) {
         if (tb.full && f.mask_vec) {
           issue_mask_raw(mask, slot, m0, t * kBlockN);
+#ifndef FLEXDMA_EXP_DQ_PREFETCH  // there the caller commits, always
           cp_async_commit();
+#endif
           return t;
         }
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
@@ -431,6 +441,50 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
 
   {
     float dacc[2] = {0.f, 0.f};  // exact delta, for the dkv kernel
+#ifdef FLEXDMA_EXP_DQ_PREFETCH
+    // Staged: tile tn's K and bias copies fly during tile t's work, V's once S / dP have read it.
+    // find_next's raw mask copy is committed as the newest group, so the wait for tile t
+    // (wait<1>) leaves it in flight. The tile math is the #else branch's, verbatim.
+    T* sK2 = reinterpret_cast<T*>(smem + L::kK2);
+    constexpr int kBiasElems = L::kBiasSlot / (int)sizeof(T);
+    auto issue_kb = [&](int64_t tt, int buf) {
+      bwd_issue_keys<T, D>(buf ? sK2 : sK, kp, p.k_row_stride, ContiguousKeys{}, tt * kBlockN, p.seqlen_k,
+                           f.qkv_vec);
+      if (has_bias)
+        bwd_issue_bias<T>(TileBounds(p, m0, tt * kBlockN), bias, sB + buf * kBiasElems, f.bias_vec, m0, tt * kBlockN);
+    };
+    int slot = 0;
+    int64_t t = find_next(0, sKeep);
+    cp_async_commit();
+    if (t < n_end) {
+      issue_kb(t, 0);
+      bwd_issue_keys<T, D>(sV, vp, p.v_row_stride, ContiguousKeys{}, t * kBlockN, p.seqlen_k, f.qkv_vec);
+      cp_async_commit();
+    }
+#pragma unroll 1
+    while (t < n_end) {
+      const TileBounds tb(p, m0, t * kBlockN);
+      const bool use_keep = has_mask || !tb.full;
+      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
+      const T* sk = slot ? sK2 : sK;
+      const T* sb = sB + slot * kBiasElems;
+      const int64_t tn = find_next(t + 1, sKeep + (slot ^ 1) * L::kKeepSlot);
+      cp_async_commit();
+      cp_async_wait<1>();
+      if constexpr (kWg) fence_proxy_async();
+      __syncthreads();
+      if (tn < n_end) {  // into the buffers tile t - 1 released at the barrier ending it
+        issue_kb(tn, slot ^ 1);
+        cp_async_commit();
+      }
+      float s[kBlockN / 8][4], dp[kBlockN / 8][4];
+      bwd_gemm_nt2<T, D, D / 16>(s, sQ, sk, dp, sDO, sV, w * 16);
+      __syncthreads();  // every warp's dP has read V
+      if (tn < n_end) {
+        bwd_issue_keys<T, D>(sV, vp, p.v_row_stride, ContiguousKeys{}, tn * kBlockN, p.seqlen_k, f.qkv_vec);
+        cp_async_commit();
+      }
+#else
     int slot = 0;
     int64_t t = find_next(0, sKeep);
 #pragma unroll 1
@@ -451,6 +505,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
 
       float s[kBlockN / 8][4], dp[kBlockN / 8][4];
       bwd_gemm_nt2<T, D, D / 16>(s, sQ, sK, dp, sDO, sV, w * 16);
+      const T* sk = sK;
+      const T* sb = sB;
+#endif
       if (scf != 0.f) {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
@@ -464,7 +521,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
         for (int hh = 0; hh < 2; ++hh) {
           const int r = w * 16 + g + 8 * hh, col = n * 8 + 2 * qc;
           float2 bv = make_float2(0.f, 0.f);
-          if (has_bias) bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sB + r * kBwdLdBias + col));
+          if (has_bias) bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + r * kBwdLdBias + col));
           uint32_t kv2 = 0x0101u;
           if (use_keep) kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kLdKeep + col);
 #pragma unroll
@@ -478,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
             s[n][e] = pr * (dp[n][e] - delta[hh]) * fmaf(-scf * raw, raw, 1.f);
           }
         }
-      bwd_gemm_pv<T, D>(dq, s, sK);
+      bwd_gemm_pv<T, D>(dq, s, sk);
       __syncthreads();  // K / V / bias and this keep slot are free for the next tile
       t = tn;
       slot ^= 1;
