@@ -213,9 +213,10 @@ struct ActiveTiles {
 };
 // Copies `rows` x D elements (row r at src + r * row_stride, head_dim contiguous) into a smem
 // tile of kRows x D with leading dim tile_ld(D); rows past `valid` are zero so tails need no other predicate.
-// `vec` says that src and row_stride allow 16-byte loads.
+// `vec` says that src and row_stride allow 16-byte loads; tid is the thread's index among the
+// kThreads that share the copy.
 template <typename T, int kRows, int D>
-__device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int valid, bool vec) {
+__device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int valid, bool vec, unsigned tid) {
   if (vec) {
     // All loads of a thread are issued before any store, so they are in flight together.
     constexpr int kChunks = D / 8;  // 8 halves per 16 bytes
@@ -224,16 +225,16 @@ __device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int 
     uint4 val[kPer];
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      const int c = tid + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
       val[u] = r < valid ? *reinterpret_cast<const uint4*>(src + r * row_stride + col) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
-      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      const int c = tid + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
       *reinterpret_cast<uint4*>(smem + r * tile_ld(D) + col) = val[u];
     }
   } else {
-    for (int c = threadIdx.x; c < kRows * D; c += kThreads) {
+    for (int c = tid; c < kRows * D; c += kThreads) {
       const int r = c / D, col = c % D;
       smem[r * tile_ld(D) + col] = r < valid ? src[r * row_stride + col] : from_float<T>(0.f);
     }
