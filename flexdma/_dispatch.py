@@ -88,7 +88,8 @@ def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optio
         return f"dtype {q.dtype} (the CUDA kernel takes float16 and bfloat16)"
     d = q.shape[-1]
     if d not in info.CUDA_HEAD_DIMS:
-        return f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)})"
+        return (f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
+                f"FLEXDMA_HEAD_DIMS picks them at build time)")
     if q.shape[0] > 65535 or q.shape[2] > 65535:
         return "batch and num_heads must be <= 65535 (CUDA grid limits)"
     return None
