@@ -303,6 +303,7 @@ struct BwdDqSmem {
   static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
   static constexpr int kKeep = kBias + kDqKBufs * kBiasSlot;  // two slots
   static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static_assert(kBytes <= kMaxSmemPerBlock, "dq smem layout too large");
 };
 
 // The dkv kernel must stay <= ~113 KiB at D = 128 for 2 CTAs per SM, and the head-summed dbias
@@ -324,6 +325,7 @@ struct BwdDkvSmem {
   static constexpr int kMetaItems = kThreads * 32;
   static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
   static constexpr int kBytes = kMeta + kThreads * 4 + (use_wgmma<D>() ? 1024 : 0);
+  static_assert(kBytes <= kMaxSmemPerBlock, "dk/dv smem layout too large");
   static_assert(kBlockM * kBwdLdBias * 2 <= kBlockN / 2 * kBwdLdDS * 4, "bias tile must fit in sDS's upper half");
 };
 

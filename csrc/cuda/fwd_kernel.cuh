@@ -44,6 +44,7 @@ struct FwdSmem {
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
   static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static_assert(kBytes <= kMaxSmemPerBlock, "forward smem layout too large");
 };
 
 // Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of

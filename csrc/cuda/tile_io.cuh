@@ -25,6 +25,9 @@ __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + 
 __host__ __device__ constexpr int tile_ld(int d) { return d + 8; }
 constexpr int kLdP = kBlockN + 8;
 __host__ __device__ constexpr int align128(int bytes) { return (bytes + 127) / 128 * 128; }
+// Dynamic shared memory a block may opt into on sm_90 (227 KiB); every kernel's layout is checked
+// against it at compile time, since an oversized launch only fails at run time.
+constexpr int kMaxSmemPerBlock = 227 * 1024;
 // Keep tiles (one byte per element of a 64 x 64 tile): 80-byte rows, so a warp's fragment reads
 // hit distinct banks and 16-byte copies stay aligned.
 constexpr int kLdKeep = kBlockN + 16;
