@@ -15,7 +15,8 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr bool kSplit = D > 128;
   cudaFuncSetAttribute(bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemQ);
   cudaFuncSetAttribute(bwd_dkv_kernel<T, D, kSplit ? 1 : 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
-  if constexpr (kSplit) cudaFuncSetAttribute(bwd_dkv_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  if constexpr (kSplit)
+    cudaFuncSetAttribute(bwd_dkv_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
   BwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&

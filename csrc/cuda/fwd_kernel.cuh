@@ -275,7 +275,8 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
     load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec, tid());
     __syncthreads();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + (w * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldmatrix_x4(qf[kk], sQ + (w * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
     __syncthreads();  // sQ's bytes now become keep / raw mask buffers
   }
 
@@ -343,7 +344,8 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
       fence_regs(s);
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
       wgmma_commit();
     } else if constexpr (kWg) {
       fence_regs(s);

@@ -134,9 +134,10 @@ __device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4],
   } else {
     static_assert(D % 64 == 0, "wide heads come in 64-column blocks");
 #pragma unroll
-    for (int c = 0; c < D / 64; ++c)
-      wgmma_rs<T, 64, 1>(*reinterpret_cast<float(*)[8][4]>(&o[8 * c][0]), a, desc_mn_major<kRows>(tile + c * kRows * 64, kk),
-                         1);
+    for (int c = 0; c < D / 64; ++c) {
+      float(&oc)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8 * c][0]);
+      wgmma_rs<T, 64, 1>(oc, a, desc_mn_major<kRows>(tile + c * kRows * 64, kk), 1);
+    }
   }
 }
 
