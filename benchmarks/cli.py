@@ -375,7 +375,7 @@ def main(argv=None) -> int:
         path = report.write_results_md(args.results, args.md)
         print(f"wrote {path}")
         return 0
-    ds = configs.parse_list(args.d, configs.HEAD_DIMS, int) or list(configs.HEAD_DIMS)
+    ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
     biases = configs.parse_list(args.bias, configs.BIAS_KINDS) or list(configs.BIAS_KINDS)
     all_peers = list(configs.PEERS)
     if args.subcommand == "equivalence" or args.subcommand == "all":

@@ -11,7 +11,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 B, H, KVH = 1, 2, 1
 BIAS_KINDS = ("per-row", "per-key")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # the tables' head dims; --d may name any head dim the kernels implement
+ANY_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
 # Peer ids, in table order. "flexattn" is FlexAttention written by hand; "flexdma-*" are this
 # library's backends; "dense" is causal SDPA with no mask and no bias (the ceiling).

@@ -33,6 +33,7 @@ def test_parse_list_and_limits():
     assert configs.parse_list(None, configs.HEAD_DIMS) is None
     with pytest.raises(ValueError, match="subset"):
         configs.parse_list("96", configs.HEAD_DIMS, int)
+    assert configs.parse_list("256,192", configs.ANY_HEAD_DIMS, int) == [256, 192]  # what --d accepts
     with pytest.raises(ValueError):
         configs.parse_list("per-col", configs.BIAS_KINDS)
     big = configs.Case("train", 32768, 32768, 1024, 128, "per-row", ("bwd",))
