@@ -31,6 +31,9 @@ CASES = {
     "bias_over_keys": (70, 200, False, ("1", "1", "Q", "K"), ("1", "1", "Q", "1"), 0.0, False),
     "one_query": (1, 300, True, None, ("1", "1", "1", "K"), 0.0, False),
     "long_per_row": (600, 700, True, ("1", "1", "Q", "K"), ("1", "1", "Q", "K"), 0.0, False),
+    # Mask shared by the heads, bias per query head: heads that share K / V must not share a bias
+    # tile (the staged paired-heads forward checks both planes).
+    "per_head_bias": (130, 190, True, ("1", "1", "Q", "K"), ("B", "H", "Q", "K"), 0.0, False),
     # Few query tiles, many keys: the forward splits the keys over CTAs and merges the partials.
     "split_keys": (5, 3000, True, ("1", "1", "Q", "K"), ("1", "1", "Q", "K"), 0.0, False),
 }
