@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GPU check of the staged kernel experiments (FLEXDMA_EXP_*, benchmarks/NOTES.md session 7) in one
 # call: a default build (head dims 64,128) and its cuda_dev timings, then a build with the flags
-# in EXP_FLAGS (default: all three), its kernel tests and its cuda_dev timings, same machine.
+# in EXP_FLAGS (default: all four), its kernel tests and its cuda_dev timings, same machine.
 # Usage: COMMIT=<sha> bash tools/exp_check.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/pick_cxx.sh
 out=$1; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-flags=${EXP_FLAGS:--DFLEXDMA_EXP_DBIAS_VEC -DFLEXDMA_EXP_DQ_PREFETCH -DFLEXDMA_EXP_FWD_PAIR}
+flags=${EXP_FLAGS:--DFLEXDMA_EXP_DBIAS_VEC -DFLEXDMA_EXP_DQ_PREFETCH -DFLEXDMA_EXP_DKV_REUSE -DFLEXDMA_EXP_FWD_PAIR}
 python3 -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
 build() {
   local s=$(date +%s)

@@ -649,6 +649,19 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
     return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
   };
+#ifdef FLEXDMA_EXP_DKV_REUSE
+  // Staged (NOTES.md, session 7): where all query heads of this kv head read one bias plane and
+  // one mask plane, an item of the query tile gathered last takes that gather's sDS (bias and keep
+  // in log2 units; lse is applied in the P^T loop) instead of copying and gathering its own. Not
+  // under softcap, whose derivative overwrites sDS. find_next returns such an item without
+  // touching a keep slot: the next item reuses iff it is in the same query tile.
+  // (Recomputed from the kernel parameters where used: kept in a register it spilled.)
+  auto group_shares = [&] {
+    return p.softcap <= 0.f && (!p.bias.ptr || p.bias.head_stride == 0 || p.bias.head_ratio % ratio == 0) &&
+           (!p.mask.ptr || p.mask.head_stride == 0 || p.mask.head_ratio % ratio == 0);
+  };
+  int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
+#endif
   auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
     for (; mt < m_tiles; ++mt, gq = 0) {
@@ -656,6 +669,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (!tb.any()) continue;
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
+#ifdef FLEXDMA_EXP_DKV_REUSE
+        if ((int)mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
+#endif
         if (has_mask) {
           if (!item_active(mt, gq)) continue;
           const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
@@ -681,6 +697,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   int slot = 0;
   bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
   bool have = find_next(mt, gq, sKeep);
+#ifdef FLEXDMA_EXP_DKV_REUSE
+  bool reuse = false;  // this item takes the previous item's sDS
+#else
+  constexpr bool reuse = false;
+#endif
 #pragma unroll 1
   while (have) {
     {
@@ -695,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       const int vr = tb.lim_r;
       issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
       issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
-      if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
+      if (has_bias && !reuse) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
       cp_async_commit();
       if (threadIdx.x < kBlockM) {
         const int r = threadIdx.x;
@@ -705,6 +726,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
     // The next kept item is found (its mask bytes read) while this item's copies fly.
     int64_t gq_n = gq + 1, mt_n = mt;
+#ifdef FLEXDMA_EXP_DKV_REUSE
+    reuse_mt = group_shares() ? (int)mt : -1;  // this item's sDS (gathered or reused) serves the next
+#endif
     const bool have_n = find_next(mt_n, gq_n, sKeep + (slot ^ 1) * L::kKeepSlot);
     // Last head of this plane in this query tile: the summed tile goes out now.
     const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
@@ -730,7 +754,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       // cost the registers that dK / dV need). sB overlays sDS's upper half (keys 32..63): keys
       // 0..31 are written first, then keys 32..63 from values read before a barrier. Lane =
       // key, warp = 16 queries: the bias / keep reads are consecutive bytes of one row.
-      {
+      if (!reuse) {
         const uint16_t* sBh = reinterpret_cast<const uint16_t*>(sB);
         const int key0 = lane, c0 = w * 16;
 #pragma unroll
@@ -746,8 +770,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
+#ifdef FLEXDMA_EXP_DKV_REUSE
+            float a[4] = {0.f, 0.f, 0.f, 0.f};
+#else
             const float4 l2c = *reinterpret_cast<const float4*>(sL2 + c0 + 4 * j);
             float a[4] = {-l2c.x, -l2c.y, -l2c.z, -l2c.w};
+#endif
             if (has_bias) {
               const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
               a[0] = fmaf(b0.x, kBwdLog2e, a[0]);
@@ -785,9 +813,16 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
           const float2 add = *slot;
           const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
+#ifdef FLEXDMA_EXP_DKV_REUSE
+          const float2 l2c = *reinterpret_cast<const float2*>(sL2 + c);
+          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x) - l2c.x);
+          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y) - l2c.y);
+          if (scf != 0.f) *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
+#else
           s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x));
           s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
           *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
+#endif
         }
       if constexpr (kDv) bwd_gemm_pv<T, D>(dv, s, sDO);
       if constexpr (kDk) {
@@ -801,7 +836,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           for (int hh = 0; hh < 2; ++hh) {
             const int r = w * 16 + g + 8 * hh;  // key
             float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
+#ifdef FLEXDMA_EXP_DKV_REUSE
+            const float2 der = scf != 0.f ? *slot : make_float2(1.f, 1.f);
+#else
             const float2 der = *slot;
+#endif
             const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
             const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
             if (want_db) {  // this thread's own sDB slots in every head: no hazard
@@ -908,6 +947,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       }
     }
     __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
+#ifdef FLEXDMA_EXP_DKV_REUSE
+    reuse = have_n && mt_n == mt && group_shares();
+#endif
     first = flush;
     gq = gq_n;
     mt = mt_n;
