@@ -126,57 +126,59 @@ __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_
     issue_rows<T, D>(sk, k + n0 * k_rs, k_rs, valid, vec);
     issue_rows<T, D>(sv, v + n0 * v_rs, v_rs, valid, vec);
     return;
-  }
-  constexpr int kChunks = D / 8;
-  constexpr int kRowsPerPass = kThreads / kChunks;
-  if constexpr (kThreads % kChunks != 0) {
-    // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
-    // linearly (64 * 12 = 6 per thread).
-    static_assert(kBlockN * kChunks % kThreads == 0, "K/V tile must split evenly over the threads");
-    if (vec) {
-      const bool full = n0 + kBlockN <= seqlen_k;
+  } else {
+    // Head dims up to 128: K and V copies interleaved.
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerPass = kThreads / kChunks;
+    if constexpr (kThreads % kChunks != 0) {
+      // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
+      // linearly (64 * 12 = 6 per thread).
+      static_assert(kBlockN * kChunks % kThreads == 0, "K/V tile must split evenly over the threads");
+      if (vec) {
+        const bool full = n0 + kBlockN <= seqlen_k;
 #pragma unroll
-      for (int u = 0; u < kBlockN * kChunks / kThreads; ++u) {
-        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
-        const bool ok = full || n0 + r < seqlen_k;
-        cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
-        cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
+        for (int u = 0; u < kBlockN * kChunks / kThreads; ++u) {
+          const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+          const bool ok = full || n0 + r < seqlen_k;
+          cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
+          cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
+        }
+        return;
+      }
+    } else if (vec) {
+      // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
+      // offsets are fixed, the tile start moves.
+      // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
+      const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+      constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+      static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
+      const T* kr = k + (n0 + r0) * k_rs + col;
+      const T* vr = v + (n0 + r0) * v_rs + col;
+      T* skr = sk + tile_index<D>(r0, col);
+      T* svr = sv + tile_index<D>(r0, col);
+      if (n0 + kBlockN <= seqlen_k) {
+#pragma unroll
+        for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+          cp_async16(skr + u * kPass, kr + u * kRowsPerPass * k_rs);
+          cp_async16(svr + u * kPass, vr + u * kRowsPerPass * v_rs);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+          const bool ok = n0 + r0 + u * kRowsPerPass < seqlen_k;
+          cp_async16(skr + u * kPass, ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
+          cp_async16(svr + u * kPass, ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
+        }
       }
       return;
     }
-  } else if (vec) {
-    // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
-    // offsets are fixed, the tile start moves.
-    // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
-    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
-    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
-    static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0 || D > 128, "swizzle must repeat every pass");
-    const T* kr = k + (n0 + r0) * k_rs + col;
-    const T* vr = v + (n0 + r0) * v_rs + col;
-    T* skr = sk + tile_index<D>(r0, col);
-    T* svr = sv + tile_index<D>(r0, col);
-    if (n0 + kBlockN <= seqlen_k) {
-#pragma unroll
-      for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
-        cp_async16(skr + u * kPass, kr + u * kRowsPerPass * k_rs);
-        cp_async16(svr + u * kPass, vr + u * kRowsPerPass * v_rs);
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
-        const bool ok = n0 + r0 + u * kRowsPerPass < seqlen_k;
-        cp_async16(skr + u * kPass, ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
-        cp_async16(svr + u * kPass, ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
-      }
+    // Strided or unaligned K/V, any D: element by element.
+    for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
+      const int r = c / D, col = c % D;
+      const bool ok = n0 + r < seqlen_k;
+      sk[tile_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+      sv[tile_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
     }
-    return;
-  }
-  // Strided or unaligned K/V, any D: element by element.
-  for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
-    const int r = c / D, col = c % D;
-    const bool ok = n0 + r < seqlen_k;
-    sk[tile_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
-    sv[tile_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
   }
 }
 
