@@ -41,7 +41,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--parts", default="fwd,bwd,nomask,decode",
+                    help="what to time, from fwd,bwd (the 32K rows), nomask, decode: a variant that changes "
+                         "one kernel needs only its rows")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     dev, dt = "cuda", torch.bfloat16
     B, H, KVH, D, L, W = 1, 2, 1, 128, args.seqlen, args.window
     scale = 1.0 / math.sqrt(D)
@@ -53,6 +57,8 @@ def main():
     results = {"device": torch.cuda.get_device_name(), "seqlen": L, "window": W}
 
     for name, bshape in (("per_row", (1, 1, L, L)), ("per_key", (1, 1, 1, L))):
+        if not parts & {"fwd", "bwd"}:
+            break
         bias = torch.randn(bshape, device=dev, dtype=dt)
         mask = top_w_mask(bias, L, L, W)
         out, lse = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
@@ -60,11 +66,12 @@ def main():
         # when not given), then the kernel; the backward reuses the forward's bits.
         meta = torch.ops.flexdma.tile_meta(mask, L, L, True)
         results[f"{name}_tile_meta_ms"] = bench(lambda: torch.ops.flexdma.tile_meta(mask, L, L, True))
-        results[f"{name}_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
-        results[f"{name}_bwd_ms"] = bench(
-            lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta))
-        print(name, "fwd (incl. tile_meta)", results[f"{name}_fwd_ms"], "bwd", results[f"{name}_bwd_ms"],
-              "tile_meta", results[f"{name}_tile_meta_ms"], flush=True)
+        if "fwd" in parts:
+            results[f"{name}_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
+        if "bwd" in parts:
+            results[f"{name}_bwd_ms"] = bench(
+                lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta))
+        print(name, {k_: v_ for k_, v_ in results.items() if k_.startswith(name) and k_.endswith("_ms")}, flush=True)
         # Per-kernel split (dq vs dkv vs the op's torch glue) of one forward + backward.
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -80,14 +87,15 @@ def main():
         torch.cuda.empty_cache()
 
     L2 = 16384
-    q2, k2, v2 = (t[:, :L2].contiguous() for t in (q, k, v))
-    results["nomask_causal_16k_fwd_ms"] = bench(lambda: fwd(q2, k2, v2, None, None, scale, True, 0.0, True))
-    qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q2, k2, v2))
-    ks, vs = ks.expand(-1, H, -1, -1), vs.expand(-1, H, -1, -1)
-    results["sdpa_causal_16k_fwd_ms"] = bench(
-        lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+    if "nomask" in parts:
+        q2, k2, v2 = (t[:, :L2].contiguous() for t in (q, k, v))
+        results["nomask_causal_16k_fwd_ms"] = bench(lambda: fwd(q2, k2, v2, None, None, scale, True, 0.0, True))
+        qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q2, k2, v2))
+        ks, vs = ks.expand(-1, H, -1, -1), vs.expand(-1, H, -1, -1)
+        results["sdpa_causal_16k_fwd_ms"] = bench(
+            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
     # Decoding: one query, per-key bias, mask = top-W of the bias (broadcast over the query).
-    for Kd in (4096, 65536, 524288):
+    for Kd in (4096, 65536, 524288) if "decode" in parts else ():
         kd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
         vd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
         bd = torch.randn(1, 1, 1, Kd, device=dev, dtype=dt)

@@ -69,7 +69,7 @@ struct BwdParams : FwdParams {
   void* dv = nullptr; int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // dbias: float32 (float64 for kFloat64) buffer (the bias dtype under dbias_in_dtype below),
-  // zero-filled by the caller, or nullptr when
+  // zero-filled by the caller (not under dbias_in_dtype), or nullptr when
   // the bias needs no gradient; kernels write through it (ptr is const only because the struct
   // is shared with the read-only operands). Its strides follow the same rules as Broadcast4d: a
   // kernel adds dS(b, h, i, j) into element (b * batch_stride + (h / head_ratio) * head_stride +
@@ -85,8 +85,9 @@ struct BwdParams : FwdParams {
   // float buffer (4 GiB at 32K x 32K) and no cast pass. The caller sets it only when nothing is
   // left to sum afterwards (accumulator dims = the bias's, bias broadcast over neither rows nor
   // keys), and only for kernels that sum every head of a plane per tile in float before one
-  // store (the CUDA dkv kernel); the buffer is still zero-filled, for the tiles no work item
-  // keeps. Kernels that add per head (the CPU one) are never given it.
+  // store (the CUDA dkv kernel). The buffer then comes uninitialised, dense in the bias's own
+  // shape: the kernels write every element themselves, zeros included for the tiles no work
+  // item keeps. Kernels that add per head (the CPU one) are never given it.
   bool dbias_in_dtype = false;
 
   // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised.

@@ -31,11 +31,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
   const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
-  // device_stores_dbias_dtype: the device's kernel honours BwdParams::dbias_in_dtype.
+  // device_stores_dbias_dtype: the device's kernel honours BwdParams::dbias_in_dtype, and with
+  // it writes every element of dbias (zeros too), so the buffer is not filled here first.
   const bool dbias_direct = want_dbias && device_stores_dbias_dtype && dbias_needs_no_finish(q, k, *bias);
   c10::optional<at::Tensor> accum;
   if (dbias_direct) {
-    accum = at::zeros(bias->sizes(), q.options().dtype(bias->scalar_type()));
+    accum = at::empty(bias->sizes(), q.options().dtype(bias->scalar_type()));
   } else if (want_dbias) {
     accum = alloc_dbias_accum(q, k, *bias);
   }
@@ -51,6 +52,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     run(p);
   } else {
     dq.zero_(); dk.zero_(); dv.zero_();
+    if (dbias_direct) accum->zero_();  // e.g. batch 0 with a (1, H, Q, K) bias: no kernel wrote it
   }
   at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);
   return {dq, dk, dv, dbias};

@@ -46,7 +46,7 @@ def _spills(ptxas_log):
                                        # the staged backward experiments (NOTES.md, session 7)
                                        ("csrc/cuda/bwd_launch.cu",
                                         ["-DFLEXDMA_EXP_DBIAS_VEC", "-DFLEXDMA_EXP_DQ_PREFETCH",
-                                         "-DFLEXDMA_EXP_DKV_REUSE"]),
+                                         "-DFLEXDMA_EXP_DKV_REUSE", "-DFLEXDMA_EXP_DBIAS_ZERO"]),
                                        ("csrc/cuda/fwd_launch.cu", ["-DFLEXDMA_EXP_FWD_PAIR"])])
 def test_kernels_compile_without_spills(src, extra, tmp_path):
     spills = _spills(_nvcc(src, tmp_path, flags=FLAGS + extra))

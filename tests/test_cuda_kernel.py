@@ -83,7 +83,9 @@ def _run_case(dtype, D, H, KVH, case, B=2):
     scale = 1.0 / math.sqrt(D)
     _poison(((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
     out, lse = fwd(q, k, v, mask, bias, scale, causal, softcap, True)
-    _poison(((B, Q, H, D), dtype), ((B, K, KVH, D), dtype), ((B, K, KVH, D), dtype))
+    # dbias too: where the kernel stores it in the bias dtype the buffer comes unfilled.
+    _poison(((B, Q, H, D), dtype), ((B, K, KVH, D), dtype), ((B, K, KVH, D), dtype),
+            *([(tuple(bias.shape), dtype)] if bias is not None else []))
     dq, dk, dv, db = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
     r64 = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, torch.float64)
     rlo = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, dtype)
@@ -202,14 +204,17 @@ def test_unsupported_calls_raise(dtype, D):
         fwd(q, k, v, None, None, 0.1, False, 0.0, False)
 
 
+@pytest.mark.parametrize("K", [300, 320], ids=["k300", "k320"])
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2)], ids=["gqa4", "gqa2x2"])
-def test_dbias_in_bias_dtype_sums_query_heads(heads):
+def test_dbias_in_bias_dtype_sums_query_heads(heads, K):
     # B = 1 and a bias (1, 1 | KVH, Q, K): nothing is left to sum after the kernel, so the dkv
     # kernel stores dbias in the bias dtype itself, after summing dS over the query heads of a
-    # plane in shared memory. Per-head masks with whole 64x64 tiles off make the heads of one
-    # query tile skip differently (first / last head of a tile vary); an empty row; odd lengths.
+    # plane in shared memory, into a buffer nobody zero-filled (poisoned here): the tiles that no
+    # head keeps are zeroed by the kernels too. Per-head masks with whole 64x64 tiles off make the
+    # heads of one query tile skip differently (first / last head of a tile vary); an empty row;
+    # odd lengths; K = 320 has 16-byte aligned dbias rows, K = 300 not.
     H, KVH = heads
-    B, Q, K, D, dtype = 1, 203, 300, 128, torch.bfloat16
+    B, Q, D, dtype = 1, 203, 128, torch.bfloat16
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
     blocks = torch.rand(1, H, (Q + 63) // 64, (K + 63) // 64, device=DEV) < 0.6
     mask = blocks.repeat_interleave(64, 2).repeat_interleave(64, 3)[:, :, :Q, :K]
@@ -218,6 +223,7 @@ def test_dbias_in_bias_dtype_sums_query_heads(heads):
     bias = torch.randn(1, 1 if KVH == 1 else KVH, Q, K, device=DEV).to(dtype)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
     out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    _poison(((B, Q, H, D), dtype), ((B, K, KVH, D), dtype), ((B, K, KVH, D), dtype), (tuple(bias.shape), dtype))
     first = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
     assert first[3].dtype == dtype and first[3].shape == bias.shape
     r64 = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, torch.float64)

@@ -42,14 +42,16 @@ struct BwdFlags {
 // key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values.
 // vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a full tile is stored 8
-// elements a store. FLEXDMA_EXP_DBIAS_VEC builds only (that and the per-key flush over four warps
-// wait for a GPU run; benchmarks/NOTES.md, session 7).
+// elements a store (FLEXDMA_EXP_DBIAS_VEC's flush, FLEXDMA_EXP_DBIAS_ZERO's zeroing; both staged,
+// benchmarks/NOTES.md). zero_skipped (in_dtype only): the dq kernel zeroes the tiles no head of a
+// plane keeps, which the dkv kernel never writes.
 struct BwdDbias {
   void* ptr = nullptr;
   Broadcast4d layout;
   int64_t tile_stride = 0;
   bool in_dtype = false;
   bool vec = false;
+  bool zero_skipped = false;
 };
 
 // A broadcast operand resolved to one (batch, query head): element (i, j) at base + i * rs +
@@ -342,9 +344,67 @@ constexpr float kBwdLog2e = 1.4426950408889634f;
 // exp2(x - l2) is 0 for every x including -inf, without a branch.
 __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kBwdLog2e; }
 
+#ifdef FLEXDMA_EXP_DBIAS_ZERO
+// Staged (NOTES.md, session 8). A dbias stored in the bias dtype comes uninitialised, and the dkv
+// kernel writes only the tiles some query head of a plane keeps. The CTA of a plane's first head
+// zeroes the others of its query tile (bounds and causality as the dkv kernel's find_next, the
+// heads' activity bits ORed), after its own tiles: plain stores that drain while the SM's other
+// CTA computes, instead of a fill of the whole buffer (2 GiB, ~0.65 ms at 32K per-row) that
+// runs alone before the backward.
+template <typename T>
+__device__ inline void bwd_zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
+                                              int64_t m_tile) {
+  const Broadcast4d& DL = db.layout;
+  const int nh = (int)DL.head_ratio;  // query heads of a dbias plane
+  if ((int)h % nh != 0) return;
+  const int64_t m0 = m_tile * kBlockM, nk = ceil_div(p.seqlen_k, kBlockN);
+  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
+  T* base = static_cast<T*>(db.ptr) + b * DL.batch_stride + (int)h / nh * DL.head_stride + m0 * DL.row_stride;
+  const uint32_t* meta = p.mask.ptr ? static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride +
+                                          m_tile * p.tile_meta.row_stride
+                                    : nullptr;
+#pragma unroll 1
+  for (int64_t t0 = 0; t0 < nk; t0 += 32) {
+    uint32_t live = 0;
+#pragma unroll 1
+    for (int i = 0; i < 32 && t0 + i < nk; ++i) live |= uint32_t(TileBounds(p, m0, (t0 + i) * kBlockN).any()) << i;
+    if (meta) {
+      uint32_t kept = 0;
+#pragma unroll 1
+      for (int j = 0; j < nh; ++j)
+        kept |= meta[(int)(h + j) / (int)p.tile_meta.head_ratio * p.tile_meta.head_stride + t0 / 32];
+      live &= kept;
+    }
+    const uint32_t valid = nk - t0 >= 32 ? 0xffffffffu : (1u << (nk - t0)) - 1u;
+    uint32_t dead = valid & ~live;
+#pragma unroll 1
+    while (dead) {
+      const int i = __ffs(dead) - 1;
+      dead &= dead - 1;
+      const int64_t n0 = (t0 + i) * kBlockN;
+      const int lc = (int)imin(kBlockN, p.seqlen_k - n0);
+      T* tile = base + n0 * DL.col_stride;
+      // Thread c: row c / 8, 8-key chunk c % 8 (a warp writes four 128-byte row segments).
+#pragma unroll
+      for (int u = 0; u < kBlockM * kBlockN / 8 / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 8), col0 = (c % (kBlockN / 8)) * 8;
+        if (r >= vr || col0 >= lc) continue;
+        T* dst = tile + r * DL.row_stride + col0 * DL.col_stride;
+        if (db.vec && col0 + 8 <= lc) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        } else {
+          for (int e = 0; e < 8 && col0 + e < lc; ++e) dst[e * DL.col_stride] = from_float<T>(0.f);
+        }
+      }
+    }
+  }
+}
+#endif
+
 // Up to D = 128 two CTAs share an SM; wider heads (dq 148, dk/dv 174 KiB of smem at D = 256) run one.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(const BwdParams p, const BwdFlags f) {
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
+    bwd_dq_kernel(const BwdParams p, const BwdFlags f, const BwdDbias dbias) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   // wgmma's swizzled tiles need 1024-byte aligned blocks.
@@ -557,6 +617,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1) bwd_dq_kernel(cons
   }
   bwd_store_acc<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
                       p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
+#ifdef FLEXDMA_EXP_DBIAS_ZERO
+  if (dbias.zero_skipped) bwd_zero_skipped_dbias<T>(p, dbias, b, h, m_tile);
+#endif
 }
 
 // kPart 0: dK, dV and dbias in one pass. Wider heads than 128 cannot hold both accumulators

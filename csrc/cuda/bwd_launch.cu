@@ -34,10 +34,20 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
     dbias.ptr = const_cast<void*>(p.dbias_accum.ptr);
     dbias.layout = p.dbias_accum;
     dbias.in_dtype = p.dbias_in_dtype;
-#ifdef FLEXDMA_EXP_DBIAS_VEC
     const Broadcast4d& a = p.dbias_accum;
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
+    if (p.dbias_in_dtype) {
+      // The buffer comes uninitialised (flash_dma_params.h); the dkv kernel writes the tiles some
+      // head keeps, in full.
+#ifdef FLEXDMA_EXP_DBIAS_ZERO
+      dbias.zero_skipped = true;  // the dq kernel zeroes the others
+#else
+      const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
+      const int64_t elems = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
+                            (p.seqlen_q - 1) * a.row_stride + (p.seqlen_k - 1) * a.col_stride + 1;
+      cudaMemsetAsync(dbias.ptr, 0, elems * sizeof(T), stream);
 #endif
+    }
     if (!p.dbias_in_dtype && p.dbias_accum.col_stride == 0 && n_tiles > 1) {
       const Broadcast4d& a = p.dbias_accum;
       const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
@@ -51,7 +61,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   }
   // dq first: it writes softmax_d with the float delta that the dkv kernel reads.
   dim3 grid_q((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch);
-  bwd_dq_kernel<T, D><<<grid_q, kThreads, kSmemQ, stream>>>(p, f);
+  bwd_dq_kernel<T, D><<<grid_q, kThreads, kSmemQ, stream>>>(p, f, dbias);
   dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
   bwd_dkv_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
   if constexpr (kSplit) bwd_dkv_kernel<T, D, 2><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
