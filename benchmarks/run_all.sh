@@ -76,13 +76,15 @@ else
       section 100 forward --lengths 32768 --d 64 --bias per-key
       section 220 backward --lengths 16384,32768 --d 64 --bias per-key
       section 200 equivalence --d 128 ;;
-    7)  # the target table: 16K / 32K training rows (W=1024), the 32K backward, decoding up to
-        # 512K keys, and the window rows W=1024 / 2048 with their W=32 counterparts
-      section 170 forward --lengths 16384,32768 --d 128,64
-      section 130 backward --lengths 32768 --d 128,64
-      section 60 decode --d 128,64 --lengths 4096,65536,524288
-      # one window call: a second one would write the same JSON file over the first
-      section 160 window --d 128 --windows 32,1024,2048 ;;
+    7)  # the kernel issue's target table and nothing else, so that it fits one call: the 32K
+        # training rows (W=1024, both bias kinds, D=128 and 64) forward and backward, decoding up
+        # to 512K keys, the per-key W=2048 rows and their block-sparse W=32 counterpart; the
+        # peers the table names (our FlexAttention backend and `auto` would only add compiles)
+      P=--peers=flexdma-cuda,sdpa,flexattn,dense
+      section 150 forward --lengths 32768 --d 128,64 $P
+      section 130 backward --lengths 32768 --d 128,64 $P
+      section 70 decode --d 128,64 --lengths 4096,65536,524288 $P
+      section 130 window --d 128 --bias per-key --windows 32,2048 $P ;;
   esac
 fi
 echo "== total $(( $(date +%s) - t0 )) s; files:"; ls -la "$out"

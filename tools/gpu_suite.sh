@@ -2,11 +2,17 @@
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
 #   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness, kernels
 #   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops), AOTInductor
-#   bash tools/gpu_suite.sh checks OUTDIR         # compute-sanitizer on small calls, flex check
-#   PART=1..6 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
-#   bash tools/gpu_suite.sh checks+bench OUTDIR   # parts joined by '+' run in one call
-# Every call builds first (sm_90, head dims 32,64,96,128). Logs and JSON go under OUTDIR (a few files:
-# the machine returns at most eight). COMMIT names the commit measured (the copy may have no .git).
+#   bash tools/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
+#   bash tools/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
+#   bash tools/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
+#   bash tools/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
+#   PART=1..7 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
+#   bash tools/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
+#                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench
+# Every call builds first (sm_90, every head dim; a warm machine's second call finds the build
+# done). The pytest runs spread over XDIST workers (default 6, pytest-xdist). Logs and JSON go under
+# OUTDIR (a few files: the machine returns at most eight). COMMIT names the commit measured (the
+# copy may have no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/pick_cxx.sh
@@ -15,43 +21,50 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 $PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
-has() { [[ "$modes" == *" $1 "* ]]; }
+has() { [[ "$modes" == *" $1 "* || ( "$modes" == *" checks "* && ( $1 == sanitizer || $1 == flexcheck ) ) ]]; }
+xd="-n ${XDIST:-6}"; [ "${XDIST:-6}" = 0 ] && xd=""
 
 log=$out/gpu_$(echo "$1" | tr '+' '_').log
 { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
-  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128} MAX_JOBS=16 \
+  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128,192,256} MAX_JOBS=16 \
     $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
   echo "build rc=$? in $(( $(date +%s) - s )) s"
   readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
 
-# CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths, in
-# two calls (with four head dims built the whole suite outgrew one). AOTInductor runs on its own:
-# a crash there must not take the other results with it.
+# CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths (on
+# xdist workers, tests + tests2 + sanitizer fit one call). AOTInductor runs on its own: a crash
+# there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest -q -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest $xd -q -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
     tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti" \
     --durations=12 >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"; tail -4 "$log"
 fi
+if has sanitizer; then
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    # One process for every case: forward + backward at the wgmma head dims and both dbias paths
+    # (the wide ones on their two-pass dk/dv path), and the split-key decode forward.
+    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY tools/kernel_probe.py small 64 small 128 smallkey 128 \
+      small 256 smallkey 192 decode 128 > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+  done
+  rm -f "$out/san.tmp"
+fi
+if has cudadev; then
+  timeout 200 $PY benchmarks/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
+  echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
+fi
 if has tests2; then
-  timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
+  timeout ${TEST_TIMEOUT:-360} $PY -m pytest $xd -q -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
     tests/test_mqar.py tests/test_nn.py tests/test_ops.py -k "not cpu and not aoti" --durations=12 >> "$log" 2>&1
   echo "gpu tests (2) rc=$?" | tee -a "$log"; tail -4 "$log"
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
 fi
-if has checks; then
-  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-  for tool in memcheck racecheck; do
-    # One process for every case: forward + backward at both head dims and both dbias paths, and
-    # the split-key decode forward.
-    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY tools/kernel_probe.py small 64 small 128 smallkey 128 decode 128 \
-      > "$out/san.tmp" 2>&1
-    echo "compute-sanitizer $tool (small 64/128, smallkey 128, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
-  done
-  rm -f "$out/san.tmp"
+if has flexcheck; then
   timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
   echo "flex_check rc=$?" | tee -a "$log"; tail -40 "$out/flex_check.log"
 fi

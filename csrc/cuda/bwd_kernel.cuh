@@ -4,13 +4,16 @@
 //    dQ = P (dP - rowsum(dout * out)) K in registers (FlashAttention's delta, from the bf16 out)
 //    and, next to it, the exact delta = rowsum(P * dP) in float, which goes to softmax_d for the
 //    dkv kernel: the bf16-out delta is too coarse for a dbias summed over rows or heads (one
-//    systematic error per row adds up), and dQ is what FlashAttention computes.
+//    systematic error per row adds up), and dQ is what FlashAttention computes. The next kept
+//    tile's K / bias copies fly during the current tile's products. A dbias stored in the bias
+//    dtype is zeroed here where the dkv kernel writes nothing (no fill pass before the kernels).
 //  - bwd_dkv_kernel: one CTA per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16);
 //    it walks the query tiles and, inside each, the query heads of its kv head in a fixed order,
 //    with S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers. dS of the
 //    heads that share a dbias plane is summed in a float smem tile and written once per query
 //    tile (fixed order, so bitwise reproducible): the float read-modify-write per head was the
-//    dominant dbias traffic, and a tile written once can go straight to the bias dtype.
+//    dominant dbias traffic, and a tile written once can go straight to the bias dtype (16-byte
+//    stores). Heads that read one bias / mask plane share one copy and gather of it per query tile.
 // S, dP, P and dS live in C fragments (wgmma's or mma.sync's, the same per-warp layout); P / dS
 // are repacked as A fragments (no smem round trip). Q, dO, K, V tiles sit in smem, 128-byte
 // swizzled and read by wgmma (sm_90a, head dims 64 / 128) or padded to D + 8 and read by
@@ -40,18 +43,16 @@ struct BwdFlags {
 
 // Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
 // key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
-// in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values.
-// vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a full tile is stored 8
-// elements a store (FLEXDMA_EXP_DBIAS_VEC's flush, FLEXDMA_EXP_DBIAS_ZERO's zeroing; both staged,
-// benchmarks/NOTES.md). zero_skipped (in_dtype only): the dq kernel zeroes the tiles no head of a
-// plane keeps, which the dkv kernel never writes.
+// in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
+// the buffer comes unfilled, and the dq kernel zeroes the tiles no head of a plane keeps (the dkv
+// kernel never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
+// full tile is stored (and an unkept one zeroed) 8 elements a store.
 struct BwdDbias {
   void* ptr = nullptr;
   Broadcast4d layout;
   int64_t tile_stride = 0;
   bool in_dtype = false;
   bool vec = false;
-  bool zero_skipped = false;
 };
 
 // A broadcast operand resolved to one (batch, query head): element (i, j) at base + i * rs +
@@ -289,21 +290,16 @@ __device__ inline void bwd_store_acc(T* dst, int64_t rs, const float (&acc)[D / 
   }
 }
 
-// FLEXDMA_EXP_DQ_PREFETCH (staged, NOTES.md session 7): K and bias double buffered (kK2, a second
-// bias slot); 109 KiB at D = 128, still two CTAs per SM.
-#ifdef FLEXDMA_EXP_DQ_PREFETCH
-constexpr int kDqKBufs = 2;
-#else
-constexpr int kDqKBufs = 1;
-#endif
+// K and the bias tile are double buffered (kK2, a second bias slot: the next tile's copies fly
+// during this one's products), V is not; 109 KiB at D = 128, still two CTAs per SM.
 template <typename T, int D>
 struct BwdDqSmem {
   static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile, kK2 = 4 * kTile;
-  static constexpr int kBias = (3 + kDqKBufs) * kTile;
+  static constexpr int kBias = 5 * kTile;
   static constexpr int kBiasSlot = align128(kBlockM * kBwdLdBias * 2);
   static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
-  static constexpr int kKeep = kBias + kDqKBufs * kBiasSlot;  // two slots
+  static constexpr int kKeep = kBias + 2 * kBiasSlot;  // two slots
   static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "dq smem layout too large");
 };
@@ -344,13 +340,15 @@ constexpr float kBwdLog2e = 1.4426950408889634f;
 // exp2(x - l2) is 0 for every x including -inf, without a branch.
 __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kBwdLog2e; }
 
-#ifdef FLEXDMA_EXP_DBIAS_ZERO
-// Staged (NOTES.md, session 8). A dbias stored in the bias dtype comes uninitialised, and the dkv
-// kernel writes only the tiles some query head of a plane keeps. The CTA of a plane's first head
-// zeroes the others of its query tile (bounds and causality as the dkv kernel's find_next, the
-// heads' activity bits ORed), after its own tiles: plain stores that drain while the SM's other
-// CTA computes, instead of a fill of the whole buffer (2 GiB, ~0.65 ms at 32K per-row) that
-// runs alone before the backward.
+// A dbias stored in the bias dtype comes uninitialised, and the dkv kernel writes only the tiles
+// some query head of a plane keeps. The dq kernel's CTA of a plane's first head zeroes the others
+// of one query tile (bounds and causality as the dkv kernel's find_next, the heads' activity bits
+// ORed) after its own work: plain stores that drain while the SM's other CTA computes, instead
+// of a fill of the whole buffer that runs alone before the backward (2 GiB, 0.65 ms at 32K
+// per-row). The CTA zeroes the mirrored query tile, not its own: CTAs run heaviest (last under
+// causal) tiles first, and the first query tiles have the most unkept tiles, so the stores
+// spread over the kernel instead of piling up in its light tail (own tile: the dq kernel grew
+// by 0.48 ms at 32K instead of the ~0.15 predicted; benchmarks/NOTES.md, session 8).
 template <typename T>
 __device__ inline void bwd_zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
                                               int64_t m_tile) {
@@ -399,7 +397,6 @@ __device__ inline void bwd_zero_skipped_dbias(const BwdParams& p, const BwdDbias
     }
   }
 }
-#endif
 
 // Up to D = 128 two CTAs share an SM; wider heads (dq 148, dk/dv 174 KiB of smem at D = 256) run one.
 template <typename T, int D>
@@ -487,9 +484,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (has_mask) {
         if (tb.full && f.mask_vec) {
           issue_mask_raw(mask, slot, m0, t * kBlockN);
-#ifndef FLEXDMA_EXP_DQ_PREFETCH  // there the caller commits, always
-          cp_async_commit();
-#endif
           return t;
         }
         if (bwd_build_keep(tb, mask, slot, f.mask_vec, m0, t * kBlockN)) return t;
@@ -503,10 +497,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
   {
     float dacc[2] = {0.f, 0.f};  // exact delta, for the dkv kernel
-#ifdef FLEXDMA_EXP_DQ_PREFETCH
-    // Staged: tile tn's K and bias copies fly during tile t's work, V's once S / dP have read it.
-    // find_next's raw mask copy is committed as the newest group, so the wait for tile t
-    // (wait<1>) leaves it in flight. The tile math is the #else branch's, verbatim.
+    // Tile tn's K and bias copies fly during tile t's work, V's once S / dP have read it (one
+    // buffer: the smem of a second would cost the second CTA per SM). find_next's raw mask copy
+    // is committed as the newest group, so the wait for tile t (wait<1>) leaves it in flight.
     T* sK2 = reinterpret_cast<T*>(smem + L::kK2);
     constexpr int kBiasElems = L::kBiasSlot / (int)sizeof(T);
     auto issue_kb = [&](int64_t tt, int buf) {
@@ -546,30 +539,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         bwd_issue_keys<T, D>(sV, vp, p.v_row_stride, ContiguousKeys{}, tn * kBlockN, p.seqlen_k, f.qkv_vec);
         cp_async_commit();
       }
-#else
-    int slot = 0;
-    int64_t t = find_next(0, sKeep);
-#pragma unroll 1
-    while (t < n_end) {
-      const int64_t n0 = t * kBlockN;
-      const TileBounds tb(p, m0, n0);
-      const bool use_keep = has_mask || !tb.full;
-      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
-      bwd_issue_keys<T, D>(sK, kp, p.k_row_stride, ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
-      bwd_issue_keys<T, D>(sV, vp, p.v_row_stride, ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
-      if (has_bias) bwd_issue_bias<T>(tb, bias, sB, f.bias_vec, m0, n0);
-      cp_async_commit();
-      // The next kept tile is found (its mask bytes read) while this tile's copies fly.
-      const int64_t tn = find_next(t + 1, sKeep + (slot ^ 1) * L::kKeepSlot);
-      cp_async_wait<0>();
-      if constexpr (kWg) fence_proxy_async();  // the tiles, for the async proxy wgmma reads through
-      __syncthreads();
-
-      float s[kBlockN / 8][4], dp[kBlockN / 8][4];
-      bwd_gemm_nt2<T, D, D / 16>(s, sQ, sK, dp, sDO, sV, w * 16);
-      const T* sk = sK;
-      const T* sb = sB;
-#endif
       if (scf != 0.f) {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
@@ -617,9 +586,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   }
   bwd_store_acc<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
                       p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
-#ifdef FLEXDMA_EXP_DBIAS_ZERO
-  if (dbias.zero_skipped) bwd_zero_skipped_dbias<T>(p, dbias, b, h, m_tile);
-#endif
+  if (dbias.in_dtype) bwd_zero_skipped_dbias<T>(p, dbias, b, h, (int)(gridDim.x / nh) - 1 - m_tile);
 }
 
 // kPart 0: dK, dV and dbias in one pass. Wider heads than 128 cannot hold both accumulators
@@ -712,19 +679,17 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
     return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
   };
-#ifdef FLEXDMA_EXP_DKV_REUSE
-  // Staged (NOTES.md, session 7): where all query heads of this kv head read one bias plane and
-  // one mask plane, an item of the query tile gathered last takes that gather's sDS (bias and keep
-  // in log2 units; lse is applied in the P^T loop) instead of copying and gathering its own. Not
-  // under softcap, whose derivative overwrites sDS. find_next returns such an item without
-  // touching a keep slot: the next item reuses iff it is in the same query tile.
-  // (Recomputed from the kernel parameters where used: kept in a register it spilled.)
+  // Where all query heads of this kv head read one bias plane and one mask plane, an item of the
+  // query tile gathered last takes that gather's sDS (bias and keep in log2 units; lse is applied
+  // in the P^T loop) instead of copying and gathering its own. Not under softcap, whose
+  // derivative overwrites sDS. find_next returns such an item without touching a keep slot: the
+  // next item reuses iff it is in the same query tile. (Recomputed from the kernel parameters
+  // where used: kept in a register it spilled.)
   auto group_shares = [&] {
     return p.softcap <= 0.f && (!p.bias.ptr || p.bias.head_stride == 0 || p.bias.head_ratio % ratio == 0) &&
            (!p.mask.ptr || p.mask.head_stride == 0 || p.mask.head_ratio % ratio == 0);
   };
   int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
-#endif
   auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
     for (; mt < m_tiles; ++mt, gq = 0) {
@@ -732,9 +697,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (!tb.any()) continue;
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
-#ifdef FLEXDMA_EXP_DKV_REUSE
         if ((int)mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
-#endif
         if (has_mask) {
           if (!item_active(mt, gq)) continue;
           const BwdPlane<uint8_t> mask(p.mask, b, kvh * ratio + gq);
@@ -760,11 +723,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   int slot = 0;
   bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
   bool have = find_next(mt, gq, sKeep);
-#ifdef FLEXDMA_EXP_DKV_REUSE
   bool reuse = false;  // this item takes the previous item's sDS
-#else
-  constexpr bool reuse = false;
-#endif
 #pragma unroll 1
   while (have) {
     {
@@ -789,9 +748,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
     // The next kept item is found (its mask bytes read) while this item's copies fly.
     int64_t gq_n = gq + 1, mt_n = mt;
-#ifdef FLEXDMA_EXP_DKV_REUSE
     reuse_mt = group_shares() ? (int)mt : -1;  // this item's sDS (gathered or reused) serves the next
-#endif
     const bool have_n = find_next(mt_n, gq_n, sKeep + (slot ^ 1) * L::kKeepSlot);
     // Last head of this plane in this query tile: the summed tile goes out now.
     const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
@@ -833,12 +790,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           }
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-#ifdef FLEXDMA_EXP_DKV_REUSE
             float a[4] = {0.f, 0.f, 0.f, 0.f};
-#else
-            const float4 l2c = *reinterpret_cast<const float4*>(sL2 + c0 + 4 * j);
-            float a[4] = {-l2c.x, -l2c.y, -l2c.z, -l2c.w};
-#endif
             if (has_bias) {
               const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
               a[0] = fmaf(b0.x, kBwdLog2e, a[0]);
@@ -876,16 +828,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
           const float2 add = *slot;
           const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
-#ifdef FLEXDMA_EXP_DKV_REUSE
           const float2 l2c = *reinterpret_cast<const float2*>(sL2 + c);
           s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x) - l2c.x);
           s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y) - l2c.y);
           if (scf != 0.f) *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
-#else
-          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x));
-          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y));
-          *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
-#endif
         }
       if constexpr (kDv) bwd_gemm_pv<T, D>(dv, s, sDO);
       if constexpr (kDk) {
@@ -899,11 +845,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           for (int hh = 0; hh < 2; ++hh) {
             const int r = w * 16 + g + 8 * hh;  // key
             float2* slot = reinterpret_cast<float2*>(sDS + r * kBwdLdDS + c);
-#ifdef FLEXDMA_EXP_DKV_REUSE
             const float2 der = scf != 0.f ? *slot : make_float2(1.f, 1.f);
-#else
-            const float2 der = *slot;
-#endif
             const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
             const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
             if (want_db) {  // this thread's own sDB slots in every head: no hazard
@@ -930,7 +872,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
                                  (int)h / (int)DL.head_ratio * DL.head_stride;
           float* dbf = static_cast<float*>(dbias.ptr) + db_off;
           if (DL.row_stride != 0 && DL.col_stride != 0) {
-#ifdef FLEXDMA_EXP_DBIAS_VEC
             const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;
             if (vec_tile) {
               // 16-byte stores of 8 keys: thread owns query row lane + 32 (w % 2) and key chunks
@@ -949,12 +890,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
                 *reinterpret_cast<uint4*>(dst + 8 * c8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
               }
             }
-#else
-            constexpr bool vec_tile = false;
-#endif
-            // One write per element: this CTA owns the tile (its plane's heads are all summed),
-            // and the caller's buffer is zero where no tile is written. Thread owns key column
-            // tid % 64 of rows tid / 64 + 2u.
+            // One write per element: this CTA owns the tile (its plane's heads are all summed);
+            // tiles no item writes are zero (the caller's float buffer; in the bias dtype, the
+            // dq kernel's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
             constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
             const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
             const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
@@ -972,7 +910,6 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
               }
             }
           } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
-#ifdef FLEXDMA_EXP_DBIAS_VEC
             if (vr == kBlockM) {
               // All four warps: thread sums 32 rows of key tid % 64 (four chains), the upper
               // half hands its sum over in sL2 (read by nobody until the next item's barrier).
@@ -985,9 +922,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
               if (half == 1) sL2[col] = acc;
               __syncthreads();
               if (half == 0 && col < lc) dbf[(n0 + col) * DL.col_stride] += acc + sL2[col];
-            } else
-#endif
-            if (threadIdx.x < lc) {
+            } else if (threadIdx.x < lc) {
               const int col = threadIdx.x;
               float acc = 0.f;
               for (int r = 0; r < vr; ++r) acc += sDB[bwd_db_idx(col, r)];
@@ -1010,9 +945,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       }
     }
     __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
-#ifdef FLEXDMA_EXP_DKV_REUSE
     reuse = have_n && mt_n == mt && group_shares();
-#endif
     first = flush;
     gq = gq_n;
     mt = mt_n;

@@ -36,20 +36,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
     dbias.in_dtype = p.dbias_in_dtype;
     const Broadcast4d& a = p.dbias_accum;
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
-    if (p.dbias_in_dtype) {
-      // The buffer comes uninitialised (flash_dma_params.h); the dkv kernel writes the tiles some
-      // head keeps, in full.
-#ifdef FLEXDMA_EXP_DBIAS_ZERO
-      dbias.zero_skipped = true;  // the dq kernel zeroes the others
-#else
-      const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
-      const int64_t elems = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
-                            (p.seqlen_q - 1) * a.row_stride + (p.seqlen_k - 1) * a.col_stride + 1;
-      cudaMemsetAsync(dbias.ptr, 0, elems * sizeof(T), stream);
-#endif
-    }
-    if (!p.dbias_in_dtype && p.dbias_accum.col_stride == 0 && n_tiles > 1) {
-      const Broadcast4d& a = p.dbias_accum;
+    if (!p.dbias_in_dtype && a.col_stride == 0 && n_tiles > 1) {
       const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
       span = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
              (a.row_stride ? (p.seqlen_q - 1) * a.row_stride : 0) + 1;
