@@ -10,7 +10,9 @@
 #   bash tools/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
 #                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench
 # Every call builds first (sm_90, every head dim; a warm machine's second call finds the build
-# done). The pytest runs spread over XDIST workers (default 6, pytest-xdist). Logs and JSON go under
+# done). The pytest runs spread over XDIST workers (default 6, pytest-xdist), name every test in the
+# log (-v: a run cut off by the call's limit still says what passed) and fail a test that runs past
+# PER_TEST_S seconds (pytest-timeout; default 240), so a hang names itself. Logs and JSON go under
 # OUTDIR (a few files: the machine returns at most eight). COMMIT names the commit measured (the
 # copy may have no .git).
 set -uo pipefail
@@ -21,8 +23,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 $PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
+# pytest's log of one run appended to the suite's, with a count a cut-off run still has.
+tally() { cat "$out/pytest.tmp" >> "$log"; echo "$1 rc=$2: $(grep -c ' PASSED' "$out/pytest.tmp") passed, $(grep -c ' FAILED' "$out/pytest.tmp") failed, $(grep -c ' SKIPPED' "$out/pytest.tmp") skipped" | tee -a "$log"; grep -E '^(FAILED|ERROR)|Timeout' "$out/pytest.tmp" | head -20; rm -f "$out/pytest.tmp"; }
 has() { [[ "$modes" == *" $1 "* || ( "$modes" == *" checks "* && ( $1 == sanitizer || $1 == flexcheck ) ) ]]; }
 xd="-n ${XDIST:-6}"; [ "${XDIST:-6}" = 0 ] && xd=""
+$PY -c "import pytest_timeout" 2>/dev/null && xd="$xd --timeout ${PER_TEST_S:-240}"
 
 log=$out/gpu_$(echo "$1" | tr '+' '_').log
 { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -37,10 +42,10 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
 # there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest $xd -q -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
+  timeout ${TEST_TIMEOUT:-420} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
     tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti" \
-    --durations=12 >> "$log" 2>&1
-  echo "gpu tests rc=$?" | tee -a "$log"; tail -4 "$log"
+    --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests" $?
 fi
 if has sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
@@ -58,9 +63,9 @@ if has cudadev; then
   echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
 fi
 if has tests2; then
-  timeout ${TEST_TIMEOUT:-360} $PY -m pytest $xd -q -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
-    tests/test_mqar.py tests/test_nn.py tests/test_ops.py -k "not cpu and not aoti" --durations=12 >> "$log" 2>&1
-  echo "gpu tests (2) rc=$?" | tee -a "$log"; tail -4 "$log"
+  timeout ${TEST_TIMEOUT:-360} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
+    tests/test_mqar.py tests/test_nn.py tests/test_ops.py -k "not cpu and not aoti" --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests (2)" $?
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
 fi
