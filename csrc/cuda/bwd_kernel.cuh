@@ -346,9 +346,10 @@ __device__ inline float bwd_l2(float lse) { return lse == -CUDART_INF_F ? CUDART
 // ORed) after its own work: plain stores that drain while the SM's other CTA computes, instead
 // of a fill of the whole buffer that runs alone before the backward (2 GiB, 0.65 ms at 32K
 // per-row). The CTA zeroes the mirrored query tile, not its own: CTAs run heaviest (last under
-// causal) tiles first, and the first query tiles have the most unkept tiles, so the stores
-// spread over the kernel instead of piling up in its light tail (own tile: the dq kernel grew
-// by 0.48 ms at 32K instead of the ~0.15 predicted; benchmarks/NOTES.md, session 8).
+// causal) tiles first and the first query tiles have the most unkept tiles, so the stores go to
+// the long-running CTAs instead of the light tail. Measured at 32K per-row (benchmarks/NOTES.md,
+// session 8): dq kernel 2.61 ms without zeroing (plus the 0.66 ms fill), 2.98 zeroing its own
+// tile, 2.92 the mirrored one: the stores cost ~0.3 ms wherever they sit.
 template <typename T>
 __device__ inline void bwd_zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
                                               int64_t m_tile) {

@@ -40,8 +40,8 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.lse_part = sp.o_part + sp.n * rows * D;
   }
 #ifdef FLEXDMA_EXP_FWD_PAIR
-  // Staged (NOTES.md, session 7): pairs of query heads of one kv head with the same mask / bias
-  // planes share a CTA and its tiles.
+  // Staged (NOTES.md, sessions 7 and 8; measured no faster): pairs of query heads of one kv head
+  // with the same mask / bias planes share a CTA and its tiles.
   if constexpr (D <= 128) {
     if (sp.n == 1 && (p.num_heads / p.num_heads_k) % 2 == 0 && pair_shares(p.mask) && pair_shares(p.bias) &&
         (!p.mask.ptr || pair_shares(p.tile_meta))) {
