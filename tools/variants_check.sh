@@ -20,19 +20,23 @@ left() { echo $(( deadline - ($(date +%s) - t0) )); }
 pack() { tar czf "$out/variants.tgz" -C "$w" . 2>/dev/null; }
 export PYTHONUNBUFFERED=1
 python3 -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
+# The specs, parsed once into parallel arrays indexed like `names`.
 IFS=';' read -ra specs <<< "${VARIANTS:?VARIANTS is required}"
-n=${#specs[@]}
+names=(); dims=(); flags=(); parts=(); tests=()
+for spec in "${specs[@]}"; do
+  IFS='|' read -r a b c d e <<< "$spec"
+  names+=("$a"); dims+=("$b"); flags+=("$c"); parts+=("$d"); tests+=("$e")
+done
+n=${#names[@]}
 jobs=$(( 16 / n > 2 ? 16 / n : 2 ))
 echo "commit ${COMMIT:-unknown}; $n variants; $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 
-names=()
-for spec in "${specs[@]}"; do
-  IFS='|' read -r name dims flags parts tests <<< "$spec"
-  names+=("$name")
+for i in "${!names[@]}"; do
+  name=${names[$i]}
   d=/tmp/variant_$name; rm -rf "$d"; mkdir -p "$d"
   tar cf - --exclude=./.git --exclude=./build . | tar xf - -C "$d"
   ( cd "$d" && s=$(date +%s) &&
-    FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=$dims MAX_JOBS=$jobs FLEXDMA_NVCC_FLAGS="$flags" \
+    FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${dims[$i]} MAX_JOBS=$jobs FLEXDMA_NVCC_FLAGS="${flags[$i]}" \
       timeout 300 python3 setup.py build_ext --inplace > "$w/build_$name.log" 2>&1
     echo "build $name rc=$? in $(( $(date +%s) - s )) s" ) &
 done
@@ -40,24 +44,24 @@ wait
 pack
 
 # Timings: alone on the GPU, in the order given.
-for spec in "${specs[@]}"; do
-  IFS='|' read -r name dims flags parts tests <<< "$spec"
-  [ -z "$parts" ] && continue
+for i in "${!names[@]}"; do
+  name=${names[$i]}
+  [ -z "${parts[$i]}" ] && continue
   t=$(( $(left) - 60 )); [ "$t" -gt 150 ] && t=150
   if [ "$t" -lt 20 ]; then echo "cuda_dev $name: skipped (deadline)"; continue; fi
-  ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t python3 benchmarks/cuda_dev.py --parts "$parts" \
+  ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t python3 benchmarks/cuda_dev.py --parts "${parts[$i]}" \
       --out "$w/cuda_dev_$name.json" > "$w/cuda_dev_$name.log" 2>&1 )
-  echo "cuda_dev $name ($parts) rc=$?"
+  echo "cuda_dev $name (${parts[$i]}) rc=$?"
 done
 pack
 
 # Tests: every variant's at once (small shapes; the GPU has room), each bounded by the deadline.
 t=$(( $(left) - ${EXTRA_S:-0} - 15 ))
 if [ "$t" -ge 30 ]; then
-  for spec in "${specs[@]}"; do
-    IFS='|' read -r name dims flags parts tests <<< "$spec"
-    [ -z "$tests" ] && continue
-    ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t bash -c "python3 -m pytest -q -ra -p no:cacheprovider $tests" \
+  for i in "${!names[@]}"; do
+    name=${names[$i]}
+    [ -z "${tests[$i]}" ] && continue
+    ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t bash -c "python3 -m pytest -q -ra -p no:cacheprovider ${tests[$i]}" \
         > "$w/tests_$name.log" 2>&1
       echo "tests $name rc=$? $(tail -1 "$w/tests_$name.log")"; grep -E "^FAILED|^ERROR" "$w/tests_$name.log" | head -10 ) &
   done
