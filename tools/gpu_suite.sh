@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
-#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness, kernels
-#   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops), AOTInductor
+#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
+#   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
+#                                                 # FlexAttention), AOTInductor
 #   bash tools/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash tools/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
 #   bash tools/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
@@ -39,12 +40,13 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
 
 # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
 # With head dims 192 / 256 built, `tests` alone needs most of a call (two runs cut off at 200 and
-# 380 s, NOTES.md session 8): give it its own. AOTInductor runs on its own: a crash there must not
-# take the other results with it.
+# 380 s, NOTES.md session 8): give it its own. The correctness matrix's FlexAttention cases (75, each
+# an Inductor compile) run with tests2, so each half fits a call. AOTInductor runs on its own: a
+# crash there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
   timeout ${TEST_TIMEOUT:-420} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
-    tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti" \
+    tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
     --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests" $?
 fi
@@ -65,7 +67,8 @@ if has cudadev; then
 fi
 if has tests2; then
   timeout ${TEST_TIMEOUT:-360} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
-    tests/test_mqar.py tests/test_nn.py tests/test_ops.py -k "not cpu and not aoti" --durations=12 > "$out/pytest.tmp" 2>&1
+    tests/test_mqar.py tests/test_nn.py tests/test_ops.py tests/test_correctness.py \
+    -k "not cpu and not aoti and (flex- or not test_correctness)" --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests (2)" $?
   timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
