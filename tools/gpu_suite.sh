@@ -2,18 +2,21 @@
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
 #   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
 #   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
-#                                                 # FlexAttention), AOTInductor
+#                                                 # FlexAttention)
+#   bash tools/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash tools/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash tools/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
 #   bash tools/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
 #   bash tools/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
 #   PART=1..7 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash tools/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench
-# Every call builds first (sm_90, every head dim; a warm machine's second call finds the build
-# done). The pytest runs spread over XDIST workers (default 6, pytest-xdist), name every test in the
-# log (-v: a run cut off by the call's limit still says what passed) and fail a test that runs past
-# PER_TEST_S seconds (pytest-timeout; default 240), so a hang names itself. Logs and JSON go under
+#                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench, aoti
+# Every call builds first (sm_90, every head dim, ~90 s); SKIP_BUILD=1 keeps the extension a warm
+# machine's earlier call built. The pytest runs name every test in the log (-v: a run cut off by the
+# call's limit still says what passed) and fail a test that runs past PER_TEST_S seconds
+# (pytest-timeout; default 240), so a hang names itself. They run in one process unless XDIST
+# (pytest-xdist workers) says otherwise: 8 workers on the one GPU ran the kernel tests ~10x slower
+# than one process had (NOTES.md session 9). Logs and JSON go under
 # OUTDIR (a few files: the machine returns at most eight). COMMIT names the commit measured (the
 # copy may have no .git).
 set -uo pipefail
@@ -22,20 +25,27 @@ cd "$(dirname "$0")/.."
 modes=" ${1//+/ } "; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
+# CALL_S (the call's limit) caps each later step's timeout by the time left, so a slow step ends
+# in its own timeout and the log still gets its tally.
+t0=$(date +%s)
+cap() { local left=$(( ${CALL_S:-100000} - ($(date +%s) - t0) - 10 )); [ $left -lt 1 ] && left=1; echo $(( $1 < left ? $1 : left )); }
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 $PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
 # pytest's log of one run appended to the suite's, with a count a cut-off run still has.
 tally() { cat "$out/pytest.tmp" >> "$log"; echo "$1 rc=$2: $(grep -c ' PASSED' "$out/pytest.tmp") passed, $(grep -c ' FAILED' "$out/pytest.tmp") failed, $(grep -c ' SKIPPED' "$out/pytest.tmp") skipped" | tee -a "$log"; grep -E '^(FAILED|ERROR)|Timeout' "$out/pytest.tmp" | head -20; rm -f "$out/pytest.tmp"; }
 has() { [[ "$modes" == *" $1 "* || ( "$modes" == *" checks "* && ( $1 == sanitizer || $1 == flexcheck ) ) ]]; }
-xd="-n ${XDIST:-6}"; [ "${XDIST:-6}" = 0 ] && xd=""
+xd="-n ${XDIST:-0}"; [ "${XDIST:-0}" = 0 ] && xd=""
 $PY -c "import pytest_timeout" 2>/dev/null && xd="$xd --timeout ${PER_TEST_S:-240}"
 
 log=$out/gpu_$(echo "$1" | tr '+' '_').log
 { echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
-  FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128,192,256} MAX_JOBS=16 \
-    $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
-  echo "build rc=$? in $(( $(date +%s) - s )) s"
+  if [ "${SKIP_BUILD:-0}" = 1 ] && ls flexdma/_C*.so > /dev/null 2>&1; then echo "build kept (SKIP_BUILD=1)"
+  else
+    FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128,192,256} MAX_JOBS=16 \
+      $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
+    echo "build rc=$? in $(( $(date +%s) - s )) s"
+  fi
   readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
 
 # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
@@ -45,7 +55,7 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
 # crash there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
-  timeout ${TEST_TIMEOUT:-420} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
+  timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
     tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
     --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests" $?
@@ -66,12 +76,10 @@ if has cudadev; then
   echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
 fi
 if has tests2; then
-  timeout ${TEST_TIMEOUT:-360} $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
+  timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
     tests/test_mqar.py tests/test_nn.py tests/test_ops.py tests/test_correctness.py \
     -k "not cpu and not aoti and (flex- or not test_correctness)" --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests (2)" $?
-  timeout 200 $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
-  echo "aoti tests rc=$?" | tee -a "$log"
 fi
 if has flexcheck; then
   timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
@@ -80,4 +88,8 @@ fi
 if has bench; then
   DEADLINE_S=${DEADLINE_S:-500} bash benchmarks/run_all.sh "$out" "$commit" > /dev/null 2>&1
   tail -30 "$out/run.log"; rm -f "$out"/*.png
+fi
+if has aoti; then
+  timeout $(cap ${AOTI_TIMEOUT:-200}) $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
+  echo "aoti tests rc=$?" | tee -a "$log"
 fi
