@@ -49,10 +49,9 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
   readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
 
 # CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
-# With head dims 192 / 256 built, `tests` alone needs most of a call (two runs cut off at 200 and
-# 380 s, NOTES.md session 8): give it its own. The correctness matrix's FlexAttention cases (75, each
-# an Inductor compile) run with tests2, so each half fits a call. AOTInductor runs on its own: a
-# crash there must not take the other results with it.
+# In one process `tests` takes ~60 s and `tests2` ~360 s (fdb00e0): the correctness matrix's
+# FlexAttention cases (75, each an Inductor compile) run with tests2. tests+tests2 fit one call with
+# the build. AOTInductor runs on its own: a crash there must not take the other results with it.
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
   timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
