@@ -11,14 +11,14 @@
 #   PART=1..7 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash tools/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
 #                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench, aoti
-# Every call builds first (sm_90, every head dim, ~90 s); SKIP_BUILD=1 keeps the extension a warm
-# machine's earlier call built. The pytest runs name every test in the log (-v: a run cut off by the
-# call's limit still says what passed) and fail a test that runs past PER_TEST_S seconds
-# (pytest-timeout; default 240), so a hang names itself. They run in one process unless XDIST
-# (pytest-xdist workers) says otherwise: 8 workers on the one GPU ran the kernel tests ~10x slower
-# than one process had (NOTES.md session 9). Logs and JSON go under
-# OUTDIR (a few files: the machine returns at most eight). COMMIT names the commit measured (the
-# copy may have no .git).
+# Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
+# for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
+# runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
+# and fail a test that runs past PER_TEST_S seconds (pytest-timeout; default 240), so a hang names
+# itself. They run in one process unless XDIST (pytest-xdist workers) says otherwise: 8 workers on
+# the one GPU ran the kernel tests ~10x slower than one process had (NOTES.md session 9). Logs
+# and JSON go under OUTDIR (a few files: the machine returns at most eight). COMMIT names the
+# commit measured (the copy may have no .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . tools/pick_cxx.sh
@@ -42,7 +42,7 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
   echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
   if [ "${SKIP_BUILD:-0}" = 1 ] && ls flexdma/_C*.so > /dev/null 2>&1; then echo "build kept (SKIP_BUILD=1)"
   else
-    FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-32,64,96,128,192,256} MAX_JOBS=16 \
+    FLEXDMA_CUDA_ARCHS=90 MAX_JOBS=16 \
       $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
     echo "build rc=$? in $(( $(date +%s) - s )) s"
   fi
