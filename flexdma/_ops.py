@@ -9,11 +9,12 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
 
-__all__ = ["fwd", "bwd", "tile_meta"]
+__all__ = ["fwd", "bwd", "tile_meta", "topk_select"]
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
 tile_meta = torch.ops.flexdma.tile_meta
+topk_select = torch.ops.flexdma.topk_select
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -49,6 +50,15 @@ def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
                                dtype=torch.int32)
 
 
+@torch.library.register_fake("flexdma::topk_select")
+def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
+    P1, P2, K = scores.shape
+    cap = min(K, window + tile_rows - 1)  # at most W + tile_rows - 1 keys a tile
+    n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
+    return (scores.new_empty((P1, P2, K), dtype=torch.int32), scores.new_empty((P1, P2, seqlen_q), dtype=torch.int32),
+            scores.new_empty((P1, P2, n_tiles, 1 + cap), dtype=torch.int32))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta = inputs
     out, lse = output
@@ -81,3 +91,14 @@ def _no_double_backward(ctx, *grads):
 
 # Without this, differentiating through flexdma::bwd would silently give zero second derivatives.
 torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# The per-key path's GPU kernels are Triton (flexdma/_topk_triton.py), registered here as the CUDA
+# implementations of the op family's schemas.
+try:
+    from . import _topk_triton
+except ImportError:  # pragma: no cover - a torch without triton
+    _topk_triton = None
+
+if _topk_triton is not None:
+    torch.library.register_kernel("flexdma::topk_select", "cuda", _topk_triton.select)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "../csrc/cpu/flash_dma_cpu.h"
+#include "../csrc/cpu/topk_select.h"
 #include "op_impl.h"
 
 extern "C" {
@@ -62,6 +63,40 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
   return meta;
 }
 
+// A tile's list holds at most W + tile_rows - 1 keys (and never more than K).
+int64_t topk_list_cap(int64_t K, int64_t window, int64_t tile_rows) { return std::min(K, window + tile_rows - 1); }
+
+void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
+  TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "flexdma::topk_select: scores must be float32, got ",
+                   scores.scalar_type());
+  TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::topk_select: scores must be 3-D (planes, planes, K), got shape ",
+                    scores.sizes());
+  TORCH_CHECK_VALUE(window > 0, "flexdma::topk_select: window must be positive, got ", window);
+  TORCH_CHECK_VALUE(seqlen_q >= 0, "flexdma::topk_select: seqlen_q must be >= 0, got ", seqlen_q);
+  TORCH_CHECK_VALUE(tile_rows > 0, "flexdma::topk_select: tile_rows must be positive, got ", tile_rows);
+  TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::topk_select: more keys than int32 ranks");
+}
+
+// The per-key top-W selection of every plane of `scores` (P1, P2, K), float32, -inf = ineligible.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& scores, int64_t window,
+                                                               int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
+  topk_select_check(scores, window, seqlen_q, tile_rows);
+  const int64_t K = scores.size(2), P = scores.size(0) * scores.size(1);
+  const int64_t cap = topk_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
+  const at::Tensor s = scores.contiguous();
+  auto opts = scores.options().dtype(at::kInt);
+  at::Tensor key_rank = at::empty(scores.sizes(), opts);
+  at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
+  at::Tensor tile_keys = at::empty({scores.size(0), scores.size(1), n_tiles, 1 + cap}, opts);
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+    for (int64_t pl = b; pl < e; ++pl)
+      cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, cap,
+                             key_rank.data_ptr<int32_t>() + pl * K, row_thr.data_ptr<int32_t>() + pl * seqlen_q,
+                             tile_keys.data_ptr<int32_t>() + pl * n_tiles * (1 + cap));
+  });
+  return {key_rank, row_thr, tile_keys};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flexdma, m) {
@@ -79,12 +114,19 @@ TORCH_LIBRARY(flexdma, m) {
   // without reading their bytes.
   m.def("tile_meta(Tensor attn_mask, SymInt seqlen_q, SymInt seqlen_k, bool is_causal) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  // Per-key top-`window` selection in compact form (flexdma/topk.py states the contract):
+  // key_rank (P1, P2, K), row_thr (P1, P2, Q) and, per query tile of `tile_rows` rows, the
+  // length-prefixed list of the keys its rows keep, (P1, P2, ceil(Q / tile_rows), 1 + cap).
+  m.def("topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
+        "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
+        {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);
+  m.impl("topk_select", &topk_select_cpu);
 }
 
 }  // namespace flexdma

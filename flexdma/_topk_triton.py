@@ -1,0 +1,360 @@
+"""GPU kernels of the per-key top-W path (flexdma/topk.py states the contract they implement).
+
+- `select`: one sort per selection plane (torch), then one program per (plane, query tile) that
+  walks the keys in rank order, stops once the tile's first row has seen W of them, and keeps the
+  ones its last row can see: the tile's candidate list (at most W + tile_rows - 1 keys, fact 3 of
+  the per-key selection note). From that list it finds each row's threshold and cuts the list to
+  the keys some row keeps. Work per tile: the ranks walked, about W * K / (first row's visible
+  keys) for scores unrelated to position, plus tile_rows x (list length) compares.
+- `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
+  a selection plane). The pack's rows share one gathered K/V tile per 64 listed keys; each
+  element still gets the exact keep test (rank <= the row's threshold, causal cut), so the
+  union list costs compute but never changes the result. dq is owned by the program; dk, dv and
+  the per-key dbias are sums over the query tiles that list a key, accumulated in float32 with
+  atomics (the deterministic mode runs the tiles of a plane in a fixed order instead).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+NEVER = 2147483647  # key_rank of a key no row keeps
+LOG2E = 1.4426950408889634
+
+# Rows of q per program: PACK query heads x TILE_ROWS rows.
+BLOCK_M = 128
+
+
+def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
+    """Query heads one program serves: they must share a kv head and a selection plane."""
+    group = num_heads // num_kv_heads
+    if plane_heads == num_heads or group == 1:
+        return 1
+    pack = 1
+    while pack * 2 <= 8 and group % (pack * 2) == 0:
+        pack *= 2
+    return pack
+
+
+def tile_rows_for(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
+    return BLOCK_M // pack_size(num_heads, num_kv_heads, plane_heads)
+
+
+# ----------------------------------------------------------------------------------- selection
+@triton.jit
+def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, off, n_tiles, cap,
+                   CAUSAL: tl.constexpr, TILE_ROWS: tl.constexpr, SCAN: tl.constexpr, LB: tl.constexpr):
+    t = tl.program_id(0)
+    pl = tl.program_id(1).to(tl.int64)
+    r0 = t * TILE_ROWS
+    r1 = tl.minimum(r0 + TILE_ROWS, Q) - 1
+    if CAUSAL:
+        p_first = r0 + off
+        p_last = r1 + off
+    else:
+        p_first = K - 1
+        p_last = K - 1
+    n_e = tl.load(n_elig_ptr + pl)
+    order = order_ptr + pl * K
+    ranks = rank_ptr + pl * K
+    head = keys_ptr + (pl * n_tiles + t) * (1 + cap)
+    lst = head + 1
+
+    # Candidates: ranks in order until the first row has seen W keys (then every row's threshold
+    # is at most that rank), keeping those the last row can see.
+    seen = tl.zeros([], tl.int32)
+    n = tl.zeros([], tl.int32)
+    r = tl.zeros([], tl.int32)
+    while (r < n_e) & (seen < W) & (p_last >= 0):
+        offs = r + tl.arange(0, SCAN)
+        valid = offs < n_e
+        pos = tl.load(order + offs, mask=valid, other=0)
+        base = (valid & (pos <= p_first)).to(tl.int32)
+        before = tl.cumsum(base, 0) - base + seen
+        ok = before < W
+        take = valid & (pos <= p_last) & ok
+        take_i = take.to(tl.int32)
+        tl.store(lst + n + tl.cumsum(take_i, 0) - 1, pos, mask=take)
+        n += tl.sum(take_i, 0)
+        seen += tl.sum(base * ok.to(tl.int32), 0)
+        r += SCAN
+
+    # Each row's threshold: the min(W, visible)-th smallest rank it sees (the list is in rank order).
+    rows = r0 + tl.arange(0, TILE_ROWS)
+    row_ok = rows < Q
+    if CAUSAL:
+        p_row = rows + off
+    else:
+        p_row = rows * 0 + (K - 1)
+    cnt = tl.zeros([TILE_ROWS], tl.int32)
+    thr = tl.full([TILE_ROWS], -1, tl.int32)
+    for e0 in range(0, n, LB):
+        e = e0 + tl.arange(0, LB)
+        ev = e < n
+        pos = tl.load(lst + e, mask=ev, other=NEVER)
+        rk = tl.load(ranks + pos, mask=ev, other=NEVER)
+        vis = (pos[None, :] <= p_row[:, None]) & ev[None, :]
+        vis_i = vis.to(tl.int32)
+        upto = tl.cumsum(vis_i, 1) + cnt[:, None]
+        thr = tl.maximum(thr, tl.max(tl.where(vis & (upto <= W), rk[None, :], -1), 1))
+        cnt += tl.sum(vis_i, 1)
+    tl.store(thr_ptr + pl * Q + rows, thr, mask=row_ok)
+
+    # Keep the prefix of the list some row keeps.
+    top = tl.max(tl.where(row_ok, thr, -1), 0)
+    m = tl.zeros([], tl.int32)
+    for e0 in range(0, n, LB):
+        e = e0 + tl.arange(0, LB)
+        ev = e < n
+        pos = tl.load(lst + e, mask=ev, other=0)
+        rk = tl.load(ranks + pos, mask=ev, other=NEVER)
+        m += tl.sum((ev & (rk <= top)).to(tl.int32), 0)
+    tl.store(head, m)
+
+
+def list_cap(K: int, window: int, tile_rows: int) -> int:
+    return min(K, window + tile_rows - 1)
+
+
+def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int):
+    """(key_rank, row_thr, tile_keys) of every plane of scores (P1, P2, K) float32."""
+    P1, P2, K = scores.shape
+    Q = int(seqlen_q)
+    flat = scores.reshape(P1 * P2, K)
+    # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
+    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    eligible = flat != float("-inf")
+    n_elig = eligible.sum(-1, dtype=torch.int32)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order.long(), torch.arange(K, device=flat.device, dtype=torch.int32).expand(P1 * P2, K))
+    ranks.masked_fill_(~eligible, NEVER)
+    cap = list_cap(K, window, tile_rows)
+    n_tiles = -(-Q // tile_rows)
+    thr = torch.empty(P1 * P2, Q, dtype=torch.int32, device=flat.device)
+    keys = torch.empty(P1 * P2, n_tiles, 1 + cap, dtype=torch.int32, device=flat.device)
+    if n_tiles > 0 and P1 * P2 > 0:
+        _select_kernel[(n_tiles, P1 * P2)](order, n_elig, ranks, thr, keys, Q, K, window, K - Q, n_tiles, cap,
+                                           CAUSAL=bool(is_causal), TILE_ROWS=tile_rows, SCAN=1024, LB=64,
+                                           num_warps=4)
+    return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles, 1 + cap)
+
+
+# ----------------------------------------------------------------------------------- attention
+@triton.jit
+def _tile_setup(pid_bh, H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK: tl.constexpr):
+    """One program's batch, the pack's first query head, its kv head and its selection plane."""
+    heads_per = H // PACK
+    b = pid_bh // heads_per
+    h0 = (pid_bh % heads_per) * PACK
+    kvh = h0 // G
+    plane = b * plane_b_on * PLANE_H + h0 // PLANE_RATIO
+    return b, h0, kvh, plane.to(tl.int64)
+
+
+@triton.jit
+def _tanh(x):
+    # Overflow-safe for large |x|: exp2 of a large positive argument gives inf, and 2 / inf = 0.
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, cap, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain with the keep test applied (-inf where dropped), and the tanh
+    values of the softcap (for the backward)."""
+    s = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        th = _tanh(s * (scale_log2 / LOG2E / cap))
+        s = th * (cap * LOG2E)
+    else:
+        th = s
+        s = s * scale_log2
+    s += bias_v[None, :] * LOG2E
+    keep = ev[None, :] & (rk[None, :] <= thr[:, None])
+    if CAUSAL:
+        keep = keep & (kidx[None, :] <= p_row[:, None])
+    return tl.where(keep, s, float("-inf")), th
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_ptr, lse_ptr,
+                sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sob, som, soh, sbb, sbh, sbk,
+                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
+                Q, K, off, n_tiles, cap, scale_log2, softcap,
+                D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
+                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
+    pid_t = tl.program_id(0)
+    b, h0, kvh, plane = _tile_setup(tl.program_id(1), H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK)
+    BM: tl.constexpr = PACK * TILE_ROWS
+    r = tl.arange(0, BM)
+    i = pid_t * TILE_ROWS + r % TILE_ROWS
+    h = h0 + r // TILE_ROWS
+    row_ok = i < Q
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
+    p_row = i + off
+    head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
+    n = tl.load(head)
+    ranks = rank_ptr + plane * K
+    kb = k_ptr + b.to(tl.int64) * skb + kvh * skh
+    vb = v_ptr + b.to(tl.int64) * svb + kvh * svh
+    bb = bias_ptr + (b * bias_b_on).to(tl.int64) * sbb + (h0 // BIAS_RATIO) * sbh
+
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, n, BN):
+        e = n0 + tl.arange(0, BN)
+        ev = e < n
+        kidx = tl.load(head + 1 + e, mask=ev, other=0)
+        rk = tl.load(ranks + kidx, mask=ev, other=NEVER)
+        k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
+        bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
+        s, _ = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    tl.store(o_ptr + b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, lse, mask=row_ok)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_ptr, lse_ptr, delta_ptr,
+                dq_ptr, dk_ptr, dv_ptr, db_ptr,
+                sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sdb, sdm, sdh, sbb, sbh, sbk, sgb, sgh,
+                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
+                Q, K, off, n_tiles, cap, scale_log2, softcap, tile_base,
+                D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
+                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DBIAS: tl.constexpr):
+    # dk / dv / db are float32 (B, K, KVH, D) / (B, K, KVH, D) / (bias batch, bias heads, K)
+    # accumulators; dq is written in q's dtype with q's strides.
+    pid_t = tl.program_id(0) + tile_base
+    b, h0, kvh, plane = _tile_setup(tl.program_id(1), H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK)
+    BM: tl.constexpr = PACK * TILE_ROWS
+    r = tl.arange(0, BM)
+    i = pid_t * TILE_ROWS + r % TILE_ROWS
+    h = h0 + r // TILE_ROWS
+    row_ok = i < Q
+    d = tl.arange(0, D)
+    row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
+    q = tl.load(q_ptr + row_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b.to(tl.int64) * sdb + i[:, None].to(tl.int64) * sdm + h[:, None] * sdh + d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=float("-inf"))
+    # Rows that keep nothing have lse -inf and every score -inf: p must come out 0, not NaN.
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    delta = tl.load(delta_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=0.0)
+    thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
+    p_row = i + off
+    head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
+    n = tl.load(head)
+    ranks = rank_ptr + plane * K
+    kb = k_ptr + b.to(tl.int64) * skb + kvh * skh
+    vb = v_ptr + b.to(tl.int64) * svb + kvh * svh
+    bb = bias_ptr + (b * bias_b_on).to(tl.int64) * sbb + (h0 // BIAS_RATIO) * sbh
+    KVH = H // G
+    acc_row = (b.to(tl.int64) * K) * KVH * D + kvh * D
+    dbb = db_ptr + (b * bias_b_on).to(tl.int64) * sgb + (h0 // BIAS_RATIO) * sgh
+    scale = scale_log2 / LOG2E
+
+    dq = tl.zeros([BM, D], tl.float32)
+    for n0 in range(0, n, BN):
+        e = n0 + tl.arange(0, BN)
+        ev = e < n
+        kidx = tl.load(head + 1 + e, mask=ev, other=0)
+        rk = tl.load(ranks + kidx, mask=ev, other=NEVER)
+        k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None], other=0.0)
+        bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
+        s, th = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
+        p = tl.exp2(s - lse2[:, None])
+        acc_off = acc_row + kidx[:, None].to(tl.int64) * KVH * D + d[None, :]
+        tl.atomic_add(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None], sem="relaxed")
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        if DBIAS:
+            tl.atomic_add(dbb + kidx.to(tl.int64), tl.sum(ds, 0), mask=ev, sem="relaxed")
+        if SOFTCAP:
+            ds = ds * (1.0 - th * th) * scale
+        else:
+            ds = ds * scale
+        dsl = ds.to(q.dtype)
+        dq += tl.dot(dsl, k)
+        tl.atomic_add(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None], sem="relaxed")
+    tl.store(dq_ptr + row_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------- launchers
+def _geometry(q, k, bias, key_rank, tile_keys):
+    B, Q, H, D = q.shape
+    K, KVH = k.shape[1], k.shape[2]
+    P1, P2 = key_rank.shape[0], key_rank.shape[1]
+    pack = pack_size(H, KVH, P2)
+    tile_rows = BLOCK_M // pack
+    n_tiles = tile_keys.shape[2]
+    if n_tiles != -(-Q // tile_rows):
+        raise ValueError(f"tile_keys has {n_tiles} query tiles; this call's kernels use tiles of {tile_rows} rows "
+                         f"({-(-Q // tile_rows)} tiles): select with tile_rows={tile_rows}")
+    return dict(
+        args=(H, H // KVH, P2, H // P2, int(P1 > 1), H // bias.shape[1], int(bias.shape[0] > 1),
+              Q, K, K - Q, n_tiles, tile_keys.shape[3] - 1),
+        meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows, BN=64),
+        grid=(n_tiles, B * H // pack),
+    )
+
+
+def _strides(t):
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap):
+    B, Q, H, D = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return out, lse
+    g = _geometry(q, k, bias, key_rank, tile_keys)
+    _fwd_kernel[g["grid"]](
+        q, k, v, bias, key_rank, row_thr, tile_keys, out, lse,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(out), bias.stride(0), bias.stride(1), bias.stride(3),
+        *g["args"], softmax_scale * LOG2E, softcap,
+        **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, num_warps=8, num_stages=2)
+    return out, lse
+
+
+def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_scale, is_causal, softcap,
+        bias_requires_grad):
+    B, Q, H, D = q.shape
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    db = torch.zeros(bias.shape[0], bias.shape[1], bias.shape[3], dtype=torch.float32, device=q.device) \
+        if bias_requires_grad else dk
+    if q.numel() > 0 and k.numel() > 0:
+        # delta = rowsum(dO * O), the row term of dS = P * (dP - delta).
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        g = _geometry(q, k, bias, key_rank, tile_keys)
+        _bwd_kernel[g["grid"]](
+            q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, delta, dq, dk, dv, db,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), bias.stride(0), bias.stride(1),
+            bias.stride(3), db.stride(0), db.stride(1),
+            *g["args"], softmax_scale * LOG2E, softcap, 0,
+            **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DBIAS=bool(bias_requires_grad),
+            num_warps=8, num_stages=2)
+    else:
+        dq.zero_()
+    dbias = db.view(bias.shape).to(bias.dtype) if bias_requires_grad else q.new_empty((0,))
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dbias
