@@ -23,6 +23,9 @@ import triton.language as tl
 
 NEVER = 2147483647  # key_rank of a key no row keeps
 LOG2E = 1.4426950408889634
+# The same, as the compile-time constants kernels may read.
+_NEVER = tl.constexpr(NEVER)
+_LOG2E = tl.constexpr(LOG2E)
 
 # Rows of q per program: PACK query heads x TILE_ROWS rows.
 BLOCK_M = 128
@@ -94,8 +97,8 @@ def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, 
     for e0 in range(0, n, LB):
         e = e0 + tl.arange(0, LB)
         ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=NEVER)
-        rk = tl.load(ranks + pos, mask=ev, other=NEVER)
+        pos = tl.load(lst + e, mask=ev, other=_NEVER)
+        rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
         vis = (pos[None, :] <= p_row[:, None]) & ev[None, :]
         vis_i = vis.to(tl.int32)
         upto = tl.cumsum(vis_i, 1) + cnt[:, None]
@@ -110,7 +113,7 @@ def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, 
         e = e0 + tl.arange(0, LB)
         ev = e < n
         pos = tl.load(lst + e, mask=ev, other=0)
-        rk = tl.load(ranks + pos, mask=ev, other=NEVER)
+        rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
         m += tl.sum((ev & (rk <= top)).to(tl.int32), 0)
     tl.store(head, m)
 
@@ -157,7 +160,7 @@ def _tile_setup(pid_bh, H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK: tl.constex
 @triton.jit
 def _tanh(x):
     # Overflow-safe for large |x|: exp2 of a large positive argument gives inf, and 2 / inf = 0.
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
 
 
 @triton.jit
@@ -166,12 +169,12 @@ def _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, cap, CAUSAL: tl.
     values of the softcap (for the backward)."""
     s = tl.dot(q, tl.trans(k))
     if SOFTCAP:
-        th = _tanh(s * (scale_log2 / LOG2E / cap))
-        s = th * (cap * LOG2E)
+        th = _tanh(s * (scale_log2 / _LOG2E / cap))
+        s = th * (cap * _LOG2E)
     else:
         th = s
         s = s * scale_log2
-    s += bias_v[None, :] * LOG2E
+    s += bias_v[None, :] * _LOG2E
     keep = ev[None, :] & (rk[None, :] <= thr[:, None])
     if CAUSAL:
         keep = keep & (kidx[None, :] <= p_row[:, None])
@@ -211,7 +214,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_pt
         e = n0 + tl.arange(0, BN)
         ev = e < n
         kidx = tl.load(head + 1 + e, mask=ev, other=0)
-        rk = tl.load(ranks + kidx, mask=ev, other=NEVER)
+        rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
         k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
         bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
         s, _ = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
@@ -225,7 +228,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_pt
         m_i = m_new
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
     tl.store(o_ptr + b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, lse, mask=row_ok)
@@ -255,7 +258,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
                  mask=row_ok[:, None], other=0.0)
     lse = tl.load(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=float("-inf"))
     # Rows that keep nothing have lse -inf and every score -inf: p must come out 0, not NaN.
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * LOG2E)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
     delta = tl.load(delta_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=0.0)
     thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
     p_row = i + off
@@ -268,14 +271,14 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     KVH = H // G
     acc_row = (b.to(tl.int64) * K) * KVH * D + kvh * D
     dbb = db_ptr + (b * bias_b_on).to(tl.int64) * sgb + (h0 // BIAS_RATIO) * sgh
-    scale = scale_log2 / LOG2E
+    scale = scale_log2 / _LOG2E
 
     dq = tl.zeros([BM, D], tl.float32)
     for n0 in range(0, n, BN):
         e = n0 + tl.arange(0, BN)
         ev = e < n
         kidx = tl.load(head + 1 + e, mask=ev, other=0)
-        rk = tl.load(ranks + kidx, mask=ev, other=NEVER)
+        rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
         k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
         v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None], other=0.0)
         bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)

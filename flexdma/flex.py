@@ -153,7 +153,7 @@ def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _block_tensors(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int, is_causal: bool,
-                   need_q: bool = True, device=None) -> tuple:
+                   need_q: bool = True, device=None, no_full: bool = False) -> tuple:
     """BlockMask tensors (kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
     full_q_idx) for a dense (b, h, q|1, K) bool mask (None = all True), causal folded in; the q
     side (only the backward reads it) is None unless need_q."""
@@ -163,6 +163,10 @@ def _block_tensors(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int,
         partial, full = _block_tiles.tile_flags(mask, Q, K, is_causal, device=device, block=BLOCK)
     else:
         partial, full = _tile_flags_torch(mask, Q, K, is_causal, device)
+    if no_full:
+        # The mask_mod holds a keep rule the tiles cannot see (the per-key selection): every
+        # visited tile must run it.
+        partial, full = partial | full, torch.zeros_like(full)
     if mask is not None and mask.shape[1] not in (1, num_heads):
         g = num_heads // mask.shape[1]
         partial, full = partial.repeat_interleave(g, 1), full.repeat_interleave(g, 1)
@@ -202,12 +206,16 @@ def _index_fn(t: torch.Tensor, num_heads: int):
     return at
 
 
-def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse):
+def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse,
+            keep=None):
     """Runs FlexAttention on (B, H, S, D) inputs; compiled as a whole so the closures built here
     are part of the graph (no guard on their identity, so no recompiles for new contents)."""
     H = q.shape[1]
     bias_at = _index_fn(bias, H) if bias is not None else None
     mask_at = _index_fn(mask, H) if mask is not None else None
+    # keep = (key_rank (P1, P2, 1, K), row_thr (P1, P2, Q, 1)) of a per-key top-W selection.
+    rank_at = _index_fn(keep[0], H) if keep is not None else None
+    thr_at = _index_fn(keep[1], H) if keep is not None else None
     off = K - Q
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -235,6 +243,10 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
             qi = torch.clamp(q_idx, max=Q - 1) if q_tail else q_idx
             ki = torch.clamp(kv_idx, max=K - 1) if k_tail else kv_idx
             conds.append(mask_at(b, h, qi, ki))
+        if rank_at is not None:
+            qi = torch.clamp(q_idx, max=Q - 1) if q_tail else q_idx
+            ki = torch.clamp(kv_idx, max=K - 1) if k_tail else kv_idx
+            conds.append(rank_at(b, h, qi, ki) <= thr_at(b, h, qi, ki))
         return functools.reduce(operator.and_, conds) if conds else q_idx >= 0
 
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
@@ -253,7 +265,7 @@ def _compiled():
     return torch.compile(_attend, dynamic=False, fullgraph=True)
 
 
-def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True):
+def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True, keep=None):
     B, Q, H, D = q.shape
     K = k.shape[1]
     row_bias = None
@@ -266,12 +278,12 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     # Built outside the compiled region, so that the graph holds flex_attention alone; the q side
     # is only read by the backward.
-    tensors = _block_tensors(mask, Q, K, H, is_causal, need_q=training, device=q.device)
+    tensors = _block_tensors(mask, Q, K, H, is_causal, need_q=training, device=q.device, no_full=keep is not None)
     opts = _kernel_options(q.device, training)
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
     # when no LSE is needed, else run FlexAttention eagerly.
     compile_ok = q.device.type == "cuda" or not need_lse
-    args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
+    args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse, keep)
     if compile_ok and not torch.compiler.is_compiling():
         # One compiled graph per shape family, all of them code of _attend: dynamo's default
         # limit of 8 would make the 9th shape a hard error under fullgraph.
@@ -330,3 +342,12 @@ def flex_dma_attention(query, key, value, attn_mask, attn_bias, *, is_causal: bo
     if training and query.device.type == "cpu":
         return _FlexFwdOpBwd.apply(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap)
     return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
+
+
+def flex_topk_attention(query, key, value, attn_bias, key_rank, row_thr, *, is_causal: bool, softmax_scale: float,
+                        softcap: float, need_lse: bool = True):
+    """The per-key top-W path through FlexAttention: the selection (flexdma/topk.py) read by the
+    mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping)."""
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
+    keep = (key_rank[:, :, None, :], row_thr[:, :, :, None])
+    return _forward(query, key, value, None, attn_bias, is_causal, softmax_scale, softcap, training, need_lse, keep)

@@ -1,0 +1,121 @@
+"""Kernel-level check and timing of the per-key top-W GPU path (no extension build needed).
+
+python -m benchmarks.topk_dev --out results.json [--lengths 32768,131072] [--check]
+Times selection, forward and backward of flexdma/_topk_triton.py against dense causal SDPA over
+all keys in the same run (do_bench medians), and with --check compares bf16 results against the
+float64 reference at small shapes (FlashAttention's 2x rule).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from flexdma import _topk_triton as T
+from flexdma import topk
+from flexdma.reference import attention_ref
+
+
+def _inputs(B, L, H, KVH, D, plane_heads, dtype=torch.bfloat16, grad=False):
+    q = torch.randn(B, L, H, D, device="cuda", dtype=dtype, requires_grad=grad)
+    k = torch.randn(B, L, KVH, D, device="cuda", dtype=dtype, requires_grad=grad)
+    v = torch.randn(B, L, KVH, D, device="cuda", dtype=dtype, requires_grad=grad)
+    bias = (torch.randn(B if plane_heads > 1 else 1, plane_heads, 1, L, device="cuda") * 2).to(dtype)
+    return q, k, v, bias
+
+
+def _select(q, k, bias, W, causal):
+    sc = topk.selection_scores(bias, None, q.shape[2])
+    tr = T.tile_rows_for(q.shape[2], k.shape[2], sc.shape[1])
+    return topk.Selection(*T.select(sc, W, q.shape[1], causal, tr))
+
+
+def check():
+    rows = []
+    for (B, L, H, KVH, D, W, ph, causal) in [(1, 1000, 2, 1, 128, 64, 1, True), (2, 777, 4, 2, 64, 100, 2, True),
+                                             (1, 513, 4, 2, 128, 32, 4, False), (1, 600, 8, 2, 64, 700, 2, True)]:
+        q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
+        sel = _select(q, k, bias, W, causal)
+        km = topk.keep_mask(sel, L, L, causal)
+        scale = 1 / math.sqrt(D)
+        do = torch.randn_like(q)
+        out = torch.full_like(q, float("nan"))
+        out, lse = T.fwd(q, k, v, bias, *sel, scale, causal, 0.0)
+        dq, dk, dv, db = T.bwd(do, q, k, v, bias, *sel, out, lse, scale, causal, 0.0, True)
+        errs = {}
+        for prec in (torch.float64, torch.bfloat16):
+            ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
+            o, l = attention_ref(*ins[:3], km, ins[3], is_causal=causal, softmax_scale=scale)
+            (o.float() * do.float()).sum().backward()
+            errs[prec] = (o, l, *[t.grad for t in ins])
+        ref, low = errs[torch.float64], errs[torch.bfloat16]
+        res = {"shape": [B, L, H, KVH, D, W, ph, causal]}
+        ok = True
+        for name, mine, r, lo in zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse, dq, dk, dv, db), ref, low):
+            fin = torch.isfinite(r)
+            e = (mine.double() - r.double())[fin].abs().max().item()
+            e_lo = (lo.double() - r.double())[fin].abs().max().item()
+            res[name] = [e, e_lo]
+            ok &= e <= 2 * e_lo + 1e-4 + (1e-2 if name == "dbias" else 0) and bool(torch.isfinite(mine).all() or name == "lse")
+        res["ok"] = ok
+        print(res, flush=True)
+        rows.append(res)
+    return rows
+
+
+def bench(lengths, Ws, Ds, model=True):
+    rows = []
+    cfgs = [(1, L, 2, 1, D, W, 1) for L in lengths for W in Ws for D in Ds]
+    if model:
+        cfgs += [(2, 8192, 16, 4, 128, 2048, 4), (2, 8192, 16, 4, 128, 2048, 16)]
+    for (B, L, H, KVH, D, W, ph) in cfgs:
+        torch.cuda.empty_cache()
+        q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
+        scale = 1 / math.sqrt(D)
+        sel = _select(q, k, bias, W, True)
+        r = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "W": W, "plane_heads": ph,
+             "list_mean": sel.tile_keys[..., 0].float().mean().item(), "list_max": sel.tile_keys[..., 0].max().item()}
+        r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
+        r["fwd_ms"] = do_bench(lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0), warmup=25, rep=100)
+        out, lse = T.fwd(q, k, v, bias, *sel, scale, True, 0.0)
+        do = torch.randn_like(q)
+        r["bwd_ms"] = do_bench(lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True), warmup=10, rep=50)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        r["sdpa_fwd_ms"] = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True),
+                                    warmup=10, rep=50)
+        qg, kg, vg = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
+        g = torch.randn_like(o)
+        r["sdpa_bwd_ms"] = do_bench(lambda: torch.autograd.grad(o, (qg, kg, vg), g, retain_graph=True), warmup=10, rep=50)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        s2 = _select(q, k, bias, W, True)
+        o2, l2 = T.fwd(q, k, v, bias, *s2, scale, True, 0.0)
+        T.bwd(do, q, k, v, bias, *s2, o2, l2, scale, True, 0.0, True)
+        r["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        print(r, flush=True)
+        rows.append(r)
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--lengths", default="32768,131072")
+    ap.add_argument("--W", default="2048")
+    ap.add_argument("--D", default="128")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--no-model", action="store_true")
+    a = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if a.check:
+        res["check"] = check()
+    res["bench"] = bench([int(x) for x in a.lengths.split(",")], [int(x) for x in a.W.split(",")],
+                         [int(x) for x in a.D.split(",")], model=not a.no_model)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
