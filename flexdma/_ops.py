@@ -9,11 +9,13 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
 
-__all__ = ["fwd", "bwd", "tile_meta"]
+__all__ = ["fwd", "bwd", "tile_meta", "topk_fwd", "topk_bwd"]
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
 tile_meta = torch.ops.flexdma.tile_meta
+topk_fwd = torch.ops.flexdma.topk_fwd
+topk_bwd = torch.ops.flexdma.topk_bwd
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,3 +83,44 @@ def _no_double_backward(ctx, *grads):
 
 # Without this, differentiating through flexdma::bwd would silently give zero second derivatives.
 torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---- topk_fwd / topk_bwd: fwd / bwd with the top-k rank keep rule (key_rank, row_thr) ----
+
+@torch.library.register_fake("flexdma::topk_fwd")
+def _topk_fwd_fake(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, tile_keys=None):
+    B, Q, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype))
+
+
+@torch.library.register_fake("flexdma::topk_bwd")
+def _topk_bwd_fake(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+                   bias_requires_grad, deterministic, tile_keys=None):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _topk_setup_context(ctx, inputs, output):
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, tile_keys = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_bias, key_rank, row_thr, out, lse, tile_keys)
+    ctx.softmax_scale = softmax_scale
+    ctx.is_causal = is_causal
+    ctx.softcap = softcap
+    ctx.mark_non_differentiable(lse)
+
+
+def _topk_backward(ctx, grad_out, grad_lse):
+    q, k, v, attn_bias, key_rank, row_thr, out, lse, tile_keys = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[3]
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    # topk_fwd has no deterministic switch: the kernels' backward is reproducible either way.
+    dq, dk, dv, dbias = topk_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, ctx.softmax_scale,
+                                 ctx.is_causal, ctx.softcap, bias_grad, True, tile_keys)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None
+
+
+torch.library.register_autograd("flexdma::topk_fwd", _topk_backward, setup_context=_topk_setup_context)
+torch.library.register_autograd("flexdma::topk_bwd", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
