@@ -54,6 +54,16 @@ struct FwdParams {
   // kernels, so an empty tile is skipped without reading its mask bytes.
   Broadcast4d tile_meta;
 
+  // Top-k rank keep rule (optional; flexdma::topk_fwd / topk_bwd, CPU kernel only so far): key j
+  // is kept for row i iff key_rank[b, h, j] <= row_thr[b, h, i], on top of the mask and causality.
+  // Both int32. key_rank is seen as a (Bs, Hs, 1, K) operand (row_stride 0), row_thr as
+  // (Bs, Hs, Q, 1) (col_stride 0); batch / head dims broadcast like the mask's. It describes a
+  // per-row top-W selection without a Q x K tensor: ranks order the keys of a plane once, and a
+  // row's threshold says how far down that order it goes. A kernel that does not implement the
+  // rule must refuse params with either pointer set.
+  Broadcast4d key_rank;
+  Broadcast4d row_thr;
+
   float softmax_scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool is_causal = false;

@@ -9,12 +9,14 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
 
-__all__ = ["fwd", "bwd", "tile_meta", "topk_select"]
+__all__ = ["fwd", "bwd", "tile_meta", "topk_select", "topk_fwd", "topk_bwd"]
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
 tile_meta = torch.ops.flexdma.tile_meta
 topk_select = torch.ops.flexdma.topk_select
+topk_fwd = torch.ops.flexdma.topk_fwd
+topk_bwd = torch.ops.flexdma.topk_bwd
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,6 +95,53 @@ def _no_double_backward(ctx, *grads):
 torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_context=lambda ctx, inputs, output: None)
 
 
+# ---- topk_fwd / topk_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
+
+def _keeps_residual(q) -> bool:
+    # The CUDA kernels return out rounded and its rounding error (see the schema's comment).
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+@torch.library.register_fake("flexdma::topk_fwd")
+def _topk_fwd_fake(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic,
+                   tile_keys=None):
+    B, Q, H, _ = q.shape
+    resid = q.new_empty(q.shape) if _keeps_residual(q) else q.new_empty((0,))
+    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype)), resid
+
+
+@torch.library.register_fake("flexdma::topk_bwd")
+def _topk_bwd_fake(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+                   bias_requires_grad, deterministic, tile_keys=None, out_resid=None):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _topk_setup_context(ctx, inputs, output):
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys = inputs
+    out, lse, resid = output
+    ctx.save_for_backward(q, k, v, attn_bias, key_rank, row_thr, out, lse, tile_keys, resid)
+    ctx.softmax_scale = softmax_scale
+    ctx.is_causal = is_causal
+    ctx.softcap = softcap
+    ctx.deterministic = deterministic
+    ctx.mark_non_differentiable(lse, resid)
+
+
+def _topk_backward(ctx, grad_out, grad_lse, grad_resid):
+    q, k, v, attn_bias, key_rank, row_thr, out, lse, tile_keys, resid = ctx.saved_tensors
+    bias_grad = ctx.needs_input_grad[3]
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    dq, dk, dv, dbias = topk_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, ctx.softmax_scale,
+                                 ctx.is_causal, ctx.softcap, bias_grad, ctx.deterministic, tile_keys, resid)
+    return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("flexdma::topk_fwd", _topk_backward, setup_context=_topk_setup_context)
+torch.library.register_autograd("flexdma::topk_bwd", _no_double_backward,
+                                setup_context=lambda ctx, inputs, output: None)
+
 # The per-key path's GPU kernels are Triton (flexdma/_topk_triton.py), registered here as the CUDA
 # implementations of the op family's schemas.
 try:
@@ -102,3 +151,5 @@ except ImportError:  # pragma: no cover - a torch without triton
 
 if _topk_triton is not None:
     torch.library.register_kernel("flexdma::topk_select", "cuda", _topk_triton.select)
+    torch.library.register_kernel("flexdma::topk_fwd", "cuda", _topk_triton.fwd_op)
+    torch.library.register_kernel("flexdma::topk_bwd", "cuda", _topk_triton.bwd_op)

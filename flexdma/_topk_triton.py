@@ -182,7 +182,7 @@ def _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, cap, CAUSAL: tl.
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_ptr, lse_ptr,
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_ptr, lse_ptr, res_ptr,
                 sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sob, som, soh, sbb, sbh, sbk,
                 H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
                 Q, K, off, n_tiles, cap, scale_log2, softcap,
@@ -229,13 +229,16 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_pt
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
-    tl.store(o_ptr + b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    o_off = b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :]
+    out_lo = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + o_off, out_lo, mask=row_ok[:, None])
+    # out's rounding error, so the backward's rowsum(dout * out) sees out in float.
+    tl.store(res_ptr + o_off, (out - out_lo.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, lse, mask=row_ok)
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_ptr, lse_ptr, delta_ptr,
+def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_ptr, lse_ptr, o_ptr, res_ptr,
                 dq_ptr, dk_ptr, dv_ptr, db_ptr,
                 sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sdb, sdm, sdh, sbb, sbh, sbk, sgb, sgh,
                 H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
@@ -254,12 +257,15 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     d = tl.arange(0, D)
     row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
     q = tl.load(q_ptr + row_off, mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b.to(tl.int64) * sdb + i[:, None].to(tl.int64) * sdm + h[:, None] * sdh + d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    do_off = b.to(tl.int64) * sdb + i[:, None].to(tl.int64) * sdm + h[:, None] * sdh + d[None, :]
+    do = tl.load(do_ptr + do_off, mask=row_ok[:, None], other=0.0)
+    # delta = rowsum(dO * O), the row term of dS = P * (dP - delta); out and dout share strides.
+    o = tl.load(o_ptr + do_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o += tl.load(res_ptr + do_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(do.to(tl.float32) * o, 1)
     lse = tl.load(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=float("-inf"))
     # Rows that keep nothing have lse -inf and every score -inf: p must come out 0, not NaN.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
-    delta = tl.load(delta_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=0.0)
     thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
     p_row = i + off
     head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
@@ -324,22 +330,24 @@ def _strides(t):
 
 
 def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap):
+    """(out, lse, out's rounding error) of the per-key top-W attention; inputs as flexdma::topk_fwd."""
     B, Q, H, D = q.shape
     out = torch.empty_like(q)
+    resid = torch.empty_like(q)
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
-        return out, lse
+        return out, lse, resid
     g = _geometry(q, k, bias, key_rank, tile_keys)
     _fwd_kernel[g["grid"]](
-        q, k, v, bias, key_rank, row_thr, tile_keys, out, lse,
+        q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, resid,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), bias.stride(0), bias.stride(1), bias.stride(3),
         *g["args"], softmax_scale * LOG2E, softcap,
         **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, num_warps=8, num_stages=2)
-    return out, lse
+    return out, lse, resid
 
 
 def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_scale, is_causal, softcap,
-        bias_requires_grad):
+        bias_requires_grad, out_resid=None):
     B, Q, H, D = q.shape
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
@@ -347,11 +355,16 @@ def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_sca
     db = torch.zeros(bias.shape[0], bias.shape[1], bias.shape[3], dtype=torch.float32, device=q.device) \
         if bias_requires_grad else dk
     if q.numel() > 0 and k.numel() > 0:
-        # delta = rowsum(dO * O), the row term of dS = P * (dP - delta).
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        if dout.stride() != out.stride():
+            dout = dout.contiguous()
+            out = out.contiguous()
+        if out_resid is None or out_resid.numel() == 0:
+            out_resid = torch.zeros_like(out)
+        elif out_resid.stride() != out.stride():
+            out_resid = out_resid.expand_as(out).contiguous() if out.is_contiguous() else out_resid
         g = _geometry(q, k, bias, key_rank, tile_keys)
         _bwd_kernel[g["grid"]](
-            q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, delta, dq, dk, dv, db,
+            q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, out, out_resid, dq, dk, dv, db,
             *_strides(q), *_strides(k), *_strides(v), *_strides(dout), bias.stride(0), bias.stride(1),
             bias.stride(3), db.stride(0), db.stride(1),
             *g["args"], softmax_scale * LOG2E, softcap, 0,
@@ -361,3 +374,24 @@ def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_sca
         dq.zero_()
     dbias = db.view(bias.shape).to(bias.dtype) if bias_requires_grad else q.new_empty((0,))
     return dq, dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+def _need_tiles(tile_keys):
+    if tile_keys is None:
+        raise ValueError("flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
+                         "flexdma::topk_select (called with the tile_rows of flexdma.topk.tile_rows_for)")
+    return tile_keys
+
+
+def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None):
+    return fwd(q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), softmax_scale, is_causal, softcap)
+
+
+def bwd_op(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+           bias_requires_grad, deterministic, tile_keys=None, out_resid=None):
+    if deterministic:
+        raise ValueError("deterministic=True: the per-key CUDA backward sums dk, dv and dbias over query tiles "
+                         "with float atomics, whose order varies run to run; it has no deterministic mode yet "
+                         "(use deterministic=False, or backend='cpu' / a dense attn_mask for reproducible gradients)")
+    return bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), out, lse, softmax_scale,
+               is_causal, softcap, bias_requires_grad, out_resid)

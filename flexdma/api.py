@@ -21,6 +21,7 @@ def flash_dma_attention(
     return_lse: bool = False,
     backend: str = "auto",
     deterministic: bool = False,
+    keep_window_size: Optional[int] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Attention with an additive bias and a boolean key mask, FlashAttention layout.
 
@@ -37,8 +38,15 @@ def flash_dma_attention(
         return_lse: also return the log-sum-exp (batch, num_heads, seqlen_q), float32
             (float64 for float64 inputs); -inf for rows that attend to nothing (their output is 0).
         backend: "auto", "cuda", "flex", "cpu" or "reference" (see available_backends()).
-        deterministic: accepted for FlashAttention compatibility; the flexdma kernels' backward
-            is deterministic either way.
+        deterministic: bitwise reproducible gradients. The dense-mask kernels are deterministic
+            either way; the per-key CUDA kernels (keep_window_size) are not, so with this flag a
+            per-key training call runs on the next backend that is.
+        keep_window_size: each query row keeps the `keep_window_size` keys with the highest
+            attn_bias among the keys it may see (causal cut, attn_mask), ties to the lower key
+            index: the mask `create_mask(attn_bias, keep_window_size, ...)` would build, without
+            building it. Needs a per-key attn_bias ({1|B}, {1|KVH|H}, 1, K); attn_mask may only drop
+            keys for every row ((B, K) or a query dim of 1). Memory O(Q + K) per bias plane, and
+            the CUDA kernels visit only the kept keys (flexdma/topk.py).
     """
     _checks.check_qkv(query, key, value)
     attn_mask = _checks.check_mask(attn_mask, query, key)
@@ -47,6 +55,13 @@ def flash_dma_attention(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     query, key, value = (_checks.last_dim_contiguous(t) for t in (query, key, value))
+    if keep_window_size is not None:
+        from . import topk
+
+        out, lse = topk.attention(query, key, value, attn_mask, attn_bias, topk.check_window(keep_window_size),
+                                  scale=scale, is_causal=is_causal, softcap=softcap, backend=backend,
+                                  deterministic=bool(deterministic))
+        return (out, lse) if return_lse else out
     requires_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, attn_bias))
     name = _dispatch.select(backend, query, key, value, attn_mask, attn_bias, is_causal=is_causal,

@@ -11,7 +11,8 @@ from .masks import create_mask
 
 
 def dynamic_bias(value: torch.Tensor, dt_proj: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """Per-key importance `A * softplus(v_flat @ dt_proj.T)` as a (B, KVH, 1, K) bias."""
+    """Per-key importance `exp(A * softplus(v_flat @ dt_proj.T))` as a (B, KVH, 1, K) bias: the
+    dynamic mask scores of the seed design and of transformers' Doge (`dt_states`)."""
     B, K, KVH, D = value.shape
     if dt_proj.shape != (KVH, KVH * D):
         raise ValueError(f"dt_proj must have shape {(KVH, KVH * D)}, got {tuple(dt_proj.shape)}")
@@ -20,7 +21,7 @@ def dynamic_bias(value: torch.Tensor, dt_proj: torch.Tensor, A: torch.Tensor) ->
     # Computed directly in (B, KVH, K) layout: elementwise ops on a transposed view get output
     # strides in eager that differ from the ones torch.compile's tracing predicts for their backward.
     dt = F.softplus(dt_proj.to(value.dtype) @ value.reshape(B, K, KVH * D).transpose(1, 2))  # (B, KVH, K)
-    return (A.to(value.dtype)[:, None] * dt).unsqueeze(2)
+    return torch.exp(A.to(value.dtype)[:, None] * dt).unsqueeze(2)
 
 
 def dynamic_mask_attention(
@@ -60,9 +61,15 @@ def dynamic_mask_attention(
     bias = dynamic_bias(value, dt_proj, A).to(query.dtype)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be a bool tensor, got {attn_mask.dtype}")
-    mask = create_mask(bias.detach(), keep_window_size, attn_mask=attn_mask, is_causal=is_causal,
-                       query_len=query.shape[1])
-    # create_mask already applied the causal cut; passing is_causal again keeps the kernels'
-    # causal tile skipping.
-    return flash_dma_attention(query, key, value, mask, bias, is_causal=is_causal,
-                               softmax_scale=softmax_scale, backend=backend)
+    if attn_mask is not None and attn_mask.dim() == 2:  # (batch, seqlen_k) padding mask
+        attn_mask = attn_mask[:, None, None, :]
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[2] > 1:
+        # A mask that differs by row (nn.MultiheadAttention's attn_mask): the selection depends on
+        # it row by row, so it is built densely.
+        mask = create_mask(bias.detach(), keep_window_size, attn_mask=attn_mask, is_causal=is_causal,
+                           query_len=query.shape[1])
+        return flash_dma_attention(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
+                                   backend=backend)
+    # The scores are per key: the selection is implicit (flexdma/topk.py), no Q x K mask is built.
+    return flash_dma_attention(query, key, value, attn_mask, bias, is_causal=is_causal,
+                               softmax_scale=softmax_scale, backend=backend, keep_window_size=keep_window_size)

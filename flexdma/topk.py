@@ -72,3 +72,107 @@ def keep_mask(sel: Selection, seqlen_q: int, seqlen_k: int, is_causal: bool) -> 
     if is_causal:
         keep = keep & causal_mask(seqlen_q, seqlen_k, device=keep.device)
     return keep
+
+
+def check_window(keep_window_size) -> int:
+    if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int) or keep_window_size <= 0:
+        raise ValueError(f"keep_window_size must be a positive int or None, got {keep_window_size!r}")
+    return keep_window_size
+
+
+def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor]) -> None:
+    """The per-key path's limits on the (already broadcast-checked, 4-D) mask and bias."""
+    if attn_bias is None:
+        raise ValueError("keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias of shape "
+                         "({1|B}, {1|KVH|H}, 1, K)")
+    if attn_bias.shape[2] != 1 or attn_bias.shape[3] == 1:
+        raise ValueError(f"keep_window_size needs a per-key attn_bias ({{1|B}}, {{1|KVH|H}}, 1, K) (one score per "
+                         f"key, shared by every query row), got shape {tuple(attn_bias.shape)}; for a bias that "
+                         "varies by row, build the mask with create_mask and pass it as attn_mask")
+    if attn_mask is not None and attn_mask.shape[2] != 1:
+        raise ValueError(f"with keep_window_size, attn_mask may only drop keys for every row (a (B, K) padding "
+                         f"mask or a query dim of 1), got shape {tuple(attn_mask.shape)}")
+
+
+def cuda_unsupported_reason(q: torch.Tensor) -> Optional[str]:
+    if q.device.type != "cuda":
+        return f"inputs are on {q.device.type}, not cuda"
+    try:
+        from . import _topk_triton  # noqa: F401
+    except ImportError as e:  # pragma: no cover - a torch without triton
+        return f"triton is unavailable ({e})"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (the per-key CUDA kernels take float16 and bfloat16)"
+    d = q.shape[-1]
+    if d < 16 or d > 256 or d & (d - 1):
+        return f"head_dim {d} (the per-key CUDA kernels take powers of two from 16 to 256)"
+    return None
+
+
+def attention(query, key, value, attn_mask, attn_bias, window: int, *, scale: float, is_causal: bool,
+              softcap: float, backend: str, deterministic: bool):
+    """(out, lse) of attention over each row's top `window` keys by the per-key attn_bias; inputs
+    validated by flexdma.api. No Q x K tensor on the cuda, cpu and flex backends."""
+    from . import _dispatch
+
+    check_operands(attn_mask, attn_bias)
+    Q, K, H = query.shape[1], key.shape[1], query.shape[2]
+    name = _select_backend(backend, query, key, value, attn_mask, attn_bias, is_causal, softcap, deterministic,
+                           _dispatch)
+    scores = selection_scores(attn_bias.detach(), attn_mask, H)
+    sel = select(scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]) if name == "cuda"
+                 else CPU_TILE_ROWS)
+    if name in ("cuda", "cpu"):
+        from . import _ops
+
+        out, lse, _ = _ops.topk_fwd(query, key, value, attn_bias, sel.key_rank, sel.row_thr, scale, is_causal,
+                                    softcap, bool(deterministic), sel.tile_keys if name == "cuda" else None)
+        return out, lse
+    if name == "flex":
+        from . import flex
+
+        return flex.flex_topk_attention(query, key, value, attn_bias, sel.key_rank, sel.row_thr, is_causal=is_causal,
+                                        softmax_scale=scale, softcap=softcap)
+    from .reference import attention_ref
+
+    return attention_ref(query, key, value, keep_mask(sel, Q, K, is_causal), attn_bias, is_causal=is_causal,
+                         softmax_scale=scale, softcap=softcap)
+
+
+def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, deterministic, _dispatch) -> str:
+    if backend not in _dispatch.BACKENDS:
+        raise ValueError(f"backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+
+    def why_not(name):
+        if name == "cuda":
+            why = cuda_unsupported_reason(q)
+            if why is None and deterministic and training:
+                why = "deterministic=True (the per-key CUDA backward accumulates with float atomics)"
+            return why
+        if name == "flex":
+            if q.device.type == "cpu" and training:
+                return "FlexAttention has no CPU backward for the per-key path"
+            return _dispatch.flex_unsupported_reason(q, k, v, None, bias, is_causal=is_causal, softcap=softcap,
+                                                     requires_grad=training)
+        if name == "cpu":
+            return _dispatch.unsupported_reason("cpu", q, k, v, None, bias, is_causal=is_causal, softcap=softcap,
+                                                requires_grad=training)
+        return None
+
+    if backend != "auto":
+        why = why_not(backend)
+        if why:
+            raise ValueError(f"backend={backend!r} cannot run this per-key (keep_window_size) call: {why}")
+        return backend
+    chain = ("cuda", "flex", "reference") if q.device.type == "cuda" else ("cpu", "reference")
+    first = None
+    for name in chain:
+        why = why_not(name)
+        if why is None:
+            if first is not None:
+                _dispatch._warn_once(f"flexdma: keep_window_size path falls back from {first[0]!r} to {name!r}: "
+                                     f"{first[1]}")
+            return name
+        first = first or (name, why)
+    raise AssertionError("unreachable: the reference supports every call")

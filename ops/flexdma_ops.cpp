@@ -43,6 +43,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
                   deterministic, tile_meta, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor); });
 }
 
+// tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
+// ranks and thresholds of each tile as it goes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
+    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap, bool /*deterministic*/,
+    const c10::optional<at::Tensor>& /*tile_keys*/) {
+  auto [out, lse] = topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
+                                  [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
+  return {out, lse, at::empty({0}, q.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
+    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
+  return topk_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+                       bias_requires_grad, deterministic, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor); });
+}
+
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with
 // mask[b, h, i, j] and, under causality, j <= i + K - Q.
 at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqlen_k, bool is_causal) {
@@ -120,6 +140,25 @@ TORCH_LIBRARY(flexdma, m) {
   m.def("topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
         "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
         {at::Tag::pt2_compliant_tag});
+  // fwd / bwd with a top-k selection in place of attn_mask: row i keeps key j iff
+  // key_rank[b, h, j] <= row_thr[b, h, i] (and causality). key_rank (1|B, 1|KVH|H, K) int32 ranks
+  // the keys of a selection plane (INT32_MAX: never kept), row_thr (1|B, 1|KVH|H, Q) int32 (-1:
+  // the row keeps nothing); attn_bias is per key, (1|B, 1|KVH|H, 1, K). tile_keys is for the
+  // CUDA kernels; other devices ignore it. out_resid is out's rounding error (out - float(out)
+  // rounded to out's dtype) where a kernel keeps out in float but returns it rounded (the CUDA
+  // one): the backward's rowsum(dout * out) needs out in float for a per-key dbias summed over
+  // every row. Empty where the backward recomputes that sum itself (CPU).
+  m.def(
+      "topk_fwd(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
+      "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor? tile_keys=None) "
+      "-> (Tensor out, Tensor lse, Tensor out_resid)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
+      "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
+      "bool bias_requires_grad, bool deterministic, Tensor? tile_keys=None, Tensor? out_resid=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
@@ -127,6 +166,8 @@ TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);
   m.impl("topk_select", &topk_select_cpu);
+  m.impl("topk_fwd", &topk_fwd_cpu);
+  m.impl("topk_bwd", &topk_bwd_cpu);
 }
 
 }  // namespace flexdma

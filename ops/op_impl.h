@@ -13,10 +13,13 @@ inline std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at
                                                    const c10::optional<at::Tensor>& bias, double softmax_scale,
                                                    bool is_causal, double softcap,
                                                    const c10::optional<at::Tensor>& tile_meta,
-                                                   const std::function<void(const FwdParams&)>& run) {
+                                                   const std::function<void(const FwdParams&)>& run,
+                                                   const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
   auto [out, lse] = alloc_fwd_outputs(q);
   FwdParams p;
   fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out, lse, tile_meta);
+  p.key_rank = key_rank;
+  p.row_thr = row_thr;
   if (out.numel() > 0) run(p);
   return {out, lse};
 }
@@ -26,7 +29,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta, const std::function<void(const BwdParams&)>& run,
-    bool device_stores_dbias_dtype = false) {
+    bool device_stores_dbias_dtype = false, const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -47,6 +50,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
                   softmax_d, deterministic, tile_meta);
+  p.key_rank = key_rank;
+  p.row_thr = row_thr;
   p.dbias_in_dtype = dbias_direct;
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);
@@ -56,6 +61,33 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   }
   at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);
   return {dq, dk, dv, dbias};
+}
+
+// flexdma::topk_fwd / topk_bwd: fwd / bwd with the top-k rank keep rule in place of a mask
+// (FwdParams::key_rank / row_thr) and a per-key bias. Their own checks run first, so that a
+// wrong plane or bias is reported as such.
+inline std::tuple<at::Tensor, at::Tensor> topk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& bias, const at::Tensor& key_rank,
+                                                        const at::Tensor& row_thr, double softmax_scale,
+                                                        bool is_causal, double softcap,
+                                                        const std::function<void(const FwdParams&)>& run) {
+  check_qkv(q, k, v);
+  FwdParams rule;
+  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  return fwd_impl(q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, c10::nullopt, run, rule.key_rank,
+                  rule.row_thr);
+}
+
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_impl(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
+    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false) {
+  check_qkv(q, k, v);
+  FwdParams rule;
+  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  return bwd_impl(dout, q, k, v, c10::nullopt, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
+                  deterministic, c10::nullopt, run, device_stores_dbias_dtype, rule.key_rank, rule.row_thr);
 }
 
 }  // namespace flexdma

