@@ -83,6 +83,9 @@ def check_mask(attn_mask, query, key) -> Optional[torch.Tensor]:
     if attn_mask.dtype != torch.bool:
         raise TypeError(f"attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; "
                         "pass additive float values as attn_bias")
+    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (query.shape[0], key.shape[1]) and query.shape[1] != query.shape[0]:
+        # A (batch, seqlen_k) padding mask (Hugging Face style): the same keys for every row.
+        attn_mask = attn_mask[:, None, None, :]
     return check_broadcast("attn_mask", attn_mask, query, key)
 
 

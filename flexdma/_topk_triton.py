@@ -137,7 +137,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     cap = list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
     thr = torch.empty(P1 * P2, Q, dtype=torch.int32, device=flat.device)
-    keys = torch.empty(P1 * P2, n_tiles, 1 + cap, dtype=torch.int32, device=flat.device)
+    keys = torch.zeros(P1 * P2, n_tiles, 1 + cap, dtype=torch.int32, device=flat.device)
     if n_tiles > 0 and P1 * P2 > 0:
         _select_kernel[(n_tiles, P1 * P2)](order, n_elig, ranks, thr, keys, Q, K, window, K - Q, n_tiles, cap,
                                            CAUSAL=bool(is_causal), TILE_ROWS=tile_rows, SCAN=1024, LB=64,

@@ -107,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor&
   auto opts = scores.options().dtype(at::kInt);
   at::Tensor key_rank = at::empty(scores.sizes(), opts);
   at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
-  at::Tensor tile_keys = at::empty({scores.size(0), scores.size(1), n_tiles, 1 + cap}, opts);
+  // Zero past each list's end, so the output is a function of the input (no stale memory).
+  at::Tensor tile_keys = at::zeros({scores.size(0), scores.size(1), n_tiles, 1 + cap}, opts);
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t pl = b; pl < e; ++pl)
       cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, cap,

@@ -1,0 +1,241 @@
+"""The per-key top-W path (flash_dma_attention(keep_window_size=W)) against create_mask + the
+float64 reference, on every backend that runs here; the selection op; the memory bound."""
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexdma
+from flexdma import topk
+from flexdma.reference import attention_ref
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _backends(device):
+    # FlexAttention compiles once per shape: on CUDA it runs on the cases marked below only.
+    return ["cpu", "reference"] if device == "cpu" else ["cuda"]
+
+
+# (B, Q, K, H, KVH, W, causal, bias heads, padding, empty rows)
+CASES = [
+    (1, 37, 37, 2, 1, 8, True, "1", False, False),
+    (2, 50, 70, 4, 2, 12, True, "KVH", True, False),
+    (2, 70, 50, 4, 2, 12, True, "H", False, False),  # Q > K: the first rows see nothing
+    (1, 1, 90, 4, 4, 16, True, "KVH", True, False),  # decode
+    (2, 33, 100, 4, 1, 200, True, "1", True, False),  # W >= K: every visible key
+    (1, 64, 64, 2, 2, 5, False, "H", True, False),
+    (2, 40, 40, 8, 2, 9, True, "KVH", True, True),  # a batch with every key padded
+    (1, 129, 129, 2, 1, 30, True, "1", False, False),
+]
+
+
+def _inputs(case, device, dtype, ties=True):
+    B, Q, K, H, KVH, W, causal, bh, padded, empty = case
+    q = torch.randn(B, Q, H, 16, dtype=torch.float64)
+    k = torch.randn(B, K, KVH, 16, dtype=torch.float64)
+    v = torch.randn(B, K, KVH, 16, dtype=torch.float64)
+    nb = {"1": 1, "KVH": KVH, "H": H}[bh]
+    bias = torch.randn(B if nb > 1 else 1, nb, 1, K, dtype=torch.float64) * 2
+    if ties:
+        bias[..., 3::7] = bias[..., 1:2]  # ties: the lower key index wins
+    pad = None
+    if padded:
+        pad = torch.rand(B, K) < 0.8
+        if empty:
+            pad[-1] = False
+    to = dict(device=device, dtype=dtype)
+    return (q.to(**to), k.to(**to), v.to(**to), bias.to(**to), None if pad is None else pad.to(device))
+
+
+def _dense(bias, pad, W, Q, causal):
+    m = None if pad is None else pad[:, None, None, :]
+    return flexdma.create_mask(bias.detach(), W, attn_mask=m, is_causal=causal, query_len=Q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
+def test_matches_create_mask_and_reference(device, case):
+    B, Q, K, H, KVH, W, causal, *_ = case
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q, k, v, bias, pad = _inputs(case, device, dtype)
+    mask = _dense(bias, pad, W, Q, causal)
+    grad = torch.randn(B, Q, H, 16, dtype=torch.float64, device=device)
+    ref = {}
+    for prec in (torch.float64, dtype):
+        ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
+        o, lse = attention_ref(ins[0], ins[1], ins[2], mask, ins[3], is_causal=causal)
+        gs = torch.autograd.grad(o, ins, grad.to(prec))
+        ref[prec] = (o, lse) + gs
+    backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] else [])
+    for backend in backends:
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = flexdma.flash_dma_attention(ins[0], ins[1], ins[2], pad, ins[3], is_causal=causal,
+                                               keep_window_size=W, return_lse=True, backend=backend)
+        got = (out, lse) + torch.autograd.grad(out, ins, grad.to(dtype))
+        for name, g, r, lo in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, ref[torch.float64], ref[dtype]):
+            assert g.shape == r.shape, (backend, name)
+            fin = torch.isfinite(r)
+            assert torch.equal(torch.isfinite(g), fin), (backend, name, "non-finite pattern")
+            err = (g.double() - r)[fin].abs().max().item() if fin.any() else 0.0
+            if dtype == torch.float64:
+                assert err < 1e-9, (backend, name, err)
+            else:
+                floor = 1e-2 if name == "dbias" else 1e-3
+                lo_err = (lo.double() - r)[fin].abs().max().item() if fin.any() else 0.0
+                assert err <= 2 * lo_err + floor, (backend, name, err, lo_err)
+        empty = torch.isneginf(ref[torch.float64][1])
+        assert (out.detach().transpose(1, 2)[empty] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_selection_is_the_dense_mask(device):
+    for case in CASES:
+        B, Q, K, H, KVH, W, causal, *_ = case
+        _, _, _, bias, pad = _inputs(case, device, torch.float32)
+        m = None if pad is None else pad[:, None, None, :]
+        scores = topk.selection_scores(bias, m, H)
+        rows = 64 if device == "cpu" else 32
+        sel = topk.select(scores, W, Q, causal, rows)
+        dense = topk.keep_mask(sel, Q, K, causal)
+        want = _dense(bias, pad, W, Q, causal)
+        shape = torch.broadcast_shapes(dense.shape, want.shape)
+        assert torch.equal(dense.expand(shape), want.expand(shape)), case
+        # Each tile's list holds every key some row of the tile keeps (and keys the last row sees
+        # within the tile's largest threshold), in rank order.
+        n = sel.tile_keys[..., 0]
+        for t in range(n.shape[-1]):
+            union = dense[:, :, t * rows:(t + 1) * rows].any(2)
+            for p1 in range(union.shape[0]):
+                for p2 in range(union.shape[1]):
+                    listed = sel.tile_keys[p1, p2, t, 1:1 + n[p1, p2, t]].long()
+                    assert set(union[p1, p2].nonzero().flatten().tolist()) <= set(listed.tolist())
+                    assert torch.all(sel.key_rank[p1, p2, listed].diff() > 0)
+        assert n.max() <= min(K, W + rows - 1)
+
+
+def test_cpu_and_cuda_selection_agree():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    scores = torch.randn(2, 3, 3000)
+    scores[..., ::11] = scores[..., 5:6]
+    scores[0, 1, ::3] = float("-inf")
+    for causal in (True, False):
+        for Q in (1, 1000, 3000):
+            a = topk.select(scores, 300, Q, causal, 32)
+            b = topk.select(scores.cuda(), 300, Q, causal, 32)
+            assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
+            n = a.tile_keys[..., 0]
+            assert torch.equal(n, b.tile_keys[..., 0].cpu())
+            for idx in n.flatten().nonzero().flatten().tolist()[:50]:
+                p1, p2, t = torch.unravel_index(torch.tensor(idx), n.shape)
+                m = int(n[p1, p2, t])
+                assert torch.equal(a.tile_keys[p1, p2, t, :1 + m], b.tile_keys[p1, p2, t, :1 + m].cpu())
+
+
+def test_gradcheck_fp64():
+    # No ties: finite differences of the bias must not change which keys are kept.
+    q, k, v, bias, pad = _inputs((2, 9, 11, 4, 2, 4, True, "KVH", True, False), "cpu", torch.float64, ties=False)
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+
+    def f(q, k, v, b):
+        return flexdma.flash_dma_attention(q, k, v, pad, b, is_causal=True, keep_window_size=4, backend="cpu")
+
+    assert torch.autograd.gradcheck(f, ins, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_flex_matches_in_inference():
+    case = (1, 40, 40, 2, 1, 7, True, "1", True, False)
+    q, k, v, bias, pad = _inputs(case, "cpu", torch.float32)
+    with torch.no_grad():
+        a = flexdma.flash_dma_attention(q, k, v, pad, bias, is_causal=True, keep_window_size=7, backend="flex")
+        b = flexdma.flash_dma_attention(q, k, v, pad, bias, is_causal=True, keep_window_size=7, backend="reference")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_q_by_k_tensor_at_16k():
+    L, W = 16384, 64
+    q = torch.randn(1, L, 1, 16)
+    k = torch.randn(1, L, 1, 16)
+    v = torch.randn(1, L, 1, 16)
+    bias = torch.randn(1, 1, 1, L)
+    with torch.no_grad(), _LargestTensor() as mode:
+        out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W, backend="cpu")
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    # The selection's tile lists are the largest: ceil(L / 64) x (W + 63) entries, far below L * L / 64.
+    assert mode.largest < L * L // 64, mode.largest
+    assert mode.largest <= (L // 64) * (W + 64) + L * 16
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(keep_window_size=0), "keep_window_size must be a positive int"),
+    (dict(keep_window_size=True), "keep_window_size must be a positive int"),
+    (dict(keep_window_size=4, attn_bias="none"), "needs a per-key attn_bias|pass a per-key attn_bias"),
+    (dict(keep_window_size=4, attn_bias="rows"), "needs a per-key attn_bias"),
+    (dict(keep_window_size=4, attn_mask="rows"), "attn_mask may only drop keys for every row"),
+    (dict(keep_window_size=4, backend="flex", train=True), "FlexAttention has no CPU backward"),
+])
+def test_rejected_inputs(kwargs, match):
+    q, k, v, bias, _ = _inputs((1, 8, 8, 2, 1, 4, True, "1", False, False), "cpu", torch.float32)
+    kw = dict(kwargs)
+    train = kw.pop("train", False)
+    mask = None
+    if kw.get("attn_bias") == "none":
+        bias = None
+    elif kw.get("attn_bias") == "rows":
+        bias = torch.randn(1, 1, 8, 8)
+    if kw.pop("attn_mask", None) == "rows":
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    kw.pop("attn_bias", None)
+    if train:
+        q.requires_grad_()
+    with pytest.raises(ValueError, match=match):
+        flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=True, **kw)
+
+
+def test_opcheck_topk_select():
+    scores = torch.randn(2, 3, 50)
+    scores[0, 0, ::4] = float("-inf")
+    for causal in (True, False):
+        torch.library.opcheck(torch.ops.flexdma.topk_select, (scores, 7, 40, causal, 16))
+
+
+def test_compile_fullgraph_and_export():
+    q, k, v, bias, pad = _inputs((2, 24, 24, 4, 2, 6, True, "KVH", True, False), "cpu", torch.float32)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, pad, bias):
+            return flexdma.flash_dma_attention(q, k, v, pad[:, None, None, :], bias, is_causal=True,
+                                               keep_window_size=6, backend="cpu")
+
+    eager = M()(q, k, v, pad, bias)
+    compiled = torch.compile(M(), fullgraph=True, backend="aot_eager")(q, k, v, pad, bias)
+    torch.testing.assert_close(compiled, eager)
+    ep = torch.export.export(M(), (q, k, v, pad, bias))
+    torch.testing.assert_close(ep.module()(q, k, v, pad, bias), eager)
+
+
+def test_dynamic_bias_matches_doge_formula():
+    B, K, KVH, D = 2, 10, 2, 8
+    v = torch.randn(B, K, KVH, D, dtype=torch.float64)
+    dt = torch.randn(KVH, KVH * D, dtype=torch.float64) * 0.3
+    A = torch.randn(KVH, dtype=torch.float64)
+    got = flexdma.dynamic.dynamic_bias(v, dt, A)
+    # transformers' Doge: exp(A * softplus(dt_proj(v_flat))), one score per key and kv head.
+    want = torch.exp(A * torch.nn.functional.softplus(v.reshape(B, K, KVH * D) @ dt.T)).transpose(1, 2)
+    torch.testing.assert_close(got[:, :, 0], want)
+    assert math.isfinite(got.sum().item())
