@@ -43,9 +43,8 @@ def check():
         km = topk.keep_mask(sel, L, L, causal)
         scale = 1 / math.sqrt(D)
         do = torch.randn_like(q)
-        out = torch.full_like(q, float("nan"))
-        out, lse = T.fwd(q, k, v, bias, *sel, scale, causal, 0.0)
-        dq, dk, dv, db = T.bwd(do, q, k, v, bias, *sel, out, lse, scale, causal, 0.0, True)
+        out, lse, res = T.fwd(q, k, v, bias, *sel, scale, causal, 0.0)
+        dq, dk, dv, db = T.bwd(do, q, k, v, bias, *sel, out, lse, scale, causal, 0.0, True, res)
         errs = {}
         for prec in (torch.float64, torch.bfloat16):
             ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
@@ -67,6 +66,9 @@ def check():
     return rows
 
 
+SWEEP = []
+
+
 def bench(lengths, Ws, Ds, model=True):
     rows = []
     cfgs = [(1, L, 2, 1, D, W, 1) for L in lengths for W in Ws for D in Ds]
@@ -81,9 +83,25 @@ def bench(lengths, Ws, Ds, model=True):
              "list_mean": sel.tile_keys[..., 0].float().mean().item(), "list_max": sel.tile_keys[..., 0].max().item()}
         r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
         r["fwd_ms"] = do_bench(lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0), warmup=25, rep=100)
-        out, lse = T.fwd(q, k, v, bias, *sel, scale, True, 0.0)
+        out, lse, res = T.fwd(q, k, v, bias, *sel, scale, True, 0.0)
         do = torch.randn_like(q)
-        r["bwd_ms"] = do_bench(lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True), warmup=10, rep=50)
+        r["bwd_ms"] = do_bench(lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res),
+                               warmup=10, rep=50)
+        for name, cfgs, fn in (("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
+                               ("bwd", T.BWD_CONFIG,
+                                lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res))):
+            if not SWEEP:
+                break
+            keep = dict(cfgs)
+            for cfg in SWEEP:
+                cfgs.clear()
+                cfgs.update(cfg)
+                try:
+                    r[f"{name}_sweep_{cfg['BN']}_{cfg['num_warps']}_{cfg['num_stages']}"] = do_bench(fn, warmup=5, rep=30)
+                except Exception as e:  # e.g. out of shared memory
+                    r[f"{name}_sweep_{cfg['BN']}_{cfg['num_warps']}_{cfg['num_stages']}"] = str(e)[:80]
+            cfgs.clear()
+            cfgs.update(keep)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         r["sdpa_fwd_ms"] = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True),
                                     warmup=10, rep=50)
@@ -94,8 +112,8 @@ def bench(lengths, Ws, Ds, model=True):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         s2 = _select(q, k, bias, W, True)
-        o2, l2 = T.fwd(q, k, v, bias, *s2, scale, True, 0.0)
-        T.bwd(do, q, k, v, bias, *s2, o2, l2, scale, True, 0.0, True)
+        o2, l2, r2 = T.fwd(q, k, v, bias, *s2, scale, True, 0.0)
+        T.bwd(do, q, k, v, bias, *s2, o2, l2, scale, True, 0.0, True, r2)
         r["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(r, flush=True)
         rows.append(r)
@@ -110,8 +128,11 @@ if __name__ == "__main__":
     ap.add_argument("--D", default="128")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-model", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time other launch configurations")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if a.sweep:
+        SWEEP.extend(dict(BN=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3))
     if a.check:
         res["check"] = check()
     res["bench"] = bench([int(x) for x in a.lengths.split(",")], [int(x) for x in a.W.split(",")],

@@ -29,6 +29,9 @@ _LOG2E = tl.constexpr(LOG2E)
 
 # Rows of q per program: PACK query heads x TILE_ROWS rows.
 BLOCK_M = 128
+# Launch configurations (module level so benchmarks/topk_dev.py can sweep them).
+FWD_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
 
 
 def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
@@ -320,7 +323,7 @@ def _geometry(q, k, bias, key_rank, tile_keys):
     return dict(
         args=(H, H // KVH, P2, H // P2, int(P1 > 1), H // bias.shape[1], int(bias.shape[0] > 1),
               Q, K, K - Q, n_tiles, tile_keys.shape[3] - 1),
-        meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows, BN=64),
+        meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows),
         grid=(n_tiles, B * H // pack),
     )
 
@@ -342,7 +345,7 @@ def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, s
         q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, resid,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out), bias.stride(0), bias.stride(1), bias.stride(3),
         *g["args"], softmax_scale * LOG2E, softcap,
-        **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, num_warps=8, num_stages=2)
+        **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, **FWD_CONFIG)
     return out, lse, resid
 
 
@@ -369,7 +372,7 @@ def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_sca
             bias.stride(3), db.stride(0), db.stride(1),
             *g["args"], softmax_scale * LOG2E, softcap, 0,
             **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DBIAS=bool(bias_requires_grad),
-            num_warps=8, num_stages=2)
+            **BWD_CONFIG)
     else:
         dq.zero_()
     dbias = db.view(bias.shape).to(bias.dtype) if bias_requires_grad else q.new_empty((0,))
