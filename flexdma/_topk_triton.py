@@ -30,8 +30,8 @@ _LOG2E = tl.constexpr(LOG2E)
 # Rows of q per program: PACK query heads x TILE_ROWS rows.
 BLOCK_M = 128
 # Launch configurations (module level so benchmarks/topk_dev.py can sweep them).
-FWD_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
-BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=2)
+FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
+BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
 
 
 def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
