@@ -51,8 +51,10 @@ def tile_rows_for(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
 
 # ----------------------------------------------------------------------------------- selection
 @triton.jit
-def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, off, n_tiles, cap,
-                   CAUSAL: tl.constexpr, TILE_ROWS: tl.constexpr, SCAN: tl.constexpr, LB: tl.constexpr):
+def _select_kernel(order_ptr, lvl_start_ptr, lvl_elig_ptr, rank_ptr, thr_ptr, keys_ptr, new_ptr,
+                   Q, K, W, off, n_tiles, cap, n_levels, lvl0,
+                   CAUSAL: tl.constexpr, TILE_ROWS: tl.constexpr, SCAN: tl.constexpr, LB: tl.constexpr,
+                   WIN: tl.constexpr):
     t = tl.program_id(0)
     pl = tl.program_id(1).to(tl.int64)
     r0 = t * TILE_ROWS
@@ -63,14 +65,23 @@ def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, 
     else:
         p_first = K - 1
         p_last = K - 1
-    n_e = tl.load(n_elig_ptr + pl)
-    order = order_ptr + pl * K
+    # The smallest prefix level that holds every key the tile's last row sees: its keys in rank
+    # order are the scan's input, so the scan reads about 2 W entries instead of W K / p_first.
+    lvl = tl.zeros([], tl.int32)
+    size = lvl0
+    while (lvl < n_levels - 1) & (size <= p_last):
+        lvl += 1
+        size = size * 2
+    order = order_ptr + tl.load(lvl_start_ptr + lvl).to(tl.int64) + pl * tl.load(lvl_start_ptr + n_levels + lvl)
+    n_e = tl.load(lvl_elig_ptr + pl * n_levels + lvl)
     ranks = rank_ptr + pl * K
     head = keys_ptr + (pl * n_tiles + t) * (1 + cap)
     lst = head + 1
+    newidx = new_ptr + (pl * n_tiles + t) * TILE_ROWS
 
-    # Candidates: ranks in order until the first row has seen W keys (then every row's threshold
-    # is at most that rank), keeping those the last row can see.
+    # Candidates, in rank order: until the first row has seen W keys (every row's threshold is at
+    # most that rank), the keys the last row can see. A key visible to the last row but not the
+    # first ("new", at most TILE_ROWS - 1) also leaves its list index in newidx.
     seen = tl.zeros([], tl.int32)
     n = tl.zeros([], tl.int32)
     r = tl.zeros([], tl.int32)
@@ -83,33 +94,59 @@ def _select_kernel(order_ptr, n_elig_ptr, rank_ptr, thr_ptr, keys_ptr, Q, K, W, 
         ok = before < W
         take = valid & (pos <= p_last) & ok
         take_i = take.to(tl.int32)
-        tl.store(lst + n + tl.cumsum(take_i, 0) - 1, pos, mask=take)
+        at = n + tl.cumsum(take_i, 0) - 1
+        tl.store(lst + at, pos, mask=take)
+        tl.store(newidx + (pos - p_first - 1), at, mask=take & (pos > p_first))
         n += tl.sum(take_i, 0)
         seen += tl.sum(base * ok.to(tl.int32), 0)
         r += SCAN
 
-    # Each row's threshold: the min(W, visible)-th smallest rank it sees (the list is in rank order).
+    # Row i's threshold is the rank where its count of visible listed keys reaches W (or its last
+    # visible one). Base keys (seen by the first row) are visible to every row and a row sees at
+    # most TILE_ROWS - 1 keys more than the first, so every threshold lies between the
+    # (W - TILE_ROWS + 1)-th base key and the W-th: a window of < 2 TILE_ROWS list entries.
+    # Pass 1 (1-D over the list) finds the window's start; pass 2 counts per row inside it.
+    s_need = W - TILE_ROWS + 1
+    nbase = tl.zeros([], tl.int32)
+    start = tl.full([], 2147483647, tl.int32)
+    last_base = tl.zeros([], tl.int32)
+    for e0 in range(0, n, LB):
+        e = e0 + tl.arange(0, LB)
+        ev = e < n
+        pos = tl.load(lst + e, mask=ev, other=_NEVER)
+        is_base = ev & (pos <= p_first)
+        cb = tl.cumsum(is_base.to(tl.int32), 0) + nbase
+        start = tl.minimum(start, tl.min(tl.where(is_base & (cb == s_need), e, 2147483647), 0))
+        last_base = tl.maximum(last_base, tl.max(tl.where(is_base, e, 0), 0))
+        nbase += tl.sum(is_base.to(tl.int32), 0)
+    full = start < 2147483647
+    # W < TILE_ROWS: new keys alone can fill a row, the window starts at the list's start. Fewer
+    # base keys than s_need: no row reaches W, each keeps up to its last visible key, and only
+    # new keys follow the last base key.
+    start = tl.where(s_need <= 0, 0, tl.where(full, start, last_base))
+    base_before = tl.where(s_need <= 0, 0, tl.where(full, s_need - 1, tl.maximum(nbase - 1, 0)))
+
     rows = r0 + tl.arange(0, TILE_ROWS)
     row_ok = rows < Q
     if CAUSAL:
         p_row = rows + off
     else:
         p_row = rows * 0 + (K - 1)
-    cnt = tl.zeros([TILE_ROWS], tl.int32)
-    thr = tl.full([TILE_ROWS], -1, tl.int32)
-    for e0 in range(0, n, LB):
-        e = e0 + tl.arange(0, LB)
-        ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=_NEVER)
-        rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
-        vis = (pos[None, :] <= p_row[:, None]) & ev[None, :]
-        vis_i = vis.to(tl.int32)
-        upto = tl.cumsum(vis_i, 1) + cnt[:, None]
-        thr = tl.maximum(thr, tl.max(tl.where(vis & (upto <= W), rk[None, :], -1), 1))
-        cnt += tl.sum(vis_i, 1)
+    # New keys listed before the window, per row: those at positions p_first < q <= p_row.
+    qn = tl.arange(0, TILE_ROWS)
+    at_n = tl.load(newidx + qn)
+    early = (at_n < start) & (qn[None, :] + p_first + 1 <= p_row[:, None])
+    cnt = base_before + tl.sum(early.to(tl.int32), 1)
+    e = start + tl.arange(0, WIN)
+    ev = e < n
+    pos = tl.load(lst + e, mask=ev, other=_NEVER)
+    rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
+    vis = (pos[None, :] <= p_row[:, None]) & ev[None, :]
+    upto = tl.cumsum(vis.to(tl.int32), 1) + cnt[:, None]
+    thr = tl.max(tl.where(vis & (upto <= W), rk[None, :], -1), 1)
     tl.store(thr_ptr + pl * Q + rows, thr, mask=row_ok)
 
-    # Keep the prefix of the list some row keeps.
+    # Keep the prefix of the list some row keeps (the list is in rank order).
     top = tl.max(tl.where(row_ok, thr, -1), 0)
     m = tl.zeros([], tl.int32)
     for e0 in range(0, n, LB):
@@ -129,22 +166,49 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     """(key_rank, row_thr, tile_keys) of every plane of scores (P1, P2, K) float32."""
     P1, P2, K = scores.shape
     Q = int(seqlen_q)
-    flat = scores.reshape(P1 * P2, K)
+    P = P1 * P2
+    flat = scores.reshape(P, K)
+    dev = flat.device
     # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
-    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices.to(torch.int32)
-    eligible = flat != float("-inf")
-    n_elig = eligible.sum(-1, dtype=torch.int32)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(1, order.long(), torch.arange(K, device=flat.device, dtype=torch.int32).expand(P1 * P2, K))
-    ranks.masked_fill_(~eligible, NEVER)
+    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
+    ranks = torch.empty(P, K, dtype=torch.int32, device=dev)
+    ranks.scatter_(1, order, torch.arange(K, device=dev, dtype=torch.int32).expand(P, K))
+    ranks.masked_fill_(flat == float("-inf"), NEVER)
+    # Prefix levels: the keys [0, T_l) in rank order for T_l = T_0 * 2^l, the last level all K.
+    # One sort over every level: its key is (level, rank).
+    lvl0 = max(2 * window, 2 * tile_rows, 1024)
+    sizes = []
+    while True:
+        sizes.append(min(K, lvl0 << len(sizes)))
+        if sizes[-1] >= K:
+            break
+    if is_causal and len(sizes) > 1:
+        pos = torch.cat([torch.arange(T, device=dev, dtype=torch.int32) for T in sizes])
+        lvl = torch.cat([torch.full((T,), i, device=dev, dtype=torch.int64) for i, T in enumerate(sizes)])
+        key = (lvl << 32) | ranks[:, pos.long()].long()
+        orders = pos[torch.sort(key, dim=-1).indices]
+    else:
+        sizes = [K]
+        orders = order
+    orders = orders.to(torch.int32).contiguous()
+    starts = [0]
+    for T in sizes[:-1]:
+        starts.append(starts[-1] + T)
+    # (start of level l within a plane's row, plane stride of the orders) for the kernel.
+    lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32, device=dev)
+    lvl_start[len(sizes):] = orders.shape[1]
+    elig = ranks != NEVER
+    csum = elig.cumsum(-1, dtype=torch.int32)
+    lvl_elig = csum[:, [T - 1 for T in sizes]].contiguous()
     cap = list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
-    thr = torch.empty(P1 * P2, Q, dtype=torch.int32, device=flat.device)
-    keys = torch.zeros(P1 * P2, n_tiles, 1 + cap, dtype=torch.int32, device=flat.device)
-    if n_tiles > 0 and P1 * P2 > 0:
-        _select_kernel[(n_tiles, P1 * P2)](order, n_elig, ranks, thr, keys, Q, K, window, K - Q, n_tiles, cap,
-                                           CAUSAL=bool(is_causal), TILE_ROWS=tile_rows, SCAN=1024, LB=64,
-                                           num_warps=4)
+    thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
+    keys = torch.zeros(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
+    newidx = torch.full((P, n_tiles, tile_rows), NEVER, dtype=torch.int32, device=dev)
+    if n_tiles > 0 and P > 0:
+        _select_kernel[(n_tiles, P)](orders, lvl_start, lvl_elig, ranks, thr, keys, newidx, Q, K, window, K - Q,
+                                     n_tiles, cap, len(sizes), lvl0, CAUSAL=bool(is_causal), TILE_ROWS=tile_rows,
+                                     SCAN=1024, LB=256, WIN=2 * tile_rows, num_warps=4)
     return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles, 1 + cap)
 
 
