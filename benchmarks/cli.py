@@ -2,7 +2,8 @@
 
 Subcommands: forward, backward (training lengths at W=1024), window (window sweep at one
 length, forward and backward), decode (one query, long keys), equivalence (agreement of every
-implementation with the float64 reference), all, report (regenerate RESULTS.md from the JSON).
+implementation with the float64 reference), topk (the per-key top-W path, keep_window_size, against
+dense SDPA and its peers; benchmarks/topk.py), all, report (regenerate RESULTS.md from the JSON).
 """
 from __future__ import annotations
 
@@ -348,7 +349,8 @@ def _finish(doc: dict, path: str, args) -> None:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("subcommand", choices=["forward", "backward", "window", "decode", "equivalence", "all", "report"])
+    ap.add_argument("subcommand", choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all",
+                                                   "report"])
     ap.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and PNG files (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset")
     ap.add_argument("--d", default=None, help="head dims, e.g. 64,128")
@@ -374,6 +376,11 @@ def main(argv=None) -> int:
     if args.subcommand == "report":
         path = report.write_results_md(args.results, args.md)
         print(f"wrote {path}")
+        return 0
+    if args.subcommand == "topk":
+        from . import topk
+
+        topk.main(args, environment(args.commit))
         return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
     biases = configs.parse_list(args.bias, configs.BIAS_KINDS) or list(configs.BIAS_KINDS)

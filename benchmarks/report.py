@@ -254,6 +254,9 @@ def write_results_md(results_dir: str, md_path: str) -> str:
         if doc.get("subcommand") != "equivalence":
             out += ["<details><summary>per-peer detail (TFLOP/s, GB/s, peak memory)</summary>", "",
                     timing_detail(doc), "", "</details>", ""]
+    from . import topk
+
+    out += topk.section(results_dir)
     with open(md_path, "w") as f:
         f.write("\n".join(out).rstrip() + "\n")
     return md_path

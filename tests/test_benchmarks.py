@@ -190,3 +190,19 @@ def test_equivalence_subcommand_on_cpu(tmp_path, capsys):
             assert r["status"] == "ok" and r["within_tol"], (peer, r)
             assert set(r) >= {"out", "dq", "dk", "dv", "dbias"} and r["out"]["rel"] < 0.02
     assert "bf16 eager reference" in capsys.readouterr().out
+
+
+def test_topk_benchmark_table_and_report_section(tmp_path):
+    from benchmarks import topk
+
+    doc = dict(schema=topk.SCHEMA, date="2026-11-23T00:00:00Z", gpu_short="h100", commit="abc1234", rows=[
+        dict(case=topk.cases(quick=True)[0], peers={
+            "flexdma": dict(fwd_ms=0.5, bwd_ms=1.0, fwd_bwd_ms=1.5, fwd_peak_mib=10.0, fwd_bwd_peak_mib=20.0),
+            "sdpa": dict(fwd_ms=1.0, bwd_ms=2.5, fwd_bwd_ms=3.5),
+            "flex": dict(error="RuntimeError: boom"),
+            "dense-mask": dict(skipped="the dense mask is 131072 x 131072 bools")}),
+        dict(case=topk.cases(quick=True)[-1], not_run="time budget")])
+    (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
+    md = "\n".join(topk.section(str(tmp_path)))
+    assert "0.500 / 1.000" in md and "2.00x / 2.50x" in md and "error: RuntimeError" in md
+    assert "not run: time budget" in md and "commit abc1234" in md
