@@ -129,12 +129,15 @@ if __name__ == "__main__":
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-model", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also time other launch configurations")
+    ap.add_argument("--check-only", action="store_true", help="only the checks (e.g. under compute-sanitizer)")
     a = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     if a.sweep:
         SWEEP.extend(dict(BN=bn, num_warps=w, num_stages=st) for bn in (64, 128) for w in (4, 8) for st in (2, 3))
     if a.check:
         res["check"] = check()
+    if a.check_only:
+        raise SystemExit(0 if all(r["ok"] for r in res.get("check", [])) else 1)
     res["bench"] = bench([int(x) for x in a.lengths.split(",")], [int(x) for x in a.W.split(",")],
                          [int(x) for x in a.D.split(",")], model=not a.no_model)
     if a.out:
