@@ -137,13 +137,13 @@ def _select_kernel(order_ptr, lvl_start_ptr, lvl_elig_ptr, rank_ptr, thr_ptr, ke
     at_n = tl.load(newidx + qn)
     early = (at_n < start) & (qn[None, :] + p_first + 1 <= p_row[:, None])
     cnt = base_before + tl.sum(early.to(tl.int32), 1)
-    e = start + tl.arange(0, WIN)
-    ev = e < n
-    pos = tl.load(lst + e, mask=ev, other=_NEVER)
-    rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
-    vis = (pos[None, :] <= p_row[:, None]) & ev[None, :]
+    ew = start + tl.arange(0, WIN)
+    evw = ew < n
+    posw = tl.load(lst + ew, mask=evw, other=_NEVER)
+    rkw = tl.load(ranks + posw, mask=evw, other=_NEVER)
+    vis = (posw[None, :] <= p_row[:, None]) & evw[None, :]
     upto = tl.cumsum(vis.to(tl.int32), 1) + cnt[:, None]
-    thr = tl.max(tl.where(vis & (upto <= W), rk[None, :], -1), 1)
+    thr = tl.max(tl.where(vis & (upto <= W), rkw[None, :], -1), 1)
     tl.store(thr_ptr + pl * Q + rows, thr, mask=row_ok)
 
     # Keep the prefix of the list some row keeps (the list is in rank order).
