@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -162,6 +163,28 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
     return min(K, window + tile_rows - 1)
 
 
+@functools.lru_cache(maxsize=64)
+def _levels(K: int, lvl0: int, device: torch.device):
+    """Static index tensors of the prefix levels [0, T_l), T_l = lvl0 * 2^l (the last one all K):
+    every level's key positions side by side, their level in the high 32 bits of the sort key,
+    each level's start, and the index of its last key."""
+    sizes = []
+    while True:
+        sizes.append(min(K, lvl0 << len(sizes)))
+        if sizes[-1] >= K:
+            break
+    pos = torch.cat([torch.arange(T, dtype=torch.int64) for T in sizes])
+    lvl_key = torch.cat([torch.full((T,), i << 32, dtype=torch.int64) for i, T in enumerate(sizes)])
+    starts = [0]
+    for T in sizes[:-1]:
+        starts.append(starts[-1] + T)
+    # Level starts, then the plane stride of the concatenated orders (one value a level).
+    lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32)
+    last = torch.tensor([T - 1 for T in sizes], dtype=torch.int64)
+    ar = torch.arange(K, dtype=torch.int32)
+    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, last, ar)) + (len(sizes),)
+
+
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int):
     """(key_rank, row_thr, tile_keys) of every plane of scores (P1, P2, K) float32."""
     P1, P2, K = scores.shape
@@ -169,37 +192,19 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     P = P1 * P2
     flat = scores.reshape(P, K)
     dev = flat.device
+    lvl0 = max(2 * window, 2 * tile_rows, 1024)
+    pos, pos32, lvl_key, lvl_start, last, ar, n_levels = _levels(K, lvl0 if is_causal else K, dev)
     # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
     ranks = torch.empty(P, K, dtype=torch.int32, device=dev)
-    ranks.scatter_(1, order, torch.arange(K, device=dev, dtype=torch.int32).expand(P, K))
+    ranks.scatter_(1, order, ar.expand(P, K))
     ranks.masked_fill_(flat == float("-inf"), NEVER)
-    # Prefix levels: the keys [0, T_l) in rank order for T_l = T_0 * 2^l, the last level all K.
-    # One sort over every level: its key is (level, rank).
-    lvl0 = max(2 * window, 2 * tile_rows, 1024)
-    sizes = []
-    while True:
-        sizes.append(min(K, lvl0 << len(sizes)))
-        if sizes[-1] >= K:
-            break
-    if is_causal and len(sizes) > 1:
-        pos = torch.cat([torch.arange(T, device=dev, dtype=torch.int32) for T in sizes])
-        lvl = torch.cat([torch.full((T,), i, device=dev, dtype=torch.int64) for i, T in enumerate(sizes)])
-        key = (lvl << 32) | ranks[:, pos.long()].long()
-        orders = pos[torch.sort(key, dim=-1).indices]
+    if n_levels > 1:
+        # Every level's keys in rank order, by one sort keyed by (level, rank).
+        orders = pos32[torch.sort(ranks[:, pos] + lvl_key, dim=-1).indices]
     else:
-        sizes = [K]
-        orders = order
-    orders = orders.to(torch.int32).contiguous()
-    starts = [0]
-    for T in sizes[:-1]:
-        starts.append(starts[-1] + T)
-    # (start of level l within a plane's row, plane stride of the orders) for the kernel.
-    lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32, device=dev)
-    lvl_start[len(sizes):] = orders.shape[1]
-    elig = ranks != NEVER
-    csum = elig.cumsum(-1, dtype=torch.int32)
-    lvl_elig = csum[:, [T - 1 for T in sizes]].contiguous()
+        orders = order.to(torch.int32)
+    lvl_elig = (ranks != NEVER).cumsum(-1, dtype=torch.int32)[:, last]
     cap = list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
@@ -207,7 +212,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     newidx = torch.full((P, n_tiles, tile_rows), NEVER, dtype=torch.int32, device=dev)
     if n_tiles > 0 and P > 0:
         _select_kernel[(n_tiles, P)](orders, lvl_start, lvl_elig, ranks, thr, keys, newidx, Q, K, window, K - Q,
-                                     n_tiles, cap, len(sizes), lvl0, CAUSAL=bool(is_causal), TILE_ROWS=tile_rows,
+                                     n_tiles, cap, n_levels, lvl0, CAUSAL=bool(is_causal), TILE_ROWS=tile_rows,
                                      SCAN=1024, LB=256, WIN=2 * tile_rows, num_warps=4)
     return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles, 1 + cap)
 
