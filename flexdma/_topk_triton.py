@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton
