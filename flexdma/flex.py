@@ -215,7 +215,10 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
             score = softcap * torch.tanh(score / softcap)
         if bias_at is not None:
             score = score + bias_at(b, h, q_idx, kv_idx).to(score.dtype)
-        return score
+        # Inductor's CPU kernel takes the row max over non-NaN scores only, so a row of NaN scores
+        # (a NaN query) would read as empty and give 0. As +inf it makes the row's output and LSE
+        # NaN, as in the reference. Masked keys are set to -inf after this, so they stay masked.
+        return torch.where(torch.isnan(score), float("inf"), score)
 
     # Bounds checks and clamps only where a tile can reach past the sequence end (Q, K are static
     # here). A clamped index hides the contiguity of kv_idx from Triton, so the mask loads lose
@@ -239,9 +242,8 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
 
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
     gqa = q.shape[1] != k.shape[1]
-    res = flex_attention(q, k, v, score_mod=score_mod if (bias is not None or softcap > 0) else None,
-                         block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=need_lse,
-                         kernel_options=kernel_options)
+    res = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+                         return_lse=need_lse, kernel_options=kernel_options)
     return res if need_lse else (res, None)
 
 
@@ -257,12 +259,13 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     B, Q, H, D = q.shape
     K = k.shape[1]
     row_bias = None
-    if bias is not None and bias.shape[3] == 1 and K > 1:
+    if bias is not None and bias.shape[3] == 1 and K > 1 and training and bias.requires_grad:
         # A bias constant along keys shifts a whole row's scores: the softmax (and out) ignore it,
         # only the LSE moves. Routing it through the score_mod makes FlexAttention sum dS over the
         # row in low precision, a cancellation that leaves O(1e-2) noise in dbias; adding it to
         # the LSE instead gives the exact gradient (d lse / d bias = 1 on rows with any key).
-        row_bias, bias = bias, None
+        # The LSE is then needed to tell rows with visible keys from empty ones.
+        row_bias, bias, need_lse = bias, None, True
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     # Built outside the compiled region, so that the graph holds flex_attention alone; the q side
     # is only read by the backward.
@@ -285,16 +288,28 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
         return out, None
     lse = lse.to(acc)
     if row_bias is not None:
-        from .reference import expand_heads
-        rb = expand_heads(row_bias, H)[..., 0].to(acc)  # ({1|B}, {1|H}, {1|Q})
-        # -inf rows (nothing visible) stay -inf; they contribute no gradient: torch.where.
-        lse = torch.where(torch.isinf(lse), lse, lse + rb)
-        if row_bias.requires_grad:
-            # Keep the bias in out's graph (zero gradient), as in the reference, so that
-            # autograd.grad(out, bias) works without allow_unused.
-            out = out + (row_bias.sum() * 0).to(out.dtype)
+        out, lse = _add_row_bias(out, lse, row_bias, H)
     # FlexAttention leaves rows with nothing visible at out 0 / lse -inf, the flexdma convention.
     return out, lse
+
+
+def _add_row_bias(out, lse, row_bias, H):
+    """Apply a bias constant along keys, ({1|B}, {1|KVH|H}, {1|Q}, 1), after the attention: it
+    moves the LSE of rows with visible keys; as in the reference a NaN / +inf one makes the row
+    NaN and a -inf one empties it."""
+    from .reference import expand_heads
+    rb = expand_heads(row_bias, H)[..., 0].to(lse.dtype)  # ({1|B}, {1|H}, {1|Q})
+    visible = lse != float("-inf")
+    # Rows with nothing visible stay -inf; they contribute no gradient: torch.where.
+    lse = torch.where(visible, lse + rb, lse)
+    poisoned = (visible & (torch.isnan(rb) | (rb == float("inf")))).transpose(1, 2).unsqueeze(-1)
+    emptied = (visible & (rb == float("-inf"))).transpose(1, 2).unsqueeze(-1)
+    out = out.masked_fill(poisoned, float("nan")).masked_fill(emptied, 0.0)
+    # Keep the bias in out's graph with a zero gradient, as in the reference, so that
+    # autograd.grad(out, bias) works without allow_unused. A where, not a product with 0, so
+    # that a NaN in the bias does not reach every row.
+    zero = torch.where(torch.zeros((), dtype=torch.bool, device=out.device), row_bias.sum(), 0.0)
+    return out + zero.to(out.dtype), lse
 
 
 class _FlexFwdOpBwd(torch.autograd.Function):
