@@ -54,20 +54,86 @@ def get_available_backends() -> List[str]:
     return [n for n in names if n != "reference"] or names
 
 
+# Additive masks mark dropped keys with a large negative number: finfo(dtype).min (transformers),
+# -1e30 / -1e4 (the seed, for bfloat16 / float16) or -inf. Values at or below this count as
+# dropped: exp() of them is 0 in every float dtype, so attention ignores them either way.
+ADDITIVE_DROP = -1e4
+
+
+def _values(t: torch.Tensor) -> str:
+    vals = torch.unique(t.detach().flatten()[:100_000].cpu())[:6].tolist()
+    return ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in vals)
+
+
+def _keep_flags(attention_mask: torch.Tensor, drop_at: float) -> torch.Tensor:
+    """A bool keep mask (True = attend) from a bool, 0/1 integer, 0/1 float or additive float mask."""
+    m = attention_mask
+    if m.dtype == torch.bool:
+        return m
+    if m.is_complex():
+        raise TypeError(f"attention_mask must be bool, integer or floating point, got {m.dtype}")
+    checking = not torch.compiler.is_compiling()  # the checks read values: eager only
+    if not m.is_floating_point():
+        if checking and not bool(((m == 0) | (m == 1)).all()):
+            raise ValueError(f"an integer attention_mask must hold keep flags, 1 = attend and 0 = masked (a "
+                             f"Hugging Face padding mask); got {m.dtype} values {_values(m[(m != 0) & (m != 1)])}")
+        return m != 0
+    flags = (m == 0) | (m == 1)
+    additive = (m == 0) | (m <= drop_at)
+    # 0/1 with some 1: keep flags. 0 / large negative: additive. All zeros is both; read as additive
+    # it keeps every key, read as flags it would keep none, so additive it is.
+    as_flags = flags.all() & (m == 1).any()
+    if checking and not bool(as_flags | additive.all()):
+        raise ValueError(
+            f"a floating-point attention_mask must hold keep flags (1 = attend, 0 = masked) or be additive "
+            f"(0 = attend, <= {drop_at:g} or -inf = masked); got {m.dtype} values "
+            f"{_values(m[~(flags | additive)])}")
+    return torch.where(as_flags, m == 1, m > drop_at)
+
+
+def _mask_4d(keep: torch.Tensor, batch_size: int, query_len: int, key_len: int) -> torch.Tensor:
+    if keep.dim() != 2:
+        return keep
+    # The seed's 2-D forms: a (batch, key_len) padding mask, or (batch, query_len) when the keys
+    # are a cache in front of the queries (the cached keys are kept).
+    if keep.shape[0] == batch_size and keep.shape[1] == key_len:
+        return keep[:, None, None, :]
+    if keep.shape[0] == batch_size and keep.shape[1] == query_len and query_len < key_len:
+        pad = keep.new_ones((batch_size, key_len - query_len))
+        return torch.cat((pad, keep), dim=1)[:, None, None, :]
+    raise ValueError(f"a 2-D attention_mask must be (batch_size, key_len) = ({batch_size}, {key_len}) or "
+                     f"(batch_size, query_len) = ({batch_size}, {query_len}), got {tuple(keep.shape)}")
+
+
 def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], batch_size: int,
                 query_len: int, key_len: int, window_size: int, min_dtype: Optional[float] = None,
                 block_size: Optional[int] = None, is_causal: bool = False) -> torch.Tensor:
-    """The seed's create_mask signature. `min_dtype` is accepted and unused: flexdma masks are bool.
+    """The seed's create_mask: a bool mask (True = attend), the top window_size keys per query row.
 
-    As in the seed, a float attention_mask is read as additive (keys with min_dtype / -inf are
-    masked) and a bool one as True = keep.
+    attention_mask: None, bool (True = attend), integer 0/1 or float 0/1 keep flags (Hugging Face
+    padding masks), or an additive float mask (0 = attend, masked keys at or below
+    min(min_dtype, -1e4) or -inf; an all-zero float mask keeps everything). Any other float values
+    raise a ValueError. Shapes: (batch_size, key_len), (batch_size, query_len) for queries at the
+    end of the keys, or 4-D broadcastable.
+    min_dtype: the seed's fill value for masked keys; flexdma masks are bool, so it only tells
+    which additive values mean "masked".
+    is_causal: also drop keys after each query (bottom-right aligned); flexdma's addition.
     """
+    if not isinstance(attention_bias, torch.Tensor):
+        raise TypeError(f"attention_bias must be a torch.Tensor, got {attention_bias.__class__.__name__}")
     if attention_bias.shape[-1] != key_len:
         raise ValueError(f"attention_bias key dim {attention_bias.shape[-1]} != key_len {key_len}")
     if attention_bias.shape[0] not in (1, batch_size):
         raise ValueError(f"attention_bias batch dim {attention_bias.shape[0]} must be 1 or batch_size {batch_size}")
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        floor = torch.finfo(attention_mask.dtype).min if min_dtype is None else min_dtype
-        attention_mask = attention_mask > floor
+    if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))
+                                  or not min_dtype < 0):
+        raise ValueError(f"min_dtype must be a negative number (e.g. torch.finfo(dtype).min) or None, "
+                         f"got {min_dtype!r}")
+    drop_at = ADDITIVE_DROP if min_dtype is None else max(float(min_dtype), ADDITIVE_DROP)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got "
+                            f"{attention_mask.__class__.__name__}")
+        attention_mask = _mask_4d(_keep_flags(attention_mask, drop_at), batch_size, query_len, key_len)
     return _create_mask(attention_bias, window_size, attn_mask=attention_mask, is_causal=is_causal,
                         query_len=query_len, block_size=block_size)
