@@ -1,10 +1,10 @@
 """flexdma.compat runs the seed project's (flash-dmattn) calls: its create_mask with every mask
-form the seed and transformers pass."""
+form the seed and transformers pass, its mask types, and its flash_dmattn_func call forms."""
 import pytest
 import torch
 
 import flexdma
-from flexdma.compat import create_mask, flash_dmattn_func
+from flexdma.compat import create_mask, flash_dmattn_func, flash_dmattn_func_auto
 
 B, Q, K, H, KVH, D = 2, 6, 40, 4, 2, 16
 
@@ -95,3 +95,72 @@ def test_create_mask_bad_attention_mask(mask, exc, pattern):
 def test_create_mask_bad_min_dtype():
     with pytest.raises(ValueError, match=r"min_dtype must be a negative number .* got 5"):
         create_mask(torch.randn(B, 1, Q, K), None, B, Q, K, window_size=4, min_dtype=5)
+
+
+# ------------------------------------------------------------------ mask types
+def test_create_mask_relu_type():
+    bias = torch.randn(B, KVH, Q, K)
+    keep = _padding()
+    m = create_mask(bias, keep.long(), B, Q, K, window_size=4, type="relu")
+    assert torch.equal(m, (bias > 0) & keep[:, None, None, :])
+    m = create_mask(bias, None, B, Q, K, window_size=4, type="relu", is_causal=True)
+    assert torch.equal(m, (bias > 0) & flexdma.reference.causal_mask(Q, K))
+
+
+def test_create_mask_relu_block_size_smooths_but_keeps_masked_keys_out():
+    bias = torch.tensor([[[[1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0, -1.0, 1.0, 1.0]]]])
+    m = create_mask(bias, None, 1, 1, 10, window_size=4, block_size=4, type="relu")
+    # blocks [0:4] 3 of 4 kept -> whole, [4:8] 1 of 4 -> none, tail [8:10] 2 of 2 -> whole
+    assert m[0, 0, 0].tolist() == [True] * 4 + [False] * 4 + [True] * 2
+    pad = torch.ones(1, 10, dtype=torch.bool)
+    pad[0, 2] = False
+    m = create_mask(bias.abs(), pad, 1, 1, 10, window_size=4, block_size=4, type="relu")
+    assert not m[0, 0, 0, 2] and m[0, 0, 0, :2].all() and m[0, 0, 0, 3:].all()
+
+
+def test_create_mask_unknown_type_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"type must be one of 'topk', 'relu' \(the seed's mask types\), got 'sigmoid'"):
+        create_mask(torch.randn(B, 1, Q, K), None, B, Q, K, window_size=4, type="sigmoid")
+
+
+# ------------------------------------------------------------------ flash_dmattn_func call forms
+def _qkv(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*s, generator=g).to(dtype) for s in ((B, Q, H, D), (B, K, KVH, D), (B, K, KVH, D)))
+
+
+def test_flash_dmattn_func_q_k_v_keywords():
+    q, k, v = _qkv()
+    out = flash_dmattn_func(q=q, k=k, v=v, is_causal=True, backend="reference")
+    torch.testing.assert_close(out, flexdma.flash_dma_attention(q, k, v, is_causal=True, backend="reference"))
+    with pytest.raises(TypeError, match="flash_dmattn_func got both query= and q=; pass one of them"):
+        flash_dmattn_func(q, k, v, q=q)
+    with pytest.raises(TypeError, match=r"flash_dmattn_func is missing value \(or v=\)"):
+        flash_dmattn_func(q=q, k=k)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_dmattn_func_float32_bias_with_low_precision_query(dtype):
+    backend = "cpu" if "cpu" in flexdma.available_backends() else "reference"
+    q, k, v = _qkv(dtype)
+    bias = torch.randn(B, KVH, 1, K, requires_grad=True)
+    out = flash_dmattn_func(q, k, v, attn_bias=bias, is_causal=True, backend=backend)
+    assert out.dtype == dtype
+    ref = flexdma.flash_dma_attention(q, k, v, None, bias.detach().to(dtype), is_causal=True, backend=backend)
+    torch.testing.assert_close(out, ref)
+    out.float().square().sum().backward()
+    assert bias.grad.dtype == torch.float32 and bias.grad.shape == bias.shape
+
+
+def test_flash_dmattn_func_returns_lse_like_the_seed():
+    q, k, v = _qkv()
+    bias = torch.randn(B, KVH, Q, K)
+    out, lse, probs = flash_dmattn_func(q, k, v, None, bias, is_causal=True, return_attn_probs=True,
+                                        backend="reference")
+    ref, ref_lse = flexdma.attention_ref(q, k, v, None, bias, is_causal=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    assert lse.shape == (B, H, Q) and lse.dtype == torch.float32 and probs is None
+    out2, lse2, _ = flash_dmattn_func_auto(backend="reference")(query=q, key=k, value=v, attn_bias=bias,
+                                                                is_causal=True, return_attn_probs=True)
+    torch.testing.assert_close(lse2, ref_lse)
