@@ -20,6 +20,38 @@ def _qkv(B=3, Q=5, K=7, H=4, KVH=2, D=16, requires_grad=False):
                  for s in ((B, Q, H, D), (B, K, KVH, D), (B, K, KVH, D)))
 
 
+# ---------------------------------------------------------------- (batch, key) padding mask
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_mask_2d_is_a_batch_key_mask(backend):
+    q, k, v = _qkv()
+    pad = torch.ones(3, 7, dtype=torch.bool)
+    pad[1, :3] = False
+    out = flexdma.flash_dma_attention(q, k, v, pad, backend=backend)
+    ref = flexdma.flash_dma_attention(q, k, v, pad[:, None, None, :], backend=backend)
+    torch.testing.assert_close(out, ref)
+
+
+def test_padding_mask_2d_ambiguous_or_not_bool():
+    q, k, v = _qkv(B=5, Q=5)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(5, 7\) is ambiguous: batch and seqlen_q are both 5"):
+        flexdma.flash_dma_attention(q, k, v, torch.ones(5, 7, dtype=torch.bool))
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"got torch.int64; a 0/1 padding mask becomes one with attn_mask.bool\(\)"):
+        flexdma.flash_dma_attention(q, k, v, torch.ones(3, 7, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- empty sequences
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("Q, K", [(0, 7), (0, 0), (5, 0)])
+def test_empty_sequences_backward(backend, Q, K):
+    q, k, v = _qkv(Q=Q, K=K, requires_grad=True)
+    bias = torch.randn(3, 2, Q, K, requires_grad=True)
+    out = flexdma.flash_dma_attention(q, k, v, None, bias, backend=backend)
+    out.sum().backward()  # grad_out is a broadcast scalar: strides 0
+    for t in (q, k, v, bias):
+        assert t.grad.shape == t.shape and not t.grad.any()
+
+
 # ---------------------------------------------------------------- compiler and FlexAttention warnings
 def test_compile_traces_the_api_without_dynamo_warnings(monkeypatch):
     # dynamo warns once per process: forget what it warned before this test
