@@ -64,3 +64,19 @@ def test_compile_traces_the_api_without_dynamo_warnings(monkeypatch):
         warnings.simplefilter("always")
         f(q, k, v)
     assert not [str(w.message) for w in rec if "lru_cache" in str(w.message)]
+
+
+# ---------------------------------------------------------------- command line
+def test_python_m_flexdma_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        flexdma_main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m flexdma") and "self-check" in out and "max err" not in out
+
+
+def test_python_m_flexdma_unknown_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        flexdma_main(["--fast"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --fast" in capsys.readouterr().err
