@@ -20,7 +20,7 @@ import operator
 from typing import Optional, Tuple
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
 try:
     from . import _block_tiles
@@ -242,9 +242,12 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
 
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
     gqa = q.shape[1] != k.shape[1]
-    res = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
-                         return_lse=need_lse, kernel_options=kernel_options)
-    return res if need_lse else (res, None)
+    if need_lse:
+        out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+                                  kernel_options=kernel_options, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+                          kernel_options=kernel_options), None
 
 
 _RECOMPILE_LIMIT = 128
@@ -253,6 +256,14 @@ _RECOMPILE_LIMIT = 128
 @functools.lru_cache(None)
 def _compiled():
     return torch.compile(_attend, dynamic=False, fullgraph=True)
+
+
+@functools.lru_cache(None)
+def _traced_unfused():
+    # Inductor's CPU FlexAttention has no LSE and no backward, so those calls run flex_attention
+    # unfused. Traced by dynamo with the eager backend, that is the computation flex_attention
+    # runs when called eagerly, minus its warning that asks for torch.compile.
+    return torch.compile(_attend, backend="eager", dynamic=False, fullgraph=True)
 
 
 def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True):
@@ -275,13 +286,13 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     # when no LSE is needed, else run FlexAttention eagerly.
     compile_ok = q.device.type == "cuda" or not need_lse
     args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
-    if compile_ok and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        out, lse = _attend(*args)
+    else:
         # One compiled graph per shape family, all of them code of _attend: dynamo's default
         # limit of 8 would make the 9th shape a hard error under fullgraph.
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            out, lse = _compiled()(*args)
-    else:
-        out, lse = _attend(*args)
+            out, lse = (_compiled() if compile_ok else _traced_unfused())(*args)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = out.transpose(1, 2)
     if lse is None:

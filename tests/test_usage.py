@@ -66,6 +66,24 @@ def test_compile_traces_the_api_without_dynamo_warnings(monkeypatch):
     assert not [str(w.message) for w in rec if "lru_cache" in str(w.message)]
 
 
+def test_flex_backend_uses_the_current_flex_attention_api(monkeypatch):
+    if "flex" not in flexdma.available_backends():
+        pytest.skip("FlexAttention is unavailable")
+    import torch.nn.attention.flex_attention as fa
+    monkeypatch.setattr(fa, "_WARNINGS_SHOWN", set())  # FlexAttention warns once per process
+    q, k, v = _qkv(Q=16, K=16)
+    bias = torch.randn(3, 2, 16, 16)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            flexdma.flash_dma_attention(q, k, v, None, bias, backend="flex")  # compiled by flexdma
+        flexdma.flash_dma_attention(q, k, v, None, bias, backend="flex", return_lse=True)  # LSE: unfused on CPU
+        qg = q.clone().requires_grad_()
+        flexdma.flash_dma_attention(qg, k, v, None, bias, backend="flex").sum().backward()
+    msgs = [str(w.message) for w in rec]
+    assert not [m for m in msgs if "return_lse is deprecated" in m or "called without torch.compile" in m], msgs
+
+
 # ---------------------------------------------------------------- command line
 def test_python_m_flexdma_help(capsys):
     with pytest.raises(SystemExit) as e:
