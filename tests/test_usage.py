@@ -98,3 +98,13 @@ def test_python_m_flexdma_unknown_flag(capsys):
         flexdma_main(["--fast"])
     assert e.value.code == 2
     assert "unrecognized arguments: --fast" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- README
+def test_readme_states_what_attention_ref_returns():
+    assert re.search(r"`flexdma\.attention_ref\(.*\)` .*returns `\(out, lse\)`", README)
+
+
+def test_readme_says_register_comes_before_attn_implementation():
+    assert 'Without `register()` transformers rejects the name ("Specified `attn_implementation="flexdma"` ' \
+           'is not supported")' in README
