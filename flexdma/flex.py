@@ -97,27 +97,38 @@ def _causal_tiles(Q: int, K: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     return k0 <= q1 + off, k1 <= q0 + off
 
 
-def _recount_diagonal(mask: torch.Tensor, any_: torch.Tensor, diag: torch.Tensor, Q: int, K: int) -> torch.Tensor:
-    """any_ with the (nq, nk) tiles in `diag` recomputed as any(mask & causal) over the tile;
-    only about two tiles per query tile, so this gathers O(Q * 128) entries."""
-    ii, jj = diag.nonzero(as_tuple=True)
-    if ii.numel() == 0:
-        return any_
+def _recount_diagonal(mask: torch.Tensor, any_: torch.Tensor, Q: int, K: int) -> torch.Tensor:
+    """any_ with the tiles the causal edge cuts recomputed as any(mask & causal) over the tile.
+
+    The edge of query tile i crosses keys (q0 + off, q1 + off], fewer than 128, so at most two
+    key tiles: the one holding key q0 + off + 1 and the next. Those 2 * nq candidates are a
+    count fixed by the shapes (no nonzero(), whose data-dependent size torch.compile cannot
+    trace); the ones the edge does not cut change nothing. This gathers O(Q * 128) entries."""
     b, h, mq, mk = mask.shape
-    nq, nk = diag.shape
-    r = torch.arange(BLOCK, device=mask.device)
+    nq, nk = -(-Q // BLOCK), -(-K // BLOCK)
+    off = K - Q
+    dev = mask.device
+    qt = torch.arange(nq, device=dev)
+    first = torch.div(qt * BLOCK + off + 1, BLOCK, rounding_mode="floor")
+    ii, jj = torch.cat((qt, qt)), torch.cat((first, first + 1))  # (n,), n = 2 * nq
+    q0, k0 = ii * BLOCK, jj * BLOCK
+    q1, k1 = torch.clamp(q0 + BLOCK - 1, max=Q - 1), torch.clamp(k0 + BLOCK - 1, max=K - 1)
+    cut = (jj >= 0) & (jj < nk) & (k0 <= q1 + off) & (k1 > q0 + off)  # (n,)
+    jj = jj.clamp(0, nk - 1)
+    r = torch.arange(BLOCK, device=dev)
     rows = ii[:, None] * BLOCK + r  # (n, 128) query index
     cols = jj[:, None] * BLOCK + r  # (n, 128) key index
-    keep = (cols[:, None, :] <= rows[:, :, None] + (K - Q)) & (rows[:, :, None] < Q) & (cols[:, None, :] < K)
+    keep = (cols[:, None, :] <= rows[:, :, None] + off) & (rows[:, :, None] < Q) & (cols[:, None, :] < K)
     rows_c, cols_c = rows.clamp(max=Q - 1), cols.clamp(max=K - 1)
     if mq == 1:
         m = mask[:, :, 0][:, :, cols_c][:, :, :, None, :]  # (b, h, n, 1, 128)
     else:
         m = mask[:, :, rows_c[:, :, None], cols_c[:, None, :]]  # (b, h, n, 128, 128)
-    hit = (m & keep).flatten(-2).any(-1)  # (b, h, n)
-    any_ = any_.expand(b, h, nq, nk).clone()
-    any_[:, :, ii, jj] = any_[:, :, ii, jj] & hit
-    return any_
+    drop = cut & ~(m & keep).flatten(-2).any(-1)  # (b, h, n): cut tiles with nothing kept
+    # Scattered by addition: an uncut candidate adds 0 wherever its clamped index points.
+    dropped = torch.zeros(nq, nk, b * h, dtype=torch.int32, device=dev)
+    dropped.index_put_((ii, jj), drop.reshape(b * h, -1).t().to(torch.int32), accumulate=True)
+    return any_ & (dropped == 0).permute(2, 0, 1).reshape(b, h, nq, nk)
 
 
 def _tile_flags_torch(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: bool, device):
@@ -136,7 +147,7 @@ def _tile_flags_torch(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: b
         if mask is not None:
             # Tiles the causal edge cuts: recount them exactly (mask & causal), or a tile whose
             # kept entries all lie above the diagonal would be visited for nothing.
-            any_ = _recount_diagonal(mask, any_, c_any & ~c_all, Q, K)
+            any_ = _recount_diagonal(mask, any_, Q, K)
     # Tiles cut by the sequence end stay partial: flex masks the tail, the mask_mod decides.
     q_in = torch.arange(nq, device=device)[:, None] < Q // BLOCK
     k_in = torch.arange(nk, device=device)[None, :] < K // BLOCK
