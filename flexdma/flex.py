@@ -294,7 +294,7 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     tensors = _block_tensors(mask, Q, K, H, is_causal, need_q=training, device=q.device)
     opts = _kernel_options(q.device, training)
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
-    # when no LSE is needed, else run FlexAttention eagerly.
+    # when no LSE is needed, else run FlexAttention unfused (_traced_unfused).
     compile_ok = q.device.type == "cuda" or not need_lse
     args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse)
     if torch.compiler.is_compiling():
