@@ -175,7 +175,7 @@ def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Ten
 
     attention_mask: None, bool (True = attend), integer 0/1 or float 0/1 keep flags (Hugging Face
     padding masks), or an additive float mask (0 = attend, masked keys at or below
-    min(min_dtype, -1e4) or -inf; an all-zero float mask keeps everything). Any other float values
+    max(min_dtype, -1e4) or -inf; an all-zero float mask keeps everything). Any other float values
     raise a ValueError. Shapes: (batch_size, key_len), (batch_size, query_len) for queries at the
     end of the keys, or 4-D broadcastable.
     min_dtype: the seed's fill value for masked keys; flexdma masks are bool, so it only tells
