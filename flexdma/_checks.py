@@ -76,17 +76,28 @@ def check_broadcast(name: str, t: torch.Tensor, query: torch.Tensor, key: torch.
     return t
 
 
+def padding_mask_2d(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """A 2-D mask of batch rows is a (batch, key) padding mask; other 2-D masks are (query, key)."""
+    B, Q = query.shape[0], query.shape[1]
+    if attn_mask.dim() != 2 or attn_mask.shape[0] != B or B == 1:
+        return attn_mask
+    if B == Q:
+        raise ValueError(
+            f"attn_mask of shape {_shape(attn_mask)} is ambiguous: batch and seqlen_q are both {B}; pass "
+            f"attn_mask[:, None, None, :] for a (batch, key) padding mask or attn_mask[None, None] for a "
+            f"(query, key) mask")
+    return attn_mask[:, None, None, :]
+
+
 def check_mask(attn_mask, query, key) -> Optional[torch.Tensor]:
     if attn_mask is None:
         return None
     check_tensor("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool:
-        raise TypeError(f"attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; "
-                        "pass additive float values as attn_bias")
-    if attn_mask.dim() == 2 and tuple(attn_mask.shape) == (query.shape[0], key.shape[1]) and query.shape[1] != query.shape[0]:
-        # A (batch, seqlen_k) padding mask (Hugging Face style): the same keys for every row.
-        attn_mask = attn_mask[:, None, None, :]
-    return check_broadcast("attn_mask", attn_mask, query, key)
+        hint = ("pass additive float values as attn_bias" if attn_mask.is_floating_point()
+                else "a 0/1 padding mask becomes one with attn_mask.bool()")
+        raise TypeError(f"attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; {hint}")
+    return check_broadcast("attn_mask", padding_mask_2d(attn_mask, query), query, key)
 
 
 def check_bias(attn_bias, query, key) -> Optional[torch.Tensor]:

@@ -5,7 +5,6 @@ reference last. On CPU the C++ kernel of the op family. Each fallback is warned 
 """
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -30,14 +29,24 @@ def _warn_once(msg: str) -> bool:
     return True
 
 
-@functools.lru_cache(None)
+# Cached by hand, not with functools.lru_cache: torch.compile traces these on every call of the
+# API and warns about (and ignores) an lru_cache wrapper; a plain module global is read as a constant.
+_UNSET = object()
+_ops_state = _UNSET
+_flex_state = _UNSET
+
+
 def _ops_loaded() -> Optional[str]:
     """None when the C++ op family loaded, else why not."""
-    try:
-        from . import _ops  # noqa: F401
-    except Exception as e:  # pragma: no cover - only without a built extension
-        return f"the C++ extension flexdma._C did not load ({e})"
-    return None
+    global _ops_state
+    if _ops_state is _UNSET:
+        try:
+            from . import _ops  # noqa: F401
+        except Exception as e:  # pragma: no cover - only without a built extension
+            _ops_state = f"the C++ extension flexdma._C did not load ({e})"
+        else:
+            _ops_state = None
+    return _ops_state
 
 
 def _build_info():
@@ -48,13 +57,16 @@ def _build_info():
     return info
 
 
-@functools.lru_cache(None)
 def _flex_module():
-    try:
-        from . import flex
-    except Exception as e:  # pragma: no cover - torch without FlexAttention
-        return None, f"FlexAttention is unavailable ({e})"
-    return flex, None
+    global _flex_state
+    if _flex_state is _UNSET:
+        try:
+            from . import flex
+        except Exception as e:  # pragma: no cover - torch without FlexAttention
+            _flex_state = (None, f"FlexAttention is unavailable ({e})")
+        else:
+            _flex_state = (flex, None)
+    return _flex_state
 
 
 def available_backends() -> List[str]:

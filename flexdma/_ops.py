@@ -78,7 +78,9 @@ def _backward(ctx, grad_out, grad_lse):
     q, k, v, attn_mask, attn_bias, out, lse, tile_meta = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+        # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
+        # as contiguous whatever its strides, and the kernels check head_dim's stride.
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     dq, dk, dv, dbias = bwd(grad_out, q, k, v, attn_mask, attn_bias, out, lse, ctx.softmax_scale, ctx.is_causal,
                             ctx.softcap, bias_grad, ctx.deterministic, tile_meta)
     return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None

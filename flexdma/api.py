@@ -29,7 +29,8 @@ def flash_dma_attention(
         query: (batch, seqlen_q, num_heads, head_dim).
         key, value: (batch, seqlen_k, num_kv_heads, head_dim); num_heads % num_kv_heads == 0 (GQA/MQA).
         attn_mask: bool, True = attend; broadcastable as ({1|B}, {1|KVH|H}, {1|Q}, {1|K}), fewer
-            dims are left-padded with 1. Never expanded to full size.
+            dims are left-padded with 1, except a 2-D mask of B rows (B > 1): that is a (batch, key)
+            padding mask. Never expanded to full size.
         attn_bias: added to the scores (after softcap), same dtype as query, same broadcast rules.
             Gets a gradient in its own shape when it requires grad.
         is_causal: causal mask aligned to the bottom-right corner when seqlen_q != seqlen_k.

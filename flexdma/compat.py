@@ -11,6 +11,7 @@ import torch
 from ._dispatch import available_backends
 from .api import flash_dma_attention
 from .masks import create_mask as _create_mask
+from .reference import causal_mask
 
 __all__ = ["flash_dmattn_func", "flash_dmattn_func_auto", "get_available_backends", "create_mask"]
 
@@ -20,17 +21,41 @@ _SEED_BACKENDS = {"cuda": "cuda", "triton": "flex", "flex": "flex", "auto": "aut
                   "reference": "reference"}
 
 
-def flash_dmattn_func(query, key, value, attn_mask=None, attn_bias=None, scale=None, is_causal=None,
+def _one_of(name: str, value, alias: str, alias_value):
+    if value is not None and alias_value is not None:
+        raise TypeError(f"flash_dmattn_func got both {name}= and {alias}=; pass one of them")
+    if value is None and alias_value is None:
+        raise TypeError(f"flash_dmattn_func is missing {name} (or {alias}=)")
+    return value if value is not None else alias_value
+
+
+def flash_dmattn_func(query=None, key=None, value=None, attn_mask=None, attn_bias=None, scale=None, is_causal=None,
                       softcap=None, deterministic=None, return_attn_probs=None, *, softmax_scale=None,
-                      backend: str = "auto"):
-    """flash-dmattn's function: (batch, seqlen, heads, head_dim) tensors, returns the output."""
-    if return_attn_probs:
-        raise ValueError("return_attn_probs=True is not supported: attention probabilities are never materialised")
+                      backend: str = "auto", q=None, k=None, v=None):
+    """flash-dmattn's function: (batch, seqlen, heads, head_dim) tensors, returns the output.
+
+    As in the seed: query / key / value may be passed as q= / k= / v=; a float32 attn_bias with a
+    float16 / bfloat16 query is cast to the query's dtype (one cast per call, its gradient comes
+    back in float32); return_attn_probs=True returns (out, softmax_lse, S_dmask) with the LSE
+    (batch, heads, seqlen_q) in float32 (float64 for float64 inputs) and S_dmask None, since the
+    attention probabilities are never materialised.
+    """
+    query = _one_of("query", query, "q", q)
+    key = _one_of("key", key, "k", k)
+    value = _one_of("value", value, "v", v)
     if scale is not None and softmax_scale is not None and scale != softmax_scale:
         raise ValueError(f"scale={scale} and softmax_scale={softmax_scale} disagree")
-    return flash_dma_attention(query, key, value, attn_mask, attn_bias, is_causal=bool(is_causal),
-                               softmax_scale=softmax_scale if softmax_scale is not None else scale,
-                               softcap=softcap or 0.0, deterministic=bool(deterministic), backend=backend)
+    if (isinstance(attn_bias, torch.Tensor) and isinstance(query, torch.Tensor) and attn_bias.dtype == torch.float32
+            and query.dtype in (torch.float16, torch.bfloat16)):
+        attn_bias = attn_bias.to(query.dtype)
+    res = flash_dma_attention(query, key, value, attn_mask, attn_bias, is_causal=bool(is_causal),
+                              softmax_scale=softmax_scale if softmax_scale is not None else scale,
+                              softcap=softcap or 0.0, deterministic=bool(deterministic), backend=backend,
+                              return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        out, lse = res
+        return out, lse, None
+    return res
 
 
 def flash_dmattn_func_auto(backend: Optional[str] = None, **kwargs) -> Callable:
@@ -54,20 +79,132 @@ def get_available_backends() -> List[str]:
     return [n for n in names if n != "reference"] or names
 
 
+MASK_TYPES = ("topk", "relu")
+
+# Additive masks mark dropped keys with a large negative number: finfo(dtype).min (transformers),
+# -1e30 / -1e4 (the seed, for bfloat16 / float16) or -inf. Values at or below this count as
+# dropped: exp() of them is 0 in every float dtype, so attention ignores them either way.
+ADDITIVE_DROP = -1e4
+
+
+def _values(t: torch.Tensor) -> str:
+    vals = torch.unique(t.detach().flatten()[:100_000].cpu())[:6].tolist()
+    return ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in vals)
+
+
+def _keep_flags(attention_mask: torch.Tensor, drop_at: float) -> torch.Tensor:
+    """A bool keep mask (True = attend) from a bool, 0/1 integer, 0/1 float or additive float mask."""
+    m = attention_mask
+    if m.dtype == torch.bool:
+        return m
+    if m.is_complex():
+        raise TypeError(f"attention_mask must be bool, integer or floating point, got {m.dtype}")
+    checking = not torch.compiler.is_compiling()  # the checks read values: eager only
+    if not m.is_floating_point():
+        if checking and not bool(((m == 0) | (m == 1)).all()):
+            raise ValueError(f"an integer attention_mask must hold keep flags, 1 = attend and 0 = masked (a "
+                             f"Hugging Face padding mask); got {m.dtype} values {_values(m[(m != 0) & (m != 1)])}")
+        return m != 0
+    flags = (m == 0) | (m == 1)
+    additive = (m == 0) | (m <= drop_at)
+    # 0/1 with some 1: keep flags. 0 / large negative: additive. All zeros is both; read as additive
+    # it keeps every key, read as flags it would keep none, so additive it is.
+    as_flags = flags.all() & (m == 1).any()
+    if checking and not bool(as_flags | additive.all()):
+        raise ValueError(
+            f"a floating-point attention_mask must hold keep flags (1 = attend, 0 = masked) or be additive "
+            f"(0 = attend, <= {drop_at:g} or -inf = masked); got {m.dtype} values "
+            f"{_values(m[~(flags | additive)])}")
+    return torch.where(as_flags, m == 1, m > drop_at)
+
+
+def _mask_4d(keep: torch.Tensor, batch_size: int, query_len: int, key_len: int) -> torch.Tensor:
+    if keep.dim() != 2:
+        return keep
+    # The seed's 2-D forms: a (batch, key_len) padding mask, or (batch, query_len) when the keys
+    # are a cache in front of the queries (the cached keys are kept).
+    if keep.shape[0] == batch_size and keep.shape[1] == key_len:
+        return keep[:, None, None, :]
+    if keep.shape[0] == batch_size and keep.shape[1] == query_len and query_len < key_len:
+        pad = keep.new_ones((batch_size, key_len - query_len))
+        return torch.cat((pad, keep), dim=1)[:, None, None, :]
+    raise ValueError(f"a 2-D attention_mask must be (batch_size, key_len) = ({batch_size}, {key_len}) or "
+                     f"(batch_size, query_len) = ({batch_size}, {query_len}), got {tuple(keep.shape)}")
+
+
+def _block_majority(sel: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The seed's block smoothing: each aligned key block (and the tail) is kept whole when more
+    than half of it is kept, dropped whole otherwise."""
+    K = sel.shape[-1]
+    nblk = -(-K // block_size)
+    counts = torch.nn.functional.pad(sel.to(torch.int32), (0, nblk * block_size - K))
+    counts = counts.view(*sel.shape[:-1], nblk, block_size).sum(-1)
+    sizes = torch.full((nblk,), block_size, dtype=torch.int32, device=sel.device)
+    sizes[-1] = K - (nblk - 1) * block_size
+    return (2 * counts > sizes).repeat_interleave(block_size, dim=-1)[..., :K]
+
+
+@torch.no_grad()
+def _relu_mask(bias: torch.Tensor, allowed: Optional[torch.Tensor], is_causal: bool, query_len: int,
+               block_size: Optional[int]) -> torch.Tensor:
+    if not bias.is_floating_point() or bias.dim() != 4:
+        raise ValueError(f"attention_bias must be a 4-D floating-point tensor, got {bias.dtype} of shape "
+                         f"{tuple(bias.shape)}")
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
+    if bias.shape[2] not in (1, query_len):
+        raise ValueError(f"attention_bias query dim {bias.shape[2]} must be 1 or query_len {query_len}")
+    if is_causal:
+        c = causal_mask(query_len, bias.shape[-1], device=bias.device)[None, None]
+        allowed = c if allowed is None else allowed & c
+    sel = bias > 0
+    if allowed is not None:
+        sel = sel & allowed
+    if block_size is not None and block_size > 1:
+        # Smoothing may fill a block around a padded or causally hidden key: those stay dropped.
+        sel = _block_majority(sel, block_size)
+        if allowed is not None:
+            sel = sel & allowed
+    return sel
+
+
 def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], batch_size: int,
                 query_len: int, key_len: int, window_size: int, min_dtype: Optional[float] = None,
-                block_size: Optional[int] = None, is_causal: bool = False) -> torch.Tensor:
-    """The seed's create_mask signature. `min_dtype` is accepted and unused: flexdma masks are bool.
+                block_size: Optional[int] = None, type: str = "topk", is_causal: bool = False) -> torch.Tensor:
+    """The seed's create_mask: a bool mask (True = attend) from the bias and an optional mask.
 
-    As in the seed, a float attention_mask is read as additive (keys with min_dtype / -inf are
-    masked) and a bool one as True = keep.
+    attention_mask: None, bool (True = attend), integer 0/1 or float 0/1 keep flags (Hugging Face
+    padding masks), or an additive float mask (0 = attend, masked keys at or below
+    max(min_dtype, -1e4) or -inf; an all-zero float mask keeps everything). Any other float values
+    raise a ValueError. Shapes: (batch_size, key_len), (batch_size, query_len) for queries at the
+    end of the keys, or 4-D broadcastable.
+    min_dtype: the seed's fill value for masked keys; flexdma masks are bool, so it only tells
+    which additive values mean "masked".
+    type: "topk" (the window_size best keys per query row; block_size picks whole key blocks, see
+    flexdma.create_mask) or "relu" (every key with a positive bias; block_size keeps a key block
+    whole when more than half of it is kept, as the seed does, but never a masked key).
+    is_causal: also drop keys after each query (bottom-right aligned); flexdma's addition.
     """
+    if not isinstance(type, str) or type not in MASK_TYPES:
+        raise ValueError(f"type must be one of {', '.join(repr(t) for t in MASK_TYPES)} (the seed's mask types), "
+                         f"got {type!r}")
+    if not isinstance(attention_bias, torch.Tensor):
+        raise TypeError(f"attention_bias must be a torch.Tensor, got {attention_bias.__class__.__name__}")
     if attention_bias.shape[-1] != key_len:
         raise ValueError(f"attention_bias key dim {attention_bias.shape[-1]} != key_len {key_len}")
     if attention_bias.shape[0] not in (1, batch_size):
         raise ValueError(f"attention_bias batch dim {attention_bias.shape[0]} must be 1 or batch_size {batch_size}")
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        floor = torch.finfo(attention_mask.dtype).min if min_dtype is None else min_dtype
-        attention_mask = attention_mask > floor
+    if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))
+                                  or not min_dtype < 0):
+        raise ValueError(f"min_dtype must be a negative number (e.g. torch.finfo(dtype).min) or None, "
+                         f"got {min_dtype!r}")
+    drop_at = ADDITIVE_DROP if min_dtype is None else max(float(min_dtype), ADDITIVE_DROP)
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got "
+                            f"{attention_mask.__class__.__name__}")
+        attention_mask = _mask_4d(_keep_flags(attention_mask, drop_at), batch_size, query_len, key_len)
+    if type == "relu":
+        return _relu_mask(attention_bias, attention_mask, is_causal, query_len, block_size)
     return _create_mask(attention_bias, window_size, attn_mask=attention_mask, is_causal=is_causal,
                         query_len=query_len, block_size=block_size)

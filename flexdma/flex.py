@@ -20,7 +20,7 @@ import operator
 from typing import Optional, Tuple
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
 try:
     from . import _block_tiles
@@ -97,27 +97,38 @@ def _causal_tiles(Q: int, K: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
     return k0 <= q1 + off, k1 <= q0 + off
 
 
-def _recount_diagonal(mask: torch.Tensor, any_: torch.Tensor, diag: torch.Tensor, Q: int, K: int) -> torch.Tensor:
-    """any_ with the (nq, nk) tiles in `diag` recomputed as any(mask & causal) over the tile;
-    only about two tiles per query tile, so this gathers O(Q * 128) entries."""
-    ii, jj = diag.nonzero(as_tuple=True)
-    if ii.numel() == 0:
-        return any_
+def _recount_diagonal(mask: torch.Tensor, any_: torch.Tensor, Q: int, K: int) -> torch.Tensor:
+    """any_ with the tiles the causal edge cuts recomputed as any(mask & causal) over the tile.
+
+    The edge of query tile i crosses keys (q0 + off, q1 + off], fewer than 128, so at most two
+    key tiles: the one holding key q0 + off + 1 and the next. Those 2 * nq candidates are a
+    count fixed by the shapes (no nonzero(), whose data-dependent size torch.compile cannot
+    trace); the ones the edge does not cut change nothing. This gathers O(Q * 128) entries."""
     b, h, mq, mk = mask.shape
-    nq, nk = diag.shape
-    r = torch.arange(BLOCK, device=mask.device)
+    nq, nk = -(-Q // BLOCK), -(-K // BLOCK)
+    off = K - Q
+    dev = mask.device
+    qt = torch.arange(nq, device=dev)
+    first = torch.div(qt * BLOCK + off + 1, BLOCK, rounding_mode="floor")
+    ii, jj = torch.cat((qt, qt)), torch.cat((first, first + 1))  # (n,), n = 2 * nq
+    q0, k0 = ii * BLOCK, jj * BLOCK
+    q1, k1 = torch.clamp(q0 + BLOCK - 1, max=Q - 1), torch.clamp(k0 + BLOCK - 1, max=K - 1)
+    cut = (jj >= 0) & (jj < nk) & (k0 <= q1 + off) & (k1 > q0 + off)  # (n,)
+    jj = jj.clamp(0, nk - 1)
+    r = torch.arange(BLOCK, device=dev)
     rows = ii[:, None] * BLOCK + r  # (n, 128) query index
     cols = jj[:, None] * BLOCK + r  # (n, 128) key index
-    keep = (cols[:, None, :] <= rows[:, :, None] + (K - Q)) & (rows[:, :, None] < Q) & (cols[:, None, :] < K)
+    keep = (cols[:, None, :] <= rows[:, :, None] + off) & (rows[:, :, None] < Q) & (cols[:, None, :] < K)
     rows_c, cols_c = rows.clamp(max=Q - 1), cols.clamp(max=K - 1)
     if mq == 1:
         m = mask[:, :, 0][:, :, cols_c][:, :, :, None, :]  # (b, h, n, 1, 128)
     else:
         m = mask[:, :, rows_c[:, :, None], cols_c[:, None, :]]  # (b, h, n, 128, 128)
-    hit = (m & keep).flatten(-2).any(-1)  # (b, h, n)
-    any_ = any_.expand(b, h, nq, nk).clone()
-    any_[:, :, ii, jj] = any_[:, :, ii, jj] & hit
-    return any_
+    drop = cut & ~(m & keep).flatten(-2).any(-1)  # (b, h, n): cut tiles with nothing kept
+    # Scattered by addition: an uncut candidate adds 0 wherever its clamped index points.
+    dropped = torch.zeros(nq, nk, b * h, dtype=torch.int32, device=dev)
+    dropped.index_put_((ii, jj), drop.reshape(b * h, -1).t().to(torch.int32), accumulate=True)
+    return any_ & (dropped == 0).permute(2, 0, 1).reshape(b, h, nq, nk)
 
 
 def _tile_flags_torch(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: bool, device):
@@ -136,7 +147,7 @@ def _tile_flags_torch(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: b
         if mask is not None:
             # Tiles the causal edge cuts: recount them exactly (mask & causal), or a tile whose
             # kept entries all lie above the diagonal would be visited for nothing.
-            any_ = _recount_diagonal(mask, any_, c_any & ~c_all, Q, K)
+            any_ = _recount_diagonal(mask, any_, Q, K)
     # Tiles cut by the sequence end stay partial: flex masks the tail, the mask_mod decides.
     q_in = torch.arange(nq, device=device)[:, None] < Q // BLOCK
     k_in = torch.arange(nk, device=device)[None, :] < K // BLOCK
@@ -223,7 +234,10 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
             score = softcap * torch.tanh(score / softcap)
         if bias_at is not None:
             score = score + bias_at(b, h, q_idx, kv_idx).to(score.dtype)
-        return score
+        # Inductor's CPU kernel takes the row max over non-NaN scores only, so a row of NaN scores
+        # (a NaN query) would read as empty and give 0. As +inf it makes the row's output and LSE
+        # NaN, as in the reference. Masked keys are set to -inf after this, so they stay masked.
+        return torch.where(torch.isnan(score), float("inf"), score)
 
     # Bounds checks and clamps only where a tile can reach past the sequence end (Q, K are static
     # here). A clamped index hides the contiguity of kv_idx from Triton, so the mask loads lose
@@ -251,10 +265,12 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
 
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
     gqa = q.shape[1] != k.shape[1]
-    res = flex_attention(q, k, v, score_mod=score_mod if (bias is not None or softcap > 0) else None,
-                         block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=need_lse,
-                         kernel_options=kernel_options)
-    return res if need_lse else (res, None)
+    if need_lse:
+        out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+                                  kernel_options=kernel_options, return_aux=AuxRequest(lse=True))
+        return out, aux.lse
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
+                          kernel_options=kernel_options), None
 
 
 _RECOMPILE_LIMIT = 128
@@ -265,48 +281,69 @@ def _compiled():
     return torch.compile(_attend, dynamic=False, fullgraph=True)
 
 
+@functools.lru_cache(None)
+def _traced_unfused():
+    # Inductor's CPU FlexAttention has no LSE and no backward, so those calls run flex_attention
+    # unfused. Traced by dynamo with the eager backend, that is the computation flex_attention
+    # runs when called eagerly, minus its warning that asks for torch.compile.
+    return torch.compile(_attend, backend="eager", dynamic=False, fullgraph=True)
+
+
 def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True, keep=None):
     B, Q, H, D = q.shape
     K = k.shape[1]
     row_bias = None
-    if bias is not None and bias.shape[3] == 1 and K > 1:
+    if bias is not None and bias.shape[3] == 1 and K > 1 and training and bias.requires_grad:
         # A bias constant along keys shifts a whole row's scores: the softmax (and out) ignore it,
         # only the LSE moves. Routing it through the score_mod makes FlexAttention sum dS over the
         # row in low precision, a cancellation that leaves O(1e-2) noise in dbias; adding it to
         # the LSE instead gives the exact gradient (d lse / d bias = 1 on rows with any key).
-        row_bias, bias = bias, None
+        # The LSE is then needed to tell rows with visible keys from empty ones.
+        row_bias, bias, need_lse = bias, None, True
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     # Built outside the compiled region, so that the graph holds flex_attention alone; the q side
     # is only read by the backward.
     tensors = _block_tensors(mask, Q, K, H, is_causal, need_q=training, device=q.device, no_full=keep is not None)
     opts = _kernel_options(q.device, training)
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
-    # when no LSE is needed, else run FlexAttention eagerly.
+    # when no LSE is needed, else run FlexAttention unfused (_traced_unfused).
     compile_ok = q.device.type == "cuda" or not need_lse
     args = (qt, kt, vt, mask, bias, tensors, Q, K, is_causal, scale, softcap, opts, need_lse, keep)
-    if compile_ok and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        out, lse = _attend(*args)
+    else:
         # One compiled graph per shape family, all of them code of _attend: dynamo's default
         # limit of 8 would make the 9th shape a hard error under fullgraph.
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            out, lse = _compiled()(*args)
-    else:
-        out, lse = _attend(*args)
+            out, lse = (_compiled() if compile_ok else _traced_unfused())(*args)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = out.transpose(1, 2)
     if lse is None:
         return out, None
     lse = lse.to(acc)
     if row_bias is not None:
-        from .reference import expand_heads
-        rb = expand_heads(row_bias, H)[..., 0].to(acc)  # ({1|B}, {1|H}, {1|Q})
-        # -inf rows (nothing visible) stay -inf; they contribute no gradient: torch.where.
-        lse = torch.where(torch.isinf(lse), lse, lse + rb)
-        if row_bias.requires_grad:
-            # Keep the bias in out's graph (zero gradient), as in the reference, so that
-            # autograd.grad(out, bias) works without allow_unused.
-            out = out + (row_bias.sum() * 0).to(out.dtype)
+        out, lse = _add_row_bias(out, lse, row_bias, H)
     # FlexAttention leaves rows with nothing visible at out 0 / lse -inf, the flexdma convention.
     return out, lse
+
+
+def _add_row_bias(out, lse, row_bias, H):
+    """Apply a bias constant along keys, ({1|B}, {1|KVH|H}, {1|Q}, 1), after the attention: it
+    moves the LSE of rows with visible keys; as in the reference a NaN / +inf one makes the row
+    NaN and a -inf one empties it."""
+    from .reference import expand_heads
+    rb = expand_heads(row_bias, H)[..., 0].to(lse.dtype)  # ({1|B}, {1|H}, {1|Q})
+    visible = lse != float("-inf")
+    # Rows with nothing visible stay -inf; they contribute no gradient: torch.where.
+    lse = torch.where(visible, lse + rb, lse)
+    poisoned = (visible & (torch.isnan(rb) | (rb == float("inf")))).transpose(1, 2).unsqueeze(-1)
+    emptied = (visible & (rb == float("-inf"))).transpose(1, 2).unsqueeze(-1)
+    out = out.masked_fill(poisoned, float("nan")).masked_fill(emptied, 0.0)
+    # Keep the bias in out's graph with a zero gradient, as in the reference, so that
+    # autograd.grad(out, bias) works without allow_unused. A where, not a product with 0, so
+    # that a NaN in the bias does not reach every row.
+    zero = torch.where(torch.zeros((), dtype=torch.bool, device=out.device), row_bias.sum(), 0.0)
+    return out + zero.to(out.dtype), lse
 
 
 class _FlexFwdOpBwd(torch.autograd.Function):

@@ -10,7 +10,14 @@ Conventions defined here (the kernels in csrc/ follow them, see csrc/flash_dma_p
 - score = softcap(scale * q.k) + bias, softcap(x) = c * tanh(x / c) when c > 0;
 - keys are dropped where the mask is False and, with ``is_causal``, where key j > i + (K - Q):
   causal is aligned to the bottom-right corner when Q != K;
-- a row with no finite score gives output 0 and LSE -inf, and no gradient flows from it;
+- a row whose scores are all -inf (every key masked, causally hidden, or given a -inf bias) gives
+  output 0 and LSE -inf, and no gradient flows from it;
+- NaN and Inf are never absorbed: a NaN / Inf in a query row, in a key or value the row attends to,
+  or in the row's bias at a key it attends to makes the row's output non-finite and its LSE NaN
+  (+inf for a +inf bias), the way SDPA and FlashAttention propagate them. A -inf score is a
+  masked key, not an error. A non-finite *value* at a key the row does not attend to may still
+  reach the row through 0 * NaN in P V: here through the dense product, in the tiled kernels when
+  the key shares a tile with keys the row attends to (SDPA and FlashAttention do the same);
 - mask and bias broadcast as ({1|B}, {1|KVH|H}, {1|Q}, {1|K}); autograd returns dbias in the
   bias's own shape (summed over its broadcast dims).
 """
@@ -81,9 +88,10 @@ def attention_ref(
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
 
-    # Rows with no finite score get a constant 0 in place of their scores for the logsumexp,
-    # so neither the forward nor the backward ever sees (-inf) - (-inf).
-    row_ok = torch.isfinite(scores).any(dim=-1, keepdim=True)
+    # Rows whose scores are all -inf get a constant 0 in place of their scores for the logsumexp,
+    # so neither the forward nor the backward ever sees (-inf) - (-inf). "Not all -inf" rather than
+    # "any finite": a row of NaN (a NaN query) or +inf scores must come out NaN, not empty.
+    row_ok = (scores != float("-inf")).any(dim=-1, keepdim=True)
     lse = torch.logsumexp(scores.masked_fill(~row_ok, 0.0), dim=-1, keepdim=True)
     p = torch.exp(scores - lse)
     p = p.masked_fill(~row_ok, 0.0)

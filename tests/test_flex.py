@@ -226,6 +226,24 @@ def test_cpu_backward_route(case):
         assert_close_to_ref(x, ref[name], None, name)
 
 
+def test_cpu_block_mask_traces_under_torch_compile_fullgraph():
+    # The tile classification runs inside the user's graph when the flex backend is traced:
+    # it must not take a data-dependent size (nonzero) or branch on tensor values.
+    import flexdma
+
+    torch.manual_seed(4)
+    q, k, v = make_qkv(1, 300, 340, 2, 1, 16)
+    mask = torch.rand(1, 1, 300, 340) < 0.3
+
+    def f(q, k, v, mask):
+        return flexdma.flash_dma_attention(q, k, v, mask, is_causal=True, backend="flex")
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        out = torch.compile(f, backend="eager", fullgraph=True)(q, k, v, mask)
+        torch.testing.assert_close(out, f(q, k, v, mask), atol=1e-5, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------------ recompiles
 def test_no_recompile_for_new_contents():
     import torch._dynamo.utils as dyn_utils

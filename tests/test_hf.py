@@ -88,3 +88,35 @@ def test_attention_function_layouts():
     o1, _ = fx.flexdma_attention_forward(module, q, k, v, keep)
     o2, _ = fx.flexdma_attention_forward(module, q, k, v, add)
     torch.testing.assert_close(o1, o2)
+
+
+def _tiny(name):
+    if name == "doge":
+        if not hasattr(transformers, "DogeForCausalLM"):
+            pytest.skip("this transformers has no Doge model")
+        cfg = transformers.DogeConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, keep_window_size=5)
+        model = transformers.DogeForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.A.normal_()
+        return model
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("name", ["doge", "llama"])
+def test_compile_fullgraph_inference(name):
+    # Inference is where the bias needs no gradient: a branch on its values there (is it all
+    # zero?) cannot be traced by torch.compile(fullgraph=True).
+    torch._dynamo.reset()
+    model = _tiny(name)
+    model.set_attn_implementation("flexdma")
+    model.eval()
+    ids, am = _inputs("cpu")
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=am).logits
+        out = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=am).logits
+    real = am.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-4)

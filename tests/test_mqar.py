@@ -1,4 +1,6 @@
 """Smoke test of the MQAR example: data, a short training run, the CLI and the plot."""
+import sys
+
 import pytest
 import torch
 
@@ -42,3 +44,43 @@ def test_cli_and_plot(tmp_path, capsys, one_thread):
     mqar.main(["--steps", "5", "--backend", "reference", "--plot", str(out)])
     assert "final test accuracy" in capsys.readouterr().out
     assert out.stat().st_size > 0
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    def train(**kw):
+        raise AssertionError("training started")
+    monkeypatch.setattr(mqar, "train", train)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+    (["--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+    (["--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+    (["--steps", "-3"], "argument --steps: expected a positive integer, got -3"),
+    (["--lr", "0"], "argument --lr: expected a positive number, got 0"),
+    (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+    (["--epochs", "3"], "unrecognized arguments: --epochs 3"),
+], ids=["steps 0", "batch 0", "threads 0", "steps -3", "lr 0", "backend tpu", "unknown flag"])
+def test_cli_rejects_bad_arguments(argv, message, capsys, no_training):
+    with pytest.raises(SystemExit) as e:
+        mqar.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_help_shows_defaults(capsys, no_training):
+    with pytest.raises(SystemExit) as e:
+        mqar.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 1500)", "(default: auto)", "(default: 64)", "(default: 18)", "(default: 1)"):
+        assert default in out
+
+
+def test_cli_plot_needs_matplotlib_before_training(monkeypatch, capsys, no_training, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit) as e:
+        mqar.main(["--steps", "5", "--plot", str(tmp_path / "curve.png")])
+    assert e.value.code == 2
+    assert "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err

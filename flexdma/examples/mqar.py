@@ -155,21 +155,49 @@ def plot_curve(curve, path: str) -> None:
     plt.close(fig)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="auto", help="flash_dma_attention backend")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    from .._dispatch import BACKENDS
+
+    p = argparse.ArgumentParser(prog="python -m flexdma.examples.mqar", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=_positive_int, default=1500, help="training steps")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
+    p.add_argument("--backend", default="auto", choices=BACKENDS, help="flash_dma_attention backend")
+    p.add_argument("--batch", type=_positive_int, default=64, help="sequences per step")
+    p.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate")
     # 18 of the 24 positions: the late query rows must drop keys, so the learned importance matters.
-    p.add_argument("--keep-window-size", type=int, default=18)
-    p.add_argument("--plot", metavar="PNG", help="write the learning curve to this file")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads (default 1: at this model size, thread synchronization costs more than it saves)")
+    p.add_argument("--keep-window-size", type=_positive_int, default=18, help="keys kept per query")
+    p.add_argument("--plot", metavar="PNG", help="write the learning curve to this file (needs matplotlib)")
+    p.add_argument("--threads", type=_positive_int, default=1,
+                   help="CPU threads (1: at this model size, thread synchronization costs more than it saves)")
     args = p.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    if args.plot:
+        # Checked before training, not after minutes of it.
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install matplotlib")
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     res = train(steps=args.steps, seed=args.seed, backend=args.backend, batch=args.batch, lr=args.lr,
                 keep_window_size=args.keep_window_size)

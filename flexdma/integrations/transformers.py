@@ -25,9 +25,10 @@ def _split_mask(mask: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, O
         return mask, None
     # HF builds masked entries as finfo(dtype).min (sometimes summed twice, so <= half of it).
     allowed = mask > torch.finfo(mask.dtype).min / 2
+    # Always a bias, even an all-zero one: skipping it would take a branch on tensor values, which
+    # syncs with the device and breaks torch.compile(fullgraph=True). Masks without a bias arrive
+    # as bool (register() installs the sdpa mask builder), so the zero case is rare.
     bias = mask.masked_fill(~allowed, 0).to(dtype)
-    if not bias.requires_grad and not bool(bias.any()):
-        bias = None
     return allowed, bias
 
 
