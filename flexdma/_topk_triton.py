@@ -246,6 +246,9 @@ def _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, cap, CAUSAL: tl.
         th = s
         s = s * scale_log2
     s += bias_v[None, :] * _LOG2E
+    # A NaN score becomes +inf, so the row's max and sum turn NaN and the row comes out NaN (as
+    # in the reference) instead of the max skipping it.
+    s = tl.where(s != s, float("inf"), s)
     keep = ev[None, :] & (rk[None, :] <= thr[:, None])
     if CAUSAL:
         keep = keep & (kidx[None, :] <= p_row[:, None])
