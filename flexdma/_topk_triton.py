@@ -15,6 +15,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -318,9 +319,12 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
                 H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
                 Q, K, off, n_tiles, cap, scale_log2, softcap, tile_base,
                 D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
-                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DBIAS: tl.constexpr):
+                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DBIAS: tl.constexpr, PARTIAL: tl.constexpr):
     # dk / dv / db are float32 (B, K, KVH, D) / (B, K, KVH, D) / (bias batch, bias heads, K)
-    # accumulators; dq is written in q's dtype with q's strides.
+    # accumulators, added to with atomics; with PARTIAL they are per-program slices instead,
+    # (slot, list entry, D) / (slot, list entry), slot = (tile - tile_base) * programs a tile + pid:
+    # plain stores, summed afterwards in a fixed order (the deterministic mode). dq is written in
+    # q's dtype with q's strides.
     pid_t = tl.program_id(0) + tile_base
     b, h0, kvh, plane = _tile_setup(tl.program_id(1), H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK)
     BM: tl.constexpr = PACK * TILE_ROWS
@@ -351,6 +355,10 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     KVH = H // G
     acc_row = (b.to(tl.int64) * K) * KVH * D + kvh * D
     dbb = db_ptr + (b * bias_b_on).to(tl.int64) * sgb + (h0 // BIAS_RATIO) * sgh
+    if PARTIAL:
+        slot = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)
+        part_row = slot * cap * D
+        dbb = db_ptr + slot * cap
     scale = scale_log2 / _LOG2E
 
     dq = tl.zeros([BM, D], tl.float32)
@@ -364,19 +372,29 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
         bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
         s, th = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
-        acc_off = acc_row + kidx[:, None].to(tl.int64) * KVH * D + d[None, :]
-        tl.atomic_add(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None], sem="relaxed")
+        if PARTIAL:
+            acc_off = part_row + e[:, None].to(tl.int64) * D + d[None, :]
+            tl.store(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None])
+        else:
+            acc_off = acc_row + kidx[:, None].to(tl.int64) * KVH * D + d[None, :]
+            tl.atomic_add(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None], sem="relaxed")
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         if DBIAS:
-            tl.atomic_add(dbb + kidx.to(tl.int64), tl.sum(ds, 0), mask=ev, sem="relaxed")
+            if PARTIAL:
+                tl.store(dbb + e, tl.sum(ds, 0), mask=ev)
+            else:
+                tl.atomic_add(dbb + kidx.to(tl.int64), tl.sum(ds, 0), mask=ev, sem="relaxed")
         if SOFTCAP:
             ds = ds * (1.0 - th * th) * scale
         else:
             ds = ds * scale
         dsl = ds.to(q.dtype)
         dq += tl.dot(dsl, k)
-        tl.atomic_add(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None], sem="relaxed")
+        if PARTIAL:
+            tl.store(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None])
+        else:
+            tl.atomic_add(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None], sem="relaxed")
     tl.store(dq_ptr + row_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -420,34 +438,99 @@ def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, s
     return out, lse, resid
 
 
+# The deterministic backward's per-program partial sums are bounded to this many bytes at a time.
+PARTIAL_BYTES = 256 << 20
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    # index_put_(accumulate=True) sorts its indices and sums each row in a fixed order only in
+    # this mode.
+    prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn)
+
+
 def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_scale, is_causal, softcap,
-        bias_requires_grad, out_resid=None):
+        bias_requires_grad, out_resid=None, deterministic=False):
     B, Q, H, D = q.shape
+    K, KVH = k.shape[1], k.shape[2]
+    Bb, Hb = bias.shape[0], bias.shape[1]
+    dev = q.device
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
-    db = torch.zeros(bias.shape[0], bias.shape[1], bias.shape[3], dtype=torch.float32, device=q.device) \
-        if bias_requires_grad else dk
+    # One spare row at the end of each accumulator takes the deterministic path's unused slots.
+    dk = torch.zeros(B * K * KVH + 1, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros(B * K * KVH + 1, D, dtype=torch.float32, device=dev)
+    db = torch.zeros(Bb * Hb * K + 1, dtype=torch.float32, device=dev)
     if q.numel() > 0 and k.numel() > 0:
         if dout.stride() != out.stride():
-            dout = dout.contiguous()
-            out = out.contiguous()
+            dout, out = dout.contiguous(), out.contiguous()
         if out_resid is None or out_resid.numel() == 0:
             out_resid = torch.zeros_like(out)
         elif out_resid.stride() != out.stride():
-            out_resid = out_resid.expand_as(out).contiguous() if out.is_contiguous() else out_resid
+            out_resid = out_resid.contiguous()
+            dout, out = dout.contiguous(), out.contiguous()
         g = _geometry(q, k, bias, key_rank, tile_keys)
-        _bwd_kernel[g["grid"]](
-            q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, out, out_resid, dq, dk, dv, db,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(dout), bias.stride(0), bias.stride(1),
-            bias.stride(3), db.stride(0), db.stride(1),
-            *g["args"], softmax_scale * LOG2E, softcap, 0,
-            **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DBIAS=bool(bias_requires_grad),
-            **BWD_CONFIG)
+        n_tiles, n_bh = g["grid"]
+
+        def launch(grid, tile_base, dk_, dv_, db_, partial):
+            _bwd_kernel[grid](
+                q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, out, out_resid, dq, dk_, dv_, db_,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(dout), bias.stride(0), bias.stride(1),
+                bias.stride(3), Hb * K, K,
+                *g["args"], softmax_scale * LOG2E, softcap, tile_base,
+                **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DBIAS=bool(bias_requires_grad),
+                PARTIAL=partial, **BWD_CONFIG)
+
+        if not deterministic:
+            launch(g["grid"], 0, dk, dv, db, False)
+        else:
+            _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, bias_requires_grad)
     else:
         dq.zero_()
-    dbias = db.view(bias.shape).to(bias.dtype) if bias_requires_grad else q.new_empty((0,))
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dbias
+    dbias = db[:-1].view(bias.shape).to(bias.dtype) if bias_requires_grad else q.new_empty((0,))
+    return dq, dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype), dbias
+
+
+def _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, bias_requires_grad):
+    """Chunks of query tiles: each program stores its dk / dv / dbias terms per list entry, then
+    index_put_ adds them to the accumulators in a fixed order. Bitwise reproducible; the stores
+    and the sort cost time the atomics do not."""
+    B, Q, H, D = q.shape
+    K, KVH = k.shape[1], k.shape[2]
+    Bb, Hb = bias.shape[0], bias.shape[1]
+    dev = q.device
+    n_tiles, n_bh = g["grid"]
+    pack = g["meta"]["PACK"]
+    cap = tile_keys.shape[3] - 1
+    P2 = key_rank.shape[1]
+    bh = torch.arange(n_bh, device=dev)
+    b_of, h0 = bh // (H // pack), (bh % (H // pack)) * pack
+    kvh = h0 // (H // KVH)
+    plane = b_of * int(key_rank.shape[0] > 1) * P2 + h0 // (H // P2)
+    brow = b_of * int(Bb > 1) * Hb + h0 // (H // Hb)
+    lists = tile_keys.reshape(-1, n_tiles, 1 + cap)[plane]  # (programs a tile, tiles, 1 + cap)
+    entry = torch.arange(cap, device=dev)
+    chunk = max(1, min(n_tiles, PARTIAL_BYTES // max(1, n_bh * cap * (2 * D + 1) * 4)))
+    for t0 in range(0, n_tiles, chunk):
+        nt = min(chunk, n_tiles - t0)
+        part_k = torch.empty(nt * n_bh, cap, D, dtype=torch.float32, device=dev)
+        part_v = torch.empty_like(part_k)
+        part_b = torch.empty(nt * n_bh, cap, dtype=torch.float32, device=dev)
+        launch((nt, n_bh), t0, part_k, part_v, part_b, True)
+        lst = lists[:, t0:t0 + nt].transpose(0, 1)  # (tiles, programs, 1 + cap): the slots' order
+        keys = lst[..., 1:].long()
+        unused = entry >= lst[..., :1]
+        kv_rows = ((b_of[None, :, None] * K + keys) * KVH + kvh[None, :, None]).masked_fill(unused, dk.shape[0] - 1)
+        with _deterministic_algorithms():
+            dk.index_put_((kv_rows.flatten(),), part_k.view(-1, D), accumulate=True)
+            dv.index_put_((kv_rows.flatten(),), part_v.view(-1, D), accumulate=True)
+            if bias_requires_grad:
+                b_rows = (brow[None, :, None] * K + keys).masked_fill(unused, db.shape[0] - 1)
+                db.index_put_((b_rows.flatten(),), part_b.flatten(), accumulate=True)
 
 
 def _need_tiles(tile_keys):
@@ -463,9 +546,5 @@ def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, soft
 
 def bwd_op(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
            bias_requires_grad, deterministic, tile_keys=None, out_resid=None):
-    if deterministic:
-        raise ValueError("deterministic=True: the per-key CUDA backward sums dk, dv and dbias over query tiles "
-                         "with float atomics, whose order varies run to run; it has no deterministic mode yet "
-                         "(use deterministic=False, or backend='cpu' / a dense attn_mask for reproducible gradients)")
     return bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), out, lse, softmax_scale,
-               is_causal, softcap, bias_requires_grad, out_resid)
+               is_causal, softcap, bias_requires_grad, out_resid, bool(deterministic))

@@ -40,8 +40,8 @@ def flash_dma_attention(
             (float64 for float64 inputs); -inf for rows that attend to nothing (their output is 0).
         backend: "auto", "cuda", "flex", "cpu" or "reference" (see available_backends()).
         deterministic: bitwise reproducible gradients. The dense-mask kernels are deterministic
-            either way; the per-key CUDA kernels (keep_window_size) are not, so with this flag a
-            per-key training call runs on the next backend that is.
+            either way; the per-key CUDA backward (keep_window_size) sums dk / dv / dbias with
+            atomics unless this is set, and then in a fixed order, at a cost in time.
         keep_window_size: each query row keeps the `keep_window_size` keys with the highest
             attn_bias among the keys it may see (causal cut, attn_mask), ties to the lower key
             index: the mask `create_mask(attn_bias, keep_window_size, ...)` would build, without

@@ -146,10 +146,7 @@ def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, determinis
 
     def why_not(name):
         if name == "cuda":
-            why = cuda_unsupported_reason(q)
-            if why is None and deterministic and training:
-                why = "deterministic=True (the per-key CUDA backward accumulates with float atomics)"
-            return why
+            return cuda_unsupported_reason(q)
         if name == "flex":
             if q.device.type == "cpu" and training:
                 return "FlexAttention has no CPU backward for the per-key path"
