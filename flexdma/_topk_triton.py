@@ -163,6 +163,9 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
     return min(K, window + tile_rows - 1)
 
 
+_LAST = (1 << 27) - 1  # ranks below this fit the packed 32-bit (level, rank) sort key
+
+
 @functools.lru_cache(maxsize=64)
 def _levels(K: int, lvl0: int, device: torch.device):
     """Static index tensors of the prefix levels [0, T_l), T_l = lvl0 * 2^l (the last one all K):
@@ -174,7 +177,11 @@ def _levels(K: int, lvl0: int, device: torch.device):
         if sizes[-1] >= K:
             break
     pos = torch.cat([torch.arange(T, dtype=torch.int64) for T in sizes])
-    lvl_key = torch.cat([torch.full((T,), i << 32, dtype=torch.int64) for i, T in enumerate(sizes)])
+    # (level, rank) packed in 32 bits where it fits (levels < 16, ranks < 2^27): half the radix
+    # passes of an int64 key.
+    small = len(sizes) < 16 and K < _LAST
+    shift, dtype = (27, torch.int32) if small else (32, torch.int64)
+    lvl_key = torch.cat([torch.full((T,), i << shift, dtype=dtype) for i, T in enumerate(sizes)])
     starts = [0]
     for T in sizes[:-1]:
         starts.append(starts[-1] + T)
@@ -182,7 +189,9 @@ def _levels(K: int, lvl0: int, device: torch.device):
     lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32)
     last = torch.tensor([T - 1 for T in sizes], dtype=torch.int64)
     ar = torch.arange(K, dtype=torch.int32)
-    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, last, ar)) + (len(sizes),)
+    # An ineligible key's sort key: after every eligible rank of its level, before the next level.
+    tail = (1 << shift) - 1
+    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, last, ar)) + (len(sizes), tail)
 
 
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int):
@@ -193,7 +202,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     flat = scores.reshape(P, K)
     dev = flat.device
     lvl0 = max(2 * window, 2 * tile_rows, 1024)
-    pos, pos32, lvl_key, lvl_start, last, ar, n_levels = _levels(K, lvl0 if is_causal else K, dev)
+    pos, pos32, lvl_key, lvl_start, last, ar, n_levels, tail = _levels(K, lvl0 if is_causal else K, dev)
     # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
     ranks = torch.empty(P, K, dtype=torch.int32, device=dev)
@@ -201,7 +210,10 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     ranks.masked_fill_(flat == float("-inf"), NEVER)
     if n_levels > 1:
         # Every level's keys in rank order, by one sort keyed by (level, rank).
-        orders = pos32[torch.sort(ranks[:, pos] + lvl_key, dim=-1).indices]
+        r = ranks[:, pos]
+        # Ineligible keys sort after every eligible rank of their level.
+        r = torch.where(r == NEVER, tail, r.to(lvl_key.dtype))
+        orders = pos32[torch.sort(r + lvl_key, dim=-1).indices]
     else:
         orders = order.to(torch.int32)
     lvl_elig = (ranks != NEVER).cumsum(-1, dtype=torch.int32)[:, last]
