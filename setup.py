@@ -5,7 +5,7 @@ unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
   FLEXDMA_CUDA_ARCHS   e.g. "90" or "80;90" (default "90")
   FLEXDMA_HEAD_DIMS    e.g. "64,128" (default: all of 32,64,96,128,192,256; 192 and 256 only in
                        sm_90-only builds)
-  FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-DFLEXDMA_EXP_FWD_PAIR" (a staged kernel experiment)
+  FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-Xptxas -v" (register and spill counts)
   MAX_JOBS             parallel compile jobs (ninja)
 """
 import os

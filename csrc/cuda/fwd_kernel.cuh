@@ -7,9 +7,6 @@
 // t+1's copies are in flight while tile t is computed. Which key tiles keep
 // anything comes from the mask's tile activity bits (FwdParams::tile_meta), so an all-false
 // tile costs no byte at all and finding the next kept tile needs no load round trip.
-// Staged (FLEXDMA_EXP_FWD_PAIR): two query heads that share K / V, mask and bias in one CTA of two
-// warpgroups (kGroup = 2), so each tile is copied once for both. Measured (NOTES.md, session 8):
-// -1% / 0% / +4% at 32K per-row / per-key / 16K no mask, so it stays off.
 #pragma once
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
@@ -29,8 +26,7 @@ constexpr bool fwd_q_in_smem() {
   return D > 128;
 }
 
-// kGroup: query heads per CTA (one warpgroup each) that share the K / V, bias and mask tiles.
-template <typename T, int D, int kGroup = 1>
+template <typename T, int D>
 struct FwdSmem {
   static constexpr int kTileKV = tile_bytes<D>();
   static constexpr int kKeepSlot = kBlockM * kLdKeep;
@@ -40,7 +36,7 @@ struct FwdSmem {
   static constexpr int kQ = 0;
   static constexpr int kKeep = fwd_q_in_smem<D>() ? tile_bytes<D>() : 0;
   static constexpr int kK = ((fwd_q_in_smem<D>() ? kKeep + 2 * kKeepSlot
-                                                 : cmax(kGroup * kBlockM * tile_ld(D) * 2, 2 * kKeepSlot)) +
+                                                 : cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot)) +
                              1023) / 1024 * 1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
@@ -78,13 +74,13 @@ __device__ inline uint32_t byte_of(const uint4& v, int e) {
 
 // Builds the exact keep tile (mask & causal & bounds) of key tile n0 in a slot straight from
 // global memory and returns whether any element is kept; block-uniform (ends in a barrier that
-// every thread of the block reaches). The first kThreads threads are the `worker`s that build it.
+// every thread of the block reaches).
 __device__ inline bool build_keep(const FwdParams& p, const Plane<uint8_t>& m, uint8_t* slot, bool mask_vec,
-                                  int64_t m0, int64_t n0, bool worker) {
+                                  int64_t m0, int64_t n0) {
   const TileBounds tb(p, m0, n0);
   constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
   int any = 0;
-  if (worker) {
+  {
     uint4 v[kPer];
     bool direct[kPer];
 #pragma unroll
@@ -232,28 +228,19 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
-// kGroup = 2 (FLEXDMA_EXP_FWD_PAIR, staged: NOTES.md session 7): two query heads of one kv head
-// whose mask and bias planes are the same run in one CTA, a warpgroup each, on one copy of every
-// K / V / bias / mask tile; the first warpgroup requests the copies.
-template <typename T, int D, int kGroup = 1>
-__global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 3 : D <= 128 ? 2 : 1)
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
     fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   constexpr bool kQSmem = fwd_q_in_smem<D>();
   static_assert(!kQSmem || kWg, "head dims above 128 need the sm_90a (wgmma) build");
-  static_assert(kGroup == 1 || (kGroup == 2 && !kQSmem), "head pairs keep Q in registers");
   // wgmma's swizzled K / V tiles need 1024-byte aligned blocks.
   unsigned char* smem = kWg ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
-  using L = FwdSmem<T, D, kGroup>;
+  using L = FwdSmem<T, D>;
   constexpr int kLd = tile_ld(D);
   constexpr float kLog2e = 1.4426950408889634f;
-  // This thread's warpgroup (its query head in the group) and index inside it.
-  const int wg = kGroup == 1 ? 0 : threadIdx.x / kThreads;
-  // (Re-read where used: one variable for threadIdx.x changed the default kernel's scheduling.)
-  auto tid = [] { return kGroup == 1 ? threadIdx.x : threadIdx.x % kThreads; };
-  const bool copier = kGroup == 1 || wg == 0;
-  T* sQ = reinterpret_cast<T*>(smem + L::kQ) + wg * kBlockM * kLd;
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
   uint8_t* sKeep = smem + L::kKeep;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
@@ -261,12 +248,12 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
 
   // Scheduling: the heaviest (last, under causal) query tiles of every head launch first, heads
   // interleaved, so the long tiles of the last head do not form the tail.
-  const int nh = (int)p.num_heads / kGroup;  // head groups
-  const int64_t h = (int)blockIdx.x % nh * kGroup + wg, b = blockIdx.y;
+  const int nh = (int)p.num_heads;
+  const int64_t h = (int)blockIdx.x % nh, b = blockIdx.y;
   const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;
-  const int w = tid() / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
   uint32_t qf[kQSmem ? 1 : D / 16][4];
@@ -275,7 +262,7 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
     issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
     cp_async_commit();
   } else {
-    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec, tid());
+    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec, threadIdx.x);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -301,7 +288,6 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
   const float scale_l2 = p.softmax_scale * kLog2e;
   const float cap_l2 = p.softcap * kLog2e, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
   auto issue_tile = [&](int64_t t, int buf) {
-    if (!copier) return;
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias) issue_bias<T>(p, bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
@@ -329,7 +315,7 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
   // length cuts, unaligned masks). Block-uniform.
   auto keep_tile = [&](int64_t t, int buf) {
     if (has_mask && !mask_async(p, f.mask_vec, m0, t * kBlockN))
-      build_keep(p, mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN, copier);
+      build_keep(p, mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN);
   };
   // First key tile >= t (and < n_end) that keeps something.
   ActiveTiles active(meta_row);
@@ -502,9 +488,6 @@ __global__ void __launch_bounds__(kThreads * kGroup, kGroup > 1 ? 1 : D <= 64 ? 
       // P.V of tile t is done from here on: its K / V / bias / mask buffers take tile tnn. (Issuing S
       // while P.V is still in flight makes ptxas serialise every wgmma, C7514.)
       if constexpr (kWg) wgmma_wait<0>();
-      // With two warpgroups the other one's P.V may still read buffer cur's V: both wait here
-      // before the copier refills that buffer below.
-      if constexpr (kWg && kGroup > 1) __syncthreads();
       if constexpr (!kWg) {
         if (tnn < n_end) issue_tile(tnn, cur);
       }

@@ -6,11 +6,6 @@
 namespace flexdma {
 namespace cuda {
 
-#ifdef FLEXDMA_EXP_FWD_PAIR
-// Whether query heads 2i and 2i + 1 read the same plane of a broadcast operand.
-inline bool pair_shares(const Broadcast4d& t) { return !t.ptr || t.head_stride == 0 || t.head_ratio % 2 == 0; }
-#endif
-
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSmem = FwdSmem<T, D>::kBytes;
@@ -39,20 +34,6 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows * (D + 1) * sizeof(float), stream);
     sp.lse_part = sp.o_part + sp.n * rows * D;
   }
-#ifdef FLEXDMA_EXP_FWD_PAIR
-  // Staged (NOTES.md, sessions 7 and 8; measured no faster): pairs of query heads of one kv head
-  // with the same mask / bias planes share a CTA and its tiles.
-  if constexpr (D <= 128) {
-    if (sp.n == 1 && (p.num_heads / p.num_heads_k) % 2 == 0 && pair_shares(p.mask) && pair_shares(p.bias) &&
-        (!p.mask.ptr || pair_shares(p.tile_meta))) {
-      constexpr int kSmem2 = FwdSmem<T, D, 2>::kBytes;
-      cudaFuncSetAttribute(fwd_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem2);
-      dim3 grid2((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads / 2), (unsigned)p.batch, 1u);
-      fwd_kernel<T, D, 2><<<grid2, 2 * kThreads, kSmem2, stream>>>(p, f, sp);
-      return;
-    }
-  }
-#endif
   dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
   fwd_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p, f, sp);
   if (sp.n > 1) {
