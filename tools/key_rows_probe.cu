@@ -1,4 +1,4 @@
-// Checks the K / V tile loaders' key sources alone: issue_kv (forward) and bwd_issue_keys
+// Checks the K / V tile loaders' key sources alone: issue_kv (forward) and issue_keys
 // (backward) fill a smem tile from ContiguousKeys and from GatheredKeys (a shuffled index list,
 // the tail tile cut by seqlen_k), 16-byte and element paths, head dims 64 / 96 / 128; the tile
 // is read back through tile_index and compared with the rows on the host. Exit status 1 on any
@@ -8,8 +8,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/bwd_kernel.cuh"
-#include "cuda/fwd_kernel.cuh"
+#include "cuda/copy.cuh"
 
 using namespace flexdma::cuda;
 using T = __nv_bfloat16;
@@ -24,8 +23,8 @@ __global__ void load_tile(const T* k, const T* v, int64_t rs, Keys keys, int64_t
   if (which == 0) {
     issue_kv<T, D, Keys>(k, v, rs, rs, seqlen_k, n0, sk, sv, vec, keys);
   } else {
-    bwd_issue_keys<T, D>(sk, k, rs, keys, n0, seqlen_k, vec);
-    bwd_issue_keys<T, D>(sv, v, rs, keys, n0, seqlen_k, vec);
+    issue_keys<T, D>(sk, k, rs, keys, n0, seqlen_k, vec);
+    issue_keys<T, D>(sv, v, rs, keys, n0, seqlen_k, vec);
   }
   cp_async_commit();
   cp_async_wait<0>();

@@ -1,6 +1,8 @@
 // Grid and launch of the forward kernel: one CTA per (query tile, head, batch), (tile, head)
 // flattened into x so that heads interleave.
+#include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
+#include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
@@ -43,28 +45,11 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-#define FLEXDMA_INSTANTIATE_FWD(D)                                            \
-  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);       \
+#define FLEXDMA_INSTANTIATE_FWD(D)                                        \
+  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t); \
   template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t);
-#ifdef FLEXDMA_HEAD_DIM_32
-FLEXDMA_INSTANTIATE_FWD(32)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_64
-FLEXDMA_INSTANTIATE_FWD(64)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_96
-FLEXDMA_INSTANTIATE_FWD(96)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_128
-FLEXDMA_INSTANTIATE_FWD(128)
-#endif
-// Wider heads exist only on wgmma (Q / dO / K / V read from swizzled smem).
-#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_FWD(192)
-#endif
-#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_FWD(256)
-#endif
+FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)
+#undef FLEXDMA_INSTANTIATE_FWD
 
 }  // namespace cuda
 }  // namespace flexdma
