@@ -1,7 +1,7 @@
 // Checks the forward's wgmma building blocks against a host product on random data, one
 // warpgroup: S = Q K^T (A = Q from registers, K 128-byte-swizzled, K-major) and O = P V (A = P
 // from registers, V swizzled, MN-major) for head dims 64 and 128. Prints the max error of each.
-//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc tools/wgmma_probe.cu -o /tmp/probe && /tmp/probe
+//   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I csrc tests/cuda/wgmma_probe.cu -o /tmp/probe && /tmp/probe
 #include <cstdio>
 #include <cstdlib>
 #include <cmath>

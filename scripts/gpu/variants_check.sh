@@ -10,10 +10,10 @@
 #   EXTRA     optional: a command run last, in the first variant's tree (its build imported); $W
 #             is the folder packed into variants.tgz; EXTRA_S: seconds the tests leave it
 #   DEADLINE_S  seconds for the whole script (default 570); the tests get what the timings leave
-# Usage: COMMIT=<sha> VARIANTS="..." bash tools/variants_check.sh OUTDIR
+# Usage: COMMIT=<sha> VARIANTS="..." bash scripts/gpu/variants_check.sh OUTDIR
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. tools/pick_cxx.sh
+cd "$(dirname "$0")/../.."
+. scripts/gpu/pick_cxx.sh
 out=$1; w=$(mktemp -d); mkdir -p "$out"
 t0=$(date +%s); deadline=${DEADLINE_S:-570}
 left() { echo $(( deadline - ($(date +%s) - t0) )); }

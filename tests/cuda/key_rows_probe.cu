@@ -3,7 +3,7 @@
 // the tail tile cut by seqlen_k), 16-byte and element paths, head dims 64 / 96 / 128; the tile
 // is read back through tile_index and compared with the rows on the host. Exit status 1 on any
 // mismatch.
-//   nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DFLEXDMA_SM90A -I csrc tools/key_rows_probe.cu -o /tmp/kr && /tmp/kr
+//   nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DFLEXDMA_SM90A -I csrc tests/cuda/key_rows_probe.cu -o /tmp/kr && /tmp/kr
 #include <cstdio>
 #include <cstdlib>
 #include <vector>

@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
-#   bash tools/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
-#   bash tools/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
+#   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
+#   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
 #                                                 # FlexAttention)
-#   bash tools/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
-#   bash tools/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
-#   bash tools/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
-#   bash tools/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
-#   bash tools/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
-#   PART=1..7 bash tools/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
-#   bash tools/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
+#   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
+#   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
+#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
+#   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
+#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
+#   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
+#   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
 #                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
 # runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
 # and fail a test that runs past PER_TEST_S seconds (pytest-timeout; default 240), so a hang names
 # itself. They run in one process unless XDIST (pytest-xdist workers) says otherwise: 8 workers on
-# the one GPU ran the kernel tests ~10x slower than one process had (NOTES.md session 9). Logs
+# the one GPU ran the kernel tests ~10x slower than one process. Logs
 # and JSON go under OUTDIR (a few files: the machine returns at most eight). COMMIT names the
 # commit measured (the copy may have no .git).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. tools/pick_cxx.sh
+cd "$(dirname "$0")/../.."
+. scripts/gpu/pick_cxx.sh
 modes=" ${1//+/ } "; out=$2; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 PY=${PYTHON:-python3}
@@ -64,7 +64,7 @@ if has sanitizer; then
   for tool in memcheck racecheck; do
     # One process for every case: forward + backward at the wgmma head dims and both dbias paths
     # (the wide ones on their two-pass dk/dv path), and the split-key decode forward.
-    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY tools/kernel_probe.py small 64 small 128 smallkey 128 \
+    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
       small 256 smallkey 192 decode 128 > "$out/san.tmp" 2>&1
     echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
   done

@@ -3,8 +3,8 @@
 # timings of the target shapes, an optional Nsight Compute profile of the forward. Everything
 # ends up in $1/check.tgz plus a summary on stdout (the machine returns at most a few files).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-. tools/pick_cxx.sh
+cd "$(dirname "$0")/../.."
+. scripts/gpu/pick_cxx.sh
 out=$1; w=$(mktemp -d); mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 python3 -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
@@ -18,7 +18,7 @@ timeout 200 python3 benchmarks/cuda_dev.py --out "$w/dev.json" > "$w/dev.log" 2>
 if [ -n "${NCU_CASE:-}" ]; then
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   timeout 150 "$NCU" --clock-control none --set full --import-source yes -k regex:fwd_kernel --launch-skip 1 -c 1 \
-    -f -o "$w/fwd" python3 tools/kernel_probe.py $NCU_CASE > "$w/ncu.log" 2>&1
+    -f -o "$w/fwd" python3 scripts/gpu/kernel_probe.py $NCU_CASE > "$w/ncu.log" 2>&1
   "$NCU" -i "$w/fwd.ncu-rep" --page details > "$w/fwd.details.txt" 2>&1
   "$NCU" -i "$w/fwd.ncu-rep" --page source --csv --print-source sass > "$w/fwd.sass.csv" 2>&1; rm -f "$w/fwd.ncu-rep"
   grep -E "Duration|Issued Instructions  |Issue Slots Busy|Registers Per|Warp Cycles Per Issued" "$w/fwd.details.txt"

@@ -1,5 +1,5 @@
 """Runs the flexdma CUDA op calls of named cases, each twice (warm-up, then the call a profiler
-attaches to): `python3 tools/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
+attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
 nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode (small / smallkey: 333 queries x 333
 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
