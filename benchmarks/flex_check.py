@@ -59,7 +59,10 @@ def main():
         return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=True, softmax_scale=scale, softcap=0.0)
 
     with torch.no_grad():
-        t0 = time.time(); ours_fwd(); torch.cuda.synchronize(); res["ours_fwd_first_call_s"] = time.time() - t0
+        t0 = time.time()
+        ours_fwd()
+        torch.cuda.synchronize()
+        res["ours_fwd_first_call_s"] = time.time() - t0
         res["ours_fwd_ms"] = do_bench(ours_fwd)
         # Where the forward time goes: BlockMask tensors vs the compiled FlexAttention call.
         # Inference: the kv side only, as flex_dma_attention builds it without grad.
@@ -72,7 +75,9 @@ def main():
     qg, kg, vg, bg = (t.detach().clone().requires_grad_(True) for t in (q, k, v, bias))
     out, _ = flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0)
     dout = torch.randn_like(out)
-    t0 = time.time(); torch.autograd.grad(out, (qg, kg, vg, bg), dout, retain_graph=True); torch.cuda.synchronize()
+    t0 = time.time()
+    torch.autograd.grad(out, (qg, kg, vg, bg), dout, retain_graph=True)
+    torch.cuda.synchronize()
     res["ours_bwd_first_call_s"] = time.time() - t0
     res["ours_bwd_ms"] = do_bench(lambda: torch.autograd.grad(out, (qg, kg, vg, bg), dout, retain_graph=True))
     # The forward of a training step: grad-requiring inputs, the backward's kernel_options, the q

@@ -24,7 +24,8 @@ def say(msg):
 
 
 def table(fn, n=3):
-    fn(); torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             fn()

@@ -136,8 +136,8 @@ def main():
                 print(f"  {'only in base' if name in old else 'only in tree'}: {name}")
                 bad += 1
             elif old[name] != new[name]:
-                n_old = sum(1 for l in old[name] if not l.startswith("/*"))
-                n_new = sum(1 for l in new[name] if not l.startswith("/*"))
+                n_old = sum(1 for line in old[name] if not line.startswith("/*"))
+                n_new = sum(1 for line in new[name] if not line.startswith("/*"))
                 print(f"  DIFFERENT ({n_old} -> {n_new} instructions): {short}")
                 if a.verbose:
                     for i, (x, y) in enumerate(zip(old[name], new[name])):
@@ -146,7 +146,7 @@ def main():
                             break
                 bad += 1
             else:
-                n = sum(1 for l in new[name] if not l.startswith("/*"))
+                n = sum(1 for line in new[name] if not line.startswith("/*"))
                 print(f"  identical ({n} instructions): {short}")
     shutil.rmtree(base_dir, ignore_errors=True)
     print("SASS identical" if not bad else f"{bad} functions differ or are unmatched")
