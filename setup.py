@@ -5,11 +5,12 @@ unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
   FLEXDMA_CUDA_ARCHS   e.g. "90" or "80;90" (default "90")
   FLEXDMA_HEAD_DIMS    e.g. "64,128" (default: all of 32,64,96,128,192,256; 192 and 256 only in
                        sm_90-only builds)
-  FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-DFLEXDMA_EXP_FWD_PAIR" (a staged kernel experiment)
+  FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-Xptxas -v" (register and spill counts)
   MAX_JOBS             parallel compile jobs (ninja)
 """
-import os
 import glob
+import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,18 +18,26 @@ from pathlib import Path
 from setuptools import setup, find_packages
 
 ROOT = Path(__file__).parent.resolve()
-# Head dims the CUDA kernels implement; others fall back to FlexAttention at run time. The wide
-# ones run only on wgmma, so they are built only for sm_90a-only builds (a build for other archs
-# drops them with a message). The six together take ~95 s on 16 cores; a dev build names fewer.
-ALL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
-DEFAULT_HEAD_DIMS = ALL_HEAD_DIMS
-WGMMA_ONLY_HEAD_DIMS = (192, 256)
+
+
+def _table_head_dims():
+    """The head dims the CUDA kernels implement, from their one table (csrc/cuda/head_dims.h)."""
+    text = (ROOT / "csrc" / "cuda" / "head_dims.h").read_text()
+    row = re.search(r"#define FLEXDMA_ALL_HEAD_DIMS\(X\)(.*)", text).group(1)
+    return tuple(int(d) for d in re.findall(r"X\((\d+)\)", row))
+
+
+# Other head dims fall back to FlexAttention at run time. The wide ones (above 128) run only on
+# wgmma, so they are built only for sm_90a-only builds (a build for other archs drops them with a
+# message). All six take ~95 s on 16 cores; a dev build names fewer.
+ALL_HEAD_DIMS = _table_head_dims()
+WGMMA_ONLY_HEAD_DIMS = tuple(d for d in ALL_HEAD_DIMS if d > 128)
 
 
 def _head_dims():
     raw = os.environ.get("FLEXDMA_HEAD_DIMS", "")
     if not raw.strip():
-        return DEFAULT_HEAD_DIMS
+        return ALL_HEAD_DIMS
     dims = tuple(sorted({int(x) for x in raw.replace(";", ",").split(",") if x.strip()}))
     bad = [d for d in dims if d not in ALL_HEAD_DIMS]
     if bad:
@@ -102,7 +111,7 @@ def _extensions():
     hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
     gencode = []
     for a in archs:
-        # wgmma and setmaxnreg need the arch-specific target (sm_90a).
+        # wgmma needs the arch-specific target (sm_90a).
         arch = a + "a" if a in ("90",) else a
         gencode += [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     if archs and all(a == "90" for a in archs):
@@ -112,23 +121,10 @@ def _extensions():
             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
             "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"] + gencode + hd_defs
     nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
-    cutlass = os.environ.get("FLEXDMA_CUTLASS_INCLUDE") or _cutlass_include()
-    include_dirs = [str(ROOT / "csrc")] + ([cutlass] if cutlass else [])
-    if cutlass:
-        nvcc.append("-DFLEXDMA_HAVE_CUTLASS")
+    include_dirs = [str(ROOT / "csrc")]
     sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
     return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs,
-                          extra_compile_args={"cxx": cxx + ["-DFLEXDMA_WITH_CUDA"] + hd_defs, "nvcc": nvcc})]
-
-
-def _cutlass_include():
-    try:
-        import cutlass_library  # from the nvidia-cutlass wheel
-
-        p = Path(cutlass_library.__file__).parent / "source" / "include"
-        return str(p) if p.is_dir() else None
-    except Exception:
-        return None
+                          extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
 
 
 def _cmdclass():

@@ -12,24 +12,15 @@ import math
 import torch
 import triton.testing
 
-import flexdma  # noqa: F401
+import flexdma
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
 
 
-def top_w_mask(bias, Q, K, W, chunk=2048):
+def top_w_mask(bias, Q, K, W):
     """(1, 1, Q, K) bool: the W largest causal (bottom-right) bias entries per query row."""
-    mask = torch.zeros(1, 1, Q, K, dtype=torch.bool, device=bias.device)
-    cols = torch.arange(K, device=bias.device)
-    for r0 in range(0, Q, chunk):
-        rows = torch.arange(r0, min(Q, r0 + chunk), device=bias.device)
-        b = bias[0, 0, rows if bias.shape[2] > 1 else torch.zeros_like(rows)].float()
-        b = b.masked_fill(cols[None, :] > rows[:, None] + (K - Q), float("-inf"))
-        idx = b.topk(min(W, K), dim=-1).indices
-        m = torch.zeros_like(b, dtype=torch.bool).scatter_(1, idx, True)
-        mask[0, 0, rows] = m & torch.isfinite(b)
-    return mask
+    return flexdma.create_mask(bias, W, is_causal=True, query_len=Q).expand(1, 1, Q, K)
 
 
 def bench(fn):
@@ -99,8 +90,7 @@ def main():
         kd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
         vd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
         bd = torch.randn(1, 1, 1, Kd, device=dev, dtype=dt)
-        md = torch.zeros(1, 1, 1, Kd, device=dev, dtype=torch.bool)
-        md[..., bd[0, 0, 0].float().topk(min(W, Kd)).indices] = True
+        md = flexdma.create_mask(bd, W)
         qd = q[:, :1].contiguous()
         results[f"decode_{Kd}_fwd_ms"] = bench(lambda: fwd(qd, kd, vd, md, bd, scale, True, 0.0, True))
         kds, vds = (t.transpose(1, 2).expand(-1, H, -1, -1) for t in (kd, vd))

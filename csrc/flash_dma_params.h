@@ -22,6 +22,8 @@
 #pragma once
 #include <cstdint>
 
+#include "flash_dma_constants.h"
+
 namespace flexdma {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16 = 3 };
@@ -104,8 +106,6 @@ struct BwdParams : FwdParams {
   // Kernels write delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out) from an
   // out rounded to bf16/fp16 is too coarse for a broadcast dbias), and read it back.
   void* softmax_d = nullptr;
-
-  bool deterministic = true;
 };
 
 }  // namespace flexdma

@@ -14,10 +14,10 @@ from .reference import attention_ref
 __version__ = "0.1.0"
 
 # Load the op family now, so torch.ops.flexdma.* exists once flexdma is imported.
-if _dispatch._ops_loaded() is not None:  # pragma: no cover - only without a built extension
+if _dispatch._ops_load_error() is not None:  # pragma: no cover - only without a built extension
     import warnings as _warnings
 
-    _warnings.warn(f"flexdma: {_dispatch._ops_loaded()}; only the 'flex' and 'reference' backends work")
+    _warnings.warn(f"flexdma: {_dispatch._ops_load_error()}; only the 'flex' and 'reference' backends work")
 elif getattr(_dispatch._build_info(), "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
     import warnings as _warnings
 

@@ -96,7 +96,7 @@ def _tile_flags_kernel(m_ptr, partial_ptr, full_ptr, Q, K, off, nq, nk, n_heads,
     tl.store(full_ptr + out, all_.to(tl.uint8))
 
 
-# Launch configuration (module level so that tools/flex_probe.py can sweep it).
+# Launch configuration (module level so that scripts/gpu/flex_probe.py can sweep it).
 ROWS, NUM_WARPS, EARLY_EXIT = 16, 4, True
 
 

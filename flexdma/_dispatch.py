@@ -36,7 +36,7 @@ _ops_state = _UNSET
 _flex_state = _UNSET
 
 
-def _ops_loaded() -> Optional[str]:
+def _ops_load_error() -> Optional[str]:
     """None when the C++ op family loaded, else why not."""
     global _ops_state
     if _ops_state is _UNSET:
@@ -73,11 +73,11 @@ def available_backends() -> List[str]:
     """Backends that can run on this machine, fastest first (`auto` picks among them per call)."""
     out = []
     info = _build_info()
-    if _ops_loaded() is None and info is not None and info.WITH_CUDA and torch.cuda.is_available():
+    if _ops_load_error() is None and info is not None and info.WITH_CUDA and torch.cuda.is_available():
         out.append("cuda")
     if _flex_module()[0] is not None:
         out.append("flex")
-    if _ops_loaded() is None:
+    if _ops_load_error() is None:
         out.append("cpu")
     out.append("reference")
     return out
@@ -86,7 +86,7 @@ def available_backends() -> List[str]:
 def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optional[str]:
     if q.device.type != "cuda":
         return f"inputs are on {q.device.type}, not cuda"
-    why = _ops_loaded()
+    why = _ops_load_error()
     if why:
         return why
     info = _build_info()
@@ -102,8 +102,10 @@ def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optio
     if d not in info.CUDA_HEAD_DIMS:
         return (f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
                 f"FLEXDMA_HEAD_DIMS picks them at build time)")
-    if q.shape[0] > 65535 or q.shape[2] > 65535:
-        return "batch and num_heads must be <= 65535 (CUDA grid limits)"
+    from ._C import MAX_GRID_DIM
+
+    if q.shape[0] > MAX_GRID_DIM or q.shape[2] > MAX_GRID_DIM:
+        return f"batch and num_heads must be <= {MAX_GRID_DIM} (CUDA grid limits)"
     return None
 
 
@@ -154,7 +156,7 @@ def unsupported_reason(name: str, q, k, v, mask, bias, *, is_causal, softcap, re
     if name == "cpu":
         if q.device.type != "cpu":
             return f"inputs are on {q.device.type}; the cpu backend takes CPU tensors"
-        return _ops_loaded()
+        return _ops_load_error()
     return None  # the reference runs anywhere
 
 

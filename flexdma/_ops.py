@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library that defines torch.ops.flexdma.*)
+from . import _C  # loads the library that defines torch.ops.flexdma.*
 
 __all__ = ["fwd", "bwd", "tile_meta", "topk_select", "topk_fwd", "topk_bwd"]
 
@@ -46,9 +46,10 @@ def _bwd_fake(grad_out, q, k, v, attn_mask, attn_bias, out, lse, softmax_scale, 
 
 @torch.library.register_fake("flexdma::tile_meta")
 def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
-    # One int32 word per 32 key tiles of 64, per query tile of 64, per mask (batch, head).
-    words = ((seqlen_k + 63) // 64 + 31) // 32
-    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], (seqlen_q + 63) // 64, words),
+    # One int32 word per TILES_PER_WORD key tiles, per query tile, per mask (batch, head).
+    tile, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
+    words = (-(-seqlen_k // tile) + per_word - 1) // per_word
+    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], -(-seqlen_q // tile), words),
                                dtype=torch.int32)
 
 

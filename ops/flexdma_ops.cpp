@@ -9,10 +9,20 @@
 #include "op_impl.h"
 
 extern "C" {
-// A bare module so `import flexdma._C` loads this library and runs the registrations below.
+// A bare module so `import flexdma._C` loads this library and runs the registrations below; it
+// carries the constants Python shares with the kernels (csrc/flash_dma_constants.h).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* m = PyModule_Create(&module_def);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddIntConstant(m, "TILE_SIZE", flexdma::kTileSize) < 0 ||
+      PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
+      PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||
+      PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 }
 
@@ -77,8 +87,8 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
         for (int64_t j = 0; j < seqlen_k; ++j) {
           if (is_causal && j > i + seqlen_k - seqlen_q) break;
           if (!m[b][h][row_b ? 0 : i][col_b ? 0 : j]) continue;
-          const int64_t kt = j / 64;
-          out[b][h][i / 64][kt / 32] |= static_cast<int32_t>(1u << (kt % 32));
+          const int64_t kt = j / kTileSize;
+          out[b][h][i / kTileSize][kt / kTilesPerWord] |= static_cast<int32_t>(1u << (kt % kTilesPerWord));
         }
   return meta;
 }

@@ -28,8 +28,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const std::function<void(const BwdParams&)>& run,
-    bool device_stores_dbias_dtype = false, const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
+    bool /*deterministic: every kernel's backward is*/, const c10::optional<at::Tensor>& tile_meta,
+    const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false,
+    const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -49,7 +50,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
-                  softmax_d, deterministic, tile_meta);
+                  softmax_d, tile_meta);
   p.key_rank = key_rank;
   p.row_thr = row_thr;
   p.dbias_in_dtype = dbias_direct;

@@ -70,9 +70,9 @@ inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* n
 
 // Shape of flexdma::tile_meta's result for a mask of `mask_sizes` (B|1, heads|1, ., .).
 inline std::vector<int64_t> tile_meta_shape(at::IntArrayRef mask_sizes, int64_t seqlen_q, int64_t seqlen_k) {
-  constexpr int64_t kTile = 64, kTilesPerWord = 32;
-  const int64_t key_tiles = (seqlen_k + kTile - 1) / kTile;
-  return {mask_sizes[0], mask_sizes[1], (seqlen_q + kTile - 1) / kTile, (key_tiles + kTilesPerWord - 1) / kTilesPerWord};
+  const int64_t key_tiles = (seqlen_k + kTileSize - 1) / kTileSize;
+  return {mask_sizes[0], mask_sizes[1], (seqlen_q + kTileSize - 1) / kTileSize,
+          (key_tiles + kTilesPerWord - 1) / kTilesPerWord};
 }
 
 // The tile activity bits (FwdParams::tile_meta) of `mask`, checked against the mask they claim
@@ -211,7 +211,7 @@ inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tens
                             const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& lse,
                             double softmax_scale, bool is_causal, double softcap, at::Tensor& dq, at::Tensor& dk,
                             at::Tensor& dv, const c10::optional<at::Tensor>& dbias_accum, at::Tensor& softmax_d,
-                            bool deterministic, const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
+                            const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
   at::Tensor out_ = out, lse_ = lse;
   fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out_, lse_, tile_meta);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flexdma: grad_out/out must have query's shape");
@@ -226,7 +226,6 @@ inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tens
     p.dbias_accum = broadcast4d(dbias_accum, "dbias", q, p.seqlen_k, p.num_heads_k);
   }
   p.softmax_d = softmax_d.data_ptr();
-  p.deterministic = deterministic;
 }
 
 }  // namespace flexdma

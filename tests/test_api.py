@@ -82,7 +82,7 @@ def test_auto_on_cpu_uses_the_cpu_op(monkeypatch):
 def test_auto_fallback_warns_once_with_reason(monkeypatch):
     q, k, v = qkv()
     monkeypatch.setattr(_dispatch, "_warned", set())
-    monkeypatch.setattr(_dispatch, "_ops_loaded", lambda: "pretend the extension is missing")
+    monkeypatch.setattr(_dispatch, "_ops_load_error", lambda: "pretend the extension is missing")
     kw = dict(is_causal=False, softcap=0.0, requires_grad=False)
     with pytest.warns(UserWarning, match="falls back from 'cpu' to 'reference': pretend the extension is missing"):
         assert _dispatch.select("auto", q, k, v, None, None, **kw) == "reference"

@@ -1,6 +1,4 @@
 """dynamic_mask_attention and the flexdma.nn layers against independent eager implementations."""
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import pytest
 import torch
 
-import flexdma
+import flexdma  # noqa: F401  (registers torch.ops.flexdma)
 from flexdma.reference import attention_ref
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

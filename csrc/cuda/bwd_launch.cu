@@ -2,7 +2,10 @@
 // it also writes the float delta into softmax_d), then dK/dV/dbias (one CTA per key tile, kv
 // head, batch); a bias broadcast over keys gets per-key-tile dbias slices summed in tile order
 // afterwards, so no two CTAs ever write the same element.
-#include "bwd_kernel.cuh"
+#include "bwd_dbias.cuh"
+#include "bwd_dkv_kernel.cuh"
+#include "bwd_dq_kernel.cuh"
+#include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
@@ -60,28 +63,11 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
-#define FLEXDMA_INSTANTIATE_BWD(D)                                            \
-  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t);       \
+#define FLEXDMA_INSTANTIATE_BWD(D)                                        \
+  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t); \
   template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t);
-#ifdef FLEXDMA_HEAD_DIM_32
-FLEXDMA_INSTANTIATE_BWD(32)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_64
-FLEXDMA_INSTANTIATE_BWD(64)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_96
-FLEXDMA_INSTANTIATE_BWD(96)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_128
-FLEXDMA_INSTANTIATE_BWD(128)
-#endif
-// Wider heads exist only on wgmma (Q / dO / K / V read from swizzled smem).
-#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_BWD(192)
-#endif
-#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_BWD(256)
-#endif
+FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_BWD)
+#undef FLEXDMA_INSTANTIATE_BWD
 
 }  // namespace cuda
 }  // namespace flexdma

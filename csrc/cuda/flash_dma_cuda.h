@@ -6,7 +6,8 @@ namespace flexdma {
 namespace cuda {
 
 // nullptr when the kernel handles these params, else a short reason ("head_dim 80 not built").
-// The binding checks this before launching; Python asks the same through flexdma._C info.
+// The binding checks this before launching; flexdma/_dispatch.py (cuda_unsupported_reason) makes
+// the same checks in Python to pick a backend.
 const char* unsupported_reason(const FwdParams& params);
 
 // stream is a cudaStream_t passed as void* so that this header needs no CUDA headers.

@@ -1,15 +1,12 @@
 // Grid and launch of the forward kernel: one CTA per (query tile, head, batch), (tile, head)
 // flattened into x so that heads interleave.
+#include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
+#include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
 namespace cuda {
-
-#ifdef FLEXDMA_EXP_FWD_PAIR
-// Whether query heads 2i and 2i + 1 read the same plane of a broadcast operand.
-inline bool pair_shares(const Broadcast4d& t) { return !t.ptr || t.head_stride == 0 || t.head_ratio % 2 == 0; }
-#endif
 
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
@@ -39,20 +36,6 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows * (D + 1) * sizeof(float), stream);
     sp.lse_part = sp.o_part + sp.n * rows * D;
   }
-#ifdef FLEXDMA_EXP_FWD_PAIR
-  // Staged (NOTES.md, sessions 7 and 8; measured no faster): pairs of query heads of one kv head
-  // with the same mask / bias planes share a CTA and its tiles.
-  if constexpr (D <= 128) {
-    if (sp.n == 1 && (p.num_heads / p.num_heads_k) % 2 == 0 && pair_shares(p.mask) && pair_shares(p.bias) &&
-        (!p.mask.ptr || pair_shares(p.tile_meta))) {
-      constexpr int kSmem2 = FwdSmem<T, D, 2>::kBytes;
-      cudaFuncSetAttribute(fwd_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem2);
-      dim3 grid2((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads / 2), (unsigned)p.batch, 1u);
-      fwd_kernel<T, D, 2><<<grid2, 2 * kThreads, kSmem2, stream>>>(p, f, sp);
-      return;
-    }
-  }
-#endif
   dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
   fwd_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p, f, sp);
   if (sp.n > 1) {
@@ -62,28 +45,11 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-#define FLEXDMA_INSTANTIATE_FWD(D)                                            \
-  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);       \
+#define FLEXDMA_INSTANTIATE_FWD(D)                                        \
+  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t); \
   template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t);
-#ifdef FLEXDMA_HEAD_DIM_32
-FLEXDMA_INSTANTIATE_FWD(32)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_64
-FLEXDMA_INSTANTIATE_FWD(64)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_96
-FLEXDMA_INSTANTIATE_FWD(96)
-#endif
-#ifdef FLEXDMA_HEAD_DIM_128
-FLEXDMA_INSTANTIATE_FWD(128)
-#endif
-// Wider heads exist only on wgmma (Q / dO / K / V read from swizzled smem).
-#if defined(FLEXDMA_HEAD_DIM_192) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_FWD(192)
-#endif
-#if defined(FLEXDMA_HEAD_DIM_256) && defined(FLEXDMA_SM90A)
-FLEXDMA_INSTANTIATE_FWD(256)
-#endif
+FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)
+#undef FLEXDMA_INSTANTIATE_FWD
 
 }  // namespace cuda
 }  // namespace flexdma

@@ -1,5 +1,6 @@
 // Register-level tensor-core primitives (sm_80+ PTX): mma.sync m16n8k16 with float
-// accumulation, ldmatrix fragment loads from shared memory and cp.async 16-byte copies.
+// accumulation, ldmatrix fragment loads from shared memory, and the 16-bit <-> float conversions
+// of fragments and elements.
 // Fragment layouts (g = lane / 4, c = lane % 4):
 //   A 16x16: a0 (g, 2c..2c+1), a1 (g+8, 2c..), a2 (g, 2c+8..), a3 (g+8, 2c+8..)
 //   B 16x8:  b0 (k 2c..2c+1, n g), b1 (k 2c+8.., n g)
@@ -45,14 +46,12 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
                : "r"(smem_addr(p)));
 }
 
-// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination without reading.
-__device__ inline void cp_async16(void* dst, const void* src, int src_bytes = 16) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+template <typename T> __device__ inline float to_float(T x);
+template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
+template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ inline T from_float(float x);
+template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
 template <> __device__ inline uint32_t pack2<__nv_bfloat16>(float lo, float hi) {

@@ -2,8 +2,8 @@
 // the tensor cores straight from shared memory through a matrix descriptor.
 //
 // Why: with mma.sync every warp of the CTA reads the whole K and V tile from shared memory by
-// ldmatrix (4x the bytes of the tile per step for 4 warps, 0.5 LDSM per HMMA); that, and the
-// instruction count, bounded the forward at ~260 TFLOP/s. A wgmma reads B once for the
+// ldmatrix (4x the bytes of the tile per step for 4 warps, 0.5 LDSM per HMMA), which bounds the
+// products by shared-memory bandwidth and instruction issue. A wgmma reads B once for the
 // warpgroup and issues a 64 x N x 16 product as one instruction.
 //
 // Register layouts (warp w of the warpgroup owns rows 16w .. 16w + 15, g = lane / 4, c = lane % 4)
@@ -24,12 +24,11 @@
 #include <type_traits>
 
 #include "mma_sm80.cuh"
-#include "tile_io.cuh"
 
 namespace flexdma {
 namespace cuda {
 
-// sw128_offset, use_wgmma and the tile layout helpers live in tile_io.cuh.
+// sw128_offset, use_wgmma and the tile layout helpers live in smem_layout.cuh.
 
 // Shared-memory matrix descriptor: start address, leading / stride byte offsets (16-byte
 // units), swizzle mode 1 = 128 B (bits 62-63). Base offset 0: blocks are 1024-byte aligned.

@@ -5,7 +5,8 @@
 
 #include "flash_dma_cuda.h"
 #include "launch.h"
-#include "tile_io.cuh"
+#include "constants.cuh"
+#include "mask.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -69,7 +70,7 @@ __global__ void tile_meta_kernel(const FwdParams p, bool vec, uint32_t* meta, in
   if (!hit) hit = __any_sync(0xffffffffu, chunks_any<1, kPer>(m, tb, vec, m0, n0, lane));
   if (hit && lane == 0) {
     uint32_t* row = meta + (plane * gridDim.y + qt) * n_words;
-    atomicOr(row + kt / 32, 1u << (kt % 32));
+    atomicOr(row + kt / kTilesPerWord, 1u << (kt % kTilesPerWord));
   }
 }
 
@@ -79,8 +80,8 @@ void run_tile_meta(const FwdParams& p, int64_t mask_batches, int64_t mask_heads,
                    void* stream) {
   const int64_t n_qt = ceil_div(p.seqlen_q, kBlockM), n_kt = ceil_div(p.seqlen_k, kBlockN);
   const int64_t planes = mask_batches * mask_heads;
-  for (int64_t plane0 = 0; plane0 < planes && n_qt > 0 && n_kt > 0; plane0 += 65535) {
-    dim3 grid((unsigned)ceil_div(n_kt, kWarpsPerCta), (unsigned)n_qt, (unsigned)imin(65535, planes - plane0));
+  for (int64_t plane0 = 0; plane0 < planes && n_qt > 0 && n_kt > 0; plane0 += kMaxGridDim) {
+    dim3 grid((unsigned)ceil_div(n_kt, kWarpsPerCta), (unsigned)n_qt, (unsigned)imin(kMaxGridDim, planes - plane0));
     tile_meta_kernel<<<grid, 32 * kWarpsPerCta, 0, static_cast<cudaStream_t>(stream)>>>(
         p, mask_rows_aligned(p), static_cast<uint32_t*>(meta), n_words, mask_heads, plane0);
   }

@@ -1,0 +1,182 @@
+// dbias of the backward: where a dk/dv work item adds dS, the zeroing of the tiles no work item
+// keeps (run by the dq kernel), and the in-order sum of per-key-tile slices (a bias broadcast
+// over keys).
+#pragma once
+#include <cstdint>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
+// key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
+// in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
+// the buffer comes unfilled, and the dq kernel zeroes the tiles no head of a plane keeps (the dkv
+// kernel never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
+// full tile is stored (and an unkept one zeroed) 8 elements a store.
+struct BwdDbias {
+  void* ptr = nullptr;
+  Broadcast4d layout;
+  int64_t tile_stride = 0;
+  bool in_dtype = false;
+  bool vec = false;
+};
+
+// A dbias stored in the bias dtype comes uninitialised, and the dkv kernel writes only the tiles
+// some query head of a plane keeps. The dq kernel's CTA of a plane's first head zeroes the others
+// of one query tile (bounds and causality as the dkv kernel's find_next, the heads' activity bits
+// ORed) after its own work: plain stores that drain while the SM's other CTA computes, instead
+// of a fill of the whole buffer that runs alone before the backward. The CTA zeroes the mirrored query tile, not its own: CTAs run heaviest (last under
+// causal) tiles first and the first query tiles have the most unkept tiles, so the stores go to
+// the long-running CTAs instead of the light tail (docs/kernels.md has the measured cost).
+template <typename T>
+__device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
+                                              int64_t m_tile) {
+  const Broadcast4d& DL = db.layout;
+  const int nh = (int)DL.head_ratio;  // query heads of a dbias plane
+  if ((int)h % nh != 0) return;
+  const int64_t m0 = m_tile * kBlockM, nk = ceil_div(p.seqlen_k, kBlockN);
+  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
+  T* base = static_cast<T*>(db.ptr) + b * DL.batch_stride + (int)h / nh * DL.head_stride + m0 * DL.row_stride;
+  const uint32_t* meta = p.mask.ptr ? static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride +
+                                          m_tile * p.tile_meta.row_stride
+                                    : nullptr;
+#pragma unroll 1
+  for (int64_t t0 = 0; t0 < nk; t0 += 32) {
+    uint32_t live = 0;
+#pragma unroll 1
+    for (int i = 0; i < 32 && t0 + i < nk; ++i) live |= uint32_t(TileBounds(p, m0, (t0 + i) * kBlockN).any()) << i;
+    if (meta) {
+      uint32_t kept = 0;
+#pragma unroll 1
+      for (int j = 0; j < nh; ++j)
+        kept |= meta[(int)(h + j) / (int)p.tile_meta.head_ratio * p.tile_meta.head_stride + t0 / 32];
+      live &= kept;
+    }
+    const uint32_t valid = nk - t0 >= 32 ? 0xffffffffu : (1u << (nk - t0)) - 1u;
+    uint32_t dead = valid & ~live;
+#pragma unroll 1
+    while (dead) {
+      const int i = __ffs(dead) - 1;
+      dead &= dead - 1;
+      const int64_t n0 = (t0 + i) * kBlockN;
+      const int lc = (int)imin(kBlockN, p.seqlen_k - n0);
+      T* tile = base + n0 * DL.col_stride;
+      // Thread c: row c / 8, 8-key chunk c % 8 (a warp writes four 128-byte row segments).
+#pragma unroll
+      for (int u = 0; u < kBlockM * kBlockN / 8 / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 8), col0 = (c % (kBlockN / 8)) * 8;
+        if (r >= vr || col0 >= lc) continue;
+        T* dst = tile + r * DL.row_stride + col0 * DL.col_stride;
+        if (db.vec && col0 + 8 <= lc) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        } else {
+          for (int e = 0; e < 8 && col0 + e < lc; ++e) dst[e * DL.col_stride] = from_float<T>(0.f);
+        }
+      }
+    }
+  }
+}
+
+// The dk/dv kernel's dbias epilogue for one (query tile m0, key tile n0) of a dbias plane, once
+// the heads of the plane are summed in sDB (float [key][query], db_idx): stored as final values
+// (per-element dbias) or, for a bias broadcast over rows / keys, summed over them in index order
+// and added. Block-uniform; sL2 (64 floats) is free scratch here.
+template <typename T>
+__device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB, float* sL2, int64_t b, int64_t h,
+                                        int64_t n_tile, int64_t m0, int64_t n0, int vr, int lc) {
+  const Broadcast4d& DL = dbias.layout;
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
+  // summed here in index order.
+  const int64_t db_off = n_tile * dbias.tile_stride + b * DL.batch_stride +
+                         (int)h / (int)DL.head_ratio * DL.head_stride;
+  float* dbf = static_cast<float*>(dbias.ptr) + db_off;
+  if (DL.row_stride != 0 && DL.col_stride != 0) {
+    const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;
+    if (vec_tile) {
+      // 16-byte stores of 8 keys: thread owns query row lane + 32 (w % 2) and key chunks
+      // w / 2 + 2u. One load reads one key of 32 consecutive queries (conflict-free under
+      // db_idx's swizzle); one store writes 16 bytes of 32 rows. The scalar path below
+      // spent ~20 instructions an element (address, predicate, swizzle, convert).
+      const int q = lane + 32 * (w & 1);
+      T* dst = static_cast<T*>(dbias.ptr) + db_off + (m0 + q) * DL.row_stride + n0;
+#pragma unroll
+      for (int u = 0; u < kBlockN / 8 / 2; ++u) {
+        const int c8 = (w >> 1) + 2 * u;
+        uint32_t pk[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          pk[j] = pack2<T>(sDB[db_idx(8 * c8 + 2 * j, q)], sDB[db_idx(8 * c8 + 2 * j + 1, q)]);
+        *reinterpret_cast<uint4*>(dst + 8 * c8) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      }
+    }
+    // One write per element: this CTA owns the tile (its plane's heads are all summed);
+    // tiles no item writes are zero (the caller's float buffer; in the bias dtype, the
+    // dq kernel's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
+    constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
+    const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
+    const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;
+    const int64_t step = kRowStep * DL.row_stride;
+    if (!vec_tile && col < lc) {
+      if (dbias.in_dtype) {
+        T* dst = static_cast<T*>(dbias.ptr) + db_off + off;
+#pragma unroll
+        for (int u = 0; u < kPer; ++u)
+          if (r0 + kRowStep * u < vr) dst[u * step] = from_float<T>(sDB[db_idx(col, r0 + kRowStep * u)]);
+      } else {
+#pragma unroll
+        for (int u = 0; u < kPer; ++u)
+          if (r0 + kRowStep * u < vr) dbf[off + u * step] = sDB[db_idx(col, r0 + kRowStep * u)];
+      }
+    }
+  } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
+    if (vr == kBlockM) {
+      // All four warps: thread sums 32 rows of key tid % 64 (four chains, not one dependent
+      // chain over 64 rows), the upper half hands its sum over in sL2 (read by nobody until the
+      // next item's barrier).
+      const int col = threadIdx.x % kBlockN, half = threadIdx.x / kBlockN;
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < kBlockM / 2; ++r) a[r % 4] += sDB[db_idx(col, half * (kBlockM / 2) + r)];
+      const float acc = (a[0] + a[1]) + (a[2] + a[3]);
+      if (half == 1) sL2[col] = acc;
+      __syncthreads();
+      if (half == 0 && col < lc) dbf[(n0 + col) * DL.col_stride] += acc + sL2[col];
+    } else if (threadIdx.x < lc) {
+      const int col = threadIdx.x;
+      float acc = 0.f;
+      for (int r = 0; r < vr; ++r) acc += sDB[db_idx(col, r)];
+      dbf[(n0 + col) * DL.col_stride] += acc;
+    }
+  } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
+    if (threadIdx.x < vr) {
+      const int r = threadIdx.x;
+      float acc = 0.f;
+      for (int col = 0; col < lc; ++col) acc += sDB[db_idx(col, r)];
+      dbf[(m0 + r) * DL.row_stride] += acc;
+    }
+  } else if (threadIdx.x == 0) {
+    float acc = 0.f;
+    for (int r = 0; r < vr; ++r)
+      for (int col = 0; col < lc; ++col) acc += sDB[db_idx(col, r)];
+    dbf[0] += acc;
+  }
+}
+
+// Sums the per-key-tile dbias slices into the accumulator in tile order.
+__global__ void bwd_reduce_dbias_tiles(float* accum, const float* scratch, int64_t span, int64_t tiles) {
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < span; e += (int64_t)gridDim.x * blockDim.x) {
+    float s = accum[e];
+    for (int64_t t = 0; t < tiles; ++t) s += scratch[t * span + e];
+    accum[e] = s;
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,312 @@
+// Backward, second kernel: one CTA per (key tile, kv head, batch), warp w owns keys
+// [16w, 16w + 16); it walks the query tiles and, inside each, the query heads of its kv head in a
+// fixed order, with S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers. dS of
+// the heads that share a dbias plane is summed in a float smem tile and written once per query
+// tile (fixed order, so bitwise reproducible; bwd_dbias.cuh): a float read-modify-write per head
+// would dominate the dbias traffic, and a tile written once can go straight to the bias dtype
+// (16-byte stores). Heads that read one bias / mask plane share one copy and gather of it per
+// query tile. Register layouts, tile layouts and the keep tiles as in the dq kernel
+// (bwd_dq_kernel.cuh); mask / bias are resolved once per work item (Plane, 32-bit head division).
+#pragma once
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+#include "bwd_dbias.cuh"
+#include "constants.cuh"
+#include "copy.cuh"
+#include "gemm.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "mma_sm90.cuh"
+#include "smem_layout.cuh"
+#include "softmax.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// kPart 0: dK, dV and dbias in one pass. Wider heads than 128 cannot hold both accumulators
+// (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
+// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK and dbias.
+template <typename T, int D, int kPart>
+__global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
+    bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
+  constexpr bool kDv = kPart != 2, kDk = kPart != 1;
+  static_assert(kPart == 0 || D > 128, "narrow heads take both accumulators in one pass");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  constexpr bool kWg = use_wgmma<D>();
+  unsigned char* smem = smem_raw + smem_align_pad<kWg>(smem_raw);
+  using L = BwdDkvSmem<T, D>;
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  T* sQ = reinterpret_cast<T*>(smem + L::kQ);
+  T* sDO = reinterpret_cast<T*>(smem + L::kDO);
+  T* sB = reinterpret_cast<T*>(smem + L::kBias);
+  uint8_t* sKeep = smem + L::kKeep;
+  float* sL2 = reinterpret_cast<float*>(smem + L::kL2);
+  float* sDelta = reinterpret_cast<float*>(smem + L::kDelta);
+  float* sDS = reinterpret_cast<float*>(smem + L::kDS);
+  float* sDB = reinterpret_cast<float*>(smem + L::kDB);
+
+  const int64_t n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int64_t n0 = n_tile * kBlockN;
+  const int64_t ratio = p.num_heads / p.num_heads_k;
+  const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+
+  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
+  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
+                       ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  if constexpr (kDk)
+    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
+                         ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  cp_async_commit();
+
+  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
+  const ScoreScale sc(p);
+  const float scf = sc.softcap_on, mulf = sc.mul, soc = sc.over_cap;
+
+  constexpr int kDkRows = kDk ? D / 8 : 1, kDvRows = kDv ? D / 8 : 1;  // a pass without one keeps a stub
+  float dk[kDkRows][4], dv[kDvRows][4];
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (d < kDkRows) dk[d][e] = 0.f;
+      if (d < kDvRows) dv[d][e] = 0.f;
+    }
+
+  // Causal: the first query row that sees key n0 is n0 - (K - Q).
+  int64_t m_first = 0;
+  if (p.is_causal) m_first = imax(0, n0 - (p.seqlen_k - p.seqlen_q));
+  const int64_t m_tiles = ceil_div(p.seqlen_q, kBlockM);
+  const Broadcast4d& DL = dbias.layout;
+  const int64_t mt_begin = m_first / kBlockM;
+  // Work items (query tile mt, query head gq) in a fixed order, heads inner: the heads sharing a
+  // dbias plane follow each other, so their dS sums in smem. find_next advances to the first
+  // kept one at or after (mt, gq), its keep tile built into `slot`; false when none is left.
+  // Block-uniform.
+  // Activity bits of this key tile's column for the work items in order, 4096 items at a time
+  // in smem (thread t loads word t), so skipping an empty item costs a shared load instead of
+  // a global round trip. Block-uniform.
+  uint32_t* sMeta = reinterpret_cast<uint32_t*>(smem + L::kMeta);
+  int meta_base = -1;
+  auto item_active = [&](int64_t mt, int64_t gq) -> bool {
+    // 32-bit item arithmetic: a 64-bit division compiles to a call, and this kernel is at its
+    // register limit.
+    const int item = (int)(mt - mt_begin) * (int)ratio + (int)gq, base = item & ~(L::kMetaItems - 1);
+    if (base != meta_base) {
+      __syncthreads();  // the previous chunk is no longer read
+      meta_base = base;
+      const uint32_t* col = static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
+      uint32_t bits = 0;
+#pragma unroll 4
+      for (int i = 0; i < 32; ++i) {
+        const int it = base + (int)threadIdx.x * 32 + i, mt_i = (int)mt_begin + it / (int)ratio;
+        const int h_i = (int)kvh * (int)ratio + it % (int)ratio;
+        if (mt_i < m_tiles)
+          bits |= ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
+                    (n_tile % kTilesPerWord)) & 1u) << i;
+      }
+      sMeta[threadIdx.x] = bits;
+      __syncthreads();
+    }
+    return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
+  };
+  // Where all query heads of this kv head read one bias plane and one mask plane, an item of the
+  // query tile gathered last takes that gather's sDS (bias and keep in log2 units; lse is applied
+  // in the P^T loop) instead of copying and gathering its own. Not under softcap, whose
+  // derivative overwrites sDS. find_next returns such an item without touching a keep slot: the
+  // next item reuses iff it is in the same query tile. (Recomputed from the kernel parameters
+  // where used: kept in a register it spilled.)
+  auto group_shares = [&] {
+    return p.softcap <= 0.f && (!p.bias.ptr || p.bias.head_stride == 0 || p.bias.head_ratio % ratio == 0) &&
+           (!p.mask.ptr || p.mask.head_stride == 0 || p.mask.head_ratio % ratio == 0);
+  };
+  int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
+  auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
+#pragma unroll 1
+    for (; mt < m_tiles; ++mt, gq = 0) {
+      const TileBounds tb(p, mt * kBlockM, n0);
+      if (!tb.any()) continue;
+#pragma unroll 1
+      for (; gq < ratio; ++gq) {
+        if ((int)mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
+        if (has_mask) {
+          if (!item_active(mt, gq)) continue;
+          const Plane<uint8_t, int> mask(p.mask, b, kvh * ratio + gq);
+          if (tb.full && f.mask_vec) {  // as in the dq kernel: the bit says it keeps something
+            issue_mask_raw(mask, slot, mt * kBlockM, n0);
+            cp_async_commit();
+            return true;
+          }
+          if (build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
+        } else {
+          if (!tb.full) build_keep(tb, Plane<uint8_t, int>(p.mask, b, 0), slot, f.mask_vec, mt * kBlockM, n0);
+          return true;
+        }
+      }
+    }
+    return false;
+  };
+  // dbias plane of query head gq (heads of one plane are consecutive in gq).
+  auto db_plane = [&](int64_t gq_) -> int {
+    return DL.head_stride == 0 ? 0 : (int)(kvh * ratio + gq_) / (int)DL.head_ratio;
+  };
+  int64_t gq = 0, mt = mt_begin;
+  int slot = 0;
+  bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
+  bool have = find_next(mt, gq, sKeep);
+  bool reuse = false;  // this item takes the previous item's sDS
+#pragma unroll 1
+  while (have) {
+    {
+      const int64_t h = kvh * ratio + gq;
+      const Plane<T, int> bias(p.bias, b, h);
+      const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+      const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+      const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+      const float* dlt = static_cast<const float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
+      const int64_t m0 = mt * kBlockM;
+      const TileBounds tb(p, m0, n0);
+      const int vr = tb.lim_r;
+      issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
+      issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+      if (has_bias && !reuse) issue_bias<false>(tb, bias, sB, f.bias_vec, m0, n0);
+      cp_async_commit();
+      if (threadIdx.x < kBlockM) {
+        const int r = threadIdx.x;
+        sL2[r] = r < vr ? lse_log2(lse[m0 + r]) : CUDART_INF_F;
+        sDelta[r] = r < vr ? dlt[m0 + r] : 0.f;
+      }
+    }
+    // The next kept item is found (its mask bytes read) while this item's copies fly.
+    int64_t gq_n = gq + 1, mt_n = mt;
+    reuse_mt = group_shares() ? (int)mt : -1;  // this item's sDS (gathered or reused) serves the next
+    const bool have_n = find_next(mt_n, gq_n, sKeep + (slot ^ 1) * L::kKeepSlot);
+    // Last head of this plane in this query tile: the summed tile goes out now.
+    const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
+    cp_async_wait<0>();
+    if constexpr (kWg) fence_proxy_async();
+    __syncthreads();
+    {
+      const int64_t h = kvh * ratio + gq;
+      const int64_t m0 = mt * kBlockM;
+      const TileBounds tb(p, m0, n0);
+      const int vr = tb.lim_r;
+      const bool use_keep = has_mask || !tb.full;
+      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
+
+      // On wgmma, S^T = K Q^T runs while the block gathers the additive terms (it reads only the
+      // K / Q tiles, the gather only bias, keep and lse). dP^T too would spill at D = 128.
+      float s[kBlockN / 8][4];
+      if constexpr (kWg) gemm_nt<T, D, false>(s, sK, sQ, w * 16);
+      // Transposed scores: rows = this warp's 16 keys, columns = the tile's 64 queries. The
+      // additive part of each score in log2 units (bias - lse, or -inf where dropped) is first
+      // gathered from the [query][key] bias / keep tiles into sDS, so the element loop after the
+      // GEMMs reads one float2 per pair instead of four scattered scalars (whose hoisted loads
+      // cost the registers that dK / dV need). sB overlays sDS's upper half (keys 32..63): keys
+      // 0..31 are written first, then keys 32..63 from values read before a barrier. Lane =
+      // key, warp = 16 queries: the bias / keep reads are consecutive bytes of one row.
+      if (!reuse) {
+        const uint16_t* sBh = reinterpret_cast<const uint16_t*>(sB);
+        const int key0 = lane, c0 = w * 16;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int key = key0 + 32 * half;
+          uint32_t bv[8];
+          if (has_bias) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+              bv[j] = uint32_t(sBh[(c0 + 2 * j) * kLdBias + key]) |
+                      (uint32_t(sBh[(c0 + 2 * j + 1) * kLdBias + key]) << 16);
+            if (half == 1) __syncthreads();
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float a[4] = {0.f, 0.f, 0.f, 0.f};
+            if (has_bias) {
+              const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
+              a[0] = fmaf(b0.x, kLog2eF, a[0]);
+              a[1] = fmaf(b0.y, kLog2eF, a[1]);
+              a[2] = fmaf(b1.x, kLog2eF, a[2]);
+              a[3] = fmaf(b1.y, kLog2eF, a[3]);
+            }
+            if (use_keep) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kLdKeep + key] ? a[e] : -CUDART_INF_F;
+            }
+            *reinterpret_cast<float4*>(sDS + key * kLdDS + c0 + 4 * j) = make_float4(a[0], a[1], a[2], a[3]);
+          }
+        }
+        __syncthreads();
+      }
+      if constexpr (kWg) {
+        wgmma_wait<0>();
+        fence_regs(s);
+      } else {
+        gemm_nt<T, D>(s, sK, sQ, w * 16);
+      }
+      if (scf != 0.f) softcap_tanh(s, soc);
+      // P^T; the softcap derivative 1 - t^2 is kept where the additive term was (read once).
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
+          float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
+          const float2 add = *slot;
+          const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
+          const float2 l2c = *reinterpret_cast<const float2*>(sL2 + c);
+          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x) - l2c.x);
+          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y) - l2c.y);
+          if (scf != 0.f) *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
+        }
+      if constexpr (kDv) gemm_pv<T, D>(dv, s, sDO);
+      if constexpr (kDk) {
+        float dp[kBlockN / 8][4];
+        gemm_nt<T, D>(dp, sV, sDO, w * 16);
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n) {
+          const int c = n * 8 + 2 * qc;  // query
+          const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = w * 16 + g + 8 * hh;  // key
+            float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
+            const float2 der = scf != 0.f ? *slot : make_float2(1.f, 1.f);
+            const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
+            const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
+            if (want_db) {  // this thread's own sDB slots in every head: no hazard
+              float2* a = reinterpret_cast<float2*>(sDB + db_idx(r, c));
+              if (first) {
+                *a = make_float2(ds0, ds1);
+              } else {
+                const float2 o = *a;
+                *a = make_float2(o.x + ds0, o.y + ds1);
+              }
+            }
+            dp[n][2 * hh] = ds0 * der.x;
+            dp[n][2 * hh + 1] = ds1 * der.y;
+          }
+        }
+        gemm_pv<T, D>(dk, dp, sQ);
+
+        if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, b, h, n_tile, m0, n0, vr, tb.lim_c);
+      }
+    }
+    __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
+    reuse = have_n && mt_n == mt && group_shares();
+    first = flush;
+    gq = gq_n;
+    mt = mt_n;
+    have = have_n;
+    slot ^= 1;
+  }
+  cp_async_wait<0>();
+  if constexpr (kDk) store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
+  if constexpr (kDv) store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,272 @@
+// Global -> shared tile copies: cp.async wrappers, the K / V / Q / dO row copies (contiguous or
+// gathered key sources), the bias tile and the raw mask bytes. Every operand byte a kernel reads
+// comes through here.
+#pragma once
+#include <cstdint>
+
+#include "../flash_dma_params.h"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "smem_layout.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// 16-byte global -> shared copy; src_bytes = 0 zero-fills the destination without reading.
+__device__ inline void cp_async16(void* dst, const void* src, int src_bytes = 16) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Launch-time facts about operand alignment (16-byte cp.async / vector loads allowed or not).
+struct FwdFlags {
+  bool qkv_vec, mask_vec, bias_vec, out_vec;
+};
+struct BwdFlags {
+  bool qkv_vec, mask_vec, bias_vec;
+};
+
+// Where the key rows of a tile come from: key i of the sequence a kernel walks (i < seqlen_k) is
+// row at(i) of K / V. The op family instantiates ContiguousKeys (key i is row i); GatheredKeys
+// maps through an index list, so a caller can feed key tiles from selected rows (the keys a
+// per-key top-k keeps) without first copying them into a dense K / V. Only the K / V tile loads
+// (issue_kv, issue_keys) take a key source; mask and bias columns stay indexed by i.
+struct ContiguousKeys {
+  static constexpr bool kContiguous = true;
+  __device__ int64_t at(int64_t i) const { return i; }
+};
+struct GatheredKeys {
+  static constexpr bool kContiguous = false;
+  const int32_t* idx;  // seqlen_k row numbers of K / V
+  __device__ int64_t at(int64_t i) const { return idx[i]; }
+};
+
+// Requests the 64 key rows [n0, n0 + 64) of a non-contiguous key source into a smem tile
+// (tile_index layout), one 16-byte chunk (or, without `vec`, one element) per step, every chunk
+// addressed through keys.at; keys at or past seqlen_k give zero rows. `base` is row 0 of K or V.
+template <typename T, int D, typename Keys>
+__device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
+                                      bool vec) {
+  constexpr int kChunks = D / 8;
+  static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
+#pragma unroll
+  for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+    const bool ok = n0 + r < seqlen_k;
+    const T* src = base + (ok ? keys.at(n0 + r) : 0) * rs + col;
+    if (vec) {
+      cp_async16(dst + tile_index<D>(r, col), src, ok ? 16 : 0);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dst[tile_index<D>(r, col + e)] = ok ? src[e] : from_float<T>(0.f);
+    }
+  }
+}
+
+// Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
+// past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
+template <typename T, int D>
+__device__ inline void issue_rows(T* dst, const T* src, int64_t rs, int valid, bool vec) {
+  constexpr int kChunks = D / 8;
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  if constexpr (kThreads % kChunks != 0) {
+    // D = 96 / 192: 12 / 24 chunks a row do not split 128 threads into whole rows; walk the
+    // tile's chunks linearly (6 / 12 per thread).
+    static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
+    if (vec) {
+#pragma unroll
+      for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+        const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+        const bool ok = r < valid;
+        cp_async16(dst + tile_index<D>(r, col), ok ? src + r * rs + col : src, ok ? 16 : 0);
+      }
+      return;
+    }
+  } else if (vec) {
+    // Where kRowsPerPass is a multiple of 8 (or there is no swizzle) a thread's chunk keeps its
+    // swizzle in every pass and the destination moves by a constant; at D = 256 (4 rows a pass)
+    // it alternates, and each pass takes its own index.
+    constexpr bool kFixed = !use_wgmma<D>() || kRowsPerPass % 8 == 0;
+    constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    const T* s = src + r0 * rs + col;
+    T* d = dst + tile_index<D>(r0, col);
+    auto at = [&](int u) { return kFixed ? d + u * kPass : dst + tile_index<D>(r0 + u * kRowsPerPass, col); };
+    if (valid >= 64) {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16(at(u), s + u * kRowsPerPass * rs);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) {
+        const bool ok = r0 + u * kRowsPerPass < valid;
+        cp_async16(at(u), ok ? s + u * kRowsPerPass * rs : src, ok ? 16 : 0);
+      }
+    }
+    return;
+  }
+  // Strided or unaligned rows, any D: element by element.
+  for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
+    const int r = c / D, col = c % D;
+    dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);
+  }
+}
+
+// The K / V tile of keys [n0, n0 + 64) from a key source; base is row 0 of K or V.
+template <typename T, int D, typename Keys>
+__device__ inline void issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
+                                      bool vec) {
+  if constexpr (Keys::kContiguous)
+    issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
+  else
+    issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
+}
+
+// Requests the K and V rows of key tile n0 (zero rows past seqlen_k: P is 0 there, V must not
+// hold garbage that 0 * NaN would spread). Every K / V byte of the forward comes through here;
+// `keys` says which rows of K / V the tile's keys are (contiguous, or gathered through an
+// index list). k and v point at row 0.
+template <typename T, int D, typename Keys = ContiguousKeys>
+__device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0,
+                                T* sk, T* sv, bool vec, const Keys& keys = Keys{}) {
+  if constexpr (!Keys::kContiguous) {
+    issue_key_rows<T, D>(sk, k, k_rs, keys, n0, seqlen_k, vec);
+    issue_key_rows<T, D>(sv, v, v_rs, keys, n0, seqlen_k, vec);
+    return;
+  } else if constexpr (D > 128) {
+    const int valid = (int)imin(kBlockN, seqlen_k - n0);
+    issue_rows<T, D>(sk, k + n0 * k_rs, k_rs, valid, vec);
+    issue_rows<T, D>(sv, v + n0 * v_rs, v_rs, valid, vec);
+    return;
+  } else {
+    // Head dims up to 128: K and V copies interleaved.
+    constexpr int kChunks = D / 8;
+    constexpr int kRowsPerPass = kThreads / kChunks;
+    if constexpr (kThreads % kChunks != 0) {
+      // D = 96: 12 chunks a row do not split 128 threads into whole rows; walk the tile's chunks
+      // linearly (64 * 12 = 6 per thread).
+      static_assert(kBlockN * kChunks % kThreads == 0, "K/V tile must split evenly over the threads");
+      if (vec) {
+        const bool full = n0 + kBlockN <= seqlen_k;
+#pragma unroll
+        for (int u = 0; u < kBlockN * kChunks / kThreads; ++u) {
+          const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+          const bool ok = full || n0 + r < seqlen_k;
+          cp_async16(sk + r * tile_ld(D) + col, ok ? k + (n0 + r) * k_rs + col : k, ok ? 16 : 0);
+          cp_async16(sv + r * tile_ld(D) + col, ok ? v + (n0 + r) * v_rs + col : v, ok ? 16 : 0);
+        }
+        return;
+      }
+    } else if (vec) {
+      // Each thread copies one 16-byte column chunk of every kRowsPerPass-th row: per-thread
+      // offsets are fixed, the tile start moves.
+      // kRowsPerPass is a multiple of 8, so the swizzle of a thread's chunk is the same in every pass.
+      const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+      constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+      static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "swizzle must repeat every pass");
+      const T* kr = k + (n0 + r0) * k_rs + col;
+      const T* vr = v + (n0 + r0) * v_rs + col;
+      T* skr = sk + tile_index<D>(r0, col);
+      T* svr = sv + tile_index<D>(r0, col);
+      if (n0 + kBlockN <= seqlen_k) {
+#pragma unroll
+        for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+          cp_async16(skr + u * kPass, kr + u * kRowsPerPass * k_rs);
+          cp_async16(svr + u * kPass, vr + u * kRowsPerPass * v_rs);
+        }
+      } else {
+#pragma unroll
+        for (int u = 0; u < kBlockN / kRowsPerPass; ++u) {
+          const bool ok = n0 + r0 + u * kRowsPerPass < seqlen_k;
+          cp_async16(skr + u * kPass, ok ? kr + u * kRowsPerPass * k_rs : k, ok ? 16 : 0);
+          cp_async16(svr + u * kPass, ok ? vr + u * kRowsPerPass * v_rs : v, ok ? 16 : 0);
+        }
+      }
+      return;
+    }
+    // Strided or unaligned K/V, any D: element by element.
+    for (int c = threadIdx.x; c < kBlockN * D; c += kThreads) {
+      const int r = c / D, col = c % D;
+      const bool ok = n0 + r < seqlen_k;
+      sk[tile_index<D>(r, col)] = ok ? k[(n0 + r) * k_rs + col] : from_float<T>(0.f);
+      sv[tile_index<D>(r, col)] = ok ? v[(n0 + r) * v_rs + col] : from_float<T>(0.f);
+    }
+  }
+}
+
+// Requests the bias tile (m0, n0) into smem (row stride kLdBias); entries outside the lengths
+// are 0 (never kept). The 16-byte path needs contiguous keys and aligned strides (vec). A bias
+// broadcast over queries (per-key) is copied as one row where the readers take row 0 for every
+// query (kOneRowIfBroadcast: the forward): 64 copies of the same 128 bytes would cost 64x the L2
+// requests, every CTA hitting the same lines.
+template <bool kOneRowIfBroadcast, typename T, typename Idx>
+__device__ inline void issue_bias(const TileBounds& tb, const Plane<T, Idx>& bb, T* sb, bool vec, int64_t m0,
+                                  int64_t n0) {
+  if constexpr (kOneRowIfBroadcast) {
+    if (vec && bb.rs == 0 && tb.lim_c == kBlockN) {
+      if (threadIdx.x < kBlockN / 8) cp_async16(sb + threadIdx.x * 8, bb.base + n0 + threadIdx.x * 8);
+      return;
+    }
+  }
+  if (vec && (tb.lim_r == kBlockM || bb.rs == 0) && tb.lim_c == kBlockN) {
+    constexpr int kRowsPerPass = kThreads / (kBlockN / 8);
+    const int r0 = threadIdx.x / (kBlockN / 8), col0 = (threadIdx.x % (kBlockN / 8)) * 8;
+    const T* src = bb.base + (m0 + r0) * bb.rs + n0 + col0;
+#pragma unroll
+    for (int u = 0; u < kBlockM / kRowsPerPass; ++u)
+      cp_async16(sb + (r0 + u * kRowsPerPass) * kLdBias + col0, src + u * kRowsPerPass * bb.rs);
+  } else {
+    // Tiles cut by a sequence end, and strided / unaligned biases: element by element.
+    for (int c = threadIdx.x; c < kBlockM * kBlockN; c += kThreads) {
+      const int r = c / kBlockN, col = c % kBlockN;
+      sb[r * kLdBias + col] = (r < tb.lim_r && col < tb.lim_c) ? *bb.at(m0 + r, n0 + col) : from_float<T>(0.f);
+    }
+  }
+}
+
+// Requests the raw mask bytes of tile (m0, n0) into a keep slot (rows kLdKeep apart), 16 bytes a
+// copy: for tiles that need no bounds or causal check, with 16-byte aligned mask rows. Bool bytes
+// are 0 / 1, so the raw bytes are the keep tile.
+template <typename MaskPlane>
+__device__ inline void issue_mask_raw(const MaskPlane& m, uint8_t* slot, int64_t m0, int64_t n0) {
+#pragma unroll
+  for (int u = 0; u < kBlockM * kBlockN / 16 / kThreads; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    cp_async16(slot + r * kLdKeep + col0, m.base + (m0 + r) * m.rs + n0 + col0);
+  }
+}
+
+// Copies `rows` x D elements (row r at src + r * row_stride, head_dim contiguous) into a smem
+// tile of kRows x D with leading dim tile_ld(D); rows past `valid` are zero so tails need no other predicate.
+// `vec` says that src and row_stride allow 16-byte loads; tid is the thread's index among the
+// kThreads that share the copy.
+template <typename T, int kRows, int D>
+__device__ inline void load_rows(T* smem, const T* src, int64_t row_stride, int valid, bool vec, unsigned tid) {
+  if (vec) {
+    // All loads of a thread are issued before any store, so they are in flight together.
+    constexpr int kChunks = D / 8;  // 8 halves per 16 bytes
+    constexpr int kPer = kRows * kChunks / kThreads;
+    static_assert(kRows * kChunks % kThreads == 0, "tile must split evenly over the threads");
+    uint4 val[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int c = tid + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      val[u] = r < valid ? *reinterpret_cast<const uint4*>(src + r * row_stride + col) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int c = tid + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      *reinterpret_cast<uint4*>(smem + r * tile_ld(D) + col) = val[u];
+    }
+  } else {
+    for (int c = tid; c < kRows * D; c += kThreads) {
+      const int r = c / D, col = c % D;
+      smem[r * tile_ld(D) + col] = r < valid ? src[r * row_stride + col] : from_float<T>(0.f);
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,69 @@
+// The forward's epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and
+// -inf. A split over keys writes the same, in float, to its slice of the partial buffers
+// (combined by fwd_combine.cuh).
+#pragma once
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "copy.cuh"
+#include "mma_sm80.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// Split over keys (flash-decoding): with fewer query tiles than SMs, blockIdx.z takes a slice of
+// the key tiles and writes its normalised partial O and its LSE (float) to o_part / lse_part,
+// laid out [split][batch][head][row](D); combine_splits merges them.
+struct FwdSplit {
+  int n = 1;
+  float* o_part = nullptr;
+  float* lse_part = nullptr;
+};
+
+// A warp's rows of one query tile (m0) of head h, batch b: the O accumulator (16 x D, rows g and
+// g + 8 of the thread), the row max (log2 units) and the per-thread row sums.
+template <typename T, int D>
+__device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, const float (&o)[D / 8][4],
+                                    const float (&row_max)[2], const float (&row_sum)[2], int64_t b, int64_t h,
+                                    int64_t m0) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
+  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
+  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = row_sum[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int64_t i = m0 + w * 16 + g + 8 * hh;
+    if (i < p.seqlen_q) {
+      const float m = row_max[hh];
+      const bool empty = !(l > 0.f) || m == -CUDART_INF_F;
+      const float inv = empty ? 0.f : 1.f / l;
+      if (sp.n > 1) {
+        float* orow = sp.o_part + (row0 + i) * D;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d)
+          *reinterpret_cast<float2*>(orow + d * 8 + 2 * qc) = make_float2(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
+      } else {
+        T* orow = out + i * p.o_row_stride;
+#pragma unroll
+        for (int d = 0; d < D / 8; ++d) {
+          const int col = d * 8 + 2 * qc;
+          if (f.out_vec) {
+            *reinterpret_cast<uint32_t*>(orow + col) = pack2<T>(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
+          } else {
+            orow[col] = from_float<T>(o[d][2 * hh] * inv);
+            orow[col + 1] = from_float<T>(o[d][2 * hh + 1] * inv);
+          }
+        }
+      }
+      // row_max is in log2 units: lse = ln 2 * (m + log2 l).
+      if (qc == 0) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

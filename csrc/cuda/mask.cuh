@@ -1,0 +1,152 @@
+// Which scores a tile keeps: operand planes, tile bounds and causality, the tile activity bits
+// (FwdParams::tile_meta), and the keep tile (mask & causal & bounds, one byte per element) built
+// from the mask or applied to a warp's score fragments.
+#pragma once
+#include <cuda_runtime.h>
+#include <math_constants.h>
+
+#include <cstdint>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "smem_layout.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// A broadcast operand (mask, bias, tile_meta) resolved to one (batch, query head) once per CTA or
+// work item: element (i, j) lives at base + i * rs + j * cs. Resolving it up front keeps the head
+// division (h / head_ratio) out of the tile loops, where a 64-bit one compiled to a call per load.
+// Idx is the width of that division: int (32 bits; batch and heads are < kMaxGridDim) where it
+// runs per work item (the backward), int64_t where it runs once per CTA.
+template <typename E, typename Idx = int64_t>
+struct Plane {
+  const E* base;
+  int64_t rs, cs;
+  __device__ inline Plane(const Broadcast4d& t, int64_t b, int64_t h)
+      : base(t.ptr ? static_cast<const E*>(t.ptr) + b * t.batch_stride + (Idx)h / (Idx)t.head_ratio * t.head_stride
+                   : nullptr),
+        rs(t.row_stride), cs(t.col_stride) {}
+  __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
+};
+
+// Last key tile (exclusive) a query tile starting at m0 can see.
+__device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
+  int64_t kend = p.seqlen_k;
+  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
+  return kend <= 0 ? 0 : ceil_div(kend, kBlockN);
+}
+
+// Bounds and causal limits of tile (m0, n0) in tile-local coordinates. Most tiles are `full`
+// (inside both lengths and entirely below the diagonal) and need no per-element check.
+struct TileBounds {
+  bool full;
+  int lim_r, lim_c, diag;  // kept iff r < lim_r && c < lim_c && c <= r + diag
+  __device__ inline TileBounds(const FwdParams& p, int64_t m0, int64_t n0) {
+    const int64_t shift = p.seqlen_k - p.seqlen_q;
+    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
+    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
+    diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
+    full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
+  }
+  // Whether anything survives bounds and causality (row lim_r - 1 sees the most keys).
+  __device__ inline bool any() const { return lim_r > 0 && lim_c > 0 && lim_r - 1 + diag >= 0; }
+  // Non-short-circuit &: on a full tile every term is true, and the check compiles to compares
+  // and a predicate op instead of a branch per element.
+  __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
+};
+
+// A row of tile activity bits (FwdParams::tile_meta) walked forward: the current word stays in
+// a register, so the scan reads memory once per 32 tiles, not once per tile (a dependent load
+// in front of every tile's copies). The same in every thread.
+struct ActiveTiles {
+  const uint32_t* row;
+  int64_t w_idx = -1;
+  uint32_t word = 0;
+  __device__ explicit ActiveTiles(const uint32_t* r) : row(r) {}
+  // First tile in [t, end) whose bit is set; end if none.
+  __device__ inline int64_t next(int64_t t, int64_t end) {
+    while (t < end) {
+      if ((t >> 5) != w_idx) {
+        w_idx = t >> 5;
+        word = row[w_idx];
+      }
+      const uint32_t wd = word >> (t & 31);
+      if (wd) return imin(end, t + __ffs(wd) - 1);
+      t = (t | 31) + 1;
+    }
+    return end;
+  }
+};
+
+// Byte e (0..15) of a 16-byte chunk.
+__device__ inline uint32_t byte_of(const uint4& v, int e) {
+  const uint32_t w = e < 4 ? v.x : e < 8 ? v.y : e < 12 ? v.z : v.w;
+  return (w >> (8 * (e % 4))) & 0xffu;
+}
+
+// Builds the exact keep tile (mask & causal & bounds; m.base null: bounds only) of (m0, n0)
+// and returns whether any element is kept; block-uniform (ends in a barrier).
+template <typename Idx>
+__device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx>& m, uint8_t* keep, bool mask_vec,
+                                      int64_t m0, int64_t n0) {
+  constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
+  uint4 v[kPer];
+  bool direct[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    direct[u] = m.base && mask_vec && r < tb.lim_r && col0 + 16 <= tb.lim_c;
+    v[u] = direct[u] ? *reinterpret_cast<const uint4*>(m.at(m0 + r, n0 + col0)) : make_uint4(0, 0, 0, 0);
+  }
+  int any = 0;
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 16), col0 = (c % (kBlockN / 16)) * 16;
+    uint8_t* dst = keep + r * kLdKeep + col0;
+    if (direct[u]) {
+      uint32_t wds[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        const bool kk = (byte_of(v[u], e) != 0) & tb.ok(r, col0 + e);
+        wds[e / 4] |= uint32_t(kk) << (8 * (e % 4));
+        any |= kk;
+      }
+      *reinterpret_cast<uint4*>(dst) = make_uint4(wds[0], wds[1], wds[2], wds[3]);
+    } else {
+      // Cut tiles and unaligned masks: byte by byte, not unrolled (rare; an unrolled version
+      // hoisted 16 predicated 64-bit-addressed loads and cost the kernels their registers).
+#pragma unroll 1
+      for (int e = 0; e < 16; ++e) {
+        bool kk = tb.ok(r, col0 + e);
+        if (kk && m.base) kk = *m.at(m0 + r, n0 + col0 + e) != 0;
+        dst[e] = kk;
+        any |= kk;
+      }
+    }
+  }
+  return __syncthreads_or(any) != 0;
+}
+
+// Drops (-inf) the scores of a warp's C fragments whose keep byte is 0 (rows r0, r0 + 8);
+// kBounds also applies the tile's bounds and causal limit.
+template <bool kBounds>
+__device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* keep, int r0, int qc, const TileBounds& tb) {
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = r0 + 8 * hh, col = n * 8 + 2 * qc;
+      const uint32_t kv2 = *reinterpret_cast<const uint16_t*>(keep + r * kLdKeep + col);
+      bool k0 = (kv2 & 0xffu) != 0, k1 = (kv2 >> 8) != 0;
+      if (kBounds) {
+        k0 &= tb.ok(r, col);
+        k1 &= tb.ok(r, col + 1);
+      }
+      s[n][2 * hh] = k0 ? s[n][2 * hh] : -CUDART_INF_F;
+      s[n][2 * hh + 1] = k1 ? s[n][2 * hh + 1] : -CUDART_INF_F;
+    }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

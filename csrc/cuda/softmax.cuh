@@ -1,0 +1,74 @@
+// The score transform and the softmax, in log2 units (exp2 instead of exp): the scale (and
+// softcap) constants every kernel derives from the params, the forward's online softmax update,
+// and the LSE read back by the backward.
+#pragma once
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// score = softcap > 0 ? softcap * tanh(scale * q.k / softcap) : scale * q.k, times log2 e:
+// x = mul * (softcap > 0 ? tanh(q.k * over_cap) : q.k).
+struct ScoreScale {
+  float softcap_on;  // 1 with a softcap, else 0 (the backward's tanh derivative 1 - on * t^2)
+  float mul;         // (softcap or softmax_scale) * log2 e
+  float over_cap;    // softmax_scale / softcap, 0 without a softcap
+  __device__ inline explicit ScoreScale(const FwdParams& p)
+      : softcap_on(p.softcap > 0.f ? 1.f : 0.f),
+        mul(p.softcap > 0.f ? p.softcap * kLog2eF : p.softmax_scale * kLog2eF),
+        over_cap(p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f) {}
+};
+
+// lse in log2 units; an empty row (lse -inf) or a row past the length gets +inf, so that
+// exp2(x - l2) is 0 for every x including -inf, without a branch.
+__device__ inline float lse_log2(float lse) { return lse == -CUDART_INF_F ? CUDART_INF_F : lse * kLog2eF; }
+
+// s = tanh(s * over_cap) over a warp's score fragments: the softcap before its scale (the
+// backward keeps t = tanh(.) for the derivative 1 - t^2).
+__device__ inline void softcap_tanh(float (&s)[kBlockN / 8][4], float over_cap) {
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = tanhf(s[n][e] * over_cap);
+}
+
+// One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread,
+// scores in log2 units): the running row max and per-thread row sum are updated, s becomes P,
+// and the O accumulator is rescaled by exp2(old max - new max).
+template <int D>
+__device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                      float (&o)[D / 8][4]) {
+  float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+    const float m_new = fmaxf(row_max[hh], mx[hh]);
+    const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
+    const float alpha = exp2f(row_max[hh] - m_use);
+    row_max[hh] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n) {
+      s[n][2 * hh] = exp2f(s[n][2 * hh] - m_use);
+      s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
+      sum += s[n][2 * hh] + s[n][2 * hh + 1];
+    }
+    row_sum[hh] = row_sum[hh] * alpha + sum;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) {
+      o[d][2 * hh] *= alpha;
+      o[d][2 * hh + 1] *= alpha;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

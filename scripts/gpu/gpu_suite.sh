@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
+#   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
+#   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
+#                                                 # FlexAttention)
+#   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
+#   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
+#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
+#   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
+#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
+#   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
+#   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
+#                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench, aoti
+# Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
+# for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
+# runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
+# and fail a test that runs past PER_TEST_S seconds (pytest-timeout; default 240), so a hang names
+# itself. They run in one process unless XDIST (pytest-xdist workers) says otherwise: 8 workers on
+# the one GPU ran the kernel tests ~10x slower than one process. Logs
+# and JSON go under OUTDIR (a few files: the machine returns at most eight). COMMIT names the
+# commit measured (the copy may have no .git).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/gpu/pick_cxx.sh
+modes=" ${1//+/ } "; out=$2; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+PY=${PYTHON:-python3}
+# CALL_S (the call's limit) caps each later step's timeout by the time left, so a slow step ends
+# in its own timeout and the log still gets its tally.
+t0=$(date +%s)
+cap() { local left=$(( ${CALL_S:-100000} - ($(date +%s) - t0) - 10 )); [ $left -lt 1 ] && left=1; echo $(( $1 < left ? $1 : left )); }
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+$PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2>&1
+# pytest's log of one run appended to the suite's, with a count a cut-off run still has.
+tally() { cat "$out/pytest.tmp" >> "$log"; echo "$1 rc=$2: $(grep -c ' PASSED' "$out/pytest.tmp") passed, $(grep -c ' FAILED' "$out/pytest.tmp") failed, $(grep -c ' SKIPPED' "$out/pytest.tmp") skipped" | tee -a "$log"; grep -E '^(FAILED|ERROR)|Timeout' "$out/pytest.tmp" | head -20; rm -f "$out/pytest.tmp"; }
+has() { [[ "$modes" == *" $1 "* || ( "$modes" == *" checks "* && ( $1 == sanitizer || $1 == flexcheck ) ) ]]; }
+xd="-n ${XDIST:-0}"; [ "${XDIST:-0}" = 0 ] && xd=""
+$PY -c "import pytest_timeout" 2>/dev/null && xd="$xd --timeout ${PER_TEST_S:-240}"
+
+log=$out/gpu_$(echo "$1" | tr '+' '_').log
+{ echo "commit $commit"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  echo "CXX=${CXX:-} CC=${CC:-}"; s=$(date +%s)
+  if [ "${SKIP_BUILD:-0}" = 1 ] && ls flexdma/_C*.so > /dev/null 2>&1; then echo "build kept (SKIP_BUILD=1)"
+  else
+    FLEXDMA_CUDA_ARCHS=90 MAX_JOBS=16 \
+      $PY -m pip install --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1
+    echo "build rc=$? in $(( $(date +%s) - s )) s"
+  fi
+  readelf -d flexdma/_C*.so | grep -c "libstdc++" | sed 's/^/libstdc++ NEEDED entries: /'; } 2>&1 | tee "$log"
+
+# CPU-only cases ran in CI; here the CUDA kernels, FlexAttention on GPU and the GPU API paths.
+# In one process `tests` takes ~60 s and `tests2` ~360 s (fdb00e0): the correctness matrix's
+# FlexAttention cases (75, each an Inductor compile) run with tests2. tests+tests2 fit one call with
+# the build. AOTInductor runs on its own: a crash there must not take the other results with it.
+if has tests; then
+  timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
+  timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
+    tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
+    --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests" $?
+fi
+if has sanitizer; then
+  SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+  for tool in memcheck racecheck; do
+    # One process for every case: forward + backward at the wgmma head dims and both dbias paths
+    # (the wide ones on their two-pass dk/dv path), and the split-key decode forward.
+    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
+      small 256 smallkey 192 decode 128 > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+  done
+  rm -f "$out/san.tmp"
+fi
+if has cudadev; then
+  timeout 200 $PY benchmarks/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
+  echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
+fi
+if has tests2; then
+  timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
+    tests/test_mqar.py tests/test_nn.py tests/test_ops.py tests/test_correctness.py \
+    -k "not cpu and not aoti and (flex- or not test_correctness)" --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests (2)" $?
+fi
+if has flexcheck; then
+  timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
+  echo "flex_check rc=$?" | tee -a "$log"; tail -40 "$out/flex_check.log"
+fi
+if has bench; then
+  DEADLINE_S=${DEADLINE_S:-500} bash benchmarks/run_all.sh "$out" "$commit" > /dev/null 2>&1
+  tail -30 "$out/run.log"; rm -f "$out"/*.png
+fi
+if has aoti; then
+  timeout $(cap ${AOTI_TIMEOUT:-200}) $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
+  echo "aoti tests rc=$?" | tee -a "$log"
+fi

@@ -1,0 +1,47 @@
+"""Runs the flexdma CUDA op calls of named cases, each twice (warm-up, then the call a profiler
+attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
+nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode (small / smallkey: 333 queries x 333
+keys with a per-row / per-key bias, forward and backward, for compute-sanitizer).
+B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
+import math
+import sys
+
+import torch
+
+import flexdma  # noqa: F401
+from benchmarks.cuda_dev import top_w_mask
+
+
+def main(case, D):
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    L = {"nomask16k": 16384, "perrow32k": 32768, "perkey32k": 32768, "bwd8k": 8192, "small": 333, "smallkey": 333,
+         "decode": 5000}[case]
+    q = torch.randn(1, L, 2, D, device=dev, dtype=dt)
+    k = torch.randn(1, L, 1, D, device=dev, dtype=dt)
+    v = torch.randn(1, L, 1, D, device=dev, dtype=dt)
+    mask = bias = None
+    if case in ("perrow32k", "bwd8k", "small"):
+        bias = torch.randn(1, 1, L, L, device=dev, dtype=dt)
+        mask = top_w_mask(bias, L, L, 1024 if L > 1024 else L // 3)
+    elif case == "decode":  # one query: key splits and the empty-tile scan
+        bias = torch.randn(1, 1, 1, L, device=dev, dtype=dt)
+        mask = top_w_mask(bias, L, L, 50)[:, :, -1:]
+        q = q[:, -1:].contiguous()
+    elif case in ("perkey32k", "smallkey"):
+        bias = torch.randn(1, 1, 1, L, device=dev, dtype=dt)
+        mask = top_w_mask(bias, L, L, 1024 if L > 1024 else L // 3)
+    scale = 1.0 / math.sqrt(D)
+    for _ in range(2):
+        out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+        if case in ("bwd8k", "small", "smallkey"):
+            torch.ops.flexdma.bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    while args:
+        case = args.pop(0)
+        D = int(args.pop(0)) if args and args[0].isdigit() else 128
+        main(case, D)
