@@ -80,7 +80,8 @@ def bench(lengths, Ws, Ds, model=True):
         scale = 1 / math.sqrt(D)
         sel = _select(q, k, bias, W, True)
         r = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "W": W, "plane_heads": ph,
-             "list_mean": sel.tile_keys[..., 0].float().mean().item(), "list_max": sel.tile_keys[..., 0].max().item()}
+             "list_mean": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].float().mean().item(),
+             "list_max": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].max().item()}
         r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
         r["fwd_ms"] = do_bench(lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0), warmup=25, rep=100)
         out, lse, res = T.fwd(q, k, v, bias, *sel, scale, True, 0.0)

@@ -59,7 +59,7 @@ def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
     cap = min(K, window + tile_rows - 1)  # at most W + tile_rows - 1 keys a tile
     n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
     return (scores.new_empty((P1, P2, K), dtype=torch.int32), scores.new_empty((P1, P2, seqlen_q), dtype=torch.int32),
-            scores.new_empty((P1, P2, n_tiles, 1 + cap), dtype=torch.int32))
+            scores.new_empty((P1, P2, n_tiles * (1 + cap)), dtype=torch.int32))
 
 
 def _setup_context(ctx, inputs, output):

@@ -226,7 +226,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
         _select_kernel[(n_tiles, P)](orders, lvl_start, lvl_elig, ranks, thr, keys, newidx, Q, K, window, K - Q,
                                      n_tiles, cap, n_levels, lvl0, CAUSAL=bool(is_causal), TILE_ROWS=tile_rows,
                                      SCAN=1024, LB=256, WIN=2 * tile_rows, num_warps=4)
-    return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles, 1 + cap)
+    return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles * (1 + cap))
 
 
 # ----------------------------------------------------------------------------------- attention
@@ -417,13 +417,13 @@ def _geometry(q, k, bias, key_rank, tile_keys):
     P1, P2 = key_rank.shape[0], key_rank.shape[1]
     pack = pack_size(H, KVH, P2)
     tile_rows = BLOCK_M // pack
-    n_tiles = tile_keys.shape[2]
-    if n_tiles != -(-Q // tile_rows):
-        raise ValueError(f"tile_keys has {n_tiles} query tiles; this call's kernels use tiles of {tile_rows} rows "
-                         f"({-(-Q // tile_rows)} tiles): select with tile_rows={tile_rows}")
+    n_tiles = -(-Q // tile_rows)
+    if n_tiles == 0 or tile_keys.shape[2] % n_tiles:
+        raise ValueError(f"tile_keys of shape {tuple(tile_keys.shape)} does not hold {n_tiles} lists of query tiles "
+                         f"of {tile_rows} rows (these kernels' tiles): select with tile_rows={tile_rows}")
     return dict(
         args=(H, H // KVH, P2, H // P2, int(P1 > 1), H // bias.shape[1], int(bias.shape[0] > 1),
-              Q, K, K - Q, n_tiles, tile_keys.shape[3] - 1),
+              Q, K, K - Q, n_tiles, tile_keys.shape[2] // n_tiles - 1),
         meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows),
         grid=(n_tiles, B * H // pack),
     )
@@ -517,7 +517,7 @@ def _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, b
     dev = q.device
     n_tiles, n_bh = g["grid"]
     pack = g["meta"]["PACK"]
-    cap = tile_keys.shape[3] - 1
+    cap = g["args"][-1]
     P2 = key_rank.shape[1]
     bh = torch.arange(n_bh, device=dev)
     b_of, h0 = bh // (H // pack), (bh % (H // pack)) * pack

@@ -9,9 +9,11 @@ mask fits in O(Q + K) per selection plane (see the per-key selection design note
   (allowed by attn_mask and with a score other than -inf); `NEVER` (int32 max) for the others.
 - `row_thr[p, i]`: the largest rank row i keeps, -1 when it keeps nothing. Row i keeps key j iff
   `key_rank[p, j] <= row_thr[p, i]` and, when causal, `j <= i + K - Q` (bottom-right aligned).
-- `tile_keys[p, t]`: for the query tile t of `tile_rows` rows, the number n of keys some row of
-  the tile keeps, then those n key indices in rank order (at most W + tile_rows - 1 of them). The
-  GPU kernels gather K / V rows from it; the CPU kernel and FlexAttention need only the first two.
+- `tile_keys[p]`: for each query tile t of `tile_rows` rows, 1 + cap entries from t * (1 + cap)
+  on: the number n of listed keys, then n key indices in rank order: every key some row of the
+  tile keeps, and the keys its last row sees up to the tile's largest threshold (at most
+  cap = min(K, W + tile_rows - 1)). `tile_lists` views it per tile. The GPU kernels gather K / V
+  rows from it; the CPU kernel and FlexAttention need only the first two.
 
 This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_len=Q)` builds
 densely, entry for entry (tests/test_topk.py checks it). A plane is one (batch, head) entry of the
@@ -34,7 +36,7 @@ CPU_TILE_ROWS = 64
 class Selection(NamedTuple):
     key_rank: torch.Tensor  # int32 (P1, P2, K)
     row_thr: torch.Tensor  # int32 (P1, P2, Q)
-    tile_keys: torch.Tensor  # int32 (P1, P2, n_tiles, 1 + cap)
+    tile_keys: torch.Tensor  # int32 (P1, P2, n_tiles * (1 + cap))
 
 
 def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
@@ -63,6 +65,12 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     from . import _ops
 
     return Selection(*_ops.topk_select(scores, window, seqlen_q, is_causal, tile_rows))
+
+
+def tile_lists(sel: Selection, seqlen_q: int, tile_rows: int) -> torch.Tensor:
+    """tile_keys as (P1, P2, n_tiles, 1 + cap): [..., 0] is each tile's list length."""
+    n_tiles = -(-seqlen_q // tile_rows)
+    return sel.tile_keys.view(*sel.tile_keys.shape[:2], n_tiles, -1)
 
 
 def keep_mask(sel: Selection, seqlen_q: int, seqlen_k: int, is_causal: bool) -> torch.Tensor:

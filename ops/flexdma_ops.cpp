@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor&
   at::Tensor key_rank = at::empty(scores.sizes(), opts);
   at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
   // Zero past each list's end, so the output is a function of the input (no stale memory).
-  at::Tensor tile_keys = at::zeros({scores.size(0), scores.size(1), n_tiles, 1 + cap}, opts);
+  at::Tensor tile_keys = at::zeros({scores.size(0), scores.size(1), n_tiles * (1 + cap)}, opts);
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t pl = b; pl < e; ++pl)
       cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, cap,
@@ -147,7 +147,9 @@ TORCH_LIBRARY(flexdma, m) {
         {at::Tag::pt2_compliant_tag});
   // Per-key top-`window` selection in compact form (flexdma/topk.py states the contract):
   // key_rank (P1, P2, K), row_thr (P1, P2, Q) and, per query tile of `tile_rows` rows, the
-  // length-prefixed list of the keys its rows keep, (P1, P2, ceil(Q / tile_rows), 1 + cap).
+  // length-prefixed list of the keys its rows keep, each 1 + cap entries, side by side:
+  // (P1, P2, ceil(Q / tile_rows) * (1 + cap)) (one flat dim keeps the shape free of a guard on the
+  // tile count under torch.export).
   m.def("topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
         "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
         {at::Tag::pt2_compliant_tag});

@@ -104,12 +104,13 @@ def test_selection_is_the_dense_mask(device):
         assert torch.equal(dense.expand(shape), want.expand(shape)), case
         # Each tile's list holds every key some row of the tile keeps (and keys the last row sees
         # within the tile's largest threshold), in rank order.
-        n = sel.tile_keys[..., 0]
+        lists = topk.tile_lists(sel, Q, rows)
+        n = lists[..., 0]
         for t in range(n.shape[-1]):
             union = dense[:, :, t * rows:(t + 1) * rows].any(2)
             for p1 in range(union.shape[0]):
                 for p2 in range(union.shape[1]):
-                    listed = sel.tile_keys[p1, p2, t, 1:1 + n[p1, p2, t]].long()
+                    listed = lists[p1, p2, t, 1:1 + n[p1, p2, t]].long()
                     assert set(union[p1, p2].nonzero().flatten().tolist()) <= set(listed.tolist())
                     assert torch.all(sel.key_rank[p1, p2, listed].diff() > 0)
         assert n.max() <= min(K, W + rows - 1)
@@ -126,12 +127,13 @@ def test_cpu_and_cuda_selection_agree():
             a = topk.select(scores, 300, Q, causal, 32)
             b = topk.select(scores.cuda(), 300, Q, causal, 32)
             assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
-            n = a.tile_keys[..., 0]
-            assert torch.equal(n, b.tile_keys[..., 0].cpu())
+            la, lb = topk.tile_lists(a, Q, 32), topk.tile_lists(b, Q, 32).cpu()
+            n = la[..., 0]
+            assert torch.equal(n, lb[..., 0])
             for idx in n.flatten().nonzero().flatten().tolist()[:50]:
                 p1, p2, t = torch.unravel_index(torch.tensor(idx), n.shape)
                 m = int(n[p1, p2, t])
-                assert torch.equal(a.tile_keys[p1, p2, t, :1 + m], b.tile_keys[p1, p2, t, :1 + m].cpu())
+                assert torch.equal(la[p1, p2, t, :1 + m], lb[p1, p2, t, :1 + m])
 
 
 def test_gradcheck_fp64():
