@@ -1,17 +1,19 @@
-"""GPU kernels of the per-key top-W path (flexdma/topk.py states the contract they implement).
+"""GPU kernels of the per-key top-W path (flexdma/topk.py states the contract they implement;
+docs/kernels.md describes them).
 
-- `select`: one sort per selection plane (torch), then one program per (plane, query tile) that
-  walks the keys in rank order, stops once the tile's first row has seen W of them, and keeps the
-  ones its last row can see: the tile's candidate list (at most W + tile_rows - 1 keys, fact 3 of
-  the per-key selection note). From that list it finds each row's threshold and cuts the list to
-  the keys some row keeps. Work per tile: the ranks walked, about W * K / (first row's visible
-  keys) for scores unrelated to position, plus tile_rows x (list length) compares.
+- `select`: the ranks from one sort per selection plane (torch); then one program per (plane,
+  query tile) walks, in rank order, the keys of the smallest prefix level that holds its last
+  row's keys, stops once the tile's first row has seen W of them, and keeps the ones its last row
+  can see: the tile's candidate list (at most W + tile_rows - 1 keys, fact 3 of the per-key
+  selection note). About 2 W entries are read whatever the position. Each row's threshold is
+  then counted in a window of < 2 tile_rows list entries, and the list cut to the keys some row
+  keeps.
 - `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
-  a selection plane). The pack's rows share one gathered K/V tile per 64 listed keys; each
-  element still gets the exact keep test (rank <= the row's threshold, causal cut), so the
-  union list costs compute but never changes the result. dq is owned by the program; dk, dv and
-  the per-key dbias are sums over the query tiles that list a key, accumulated in float32 with
-  atomics (the deterministic mode runs the tiles of a plane in a fixed order instead).
+  a selection plane). The pack's rows share every gathered K / V tile; each element still gets the
+  exact keep test (rank <= the row's threshold, causal cut), so the union list costs compute but
+  never changes the result. dq is owned by the program; dk, dv and the per-key dbias are sums over
+  the query tiles that list a key, accumulated in float32 with atomics, or (deterministic) stored
+  per program and list entry and added in a fixed order.
 """
 from __future__ import annotations
 
@@ -231,14 +233,40 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
 
 # ----------------------------------------------------------------------------------- attention
 @triton.jit
-def _tile_setup(pid_bh, H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK: tl.constexpr):
-    """One program's batch, the pack's first query head, its kv head and its selection plane."""
+def _tile_setup(pid_t, pid_bh, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
+                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap,
+                PACK: tl.constexpr, TILE_ROWS: tl.constexpr):
+    """One program's rows and operands: PACK query heads (sharing a kv head and a selection plane)
+    x TILE_ROWS rows of query tile pid_t; their thresholds, causal limits, the tile's key list, and
+    the K / V / bias rows of the batch and kv head."""
     heads_per = H // PACK
     b = pid_bh // heads_per
     h0 = (pid_bh % heads_per) * PACK
     kvh = h0 // G
-    plane = b * plane_b_on * PLANE_H + h0 // PLANE_RATIO
-    return b, h0, kvh, plane.to(tl.int64)
+    plane = (b * plane_b_on * PLANE_H + h0 // PLANE_RATIO).to(tl.int64)
+    r = tl.arange(0, PACK * TILE_ROWS)
+    i = pid_t * TILE_ROWS + r % TILE_ROWS
+    h = h0 + r // TILE_ROWS
+    row_ok = i < Q
+    thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
+    head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
+    kb = k_ptr + b.to(tl.int64) * skb + kvh * skh
+    vb = v_ptr + b.to(tl.int64) * svb + kvh * svh
+    bb = bias_ptr + (b * bias_b_on).to(tl.int64) * sbb + (h0 // BIAS_RATIO) * sbh
+    return b, h0, kvh, i, h, row_ok, thr, i + off, head, tl.load(head), rank_ptr + plane * K, kb, vb, bb
+
+
+@triton.jit
+def _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D: tl.constexpr, BN: tl.constexpr):
+    """Listed keys [n0, n0 + BN) of a tile: list positions, validity, key indices, ranks, the
+    gathered K rows and the keys' biases."""
+    e = n0 + tl.arange(0, BN)
+    ev = e < n
+    kidx = tl.load(head + 1 + e, mask=ev, other=0)
+    rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
+    k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + tl.arange(0, D)[None, :], mask=ev[:, None], other=0.0)
+    bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
+    return e, ev, kidx, rk, k, bias_v
 
 
 @triton.jit
@@ -276,34 +304,19 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_pt
                 D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
                 CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
     pid_t = tl.program_id(0)
-    b, h0, kvh, plane = _tile_setup(tl.program_id(1), H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK)
+    b, h0, kvh, i, h, row_ok, thr, p_row, head, n, ranks, kb, vb, bb = _tile_setup(
+        pid_t, tl.program_id(1), k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
+        H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap, PACK, TILE_ROWS)
     BM: tl.constexpr = PACK * TILE_ROWS
-    r = tl.arange(0, BM)
-    i = pid_t * TILE_ROWS + r % TILE_ROWS
-    h = h0 + r // TILE_ROWS
-    row_ok = i < Q
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
-    p_row = i + off
-    head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
-    n = tl.load(head)
-    ranks = rank_ptr + plane * K
-    kb = k_ptr + b.to(tl.int64) * skb + kvh * skh
-    vb = v_ptr + b.to(tl.int64) * svb + kvh * svh
-    bb = bias_ptr + (b * bias_b_on).to(tl.int64) * sbb + (h0 // BIAS_RATIO) * sbh
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     for n0 in range(0, n, BN):
-        e = n0 + tl.arange(0, BN)
-        ev = e < n
-        kidx = tl.load(head + 1 + e, mask=ev, other=0)
-        rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
-        k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
-        bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
+        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, BN)
         s, _ = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -338,12 +351,10 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     # plain stores, summed afterwards in a fixed order (the deterministic mode). dq is written in
     # q's dtype with q's strides.
     pid_t = tl.program_id(0) + tile_base
-    b, h0, kvh, plane = _tile_setup(tl.program_id(1), H, G, PLANE_H, PLANE_RATIO, plane_b_on, PACK)
+    b, h0, kvh, i, h, row_ok, thr, p_row, head, n, ranks, kb, vb, bb = _tile_setup(
+        pid_t, tl.program_id(1), k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
+        H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap, PACK, TILE_ROWS)
     BM: tl.constexpr = PACK * TILE_ROWS
-    r = tl.arange(0, BM)
-    i = pid_t * TILE_ROWS + r % TILE_ROWS
-    h = h0 + r // TILE_ROWS
-    row_ok = i < Q
     d = tl.arange(0, D)
     row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
     q = tl.load(q_ptr + row_off, mask=row_ok[:, None], other=0.0)
@@ -356,14 +367,6 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     lse = tl.load(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=float("-inf"))
     # Rows that keep nothing have lse -inf and every score -inf: p must come out 0, not NaN.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
-    thr = tl.load(thr_ptr + plane * Q + i, mask=row_ok, other=-1)
-    p_row = i + off
-    head = keys_ptr + (plane * n_tiles + pid_t) * (1 + cap)
-    n = tl.load(head)
-    ranks = rank_ptr + plane * K
-    kb = k_ptr + b.to(tl.int64) * skb + kvh * skh
-    vb = v_ptr + b.to(tl.int64) * svb + kvh * svh
-    bb = bias_ptr + (b * bias_b_on).to(tl.int64) * sbb + (h0 // BIAS_RATIO) * sbh
     KVH = H // G
     acc_row = (b.to(tl.int64) * K) * KVH * D + kvh * D
     dbb = db_ptr + (b * bias_b_on).to(tl.int64) * sgb + (h0 // BIAS_RATIO) * sgh
@@ -375,13 +378,8 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
 
     dq = tl.zeros([BM, D], tl.float32)
     for n0 in range(0, n, BN):
-        e = n0 + tl.arange(0, BN)
-        ev = e < n
-        kidx = tl.load(head + 1 + e, mask=ev, other=0)
-        rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
-        k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None], other=0.0)
-        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None], other=0.0)
-        bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
+        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, BN)
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + tl.arange(0, D)[None, :], mask=ev[:, None], other=0.0)
         s, th = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if PARTIAL:
