@@ -64,6 +64,20 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
         backend = "auto" if peer == "flexdma" else "flex"
         return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=causal, keep_window_size=c["W"],
                                                    backend=backend)
+    if peer == "flexdma-cache":
+        # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
+        # key in O(W), then attention over the W gathered keys (no selection over all K).
+        from flexdma.nn import DMACache
+
+        cache = DMACache.from_full(k.detach(), v.detach(), bias.detach(), None, c["W"])
+        k1, v1 = k[:, -1:].detach(), v[:, -1:].detach()
+        b1 = bias[..., -1:].detach()
+        pad = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+
+        def step():
+            ks, vs, bb, keep = cache.step(k1, v1, b1, pad).kept()
+            return flexdma.flash_dma_attention(q, ks, vs, keep, bb, is_causal=False)
+        return step
     if peer == "dense-mask":
         def run():
             mask = flexdma.create_mask(bias.detach(), c["W"], is_causal=causal, query_len=c["Q"])
@@ -73,6 +87,8 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
 
 
 def _applies(peer: str, c: dict) -> Optional[str]:
+    if peer == "flexdma-cache" and not c.get("decode"):
+        return "decoding only"
     if peer == "dense-mask" and c["L"] * c["Q"] > DENSE_MASK_MAX ** 2:
         return f"the dense mask is {c['Q']} x {c['L']} bools"
     if peer == "dense-mask" and "cuda" not in flexdma.available_backends():
@@ -100,7 +116,8 @@ def _peak(fn) -> float:
     return peak / 2**20
 
 
-def run(quick: bool = False, peers=("sdpa", "flexdma", "flex", "dense-mask"), budget: float = 480.0) -> dict:
+def run(quick: bool = False, peers=("sdpa", "flexdma", "flexdma-cache", "flex", "dense-mask"),
+        budget: float = 480.0) -> dict:
     t0 = time.time()
     rows = []
     for c in cases(quick):
@@ -147,8 +164,54 @@ def run(quick: bool = False, peers=("sdpa", "flexdma", "flex", "dense-mask"), bu
     return dict(schema=SCHEMA, rows=rows)
 
 
+DOGE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, keep_window_size=2048, is_moe=False)
+
+
+def doge_rows(lengths=(16384, 65536)) -> List[dict]:
+    """transformers' DogeForCausalLM train step (forward + backward, loss on labels), bf16, B=1:
+    flexdma through patch_doge against attn_implementation "sdpa" (Doge's dense dynamic mask)."""
+    from transformers import DogeConfig, DogeForCausalLM
+
+    from flexdma.integrations.transformers import patch_doge
+
+    rows = []
+    for L in lengths:
+        row = dict(case=dict(name=f"Doge train step L={L // 1024}K", L=L, **DOGE), peers={})
+        for peer in ("flexdma", "sdpa"):
+            rec = {}
+            model = None
+            try:
+                torch.manual_seed(0)
+                cfg = DogeConfig(max_position_embeddings=L, **DOGE)
+                model = DogeForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+                if peer == "flexdma":
+                    patch_doge(model)
+                else:
+                    model.set_attn_implementation("sdpa")
+                ids = torch.randint(cfg.vocab_size, (1, L), device="cuda")
+
+                def step():
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    return loss
+
+                step()
+                rec["ms"] = _time(step, warmup=3, rep=10)
+                rec["peak_mib"] = _peak(step) + torch.cuda.memory_allocated() / 2**20
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            row["peers"][peer] = rec
+            print(row["case"]["name"], peer, rec, flush=True)
+        rows.append(row)
+    return rows
+
+
 def markdown(doc: dict) -> str:
-    peers = ["flexdma", "sdpa", "flex", "dense-mask"]
+    peers = ["flexdma", "sdpa", "flex", "dense-mask", "flexdma-cache"]
     head = ["case"] + [f"{p} fwd / bwd ms" for p in peers] + ["flexdma peak fwd / train MiB", "flexdma vs sdpa fwd / bwd"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in doc["rows"]:
@@ -178,6 +241,16 @@ def markdown(doc: dict) -> str:
         else:
             cells.append("–")
         lines.append("| " + " | ".join(cells) + " |")
+    if doc.get("doge"):
+        lines += ["", "| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048) | flexdma (patch_doge) "
+                  "ms / peak MiB | attn_implementation sdpa ms / peak MiB |", "|---|---|---|"]
+        for row in doc["doge"]:
+            cells = [row["case"]["name"]]
+            for p in ("flexdma", "sdpa"):
+                r = row["peers"].get(p, {})
+                cells.append(f"error: {r['error'][:60]}" if "error" in r else
+                             f"{r.get('ms', float('nan')):.1f} / {r.get('peak_mib', float('nan')):.0f}")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -207,6 +280,11 @@ def section(results_dir: str) -> List[str]:
 
 def main(args, env: dict) -> str:
     doc = run(quick=args.quick, budget=args.budget)
+    if not args.quick:
+        try:
+            doc["doge"] = doge_rows()
+        except ImportError as e:  # transformers without Doge
+            doc["doge_skipped"] = str(e)
     doc.update(env)
     path = os.path.join(args.out, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_topk.json")
     with open(path, "w") as f:
