@@ -131,9 +131,11 @@ def _doge_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
         raise ValueError(f"patch_doge: expected a (batch, {K}) padding mask from the model, got "
                          f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after patch_doge? "
                          "(static caches and prepared 4-D masks are not supported)")
-    # The query rows are the last Q of the K keys (cache or not): bottom-right causal.
+    # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
+    # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
+    pad = None if attention_mask is None else attention_mask[:, None, None, :]
     out = flash_dma_attention(query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2),
-                              attention_mask, dt_states[:, :, None, :].to(query_states.dtype), is_causal=True,
+                              pad, dt_states[:, :, None, :].to(query_states.dtype), is_causal=True,
                               softmax_scale=self.scaling, keep_window_size=self.keep_window_size,
                               backend=getattr(self, "_flexdma_backend", "auto"))
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
