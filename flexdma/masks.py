@@ -102,7 +102,7 @@ def create_mask(
     # Under torch.compile/export the dense top-k below stays: the selection op's fake tensor sizes
     # its tile lists with min(K, W + rows - 1), which a dynamic key length cannot satisfy as a guard.
     if Qb == 1 and block_size is None and (pad is None or pad.shape[2] == 1) \
-            and not torch.compiler.is_compiling() and _per_key_ok():
+            and not torch.compiler.is_compiling() and _per_key_ok(attn_bias.device):
         # One score per key: the selection is flexdma.topk's (ranks + one threshold per row, O(Q + K)),
         # and the dense mask is a comparison against the thresholds -- bound by writing the mask.
         return _per_key_mask(attn_bias, pad, window_size, out_shape, is_causal)
@@ -139,10 +139,17 @@ def create_mask(
     return result
 
 
-def _per_key_ok() -> bool:
+def _per_key_ok(device: torch.device) -> bool:
+    # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
     from ._dispatch import _ops_loaded
 
-    return _ops_loaded() is None
+    if _ops_loaded() is not None:
+        return False
+    if device.type == "cuda":
+        from . import _ops
+
+        return _ops._topk_triton is not None
+    return device.type == "cpu"
 
 
 def _per_key_mask(attn_bias: torch.Tensor, pad: Optional[torch.Tensor], window_size: int, out_shape,
