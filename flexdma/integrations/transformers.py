@@ -163,6 +163,8 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
     layers = [m for m in model.modules() if isinstance(m, DogeAttention)]
     if not layers:
         raise ValueError("patch_doge: the model has no DogeAttention module")
+    # The patched forward calls flexdma itself; the attention function is registered so that
+    # set_attn_implementation accepts the name (and a non-Doge attention module would still work).
     AttentionInterface.register(DOGE_NAME, flexdma_attention_forward)
     AttentionMaskInterface.register(DOGE_NAME, _doge_padding_mask)
     for m in layers:
