@@ -177,7 +177,8 @@ class DynamicMaskAttention(nn.Module):
             if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, total):
                 raise ValueError(f"attention_mask must be a bool (batch, {total}) padding mask, got "
                                  f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
-        if isinstance(past_key_value, DMACache) and S == 1 and past_key_value.sel_idx.shape[-1] == self.keep_window_size:
+        decode = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
+        if decode and S == 1:
             # Decoding: the kept set is updated with the new key and attended to, O(W) -- the earlier
             # columns of attention_mask must be the ones the cache was built with.
             pad = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, -1]

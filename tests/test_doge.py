@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from utils import LargestTensor
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DogeForCausalLM"):
@@ -85,26 +85,13 @@ def test_greedy_generate_matches_eager():
     assert torch.equal(seqs[1], seqs[0])
 
 
-class _Largest(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_no_q_by_k_tensor():
     _, patched = _models(torch.float32)
     S = 256  # Q * K = 65536 is above every activation (S x vocab = 16384, S x intermediate = 16384)
     ids = torch.randint(VOCAB, (1, S))
     am = torch.ones(1, S, dtype=torch.long)
     am[0, :7] = 0
-    with _Largest() as mode:
+    with LargestTensor() as mode:
         out = patched(input_ids=ids, attention_mask=am, labels=ids)
         out.loss.backward()
     assert torch.isfinite(out.loss)

@@ -7,6 +7,7 @@ import torch
 
 import flexdma
 from flexdma.reference import causal_mask
+from utils import LargestTensor
 
 
 def old_create_mask(attn_bias, window_size, *, attn_mask=None, is_causal=False, query_len=None):
@@ -91,21 +92,9 @@ def test_per_key_create_mask_uses_the_selection(monkeypatch):
 
 
 def test_per_key_create_mask_peak_is_the_mask():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        nbytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.nbytes = max(self.nbytes, t.numel() * t.element_size())
-            return out
-
     L = 2048
     bias = torch.randn(1, 1, 1, L)
-    with Largest() as mode:
+    with LargestTensor() as mode:
         m = flexdma.create_mask(bias, 64, is_causal=True, query_len=L)
     # The bool mask itself is the largest tensor (the dense path had float32 (Q, K) scores).
     assert m.numel() == L * L and mode.nbytes == L * L

@@ -129,8 +129,8 @@ def _doge_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
     K = key_states.shape[-2]
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (input_shape[0], K)):
         raise ValueError(f"patch_doge: expected a (batch, {K}) padding mask from the model, got "
-                         f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after patch_doge? "
-                         "(static caches and prepared 4-D masks are not supported)")
+                         f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after "
+                         "patch_doge? (static caches and prepared 4-D masks are not supported)")
     # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
     # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
     pad = None if attention_mask is None else attention_mask[:, None, None, :]
