@@ -98,6 +98,15 @@ def create_mask(
             return torch.ones(out_shape, dtype=torch.bool, device=attn_bias.device)
         return allowed.expand(out_shape).contiguous()
 
+    pad = None if attn_mask is None else _padding_to_4d(attn_mask, Bb)
+    # Under torch.compile/export the dense top-k below stays: the selection op's fake tensor sizes
+    # its tile lists with min(K, W + rows - 1), which a dynamic key length cannot satisfy as a guard.
+    if Qb == 1 and block_size is None and (pad is None or pad.shape[2] == 1) \
+            and not torch.compiler.is_compiling() and _per_key_ok(attn_bias.device):
+        # One score per key: the selection is flexdma.topk's (ranks + one threshold per row, O(Q + K)),
+        # and the dense mask is a comparison against the thresholds -- bound by writing the mask.
+        return _per_key_mask(attn_bias, pad, window_size, out_shape, is_causal)
+
     result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
     rows = out_shape[2]
     step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
@@ -127,4 +136,42 @@ def create_mask(
         # A row with fewer than window_size visible keys "selects" some -inf entries; drop them.
         keep &= scores != float("-inf")
         result[:, :, r0:r1] = keep
+    return result
+
+
+def _per_key_ok(device: torch.device) -> bool:
+    # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
+    from ._dispatch import _ops_loaded
+
+    if _ops_loaded() is not None:
+        return False
+    if device.type == "cuda":
+        from . import _ops
+
+        return _ops._topk_triton is not None
+    return device.type == "cpu"
+
+
+def _per_key_mask(attn_bias: torch.Tensor, pad: Optional[torch.Tensor], window_size: int, out_shape,
+                  is_causal: bool) -> torch.Tensor:
+    """create_mask for a per-key bias (query dim 1) and a mask without a query dim: key j is kept by
+    row i iff key_rank[j] <= row_thr[i] (and j is causally visible), which is the top-k of the dense
+    path entry for entry (same float32 scores, same (score desc, index asc) order)."""
+    from . import topk
+
+    scores = topk.selection_scores(attn_bias, pad, out_shape[1])
+    rows, K = out_shape[2], out_shape[3]
+    sel = topk.select(scores, window_size, rows, is_causal, topk.CPU_TILE_ROWS)
+    rank = sel.key_rank.expand(out_shape[0], out_shape[1], K)[:, :, None, :]
+    thr = sel.row_thr.expand(out_shape[0], out_shape[1], rows)[:, :, :, None]
+    if not is_causal:
+        return (rank <= thr).expand(out_shape).contiguous()
+    result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
+    step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
+    j = torch.arange(K, device=attn_bias.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        i = torch.arange(r0, r1, device=attn_bias.device)[:, None]
+        # Rows chunked so the temporaries stay near _CHUNK_ELEMS; the bottom-right causal cut.
+        result[:, :, r0:r1] = (rank <= thr[:, :, r0:r1]) & (j <= i + (K - rows))
     return result

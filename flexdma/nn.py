@@ -7,9 +7,94 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .dynamic import dynamic_mask_attention
+from . import topk
+from .api import flash_dma_attention
+from .dynamic import dynamic_bias, dynamic_mask_attention
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
+
+
+def _append(buf: torch.Tensor, n: int, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """buf's first n entries along dim followed by new, as a buffer with spare room: amortized
+    O(len(new)) per call when autograd does not track the buffer (decoding), a plain cat otherwise
+    (writing into a buffer that an earlier step saved for backward would break that backward)."""
+    m = new.shape[dim]
+    if torch.is_grad_enabled() and (buf.requires_grad or new.requires_grad):
+        return torch.cat((buf.narrow(dim, 0, n), new), dim)
+    if n + m > buf.shape[dim]:
+        shape = list(buf.shape)
+        shape[dim] = max(2 * buf.shape[dim], n + m, 16)
+        grown = buf.new_empty(shape)
+        grown.narrow(dim, 0, n).copy_(buf.narrow(dim, 0, n))
+        buf = grown
+    buf.narrow(dim, n, m).copy_(new)
+    return buf
+
+
+class DMACache(tuple):
+    """The cache DynamicMaskAttention returns with use_cache=True: the (key, value) pair of the old
+    tuple form (it unpacks and indexes the same), plus what lets a decode step skip the selection
+    over all keys: the per-key bias (B, KVH, K), the padding mask (B, K), and the kept set of the
+    last row, `sel_idx` / `sel_valid` (B, KVH, W): at most W key indices per (batch, kv head)."""
+
+    def __new__(cls, bufs, length: int, sel_idx: torch.Tensor, sel_valid: torch.Tensor):
+        self = super().__new__(cls, (bufs[0][:, :length], bufs[1][:, :length]))
+        self._bufs, self.length, self.sel_idx, self.sel_valid = bufs, length, sel_idx, sel_valid
+        return self
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return self._bufs[2][:, :, :self.length]
+
+    @property
+    def padding(self) -> torch.Tensor:
+        return self._bufs[3][:, :self.length]
+
+    @classmethod
+    def from_full(cls, key, value, bias, padding, window: int) -> "DMACache":
+        """After a forward over all K keys: the last row sees every key, so its kept set is the
+        top-W eligible keys by (score desc, index asc), read off flexdma.topk's ranks."""
+        B, K = key.shape[:2]
+        if padding is None:
+            padding = torch.ones(B, K, dtype=torch.bool, device=key.device)
+        scores = topk.selection_scores(bias.detach(), padding[:, None, None, :], bias.shape[1])
+        sel = topk.select(scores, window, 1, False, topk.CPU_TILE_ROWS)
+        n = min(window, K)
+        rank = sel.key_rank.expand(B, bias.shape[1], K)
+        best = torch.topk(rank, n, dim=-1, largest=False).indices
+        valid = rank.gather(-1, best) <= sel.row_thr.expand(B, bias.shape[1], 1)
+        if n < window:  # free slots, filled as keys arrive
+            best = torch.cat((best, best.new_zeros(B, bias.shape[1], window - n)), -1)
+            valid = torch.cat((valid, valid.new_zeros(B, bias.shape[1], window - n)), -1)
+        return cls((key, value, bias[:, :, 0, :], padding), K, best, valid)
+
+    def step(self, key, value, bias, padding) -> "DMACache":
+        """Append one key (key, value (B, 1, KVH, D), bias (B, KVH, 1, 1), padding (B,)) and update
+        the kept set in O(W): the new key enters if there is a free slot or its score beats the
+        worst kept one (the lowest score, the highest index among equal ones); a tie keeps the older
+        key. No selection over all keys (fact 5 of the per-key selection note)."""
+        n = self.length
+        bufs = (_append(self._bufs[0], n, key, 1), _append(self._bufs[1], n, value, 1),
+                _append(self._bufs[2], n, bias[:, :, 0, :], 2), _append(self._bufs[3], n, padding[:, None], 1))
+        idx, valid = self.sel_idx, self.sel_valid
+        s_new = bias[:, :, 0, 0].float()
+        eligible = padding[:, None] & (s_new != float("-inf"))
+        kept = self.bias.float().gather(-1, idx).masked_fill(~valid, float("inf"))
+        worst = kept.min(-1).values
+        worst_slot = idx.masked_fill(~(valid & (kept == worst[..., None])), -1).argmax(-1)
+        free = ~valid.all(-1)
+        slot = torch.where(free, (~valid).int().argmax(-1), worst_slot)
+        enter = eligible & (free | (s_new > worst))
+        upd = (torch.arange(idx.shape[-1], device=idx.device) == slot[..., None]) & enter[..., None]
+        return DMACache(bufs, n + 1, torch.where(upd, n, idx), valid | upd)
+
+    def kept(self):
+        """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
+        a gather of W rows."""
+        B, W = self.sel_idx.shape[0], self.sel_idx.shape[-1]
+        rows = self.sel_idx.transpose(1, 2)[..., None].expand(B, W, self.sel_idx.shape[1], self[0].shape[-1])
+        return (self[0].gather(1, rows), self[1].gather(1, rows), self.bias.gather(-1, self.sel_idx)[:, :, None, :],
+                self.sel_valid[:, :, None, :])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,17 +172,31 @@ class DynamicMaskAttention(nn.Module):
         if position_embeddings is not None:
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        total = S + (0 if past_key_value is None else past_key_value[0].shape[1])
+        if attention_mask is not None:
+            if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, total):
+                raise ValueError(f"attention_mask must be a bool (batch, {total}) padding mask, got "
+                                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
+        decode = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
+        if decode and S == 1:
+            # Decoding: the kept set is updated with the new key and attended to, O(W) -- the earlier
+            # columns of attention_mask must be the ones the cache was built with.
+            pad = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, -1]
+            cache = past_key_value.step(k, v, dynamic_bias(v, self.dt_proj, self.A).to(q.dtype), pad)
+            ks, vs, bias, keep = cache.kept()
+            out = flash_dma_attention(q, ks, vs, keep, bias, is_causal=False, backend=self.backend)
+            return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
         if past_key_value is not None:
             pk, pv = past_key_value
             k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, k.shape[1]):
-                raise ValueError(f"attention_mask must be a bool (batch, {k.shape[1]}) padding mask, got "
-                                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
-        out = dynamic_mask_attention(q, k, v, self.dt_proj, self.A, keep_window_size=self.keep_window_size,
-                                     is_causal=self.is_causal, attn_mask=attention_mask, backend=self.backend)
+        bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
+        pad = None if attention_mask is None else attention_mask[:, None, None, :]
+        out = flash_dma_attention(q, k, v, pad, bias, is_causal=self.is_causal, backend=self.backend,
+                                  keep_window_size=self.keep_window_size)
         out = self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
-        return (out, (k, v)) if use_cache else out
+        if not use_cache:
+            return out
+        return out, DMACache.from_full(k, v, bias, attention_mask, self.keep_window_size)
 
 
 class MultiheadDynamicMaskAttention(nn.Module):

@@ -208,3 +208,64 @@ def test_multihead_rejects_unsupported():
         m(x, x, x, need_weights=True)
     with pytest.raises(TypeError, match="attn_mask"):
         m(x, x, x, attn_mask=torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("kvh,window", [(2, 5), (1, 9), (2, 64)])
+def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window, monkeypatch):
+    # float64: a sequence decoded token by token through the cache's O(W) kept-set update equals the
+    # whole sequence at once (W below and above the length, GQA, left padding); without autograd
+    # the cache appends into buffers with spare room, with it by concatenation.
+    B, S, P = 2, 40, 6
+    layer = DynamicMaskAttention(32, 4, kvh, keep_window_size=window, dtype=torch.float64)
+    with torch.no_grad():
+        layer.A.normal_()
+    x = torch.randn(B, S, 32, dtype=torch.float64)
+    x[:, 20:23] = x[:, 3:4]  # repeated tokens: equal scores, the older key wins the tie
+    rope = lambda a, b: rotary_cos_sin(torch.arange(a, b), 8, dtype=torch.float64)  # noqa: E731
+    pad = None
+    if padded:
+        pad = torch.ones(B, S, dtype=torch.bool)
+        pad[1, :4] = False
+        pad[0, 10] = False  # a padded token in the middle (decoded without a padding change later)
+    full = layer(x, rope(0, S), attention_mask=pad)
+    out, cache = layer(x[:, :P], rope(0, P), attention_mask=None if pad is None else pad[:, :P], use_cache=True)
+    assert isinstance(cache, flexdma.nn.DMACache)
+    outs = [out]
+
+    def no_selection(*a, **k):
+        raise AssertionError("a decode step ran the selection over all keys")
+
+    monkeypatch.setattr(flexdma.topk, "select", no_selection)
+    with torch.set_grad_enabled(grad):
+        for t in range(P, S):
+            out, cache = layer(x[:, t:t + 1], rope(t, t + 1), attention_mask=None if pad is None else pad[:, :t + 1],
+                               past_key_value=cache, use_cache=True)
+            outs.append(out)
+    if grad:  # gradients flow through the gathered keys and the cached biases
+        torch.cat(outs, 1).sum().backward()
+        assert layer.dt_proj.grad is not None and layer.A.grad.abs().sum() > 0
+    k, v = cache  # still unpacks as the (key, value) pair
+    assert k.shape == (B, S, kvh, 8) and cache.sel_idx.shape == (B, kvh, window)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
+
+
+def test_selection_cache_is_the_last_row_of_the_full_selection():
+    B, S, W = 2, 30, 6
+    layer = DynamicMaskAttention(32, 4, 2, keep_window_size=W, dtype=torch.float64)
+    with torch.no_grad():
+        layer.A.normal_()
+    x = torch.randn(B, S, 32, dtype=torch.float64)
+    _, cache = layer(x[:, :10], use_cache=True)
+    for t in range(10, S):
+        _, cache = layer(x[:, t:t + 1], past_key_value=cache, use_cache=True)
+    _, full = layer(x, use_cache=True)
+    bias = full.bias[:, :, None, :]
+    want = flexdma.create_mask(bias, W, is_causal=True, query_len=S)[:, :, -1]  # (B, KVH, K)
+    got = torch.zeros(want.shape, dtype=torch.int32).scatter_add_(-1, cache.sel_idx, cache.sel_valid.int())
+    assert torch.equal(got > 0, want)
+    # The old tuple form still works as past_key_value (full path) and gives the same step.
+    o1, _ = layer(x[:, -1:], past_key_value=(cache[0][:, :-1], cache[1][:, :-1]), use_cache=True)
+    o2 = layer(x)[:, -1:]
+    torch.testing.assert_close(o1, o2)

@@ -7,6 +7,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexdma  # noqa: F401  (registers torch.ops.flexdma)
 from flexdma.reference import attention_ref
@@ -152,3 +153,20 @@ def poison_allocator(like: Sequence[torch.Tensor]) -> None:
 def assert_no_nan(name: str, t: torch.Tensor) -> None:
     bad = torch.isnan(t.detach())
     assert not bad.any(), f"{name}: {int(bad.sum())} NaN element(s) (unwritten or invalid)"
+
+
+# ------------------------------------------------------------------------------ memory
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op creates inside the `with` block (numel and bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = self.nbytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+                self.nbytes = max(self.nbytes, t.numel() * t.element_size())
+        return out

@@ -79,3 +79,97 @@ def register(name: str = NAME) -> None:
         AttentionMaskInterface.register(name, sdpa_mask)
     except ImportError:
         pass
+
+
+# ----------------------------------------------------------------------------- Doge
+DOGE_NAME = "flexdma_doge"
+
+
+def _doge_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                       mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """AttentionMaskInterface function of patch_doge: the (B, K) bool padding mask (True = real
+    token) or None -- never a (B, 1, Q, K) mask; the causal cut is flexdma's is_causal."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not causal_mask_function:
+        raise NotImplementedError("patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
+                                  "sliding windows and custom mask overlays vary by row")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
+        raise ValueError(f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)}")
+    return attention_mask[:, -kv_length:].bool()
+
+
+def _doge_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tuple[torch.Tensor, torch.Tensor],
+                            attention_mask: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
+    """DogeAttention.forward with the dynamic mask as flexdma's keep_window_size selection: the same
+    projections, rotary, cache update and dt_states as transformers' Doge, then one
+    flash_dma_attention call with the per-key dt_states as the bias; no (B, H, Q, K) tensor."""
+    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+
+    if kwargs.get("output_attentions"):
+        raise ValueError("patch_doge: attention weights are never materialised (output_attentions=True)")
+    if self.training and self.attention_dropout:
+        raise ValueError(f"patch_doge: flexdma attention has no dropout; attention_dropout={self.attention_dropout}")
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q_norm, k_norm = getattr(self, "q_norm", torch.nn.Identity()), getattr(self, "k_norm", torch.nn.Identity())
+    query_states = q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    key_states = k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
+    dt_states = self.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
+    dt_states = torch.exp(self.A * torch.nn.functional.softplus(dt_states)).transpose(-1, -2)
+
+    K = key_states.shape[-2]
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (input_shape[0], K)):
+        raise ValueError(f"patch_doge: expected a (batch, {K}) padding mask from the model, got "
+                         f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after "
+                         "patch_doge? (static caches and prepared 4-D masks are not supported)")
+    # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
+    # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
+    pad = None if attention_mask is None else attention_mask[:, None, None, :]
+    out = flash_dma_attention(query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2),
+                              pad, dt_states[:, :, None, :].to(query_states.dtype), is_causal=True,
+                              softmax_scale=self.scaling, keep_window_size=self.keep_window_size,
+                              backend=getattr(self, "_flexdma_backend", "auto"))
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+    """Run a transformers Doge model's dynamic mask attention through flexdma's per-key top-W path.
+
+    Every DogeAttention gets a forward that computes Doge's dt_states per key and calls
+    flash_dma_attention(attn_bias=dt_states, attn_mask=padding, is_causal=True,
+    keep_window_size=config.keep_window_size); the model's attention mask becomes the (B, K) padding
+    mask (attn_implementation "flexdma_doge"), so no (B, H, Q, K) tensor is built, in training or in
+    generate (DynamicCache). Returns the model, patched in place.
+    """
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.models.doge.modeling_doge import DogeAttention
+    except ImportError as e:
+        raise ImportError("patch_doge needs a transformers with the Doge model: pip install 'flexdma[hf]'") from e
+    import types
+
+    config = model.config
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError("patch_doge: a sliding window varies the visible keys by row; set config.sliding_window=None")
+    layers = [m for m in model.modules() if isinstance(m, DogeAttention)]
+    if not layers:
+        raise ValueError("patch_doge: the model has no DogeAttention module")
+    # The patched forward calls flexdma itself; the attention function is registered so that
+    # set_attn_implementation accepts the name (and a non-Doge attention module would still work).
+    AttentionInterface.register(DOGE_NAME, flexdma_attention_forward)
+    AttentionMaskInterface.register(DOGE_NAME, _doge_padding_mask)
+    for m in layers:
+        m.forward = types.MethodType(_doge_attention_forward, m)
+        m._flexdma_backend = backend
+    model.set_attn_implementation(DOGE_NAME)
+    return model

@@ -1,0 +1,109 @@
+"""flexdma.integrations.transformers.patch_doge: a transformers DogeForCausalLM runs its dynamic mask
+attention through flash_dma_attention(keep_window_size=...) and matches the eager model (which builds
+the (B, H, Q, K) dynamic mask), in logits, gradients and greedy generation, without a Q x K tensor."""
+import copy
+
+import pytest
+import torch
+from utils import LargestTensor
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DogeForCausalLM"):
+    pytest.skip("this transformers has no Doge model", allow_module_level=True)
+
+import flexdma.integrations.transformers as fx  # noqa: E402
+
+VOCAB, W = 64, 5
+
+
+def _models(dtype, layers=2):
+    cfg = transformers.DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, keep_window_size=W, is_moe=False,
+                                  max_position_embeddings=512)
+    eager = transformers.DogeForCausalLM(cfg).to(dtype)
+    eager.set_attn_implementation("eager")
+    with torch.no_grad():
+        # A = 0 (the init) scores every key 1: all ties, which Doge's unsorted topk breaks its own way.
+        for layer in eager.model.layers:
+            layer.self_attn.A.normal_()
+    return eager, fx.patch_doge(copy.deepcopy(eager))
+
+
+def _ids(B, S):
+    # Distinct tokens: the first layer's scores depend on the token only (v has no position), so a
+    # repeated token would tie with itself, and Doge's topk breaks ties differently from flexdma.
+    return torch.stack([torch.randperm(VOCAB)[:S] for _ in range(B)])
+
+
+def _run(model, ids, am):
+    model.zero_grad()
+    labels = ids.clone()
+    if am is not None:
+        # Logits at padded positions (and the one predicting the first real token) are excluded:
+        # eager attends uniformly there, flexdma gives 0.
+        labels[:, 1:][am[:, :-1] == 0] = -100
+        labels[am == 0] = -100
+    out = model(input_ids=ids, attention_mask=am, labels=labels)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_and_grads_match_eager(padded):
+    # float64 without padding. With left padding eager Doge is NaN in float64 (its softmax runs in
+    # float32, where a fully masked padded row's float64 min becomes -inf), so that case is float32.
+    dtype = torch.float32 if padded else torch.float64
+    eager, patched = _models(dtype)
+    ids = _ids(2, 20)  # longer than keep_window_size: the selection drops keys
+    am = None
+    if padded:
+        am = torch.ones(2, 20, dtype=torch.long)
+        am[1, :6] = 0
+    le, ge = _run(eager, ids, am)
+    lp, gp = _run(patched, ids, am)
+    real = torch.ones(2, 20, dtype=torch.bool) if am is None else am.bool()
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float64 else dict(atol=2e-5, rtol=1e-4)
+    # Eager's softmax is float32 even for a float64 model: that sets the float64 tolerance.
+    torch.testing.assert_close(lp[real], le[real], **tol)
+    assert ge.keys() == gp.keys() and any("dt_proj" in n for n in ge) and any(n.endswith(".A") for n in ge)
+    for n in ge:
+        torch.testing.assert_close(gp[n], ge[n], **tol, msg=lambda m: f"{n}: {m}")
+
+
+def test_greedy_generate_matches_eager():
+    eager, patched = _models(torch.float32, layers=3)
+    # Generated tokens repeat, and a repeated token ties with itself in the first layer: there the
+    # window covers every key (both models read the module attribute), the later layers select.
+    for m in (eager, patched):
+        m.model.layers[0].self_attn.keep_window_size = 10_000
+    ids = _ids(2, 8)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0
+    seqs = [m.generate(ids, attention_mask=am, max_new_tokens=10, do_sample=False, pad_token_id=0)
+            for m in (eager, patched)]
+    assert seqs[0].shape == (2, 18)
+    assert torch.equal(seqs[1], seqs[0])
+
+
+def test_no_q_by_k_tensor():
+    _, patched = _models(torch.float32)
+    S = 256  # Q * K = 65536 is above every activation (S x vocab = 16384, S x intermediate = 16384)
+    ids = torch.randint(VOCAB, (1, S))
+    am = torch.ones(1, S, dtype=torch.long)
+    am[0, :7] = 0
+    with LargestTensor() as mode:
+        out = patched(input_ids=ids, attention_mask=am, labels=ids)
+        out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert mode.largest < S * S, mode.largest
+
+
+def test_patch_doge_rejects():
+    cfg = transformers.DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, keep_window_size=W,
+                                  sliding_window=8)
+    with pytest.raises(ValueError, match="sliding window"):
+        fx.patch_doge(transformers.DogeForCausalLM(cfg))
+    with pytest.raises(ValueError, match="no DogeAttention"):
+        fx.patch_doge(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)))
