@@ -90,7 +90,11 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
   const bool has_mask = p.mask.ptr != nullptr;
-  const ScoreScale sc(p);
+  // The scale and the softcap factor stay two constants here, not ScoreScale's selected `mul`: the
+  // select in front of every tile's multiply cost the per-key forward ~3% (benchmarks/perf-log.md).
+  const bool softcap_on = p.softcap > 0.f;
+  const float scale_l2 = p.softmax_scale * kLog2eF;
+  const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
   auto issue_tile = [&](int64_t t, int buf) {
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
@@ -190,16 +194,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
       // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
       // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
       const TileBounds tb(p, m0, t * kBlockN);
-      if (sc.softcap_on != 0.f) {
+      if (softcap_on) {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] = sc.mul * tanhf(s[n][e] * sc.over_cap);
+          for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
       } else {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] *= sc.mul;
+          for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
       }
       if (has_bias) {
         const T* sb = sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias;
