@@ -26,8 +26,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool /*deterministic: every kernel's backward is*/, const c10::optional<at::Tensor>& tile_meta,
-    const std::function<void(const BwdParams&)>& run,
-    bool device_stores_dbias_dtype = false) {
+    const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -52,7 +51,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);
   } else {
-    dq.zero_(); dk.zero_(); dv.zero_();
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
     if (dbias_direct) accum->zero_();  // e.g. batch 0 with a (1, H, Q, K) bias: no kernel wrote it
   }
   at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);
