@@ -32,18 +32,22 @@ enum class DType : int32_t { kFloat32 = 0, kFloat64 = 1, kBFloat16 = 2, kFloat16
 struct Broadcast4d {
   const void* ptr = nullptr;  // nullptr: operand absent
   int64_t batch_stride = 0, head_stride = 0, row_stride = 0, col_stride = 0;
-  int64_t head_ratio = 1;     // H / heads of this operand
+  int64_t head_ratio = 1;  // H / heads of this operand
 };
 
 struct FwdParams {
   int64_t batch = 0, seqlen_q = 0, seqlen_k = 0, num_heads = 0, num_heads_k = 0, head_dim = 0;
   DType dtype = DType::kFloat32;  // of q, k, v, out and bias; lse is float64 for kFloat64, else float32
 
-  const void* q = nullptr; int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
-  const void* k = nullptr; int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
-  const void* v = nullptr; int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
-  void* out = nullptr;     int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
-  void* lse = nullptr;     // contiguous (B, H, Q)
+  const void* q = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  const void* k = nullptr;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  const void* v = nullptr;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  void* out = nullptr;
+  int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  void* lse = nullptr;  // contiguous (B, H, Q)
 
   Broadcast4d mask;  // bool stored as uint8 (0 / 1)
   Broadcast4d bias;  // same dtype as q
@@ -73,12 +77,16 @@ struct FwdParams {
 
 struct BwdParams : FwdParams {
   // Inputs of the backward besides FwdParams' (out and lse are read, not written).
-  const void* dout = nullptr; int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  const void* dout = nullptr;
+  int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
 
   // Outputs, same dtypes and layouts as q / k / v.
-  void* dq = nullptr; int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
-  void* dk = nullptr; int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
-  void* dv = nullptr; int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  void* dq = nullptr;
+  int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  void* dk = nullptr;
+  int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  void* dv = nullptr;
+  int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   // dbias: float32 (float64 for kFloat64) buffer (the bias dtype under dbias_in_dtype below),
   // zero-filled by the caller (not under dbias_in_dtype), or nullptr when

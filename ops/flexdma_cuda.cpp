@@ -36,8 +36,8 @@ c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const 
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             const c10::optional<at::Tensor>& mask,
-                                            const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                            bool is_causal, double softcap, bool /*deterministic*/,
+                                            const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
+                                            double softcap, bool /*deterministic*/,
                                             const c10::optional<at::Tensor>& tile_meta) {
   c10::cuda::CUDAGuard guard(q.device());
   return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, meta_for(mask, tile_meta, q, k, is_causal),
@@ -54,13 +54,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
   c10::cuda::CUDAGuard guard(q.device());
-  return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, meta_for(mask, tile_meta, q, k, is_causal), [](const BwdParams& p) {
-                    check_supported(p);
-                    cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
-                    C10_CUDA_KERNEL_LAUNCH_CHECK();
-                  },
-                  /*device_stores_dbias_dtype=*/true);
+  return bwd_impl(
+      dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
+      meta_for(mask, tile_meta, q, k, is_causal),
+      [](const BwdParams& p) {
+        check_supported(p);
+        cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      },
+      /*device_stores_dbias_dtype=*/true);
 }
 
 }  // namespace

@@ -36,9 +36,9 @@ const cpu::ParallelFor kAtenParallelFor = [](int64_t n, const std::function<void
 // The CPU kernel finds empty tiles itself (it reads each mask tile once per pass anyway), so it
 // checks a given tile_meta but does not read it.
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const c10::optional<at::Tensor>& mask,
-                                           const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                           bool is_causal, double softcap, bool /*deterministic: read by the backward*/,
+                                           const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
+                                           double softmax_scale, bool is_causal, double softcap,
+                                           bool /*deterministic: read by the backward*/,
                                            const c10::optional<at::Tensor>& tile_meta) {
   return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta,
                   [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });

@@ -57,7 +57,9 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);
   } else {
-    dq.zero_(); dk.zero_(); dv.zero_();
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
     if (dbias_direct) accum->zero_();  // e.g. batch 0 with a (1, H, Q, K) bias: no kernel wrote it
   }
   at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);

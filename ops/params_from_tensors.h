@@ -13,11 +13,16 @@ namespace flexdma {
 
 inline DType to_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default: TORCH_CHECK(false, "flexdma: unsupported dtype ", t, " (need float32, float64, bfloat16 or float16)");
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kDouble:
+      return DType::kFloat64;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    case at::kHalf:
+      return DType::kFloat16;
+    default:
+      TORCH_CHECK(false, "flexdma: unsupported dtype ", t, " (need float32, float64, bfloat16 or float16)");
   }
 }
 
@@ -25,11 +30,11 @@ inline at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at:
 
 inline void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
-              "flexdma: query/key/value must be 4-D (batch, seqlen, heads, head_dim), got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes());
+              "flexdma: query/key/value must be 4-D (batch, seqlen, heads, head_dim), got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes());
   TORCH_CHECK(k.sizes() == v.sizes(), "flexdma: key and value shapes differ: ", k.sizes(), " vs ", v.sizes());
-  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3),
-              "flexdma: query ", q.sizes(), " and key ", k.sizes(), " disagree on batch or head_dim");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(3) == k.size(3), "flexdma: query ", q.sizes(), " and key ", k.sizes(),
+              " disagree on batch or head_dim");
   TORCH_CHECK(k.size(2) > 0 && q.size(2) % k.size(2) == 0, "flexdma: query heads ", q.size(2),
               " not divisible by kv heads ", k.size(2));
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -58,11 +63,11 @@ inline Broadcast4d broadcast4d(const c10::optional<at::Tensor>& t, const char* n
   TORCH_CHECK(x.dim() == 4, "flexdma: ", name, " must be 4-D, got ", x.sizes());
   TORCH_CHECK(x.device() == q.device(), "flexdma: ", name, " is on ", x.device(), ", query on ", q.device());
   TORCH_CHECK(x.size(0) == 1 || x.size(0) == B, "flexdma: ", name, " batch dim ", x.size(0), " must be 1 or ", B);
-  TORCH_CHECK(x.size(1) == 1 || x.size(1) == kv_heads || x.size(1) == H, "flexdma: ", name, " head dim ",
-              x.size(1), " must be 1, ", kv_heads, " or ", H);
+  TORCH_CHECK(x.size(1) == 1 || x.size(1) == kv_heads || x.size(1) == H, "flexdma: ", name, " head dim ", x.size(1),
+              " must be 1, ", kv_heads, " or ", H);
   TORCH_CHECK(x.size(2) == 1 || x.size(2) == Q, "flexdma: ", name, " query dim ", x.size(2), " must be 1 or ", Q);
-  TORCH_CHECK(x.size(3) == 1 || x.size(3) == seqlen_k, "flexdma: ", name, " key dim ", x.size(3),
-              " must be 1 or ", seqlen_k);
+  TORCH_CHECK(x.size(3) == 1 || x.size(3) == seqlen_k, "flexdma: ", name, " key dim ", x.size(3), " must be 1 or ",
+              seqlen_k);
   point_at(b, x);
   b.head_ratio = H / x.size(1);
   return b;
@@ -98,9 +103,11 @@ inline Broadcast4d tile_meta_operand(const c10::optional<at::Tensor>& meta, cons
 inline FwdParams tile_meta_params(const at::Tensor& mask, int64_t seqlen_q, int64_t seqlen_k, bool is_causal) {
   TORCH_CHECK(mask.dim() == 4 && mask.scalar_type() == at::kBool, "flexdma: tile_meta needs a 4-D bool attn_mask, got ",
               mask.scalar_type(), " ", mask.sizes());
-  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, "flexdma: tile_meta lengths must be >= 0, got ", seqlen_q, ", ", seqlen_k);
+  TORCH_CHECK(seqlen_q >= 0 && seqlen_k >= 0, "flexdma: tile_meta lengths must be >= 0, got ", seqlen_q, ", ",
+              seqlen_k);
   TORCH_CHECK((mask.size(2) == 1 || mask.size(2) == seqlen_q) && (mask.size(3) == 1 || mask.size(3) == seqlen_k),
-              "flexdma: attn_mask ", mask.sizes(), " does not broadcast to ", seqlen_q, " queries x ", seqlen_k, " keys");
+              "flexdma: attn_mask ", mask.sizes(), " does not broadcast to ", seqlen_q, " queries x ", seqlen_k,
+              " keys");
   FwdParams p;
   p.seqlen_q = seqlen_q;
   p.seqlen_k = seqlen_k;
@@ -111,8 +118,8 @@ inline FwdParams tile_meta_params(const at::Tensor& mask, int64_t seqlen_q, int6
 
 inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
-                            double softmax_scale, bool is_causal, double softcap, at::Tensor& out,
-                            at::Tensor& lse, const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
+                            double softmax_scale, bool is_causal, double softcap, at::Tensor& out, at::Tensor& lse,
+                            const c10::optional<at::Tensor>& tile_meta = c10::nullopt) {
   check_qkv(q, k, v);
   p.batch = q.size(0);
   p.seqlen_q = q.size(1);
@@ -121,10 +128,22 @@ inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor&
   p.seqlen_k = k.size(1);
   p.num_heads_k = k.size(2);
   p.dtype = to_dtype(q.scalar_type());
-  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
-  p.k = k.data_ptr(); p.k_batch_stride = k.stride(0); p.k_row_stride = k.stride(1); p.k_head_stride = k.stride(2);
-  p.v = v.data_ptr(); p.v_batch_stride = v.stride(0); p.v_row_stride = v.stride(1); p.v_head_stride = v.stride(2);
-  p.out = out.data_ptr(); p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+  p.q = q.data_ptr();
+  p.q_batch_stride = q.stride(0);
+  p.q_row_stride = q.stride(1);
+  p.q_head_stride = q.stride(2);
+  p.k = k.data_ptr();
+  p.k_batch_stride = k.stride(0);
+  p.k_row_stride = k.stride(1);
+  p.k_head_stride = k.stride(2);
+  p.v = v.data_ptr();
+  p.v_batch_stride = v.stride(0);
+  p.v_row_stride = v.stride(1);
+  p.v_head_stride = v.stride(2);
+  p.out = out.data_ptr();
+  p.o_batch_stride = out.stride(0);
+  p.o_row_stride = out.stride(1);
+  p.o_head_stride = out.stride(2);
   p.lse = lse.data_ptr();
   if (mask.has_value() && mask->defined())
     TORCH_CHECK(mask->scalar_type() == at::kBool, "flexdma: attn_mask must be bool, got ", mask->scalar_type());
@@ -216,12 +235,24 @@ inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tens
   fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out_, lse_, tile_meta);
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "flexdma: grad_out/out must have query's shape");
   TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1, "flexdma: grad_out/out head_dim must be contiguous");
-  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == acc_type(q.scalar_type()),
-              "flexdma: lse must be contiguous ", acc_type(q.scalar_type()));
-  p.dout = dout.data_ptr(); p.do_batch_stride = dout.stride(0); p.do_row_stride = dout.stride(1); p.do_head_stride = dout.stride(2);
-  p.dq = dq.data_ptr(); p.dq_batch_stride = dq.stride(0); p.dq_row_stride = dq.stride(1); p.dq_head_stride = dq.stride(2);
-  p.dk = dk.data_ptr(); p.dk_batch_stride = dk.stride(0); p.dk_row_stride = dk.stride(1); p.dk_head_stride = dk.stride(2);
-  p.dv = dv.data_ptr(); p.dv_batch_stride = dv.stride(0); p.dv_row_stride = dv.stride(1); p.dv_head_stride = dv.stride(2);
+  TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == acc_type(q.scalar_type()), "flexdma: lse must be contiguous ",
+              acc_type(q.scalar_type()));
+  p.dout = dout.data_ptr();
+  p.do_batch_stride = dout.stride(0);
+  p.do_row_stride = dout.stride(1);
+  p.do_head_stride = dout.stride(2);
+  p.dq = dq.data_ptr();
+  p.dq_batch_stride = dq.stride(0);
+  p.dq_row_stride = dq.stride(1);
+  p.dq_head_stride = dq.stride(2);
+  p.dk = dk.data_ptr();
+  p.dk_batch_stride = dk.stride(0);
+  p.dk_row_stride = dk.stride(1);
+  p.dk_head_stride = dk.stride(2);
+  p.dv = dv.data_ptr();
+  p.dv_batch_stride = dv.stride(0);
+  p.dv_row_stride = dv.stride(1);
+  p.dv_head_stride = dv.stride(2);
   if (dbias_accum.has_value()) {
     p.dbias_accum = broadcast4d(dbias_accum, "dbias", q, p.seqlen_k, p.num_heads_k);
   }

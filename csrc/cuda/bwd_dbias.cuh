@@ -30,12 +30,12 @@ struct BwdDbias {
 // some query head of a plane keeps. The dq kernel's CTA of a plane's first head zeroes the others
 // of one query tile (bounds and causality as the dkv kernel's find_next, the heads' activity bits
 // ORed) after its own work: plain stores that drain while the SM's other CTA computes, instead
-// of a fill of the whole buffer that runs alone before the backward. The CTA zeroes the mirrored query tile, not its own: CTAs run heaviest (last under
-// causal) tiles first and the first query tiles have the most unkept tiles, so the stores go to
-// the long-running CTAs instead of the light tail (docs/kernels.md has the measured cost).
+// of a fill of the whole buffer that runs alone before the backward. The CTA zeroes the mirrored query tile, not its
+// own: CTAs run heaviest (last under causal) tiles first and the first query tiles have the most unkept tiles, so the
+// stores go to the long-running CTAs instead of the light tail (docs/kernels.md has the measured cost).
 template <typename T>
 __device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
-                                              int64_t m_tile) {
+                                          int64_t m_tile) {
   const Broadcast4d& DL = db.layout;
   const int nh = (int)DL.head_ratio;  // query heads of a dbias plane
   if ((int)h % nh != 0) return;
@@ -94,8 +94,8 @@ __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB,
   __syncthreads();
   // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
   // summed here in index order.
-  const int64_t db_off = n_tile * dbias.tile_stride + b * DL.batch_stride +
-                         (int)h / (int)DL.head_ratio * DL.head_stride;
+  const int64_t db_off =
+      n_tile * dbias.tile_stride + b * DL.batch_stride + (int)h / (int)DL.head_ratio * DL.head_stride;
   float* dbf = static_cast<float*>(dbias.ptr) + db_off;
   if (DL.row_stride != 0 && DL.col_stride != 0) {
     const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;

@@ -56,10 +56,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
   T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
   issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
-                       ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+                   ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
   if constexpr (kDk)
     issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
-                         ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+                     ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
   cp_async_commit();
 
   const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
@@ -98,15 +98,19 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     if (base != meta_base) {
       __syncthreads();  // the previous chunk is no longer read
       meta_base = base;
-      const uint32_t* col = static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
+      const uint32_t* col =
+          static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
       uint32_t bits = 0;
 #pragma unroll 4
       for (int i = 0; i < 32; ++i) {
         const int it = base + (int)threadIdx.x * 32 + i, mt_i = (int)mt_begin + it / (int)ratio;
         const int h_i = (int)kvh * (int)ratio + it % (int)ratio;
         if (mt_i < m_tiles)
-          bits |= ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
-                    (n_tile % kTilesPerWord)) & 1u) << i;
+          bits |=
+              ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
+                (n_tile % kTilesPerWord)) &
+               1u)
+              << i;
       }
       sMeta[threadIdx.x] = bits;
       __syncthreads();
@@ -218,8 +222,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           if (has_bias) {
 #pragma unroll
             for (int j = 0; j < 8; ++j)
-              bv[j] = uint32_t(sBh[(c0 + 2 * j) * kLdBias + key]) |
-                      (uint32_t(sBh[(c0 + 2 * j + 1) * kLdBias + key]) << 16);
+              bv[j] =
+                  uint32_t(sBh[(c0 + 2 * j) * kLdBias + key]) | (uint32_t(sBh[(c0 + 2 * j + 1) * kLdBias + key]) << 16);
             if (half == 1) __syncthreads();
           }
 #pragma unroll

@@ -57,9 +57,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
   issue_rows<T, D>(sQ, static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride,
-                       p.q_row_stride, vr, f.qkv_vec);
-  issue_rows<T, D>(sDO, static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                                m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+                   p.q_row_stride, vr, f.qkv_vec);
+  issue_rows<T, D>(sDO,
+                   static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride,
+                   p.do_row_stride, vr, f.qkv_vec);
   cp_async_commit();
 
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
@@ -133,8 +134,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     T* sK2 = reinterpret_cast<T*>(smem + L::kK2);
     constexpr int kBiasElems = L::kBiasSlot / (int)sizeof(T);
     auto issue_kb = [&](int64_t tt, int buf) {
-      issue_keys<T, D>(buf ? sK2 : sK, kp, p.k_row_stride, ContiguousKeys{}, tt * kBlockN, p.seqlen_k,
-                           f.qkv_vec);
+      issue_keys<T, D>(buf ? sK2 : sK, kp, p.k_row_stride, ContiguousKeys{}, tt * kBlockN, p.seqlen_k, f.qkv_vec);
       if (has_bias)
         issue_bias<false>(TileBounds(p, m0, tt * kBlockN), bias, sB + buf * kBiasElems, f.bias_vec, m0, tt * kBlockN);
     };
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     }
   }
   store_acc<T, D>(static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride,
-                      p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
+                  p.dq_row_stride, dq, p.softmax_scale, w * 16, vr);
   if (dbias.in_dtype) zero_skipped_dbias<T>(p, dbias, b, h, (int)(gridDim.x / nh) - 1 - m_tile);
 }
 

@@ -17,7 +17,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dbias) pass above.
   constexpr bool kSplit = D > 128;
   cudaFuncSetAttribute(bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemQ);
-  cudaFuncSetAttribute(bwd_dkv_kernel<T, D, kSplit ? 1 : 0>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  cudaFuncSetAttribute(bwd_dkv_kernel < T, D, kSplit ? 1 : 0 >, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
   if constexpr (kSplit)
     cudaFuncSetAttribute(bwd_dkv_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
   BwdFlags f;
@@ -58,12 +58,12 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (scratch) {
     const int blocks = (int)imin(1024, ceil_div(span, 256));
     bwd_reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
-                                                        scratch, span, n_tiles);
+                                                       scratch, span, n_tiles);
     cudaFreeAsync(scratch, stream);
   }
 }
 
-#define FLEXDMA_INSTANTIATE_BWD(D)                                        \
+#define FLEXDMA_INSTANTIATE_BWD(D)                                     \
   template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t); \
   template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t);
 FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_BWD)

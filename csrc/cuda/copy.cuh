@@ -19,7 +19,9 @@ __device__ inline void cp_async16(void* dst, const void* src, int src_bytes = 16
 }
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
-__device__ inline void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Launch-time facts about operand alignment (16-byte cp.async / vector loads allowed or not).
 struct FwdFlags {
@@ -117,7 +119,7 @@ __device__ inline void issue_rows(T* dst, const T* src, int64_t rs, int valid, b
 // The K / V tile of keys [n0, n0 + 64) from a key source; base is row 0 of K or V.
 template <typename T, int D, typename Keys>
 __device__ inline void issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
-                                      bool vec) {
+                                  bool vec) {
   if constexpr (Keys::kContiguous)
     issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
   else
@@ -129,8 +131,8 @@ __device__ inline void issue_keys(T* dst, const T* base, int64_t rs, const Keys&
 // `keys` says which rows of K / V the tile's keys are (contiguous, or gathered through an
 // index list). k and v point at row 0.
 template <typename T, int D, typename Keys = ContiguousKeys>
-__device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0,
-                                T* sk, T* sv, bool vec, const Keys& keys = Keys{}) {
+__device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0, T* sk,
+                                T* sv, bool vec, const Keys& keys = Keys{}) {
   if constexpr (!Keys::kContiguous) {
     issue_key_rows<T, D>(sk, k, k_rs, keys, n0, seqlen_k, vec);
     issue_key_rows<T, D>(sv, v, v_rs, keys, n0, seqlen_k, vec);

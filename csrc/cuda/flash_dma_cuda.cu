@@ -27,10 +27,10 @@ bool head_dim_implemented(int64_t d) {
 template <typename Fn>
 void dispatch(const FwdParams& p, Fn&& fn) {
   const bool bf16 = p.dtype == DType::kBFloat16;
-#define FLEXDMA_DISPATCH(D)                                                                             \
-  if (p.head_dim == D) {                                                                                \
+#define FLEXDMA_DISPATCH(D)                                                                                        \
+  if (p.head_dim == D) {                                                                                           \
     bf16 ? fn(__nv_bfloat16{}, std::integral_constant<int, D>{}) : fn(__half{}, std::integral_constant<int, D>{}); \
-    return;                                                                                             \
+    return;                                                                                                        \
   }
   FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_DISPATCH)
 #undef FLEXDMA_DISPATCH
@@ -49,11 +49,13 @@ const char* unsupported_reason(const FwdParams& p) {
 }
 
 void run_fwd(const FwdParams& p, void* stream) {
-  dispatch(p, [&](auto t, auto d) { launch_fwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
+  dispatch(p,
+           [&](auto t, auto d) { launch_fwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
 }
 
 void run_bwd(const BwdParams& p, void* stream) {
-  dispatch(p, [&](auto t, auto d) { launch_bwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
+  dispatch(p,
+           [&](auto t, auto d) { launch_bwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });
 }
 
 }  // namespace cuda

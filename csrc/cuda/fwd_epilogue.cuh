@@ -24,9 +24,9 @@ struct FwdSplit {
 // A warp's rows of one query tile (m0) of head h, batch b: the O accumulator (16 x D, rows g and
 // g + 8 of the thread), the row max (log2 units) and the per-thread row sums.
 template <typename T, int D>
-__device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, const float (&o)[D / 8][4],
-                                    const float (&row_max)[2], const float (&row_sum)[2], int64_t b, int64_t h,
-                                    int64_t m0) {
+__device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp,
+                                    const float (&o)[D / 8][4], const float (&row_max)[2], const float (&row_sum)[2],
+                                    int64_t b, int64_t h, int64_t m0) {
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
   T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
   const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]

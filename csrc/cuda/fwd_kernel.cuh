@@ -28,15 +28,16 @@ namespace cuda {
 // A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
 // query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
 __device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
-  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) &&
-         n0 + kBlockN <= p.seqlen_k;
+  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) && n0 + kBlockN <= p.seqlen_k;
 }
 
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
+__global__ void __launch_bounds__(kThreads, D <= 64    ? 3
+                                            : D <= 128 ? 2
+                                                       : 1)
     fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
@@ -90,12 +91,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
   const bool has_mask = p.mask.ptr != nullptr;
-  const ScoreScale sc(p);
+  // The scale and the softcap factor stay two constants here, not ScoreScale's selected `mul`: the
+  // select in front of every tile's multiply cost the per-key forward ~3% (benchmarks/perf-log.md).
+  const bool softcap_on = p.softcap > 0.f;
+  const float scale_l2 = p.softmax_scale * kLog2eF;
+  const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
   auto issue_tile = [&](int64_t t, int buf) {
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
-    if (has_bias) issue_bias<true>(TileBounds(p, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0,
-                                   t * kBlockN);
+    if (has_bias)
+      issue_bias<true>(TileBounds(p, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
     if (has_mask && mask_async(p, f.mask_vec, m0, t * kBlockN))
       issue_mask_raw(mask, sKeep + buf * L::kKeepSlot, m0, t * kBlockN);
     cp_async_commit();
@@ -190,16 +195,16 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
       // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
       // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
       const TileBounds tb(p, m0, t * kBlockN);
-      if (sc.softcap_on != 0.f) {
+      if (softcap_on) {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] = sc.mul * tanhf(s[n][e] * sc.over_cap);
+          for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
       } else {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] *= sc.mul;
+          for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
       }
       if (has_bias) {
         const T* sb = sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias;
@@ -254,7 +259,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64 ? 3 : D <= 128 ? 2 : 1)
 #pragma unroll
           for (int dp = 0; dp < D / 16; ++dp) {
             uint32_t vb[4];
-            ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
+            ldmatrix_x4_trans(vb,
+                              sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
             mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
             mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
           }

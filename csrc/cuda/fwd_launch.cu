@@ -19,8 +19,8 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   f.mask_vec = mask_rows_aligned(p);
   f.bias_vec = p.bias.ptr && p.bias.col_stride == 1 &&
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
-  f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 &&
-              p.o_row_stride % 2 == 0 && p.o_head_stride % 2 == 0;
+  f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
+              p.o_head_stride % 2 == 0;
   const int64_t ctas = ceil_div(p.seqlen_q, kBlockM) * p.num_heads * p.batch;
   FwdSplit sp;
   int dev = 0, sms = 1;
@@ -45,7 +45,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   }
 }
 
-#define FLEXDMA_INSTANTIATE_FWD(D)                                        \
+#define FLEXDMA_INSTANTIATE_FWD(D)                                     \
   template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t); \
   template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t);
 FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)

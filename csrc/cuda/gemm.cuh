@@ -21,7 +21,7 @@ namespace cuda {
 // group (the whole 64-row tiles, a_row0 unused).
 template <typename T, int D, int kUnroll>
 __device__ inline void gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, float (&c1)[kBlockN / 8][4],
-                                    const T* a1, const T* b1, int a_row0) {
+                                const T* a1, const T* b1, int a_row0) {
   constexpr int kLd = tile_ld(D);
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -33,9 +33,11 @@ __device__ inline void gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, const 
     fence_regs(c1);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c1, desc_k_major<64>(a1, kk), desc_k_major<kBlockN>(b1, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(c1, desc_k_major<64>(a1, kk), desc_k_major<kBlockN>(b1, kk), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(c0);
@@ -78,7 +80,8 @@ __device__ inline void gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, const T
     fence_regs(c0);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
     wgmma_commit();
     if constexpr (kWait) {
       wgmma_wait<0>();

@@ -8,8 +8,10 @@
 namespace flexdma {
 namespace cuda {
 
-template <typename T, int D> void launch_fwd(const FwdParams& p, cudaStream_t stream);
-template <typename T, int D> void launch_bwd(const BwdParams& p, cudaStream_t stream);
+template <typename T, int D>
+void launch_fwd(const FwdParams& p, cudaStream_t stream);
+template <typename T, int D>
+void launch_bwd(const BwdParams& p, cudaStream_t stream);
 
 // 16-byte tile loads need 16-byte aligned bases and strides that are multiples of 8 elements.
 inline bool aligned16(const void* ptr, int64_t s0, int64_t s1, int64_t s2) {

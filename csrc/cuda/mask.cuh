@@ -26,7 +26,8 @@ struct Plane {
   __device__ inline Plane(const Broadcast4d& t, int64_t b, int64_t h)
       : base(t.ptr ? static_cast<const E*>(t.ptr) + b * t.batch_stride + (Idx)h / (Idx)t.head_ratio * t.head_stride
                    : nullptr),
-        rs(t.row_stride), cs(t.col_stride) {}
+        rs(t.row_stride),
+        cs(t.col_stride) {}
   __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
 };
 
@@ -89,7 +90,7 @@ __device__ inline uint32_t byte_of(const uint4& v, int e) {
 // and returns whether any element is kept; block-uniform (ends in a barrier).
 template <typename Idx>
 __device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx>& m, uint8_t* keep, bool mask_vec,
-                                      int64_t m0, int64_t n0) {
+                                  int64_t m0, int64_t n0) {
   constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
   uint4 v[kPer];
   bool direct[kPer];
@@ -131,7 +132,8 @@ __device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx
 // Drops (-inf) the scores of a warp's C fragments whose keep byte is 0 (rows r0, r0 + 8);
 // kBounds also applies the tile's bounds and causal limit.
 template <bool kBounds>
-__device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* keep, int r0, int qc, const TileBounds& tb) {
+__device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* keep, int r0, int qc,
+                                  const TileBounds& tb) {
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll

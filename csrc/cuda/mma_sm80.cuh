@@ -46,19 +46,36 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
                : "r"(smem_addr(p)));
 }
 
-template <typename T> __device__ inline float to_float(T x);
-template <> __device__ inline float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ inline T from_float(float x);
-template <> __device__ inline __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename T>
+__device__ inline float to_float(T x);
+template <>
+__device__ inline float to_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ inline float to_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <typename T>
+__device__ inline T from_float(float x);
+template <>
+__device__ inline __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
-template <typename T> __device__ inline uint32_t pack2(float lo, float hi);
-template <> __device__ inline uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+template <typename T>
+__device__ inline uint32_t pack2(float lo, float hi);
+template <>
+__device__ inline uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-template <> __device__ inline uint32_t pack2<__half>(float lo, float hi) {
+template <>
+__device__ inline uint32_t pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
@@ -77,11 +94,16 @@ __device__ inline void c_to_a(const float (&x)[8][4], uint32_t (&a)[4][4]) {
   }
 }
 
-template <typename T> __device__ inline float2 unpack2(uint32_t v);
-template <> __device__ inline float2 unpack2<__nv_bfloat16>(uint32_t v) {
+template <typename T>
+__device__ inline float2 unpack2(uint32_t v);
+template <>
+__device__ inline float2 unpack2<__nv_bfloat16>(uint32_t v) {
   return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
 }
-template <> __device__ inline float2 unpack2<__half>(uint32_t v) { return __half22float2(*reinterpret_cast<__half2*>(&v)); }
+template <>
+__device__ inline float2 unpack2<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
 
 }  // namespace cuda
 }  // namespace flexdma

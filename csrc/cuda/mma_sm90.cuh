@@ -58,7 +58,9 @@ __device__ inline uint64_t desc_mn_major(const void* tile, int kk) {
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
-__device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+__device__ inline void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 // Makes generic-proxy shared-memory writes (cp.async, st.shared) visible to the async proxy that
 // wgmma reads B through; issued by the writers before the barrier that publishes the tile.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -81,17 +83,17 @@ __device__ inline void fence_regs(uint32_t (&a)[J][4]) {
 }
 
 #define FLEXDMA_ACC4(j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define FLEXDMA_ACC_N64                                                                                       \
+#define FLEXDMA_ACC_N64                                                                                 \
   FLEXDMA_ACC4(0), FLEXDMA_ACC4(1), FLEXDMA_ACC4(2), FLEXDMA_ACC4(3), FLEXDMA_ACC4(4), FLEXDMA_ACC4(5), \
       FLEXDMA_ACC4(6), FLEXDMA_ACC4(7)
-#define FLEXDMA_ACC_N128                                                                                     \
+#define FLEXDMA_ACC_N128                                                                                   \
   FLEXDMA_ACC_N64, FLEXDMA_ACC4(8), FLEXDMA_ACC4(9), FLEXDMA_ACC4(10), FLEXDMA_ACC4(11), FLEXDMA_ACC4(12), \
       FLEXDMA_ACC4(13), FLEXDMA_ACC4(14), FLEXDMA_ACC4(15)
-#define FLEXDMA_REGS_N64                                                                                     \
+#define FLEXDMA_REGS_N64                                                                                    \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27," \
   "%28,%29,%30,%31}"
-#define FLEXDMA_REGS_N128                                                                                      \
-  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"   \
+#define FLEXDMA_REGS_N128                                                                                    \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,"  \
   "%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53," \
   "%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
 
@@ -101,10 +103,10 @@ __device__ inline void fence_regs(uint32_t (&a)[J][4]) {
 #define FLEXDMA_OPS_N64 ", {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
 #define FLEXDMA_SETP_N128 "setp.ne.b32 p, %69, 0;\n"
 #define FLEXDMA_OPS_N128 ", {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
-#define FLEXDMA_WGMMA_RS(N, TY)                                                                                \
+#define FLEXDMA_WGMMA_RS(N, TY)                                                                                   \
   asm volatile("{\n.reg .pred p;\n" FLEXDMA_SETP_N##N "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
-               " " FLEXDMA_REGS_N##N FLEXDMA_OPS_N##N                                                         \
-               : FLEXDMA_ACC_N##N                                                                             \
+                                                      " " FLEXDMA_REGS_N##N FLEXDMA_OPS_N##N                      \
+               : FLEXDMA_ACC_N##N                                                                                 \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(kTransB))
 
 // One wgmma: D (+)= A B with A from registers; `accumulate` = 0 ignores D's old value (scale-d
@@ -114,11 +116,15 @@ __device__ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], ui
   static_assert(N == 64 || N == 128, "wgmma_rs: N must be 64 or 128");
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
   if constexpr (N == 64) {
-    if constexpr (kBf16) FLEXDMA_WGMMA_RS(64, "bf16");
-    else FLEXDMA_WGMMA_RS(64, "f16");
+    if constexpr (kBf16)
+      FLEXDMA_WGMMA_RS(64, "bf16");
+    else
+      FLEXDMA_WGMMA_RS(64, "f16");
   } else {
-    if constexpr (kBf16) FLEXDMA_WGMMA_RS(128, "bf16");
-    else FLEXDMA_WGMMA_RS(128, "f16");
+    if constexpr (kBf16)
+      FLEXDMA_WGMMA_RS(128, "bf16");
+    else
+      FLEXDMA_WGMMA_RS(128, "f16");
   }
 }
 
@@ -134,7 +140,7 @@ __device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4],
     static_assert(D % 64 == 0, "wide heads come in 64-column blocks");
 #pragma unroll
     for (int c = 0; c < D / 64; ++c) {
-      float(&oc)[8][4] = *reinterpret_cast<float(*)[8][4]>(&o[8 * c][0]);
+      float (&oc)[8][4] = *reinterpret_cast<float (*)[8][4]>(&o[8 * c][0]);
       wgmma_rs<T, 64, 1>(oc, a, desc_mn_major<kRows>(tile + c * kRows * 64, kk), 1);
     }
   }
@@ -146,15 +152,17 @@ __device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4],
 template <typename T>
 __device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : FLEXDMA_ACC_N64
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : FLEXDMA_ACC_N64
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : FLEXDMA_ACC_N64
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : FLEXDMA_ACC_N64
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 #undef FLEXDMA_WGMMA_RS
 #undef FLEXDMA_SETP_N64

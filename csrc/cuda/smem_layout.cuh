@@ -44,14 +44,20 @@ constexpr bool use_wgmma() {
 // wgmma, rows padded to tile_ld(D) for ldmatrix.
 template <int D>
 __device__ inline int tile_index(int r, int col) {
-  if constexpr (use_wgmma<D>()) return sw128_offset(64, r, col) / 2;
-  else return r * tile_ld(D) + col;
+  if constexpr (use_wgmma<D>())
+    return sw128_offset(64, r, col) / 2;
+  else
+    return r * tile_ld(D) + col;
 }
 // Elements between consecutive rows of a column block, and the bytes of a 64-row tile.
 template <int D>
-constexpr int tile_row_pitch() { return use_wgmma<D>() ? 64 : tile_ld(D); }
+constexpr int tile_row_pitch() {
+  return use_wgmma<D>() ? 64 : tile_ld(D);
+}
 template <int D>
-constexpr int tile_bytes() { return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ? D / 64 : 1) * 2; }
+constexpr int tile_bytes() {
+  return 64 * tile_row_pitch<D>() * (use_wgmma<D>() ? D / 64 : 1) * 2;
+}
 
 // Bytes from the dynamic smem base to the first 1024-byte boundary where wgmma reads swizzled
 // tiles from it (each layout below reserves the 1024 bytes this may skip), else 0. An offset, not
@@ -78,12 +84,13 @@ struct FwdSmem {
   // follow.
   static constexpr int kQ = 0;
   static constexpr int kKeep = fwd_q_in_smem<D>() ? tile_bytes<D>() : 0;
-  static constexpr int kK = ((fwd_q_in_smem<D>() ? kKeep + 2 * kKeepSlot
-                                                 : cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot)) +
-                             1023) / 1024 * 1024;
+  static constexpr int kK =
+      ((fwd_q_in_smem<D>() ? kKeep + 2 * kKeepSlot : cmax(kBlockM * tile_ld(D) * 2, 2 * kKeepSlot)) + 1023) / 1024 *
+      1024;
   static constexpr int kV = kK + 2 * kTileKV;
   static constexpr int kBias = kV + 2 * kTileKV;
-  static constexpr int kBytes = kBias + 2 * kBlockM * kLdBias * 2 + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static constexpr int kBytes =
+      kBias + 2 * kBlockM * kLdBias * 2 + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "forward smem layout too large");
 };
 
@@ -97,7 +104,8 @@ struct BwdDqSmem {
   static constexpr int kBiasSlot = align128(kBlockM * kLdBias * 2);
   static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
   static constexpr int kKeep = kBias + 2 * kBiasSlot;  // two slots
-  static constexpr int kBytes = kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
+  static constexpr int kBytes =
+      kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "dq smem layout too large");
 };
 
@@ -127,9 +135,7 @@ struct BwdDkvSmem {
 // Element (key k, query q) of the unpadded float [key][query] dbias tile. The even XOR keeps
 // float2 pairs adjacent; the 4 keys of a half-warp's fragment access land in 4 different 8-word
 // groups (conflict-free), and a warp reading one query of 32 consecutive keys is 2-way.
-__device__ inline int db_idx(int k, int q) {
-  return k * kBlockM + (q ^ (((k & 3) << 3) | (((k >> 2) & 3) << 1)));
-}
+__device__ inline int db_idx(int k, int q) { return k * kBlockM + (q ^ (((k & 3) << 3) | (((k >> 2) & 3) << 1))); }
 
 }  // namespace cuda
 }  // namespace flexdma

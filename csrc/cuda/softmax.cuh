@@ -1,5 +1,5 @@
 // The score transform and the softmax, in log2 units (exp2 instead of exp): the scale (and
-// softcap) constants every kernel derives from the params, the forward's online softmax update,
+// softcap) constants the backward kernels derive from the params, the forward's online softmax update,
 // and the LSE read back by the backward.
 #pragma once
 #include <math_constants.h>

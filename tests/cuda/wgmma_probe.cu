@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda/mma_sm90.cuh"
+#include "cuda/smem_layout.cuh"
 
 using namespace flexdma::cuda;
 using T = __nv_bfloat16;
