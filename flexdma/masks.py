@@ -141,9 +141,9 @@ def create_mask(
 
 def _per_key_ok(device: torch.device) -> bool:
     # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
-    from ._dispatch import _ops_loaded
+    from ._dispatch import _ops_load_error
 
-    if _ops_loaded() is not None:
+    if _ops_load_error() is not None:
         return False
     if device.type == "cuda":
         from . import _ops
