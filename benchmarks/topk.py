@@ -254,8 +254,9 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def newest(results_dir: str) -> Optional[dict]:
-    best = None
+def runs(results_dir: str) -> List[dict]:
+    """Every `python -m benchmarks topk` JSON under results_dir, newest first."""
+    docs = []
     for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
         if not name.endswith(".json"):
             continue
@@ -264,18 +265,19 @@ def newest(results_dir: str) -> Optional[dict]:
                 doc = json.load(f)
         except (OSError, ValueError):
             continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and (best is None or doc["date"] > best["date"]):
-            best = doc
-    return best
+        if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
+            docs.append(doc)
+    return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
 
 
 def section(results_dir: str) -> List[str]:
-    doc = newest(results_dir)
-    if doc is None:
-        return []
-    return [f"## per-key top-W ({doc.get('gpu_short')}, commit {doc.get('commit')})", "",
-            "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
-            "peak = the call's memory above its inputs.", "", markdown(doc), ""]
+    out = []
+    for i, doc in enumerate(runs(results_dir)):
+        title = "per-key top-W" if i == 0 else "per-key top-W, earlier run"
+        out += [f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})", "",
+                "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
+                "peak = the call's memory above its inputs.", "", markdown(doc), ""]
+    return out
 
 
 def main(args, env: dict) -> str:
