@@ -120,6 +120,28 @@ def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
         assert torch.equal(a, c), f"{name} differs between thread counts"
 
 
+@pytest.mark.parametrize("bias_pattern", [("1", "KVH", "1", "K"), ("1", "1", "Q", "1"), ("1", "H", "Q", "K")],
+                         ids=lambda p: "x".join(p))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_schedules_give_the_same_bits(bias_pattern, dtype):
+    # The CPU backward runs fused (one work item per (batch, kv head)) when B * KVH >= 2 x the
+    # thread count, else split in two passes: B * KVH = 2 takes the fused schedule on 1 thread
+    # and the split one on 3. Both must give the same bits.
+    q, k, v, mask, bias = _inputs(True, True, dtype=dtype, B=1, Q=150, K=200, H=4, KVH=2, D=32,
+                                  mask_pattern=("1", "H", "Q", "K"), bias_pattern=bias_pattern, requires_grad=False)
+    grad_out = torch.randn(q.shape, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fused = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+        torch.set_num_threads(3)
+        split = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, name in zip(fused, split, ("dq", "dk", "dv", "dbias")):
+        assert torch.equal(a, b), f"{name} differs between the fused and the split backward"
+
+
 # ---- tile activity bits (flexdma::tile_meta) ----
 
 def tile_meta_ref(mask: torch.Tensor, Q: int, K: int, is_causal: bool) -> torch.Tensor:

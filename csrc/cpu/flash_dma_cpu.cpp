@@ -77,13 +77,13 @@ void run_fwd(const FwdParams& p, const ParallelFor& parallel_for) {
   base::run_fwd_isa(p, parallel_for);
 }
 
-void run_bwd(const BwdParams& p, const ParallelFor& parallel_for) {
+void run_bwd(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
   check(p);
   if (p.batch == 0 || p.num_heads == 0) return;
 #ifdef FLEXDMA_CPU_HAVE_AVX2
-  if (use_avx2()) return avx2::run_bwd_isa(p, parallel_for);
+  if (use_avx2()) return avx2::run_bwd_isa(p, parallel_for, num_threads);
 #endif
-  base::run_bwd_isa(p, parallel_for);
+  base::run_bwd_isa(p, parallel_for, num_threads);
 }
 
 }  // namespace cpu

@@ -12,9 +12,9 @@
 //   dk / dv / dbias: one work item per (batch, kv head, key tile), looping over the query heads
 //                    of that kv head and every query tile.
 // The tile products (Q K^T, dO V^T, P V, dS K, P^T dO, dS^T Q) go through one register-blocked
-// GEMM; the other inner loops run with unit stride over head_dim or the keys of a tile. K^T and
-// V^T are laid out once per call (KeySide); float / double inputs are read in place, bf16 / fp16
-// ones converted once per call (keys) or per tile (queries). The element type is a template
+// GEMM; the other inner loops run with unit stride over head_dim or the keys of a tile. Keys and
+// values are converted to the accumulation type and laid out (rows and, transposed, tiles) once
+// per call (KeySide), query-side rows once per work item. The element type is a template
 // parameter, never a branch in a hot loop.
 
 namespace flexdma {
@@ -377,85 +377,54 @@ void store_rows(const A* src, int64_t m, int64_t D, T* base, int64_t row_stride)
   }
 }
 
-// Rows [0, m) of a (row, head, D) operand as the GEMMs read them: the input itself when it is
-// already in the accumulation type (float / double), else converted into scratch. Sets ld.
-template <class T, class A>
-const A* rows_as_acc(const T* base, int64_t row_stride, int64_t m, int64_t D, A* scratch, int64_t& ld) {
-  if constexpr (std::is_same<T, A>::value) {
-    ld = row_stride;
-    return base;
-  } else {
-    load_rows(base, row_stride, m, D, scratch);
-    ld = D;
-    return scratch;
-  }
-}
-
 // The key-side operands in the layouts the tile GEMMs read, built once per call instead of once
-// per (query tile, key tile): K^T (and V^T for the backward) as [D][Kpad] planes per (batch, kv
-// head), zero in the padding keys, and K / V rows in the accumulation type (the inputs
-// themselves for float / double).
+// per (query tile, key tile): K^T (and V^T for the backward) tile by tile, each key tile a dense
+// [D][kBlockN] block, zero in the padding keys; K / V rows as dense [K][D] planes in the
+// accumulation type. Dense copies, not the inputs in place: rows of a (B, K, KVH, D) input are
+// KVH * D apart, and a power-of-two stride puts a tile's rows in a few L1 sets, where they evict
+// each other in the GEMM's inner loop.
 template <class T>
 struct KeySide {
   using A = typename Elem<T>::acc;
-  const FwdParams& p;
-  int64_t Kpad, D, KVH;
+  static constexpr int64_t ld_t = kBlockN;  // row stride of a K^T / V^T tile
+  int64_t D, KVH, K, n_kt;
   std::vector<A> kt, vt, kf, vf;
 
   KeySide(const Ctx<T>& cx, bool with_vt, const ParallelFor& parallel_for)
-      : p(cx.p), Kpad(cx.n_kt * kBlockN), D(cx.D), KVH(cx.KVH) {
+      : D(cx.D), KVH(cx.KVH), K(cx.K), n_kt(cx.n_kt) {
+    const FwdParams& p = cx.p;
     const int64_t planes = cx.B * cx.KVH;
-    kt.assign(static_cast<size_t>(planes * D * Kpad), A(0));
-    if (with_vt) vt.assign(static_cast<size_t>(planes * D * Kpad), A(0));
-    constexpr bool convert = !std::is_same<T, A>::value;
-    if (convert) {
-      kf.resize(static_cast<size_t>(planes * cx.K * D));
-      vf.resize(static_cast<size_t>(planes * cx.K * D));
-    }
+    kt.assign(static_cast<size_t>(planes * n_kt * D * kBlockN), A(0));
+    if (with_vt) vt.assign(static_cast<size_t>(planes * n_kt * D * kBlockN), A(0));
+    kf.resize(static_cast<size_t>(planes * K * D));
+    vf.resize(static_cast<size_t>(planes * K * D));
     const T* k = static_cast<const T*>(p.k);
     const T* v = static_cast<const T*>(p.v);
-    parallel_for(planes * cx.n_kt, [&](int64_t begin, int64_t end) {
+    parallel_for(planes * n_kt, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t ktile = item % cx.n_kt, plane = item / cx.n_kt;
-        const int64_t b = plane / cx.KVH, kvh = plane % cx.KVH;
-        const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
-        const T* ksrc = k + b * p.k_batch_stride + kvh * p.k_head_stride + j0 * p.k_row_stride;
-        const T* vsrc = v + b * p.v_batch_stride + kvh * p.v_head_stride + j0 * p.v_row_stride;
-        transpose_in(ksrc, p.k_row_stride, n, kt.data() + plane * D * Kpad + j0);
-        if (with_vt) transpose_in(vsrc, p.v_row_stride, n, vt.data() + plane * D * Kpad + j0);
-        if (convert) {
-          load_rows(ksrc, p.k_row_stride, n, D, kf.data() + (plane * cx.K + j0) * D);
-          load_rows(vsrc, p.v_row_stride, n, D, vf.data() + (plane * cx.K + j0) * D);
-        }
+        const int64_t ktile = item % n_kt, plane = item / n_kt;
+        const int64_t b = plane / KVH, kvh = plane % KVH;
+        const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, K - j0);
+        A* krows = kf.data() + (plane * K + j0) * D;
+        A* vrows = vf.data() + (plane * K + j0) * D;
+        load_rows(k + b * p.k_batch_stride + kvh * p.k_head_stride + j0 * p.k_row_stride, p.k_row_stride, n, D, krows);
+        load_rows(v + b * p.v_batch_stride + kvh * p.v_head_stride + j0 * p.v_row_stride, p.v_row_stride, n, D, vrows);
+        transpose(krows, D, n, D, kt.data() + (plane * n_kt + ktile) * D * kBlockN, kBlockN);
+        if (with_vt) transpose(vrows, D, n, D, vt.data() + (plane * n_kt + ktile) * D * kBlockN, kBlockN);
       }
     });
   }
 
-  void transpose_in(const T* src, int64_t row_stride, int64_t n, A* dst) const {
-    for (int64_t c = 0; c < n; ++c)
-      for (int64_t d = 0; d < D; ++d) dst[d * Kpad + c] = Elem<T>::load(src[c * row_stride + d]);
-  }
-
-  const A* k_t(int64_t b, int64_t kvh, int64_t j0) const { return kt.data() + (b * KVH + kvh) * D * Kpad + j0; }
-  const A* v_t(int64_t b, int64_t kvh, int64_t j0) const { return vt.data() + (b * KVH + kvh) * D * Kpad + j0; }
-  // Rows of K / V from key j0 on; *ld receives their row stride.
-  const A* k_rows(int64_t b, int64_t kvh, int64_t j0, int64_t* ld) const {
-    return rows(kf, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, b, kvh, j0, ld);
-  }
-  const A* v_rows(int64_t b, int64_t kvh, int64_t j0, int64_t* ld) const {
-    return rows(vf, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, b, kvh, j0, ld);
-  }
+  // The K^T / V^T tile of keys [j0, j0 + kBlockN), row stride ld_t.
+  const A* k_t(int64_t b, int64_t kvh, int64_t j0) const { return tile(kt, b, kvh, j0); }
+  const A* v_t(int64_t b, int64_t kvh, int64_t j0) const { return tile(vt, b, kvh, j0); }
+  // Rows of K / V from key j0 on, row stride D.
+  const A* k_rows(int64_t b, int64_t kvh, int64_t j0) const { return kf.data() + ((b * KVH + kvh) * K + j0) * D; }
+  const A* v_rows(int64_t b, int64_t kvh, int64_t j0) const { return vf.data() + ((b * KVH + kvh) * K + j0) * D; }
 
  private:
-  const A* rows(const std::vector<A>& conv, const void* src, int64_t bs, int64_t hs, int64_t rs, int64_t b,
-                int64_t kvh, int64_t j0, int64_t* ld) const {
-    if constexpr (std::is_same<T, A>::value) {
-      *ld = rs;
-      return static_cast<const A*>(src) + b * bs + kvh * hs + j0 * rs;
-    } else {
-      *ld = D;
-      return conv.data() + ((b * KVH + kvh) * p.seqlen_k + j0) * D;
-    }
+  const A* tile(const std::vector<A>& t, int64_t b, int64_t kvh, int64_t j0) const {
+    return t.data() + ((b * KVH + kvh) * n_kt + j0 / kBlockN) * D * kBlockN;
   }
 };
 
@@ -471,15 +440,14 @@ void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
 
   const KeySide<T> keys(cx, /*with_vt=*/false, parallel_for);
   parallel_for(cx.B * cx.H * cx.n_qt, [&](int64_t begin, int64_t end) {
-    std::vector<A> qbuf(kBlockM * D), s(kBlockM * kBlockN), o(kBlockM * D);
+    std::vector<A> qf(kBlockM * D), s(kBlockM * kBlockN), o(kBlockM * D);
     std::vector<A> row_max(kBlockM), row_sum(kBlockM);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t qt = item % cx.n_qt, h = (item / cx.n_qt) % cx.H, b = item / (cx.n_qt * cx.H);
       const int64_t kvh = h / cx.group;
       const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, cx.Q - i0);
-      int64_t ldq;
-      const A* qf = rows_as_acc(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride,
-                                m, D, qbuf.data(), ldq);
+      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
+                qf.data());
       std::fill(o.begin(), o.begin() + m * D, A(0));
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<A>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), A(0));
@@ -488,7 +456,7 @@ void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
       for (int64_t ktile = 0; ktile < kt_end; ++ktile) {
         const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
         if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
-        cx.scores(b, h, i0, m, j0, n, qf, ldq, keys.k_t(b, kvh, j0), keys.Kpad, s.data(), nullptr);
+        cx.scores(b, h, i0, m, j0, n, qf.data(), D, keys.k_t(b, kvh, j0), keys.ld_t, s.data(), nullptr);
         for (int64_t r = 0; r < m; ++r) {
           A* srow = s.data() + r * kBlockN;
           const A mx = max_of(srow, n);
@@ -505,9 +473,7 @@ void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
           if (alpha != A(1))
             for (int64_t d = 0; d < D; ++d) orow[d] *= alpha;
         }
-        int64_t ldv;
-        const A* vf = keys.v_rows(b, kvh, j0, &ldv);
-        gemm_acc(m, D, n, s.data(), kBlockN, vf, ldv, o.data(), D);
+        gemm_acc(m, D, n, s.data(), kBlockN, keys.v_rows(b, kvh, j0), D, o.data(), D);
       }
       A* lse_row = lse + (b * cx.H + h) * cx.Q + i0;
       for (int64_t r = 0; r < m; ++r) {
@@ -564,7 +530,7 @@ void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename El
 }
 
 template <class T>
-void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
+void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
   using A = typename Elem<T>::acc;
   const Ctx<T> cx(p);
   const int64_t D = cx.D, H = cx.H, Q = cx.Q;
@@ -604,9 +570,17 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
 
   const KeySide<T> keys(cx, /*with_vt=*/true, parallel_for);
 
+  // Two schedules, same results. Split: pass 1 (dq) over (batch, head, query tile), then pass 2
+  // (dk, dv) over (batch, kv head, key tile); each recomputes S and dP. Fused: one item per
+  // (batch, kv head) does all of it with S and dP formed once (5 tile GEMMs instead of 7), but
+  // offers only B * KVH items: taken when that keeps every thread busy. Needs delta up front,
+  // so float / double only.
+  const bool fused = kDeltaFromOut && cx.B * cx.KVH >= 2 * num_threads;
+
   // Pass 1: delta, then dq; one work item per (batch, head, query tile).
+  if (!fused)
   parallel_for(cx.B * H * cx.n_qt, [&](int64_t begin, int64_t end) {
-    std::vector<A> qbuf(kBlockM * D), dobuf(kBlockM * D);
+    std::vector<A> qf(kBlockM * D), dof(kBlockM * D);
     std::vector<A> s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN), pb(kBlockM * kBlockN),
         ds(kBlockM * kBlockN), dq_acc(kBlockM * D), pdp_sum(kBlockM), p_sum(kBlockM);
     for (int64_t item = begin; item < end; ++item) {
@@ -617,15 +591,14 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
       std::fill(dq_acc.begin(), dq_acc.begin() + m * D, A(0));
       std::fill(pdp_sum.begin(), pdp_sum.end(), A(0));
       std::fill(p_sum.begin(), p_sum.end(), A(0));
-      int64_t ldq, lddo;
-      const A* qf = rows_as_acc(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride,
-                                p.q_row_stride, m, D, qbuf.data(), ldq);
-      const A* dof = rows_as_acc(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride,
-                                 p.do_row_stride, m, D, dobuf.data(), lddo);
+      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
+                qf.data());
+      load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
+                dof.data());
       const int64_t kt_end = cx.kt_end(i0, m);
       if constexpr (kDeltaFromOut) {
         const T* orows = out + b * p.o_batch_stride + h * p.o_head_stride + i0 * p.o_row_stride;
-        for (int64_t r = 0; r < m; ++r) delta[lrow + r] = dot(dof + r * lddo, orows + r * p.o_row_stride, D);
+        for (int64_t r = 0; r < m; ++r) delta[lrow + r] = dot(dof.data() + r * D, orows + r * p.o_row_stride, D);
       }
       // Sweep 0 (bf16 / fp16 only): delta_i = sum_j P_ij dP_ij and sum_j P_ij. Sweep 1: dS and
       // dq (and sum_j P_ij when sweep 0 did not run). With one key tile sweep 1 reuses sweep 0's tiles.
@@ -635,8 +608,8 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
           if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
           const bool reuse = !kDeltaFromOut && sweep == 1 && kt_end == 1;
           if (!reuse) {
-            cx.scores(b, h, i0, m, j0, n, qf, ldq, keys.k_t(b, kvh, j0), keys.Kpad, s.data(), th.data());
-            gemm_set_padded(m, n, D, dof, lddo, keys.v_t(b, kvh, j0), keys.Kpad, dp.data(), kBlockN);
+            cx.scores(b, h, i0, m, j0, n, qf.data(), D, keys.k_t(b, kvh, j0), keys.ld_t, s.data(), th.data());
+            gemm_set_padded(m, n, D, dof.data(), D, keys.v_t(b, kvh, j0), keys.ld_t, dp.data(), kBlockN);
           }
           if (sweep == 0) {
             for (int64_t r = 0; r < m; ++r) {
@@ -648,11 +621,9 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
             }
             continue;
           }
-          int64_t ldk;
-          const A* kf = keys.k_rows(b, kvh, j0, &ldk);
           softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(),
                             ds.data(), kDeltaFromOut && dbias_by_row ? p_sum.data() : nullptr);
-          gemm_acc(m, D, n, s.data(), kBlockN, kf, ldk, dq_acc.data(), D);
+          gemm_acc(m, D, n, s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_acc.data(), D);
         }
         if (sweep == 0) {
           for (int64_t r = 0; r < m; ++r) {
@@ -668,53 +639,101 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for) {
     }
   });
 
-  // Pass 2: dk, dv, dbias; one work item per (batch, kv head, key tile).
-  parallel_for(cx.B * cx.KVH * cx.n_kt, [&](int64_t begin, int64_t end) {
-    std::vector<A> qbuf(kBlockM * D), dobuf(kBlockM * D);
-    std::vector<A> s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN), pb(kBlockM * kBlockN),
-        ds(kBlockM * kBlockN), tt(kBlockN * kBlockM), dk_acc(kBlockN * D), dv_acc(kBlockN * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
-      const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
-      std::fill(dk_acc.begin(), dk_acc.begin() + n * D, A(0));
-      std::fill(dv_acc.begin(), dv_acc.begin() + n * D, A(0));
-      const A* ktile_t = keys.k_t(b, kvh, j0);
-      const A* vtile_t = keys.v_t(b, kvh, j0);
-      for (int64_t hh = 0; hh < cx.group; ++hh) {
-        const int64_t h = kvh * cx.group + hh;
-        for (int64_t qt = cx.qt_begin(j0); qt < cx.n_qt; ++qt) {
-          const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
-          if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
-          int64_t ldq, lddo;
-          const A* qf = rows_as_acc(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride,
-                                    p.q_row_stride, m, D, qbuf.data(), ldq);
-          const A* dof = rows_as_acc(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride,
-                                     p.do_row_stride, m, D, dobuf.data(), lddo);
-          cx.scores(b, h, i0, m, j0, n, qf, ldq, ktile_t, keys.Kpad, s.data(), th.data());
-          gemm_set_padded(m, n, D, dof, lddo, vtile_t, keys.Kpad, dp.data(), kBlockN);
-          const int64_t lrow = (b * H + h) * Q + i0;
-          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(),
-                            ds.data());
-          // dV += P^T dO, dK += dS_raw^T Q (transposed tiles in tt, [kBlockN][kBlockM]).
-          transpose(pb.data(), kBlockN, m, n, tt.data(), kBlockM);
-          gemm_acc(n, D, m, tt.data(), kBlockM, dof, lddo, dv_acc.data(), D);
-          transpose(s.data(), kBlockN, m, n, tt.data(), kBlockM);
-          gemm_acc(n, D, m, tt.data(), kBlockM, qf, ldq, dk_acc.data(), D);
-          if (dbias && !dbias_by_row) {
-            for (int64_t r = 0; r < m; ++r) {
-              A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
-              const A* dsrow = ds.data() + r * kBlockN;
-              for (int64_t c = 0; c < n; ++c) dst[c * db.col_stride] += dsrow[c];
-            }
+  // Pass 2 (split) or the whole backward (fused): dk, dv and dbias of key tile `ktile` of
+  // (b, kvh), over the query heads of kvh and every query tile. In the fused backward also that
+  // tile's share of dq (dq_rows: [group][Q][D] of this (b, kvh)) and of sum_j P_ij (p_rows:
+  // [group][Q], for a bias broadcast over keys); the products and their order are those of
+  // pass 1, so both schedules give the same bits.
+  struct Scratch {
+    std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
+    explicit Scratch(int64_t D)
+        : qf(kBlockM * D), dof(kBlockM * D), s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN),
+          pb(kBlockM * kBlockN), ds(kBlockM * kBlockN), tt(kBlockN * kBlockM), dk_acc(kBlockN * D),
+          dv_acc(kBlockN * D) {}
+  };
+  auto key_tile = [&](Scratch& w, int64_t b, int64_t kvh, int64_t ktile, A* dq_rows, A* p_rows) {
+    const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
+    std::fill(w.dk_acc.begin(), w.dk_acc.begin() + n * D, A(0));
+    std::fill(w.dv_acc.begin(), w.dv_acc.begin() + n * D, A(0));
+    const A* ktile_t = keys.k_t(b, kvh, j0);
+    const A* vtile_t = keys.v_t(b, kvh, j0);
+    for (int64_t hh = 0; hh < cx.group; ++hh) {
+      const int64_t h = kvh * cx.group + hh;
+      for (int64_t qt = cx.qt_begin(j0); qt < cx.n_qt; ++qt) {
+        const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
+        if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
+        load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
+                  w.qf.data());
+        load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
+                  w.dof.data());
+        cx.scores(b, h, i0, m, j0, n, w.qf.data(), D, ktile_t, keys.ld_t, w.s.data(), w.th.data());
+        gemm_set_padded(m, n, D, w.dof.data(), D, vtile_t, keys.ld_t, w.dp.data(), kBlockN);
+        const int64_t lrow = (b * H + h) * Q + i0;
+        softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, w.s.data(), w.th.data(), w.dp.data(), w.pb.data(),
+                          w.ds.data(), p_rows ? p_rows + hh * Q + i0 : nullptr);
+        // dV += P^T dO, dK += dS_raw^T Q (transposed tiles in tt, [kBlockN][kBlockM]).
+        transpose(w.pb.data(), kBlockN, m, n, w.tt.data(), kBlockM);
+        gemm_acc(n, D, m, w.tt.data(), kBlockM, w.dof.data(), D, w.dv_acc.data(), D);
+        transpose(w.s.data(), kBlockN, m, n, w.tt.data(), kBlockM);
+        gemm_acc(n, D, m, w.tt.data(), kBlockM, w.qf.data(), D, w.dk_acc.data(), D);
+        if (dq_rows)
+          gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_rows + (hh * Q + i0) * D, D);
+        if (dbias && !dbias_by_row) {
+          for (int64_t r = 0; r < m; ++r) {
+            A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
+            const A* dsrow = w.ds.data() + r * kBlockN;
+            for (int64_t c = 0; c < n; ++c) dst[c * db.col_stride] += dsrow[c];
           }
         }
       }
-      store_rows(dk_acc.data(), n, D, dk + b * p.dk_batch_stride + kvh * p.dk_head_stride + j0 * p.dk_row_stride,
-                 p.dk_row_stride);
-      store_rows(dv_acc.data(), n, D, dv + b * p.dv_batch_stride + kvh * p.dv_head_stride + j0 * p.dv_row_stride,
-                 p.dv_row_stride);
     }
-  });
+    store_rows(w.dk_acc.data(), n, D, dk + b * p.dk_batch_stride + kvh * p.dk_head_stride + j0 * p.dk_row_stride,
+               p.dk_row_stride);
+    store_rows(w.dv_acc.data(), n, D, dv + b * p.dv_batch_stride + kvh * p.dv_head_stride + j0 * p.dv_row_stride,
+               p.dv_row_stride);
+  };
+
+  if (!fused) {
+    // Pass 2: one work item per (batch, kv head, key tile).
+    parallel_for(cx.B * cx.KVH * cx.n_kt, [&](int64_t begin, int64_t end) {
+      Scratch w(D);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
+        key_tile(w, b, kvh, ktile, nullptr, nullptr);
+      }
+    });
+  } else if constexpr (kDeltaFromOut) {
+    // One work item per (batch, kv head): delta, then its key tiles in order, dq summed in
+    // float over them as pass 1 would.
+    parallel_for(cx.B * cx.KVH, [&](int64_t begin, int64_t end) {
+      Scratch w(D);
+      std::vector<A> dq_rows(static_cast<size_t>(cx.group * Q * D)), p_rows(static_cast<size_t>(cx.group * Q));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kvh = item % cx.KVH, b = item / cx.KVH;
+        std::fill(dq_rows.begin(), dq_rows.end(), A(0));
+        std::fill(p_rows.begin(), p_rows.end(), A(0));
+        for (int64_t hh = 0; hh < cx.group; ++hh) {
+          const int64_t h = kvh * cx.group + hh;
+          for (int64_t i = 0; i < Q; ++i) {
+            load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride, 0, 1, D,
+                      w.dof.data());
+            delta[(b * H + h) * Q + i] =
+                dot(w.dof.data(), out + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride, D);
+          }
+        }
+        for (int64_t ktile = 0; ktile < cx.n_kt; ++ktile)
+          key_tile(w, b, kvh, ktile, dq_rows.data(), dbias_by_row ? p_rows.data() : nullptr);
+        for (int64_t hh = 0; hh < cx.group; ++hh) {
+          const int64_t h = kvh * cx.group + hh;
+          store_rows(dq_rows.data() + hh * Q * D, Q, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride,
+                     p.dq_row_stride);
+          if (dbias_by_row)
+            for (int64_t i = 0; i < Q; ++i)
+              row_dbias[(b * H + h) * Q + i] = delta[(b * H + h) * Q + i] * (A(1) - p_rows[hh * Q + i]);
+        }
+      }
+    });
+  }
 
   if (dbias_by_row) {
     // Per (batch, kv head): its query heads and rows in ascending order, a fixed order.
@@ -741,12 +760,12 @@ inline void run_fwd_isa(const FwdParams& p, const ParallelFor& parallel_for) {
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
 
-inline void run_bwd_isa(const BwdParams& p, const ParallelFor& parallel_for) {
+inline void run_bwd_isa(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
   switch (p.dtype) {
-    case DType::kFloat32: return bwd_typed<float>(p, parallel_for);
-    case DType::kFloat64: return bwd_typed<double>(p, parallel_for);
-    case DType::kBFloat16: return bwd_typed<bf16_t>(p, parallel_for);
-    case DType::kFloat16: return bwd_typed<fp16_t>(p, parallel_for);
+    case DType::kFloat32: return bwd_typed<float>(p, parallel_for, num_threads);
+    case DType::kFloat64: return bwd_typed<double>(p, parallel_for, num_threads);
+    case DType::kBFloat16: return bwd_typed<bf16_t>(p, parallel_for, num_threads);
+    case DType::kFloat16: return bwd_typed<fp16_t>(p, parallel_for, num_threads);
   }
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
