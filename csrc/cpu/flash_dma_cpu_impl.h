@@ -132,16 +132,16 @@ inline VecF bits_select(VecI mask, VecF yes, VecF no) {
   return out;
 }
 
-// exp(x) lane-wise for x <= 0 (scores minus a row maximum or an lse); exactly 0 below
-// ln(FLT_MIN) ~ -87.3, which covers the -inf of dropped keys.
+// exp(x) lane-wise for x <= ~0 (scores minus a row maximum or an lse); exactly 0 below
+// ln(FLT_MIN) ~ -87.3, which covers the -inf of dropped keys (their lanes compute garbage that
+// the last select drops).
 inline VecF exp_nonpos(VecF x) {
-  const VecF lo = VecF{} - 87.33654475f, zero = VecF{};
-  const VecI under = x < lo;
-  x = bits_select(under, lo, x);
-  x = bits_select(x > zero, zero, x);
-  const VecF fx = x * 1.44269504088896341f + 0.5f;
-  VecF t = __builtin_convertvector(__builtin_convertvector(fx, VecI), VecF);  // trunc
-  t = bits_select(t > fx, t - 1.0f, t);                                          // floor
+  const VecF zero = VecF{};
+  const VecI under = x < -87.33654475f;
+  // t = round(x / ln 2), by adding and removing 1.5 * 2^23 (the sum's low mantissa bits hold t).
+  const VecF magic = VecF{} + 12582912.0f;
+  const VecF tm = x * 1.44269504088896341f + magic;
+  const VecF t = tm - magic;
   x = x - t * 0.693359375f - t * -2.12194440e-4f;
   const VecF z = x * x;
   VecF y = VecF{} + 1.9875691500e-4f;
@@ -151,7 +151,10 @@ inline VecF exp_nonpos(VecF x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  const VecI e = (__builtin_convertvector(t, VecI) + 127) << 23;
+  VecI ti, mi;
+  std::memcpy(&ti, &tm, sizeof(ti));
+  std::memcpy(&mi, &magic, sizeof(mi));
+  const VecI e = (ti - mi + 127) << 23;
   VecF scale;
   std::memcpy(&scale, &e, sizeof(scale));
   return bits_select(under, zero, y * scale);
@@ -573,9 +576,10 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
   // Two schedules, same results. Split: pass 1 (dq) over (batch, head, query tile), then pass 2
   // (dk, dv) over (batch, kv head, key tile); each recomputes S and dP. Fused: one item per
   // (batch, kv head) does all of it with S and dP formed once (5 tile GEMMs instead of 7), but
-  // offers only B * KVH items: taken when that keeps every thread busy. Needs delta up front,
-  // so float / double only.
-  const bool fused = kDeltaFromOut && cx.B * cx.KVH >= 2 * num_threads;
+  // offers only B * KVH items and holds a float dq of its query heads per thread: taken when
+  // that keeps every thread busy and the dq fits. Needs delta up front, so float / double only.
+  const bool fused = kDeltaFromOut && cx.B * cx.KVH >= 2 * num_threads &&
+                     cx.group * Q * D <= (int64_t(1) << 24);  // dq scratch per thread <= 64 MiB (float)
 
   // Pass 1: delta, then dq; one work item per (batch, head, query tile).
   if (!fused)
