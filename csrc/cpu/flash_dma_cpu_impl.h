@@ -559,9 +559,9 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
   A* dbias = static_cast<A*>(const_cast<void*>(p.dbias_accum.ptr));
   const Broadcast4d& db = p.dbias_accum;
   // A bias broadcast over keys (col stride 0) is a per-row shift, which softmax cancels: its
-  // gradient is sum_j dS_ij = delta_i * (1 - sum_j P_ij), 0 up to rounding. Pass 1 sees whole
-  // rows, so it writes that per (b, h, row) into row_dbias, reduced in a fixed order afterwards;
-  // key tiles (separate work items of pass 2) never share an accumulator element.
+  // gradient is sum_j dS_ij = delta_i * (1 - sum_j P_ij), 0 up to rounding. Pass 1 (or the fused
+  // item) sees whole rows, so it writes that per (b, h, row) into row_dbias, reduced in a fixed
+  // order afterwards; key tiles (separate work items of pass 2) never share an accumulator element.
   const bool dbias_by_row = dbias && db.col_stride == 0;
   std::vector<A> row_dbias;
   if (dbias) {
@@ -582,8 +582,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
                      cx.group * Q * D <= (int64_t(1) << 24);  // dq scratch per thread <= 64 MiB (float)
 
   // Pass 1: delta, then dq; one work item per (batch, head, query tile).
-  if (!fused)
-  parallel_for(cx.B * H * cx.n_qt, [&](int64_t begin, int64_t end) {
+  const auto pass1 = [&](int64_t begin, int64_t end) {
     std::vector<A> qf(kBlockM * D), dof(kBlockM * D);
     std::vector<A> s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN), pb(kBlockM * kBlockN),
         ds(kBlockM * kBlockN), dq_acc(kBlockM * D), pdp_sum(kBlockM), p_sum(kBlockM);
@@ -641,7 +640,8 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
       store_rows(dq_acc.data(), m, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride + i0 * p.dq_row_stride,
                  p.dq_row_stride);
     }
-  });
+  };
+  if (!fused) parallel_for(cx.B * H * cx.n_qt, pass1);
 
   // Pass 2 (split) or the whole backward (fused): dk, dv and dbias of key tile `ktile` of
   // (b, kvh), over the query heads of kvh and every query tile. In the fused backward also that
