@@ -44,8 +44,10 @@ namespace {
 // FLEXDMA_CPU_NO_AVX2=1 forces the baseline copy (what CPUs without AVX2 run), for its tests.
 bool use_avx2() {
 #ifdef FLEXDMA_CPU_HAVE_AVX2
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          !(std::getenv("FLEXDMA_CPU_NO_AVX2") && std::string(std::getenv("FLEXDMA_CPU_NO_AVX2")) == "1");
+  static const bool yes = [] {
+    const char* off = std::getenv("FLEXDMA_CPU_NO_AVX2");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && !(off && std::string(off) == "1");
+  }();
   return yes;
 #else
   return false;

@@ -266,7 +266,8 @@ struct Ctx {
         scale(static_cast<A>(prm.softmax_scale)), cap(static_cast<A>(prm.softcap)),
         scale_over_cap(prm.softcap > 0 ? static_cast<A>(prm.softmax_scale) / static_cast<A>(prm.softcap) : A(0)),
         mask(static_cast<const uint8_t*>(prm.mask.ptr)), bias(static_cast<const T*>(prm.bias.ptr)),
-        key_rank(static_cast<const int32_t*>(prm.key_rank.ptr)), row_thr(static_cast<const int32_t*>(prm.row_thr.ptr)) {}
+        key_rank(static_cast<const int32_t*>(prm.key_rank.ptr)),
+        row_thr(static_cast<const int32_t*>(prm.row_thr.ptr)) {}
 
   static int64_t offset(const Broadcast4d& o, int64_t b, int64_t h, int64_t i) {
     return b * o.batch_stride + (h / o.head_ratio) * o.head_stride + i * o.row_stride;
