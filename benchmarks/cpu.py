@@ -75,8 +75,9 @@ def _peers(q, k, v, bias, mask) -> Dict[str, Tuple[Callable, List[torch.Tensor]]
 
 
 def _timed(fns: Dict[str, Callable], reps: int) -> Dict[str, dict]:
-    for fn in fns.values():  # warm-up
-        fn()
+    for _ in range(2):  # warm-up: the first calls of a process pay for page faults and thread start
+        for fn in fns.values():
+            fn()
     times: Dict[str, List[float]] = {n: [] for n in fns}
     for _ in range(reps):
         for n, fn in fns.items():
