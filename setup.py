@@ -94,6 +94,11 @@ def _extensions():
     from torch.utils.cpp_extension import CppExtension, CUDAExtension
 
     cxx = ["-O3", "-std=c++17"]
+    # at::parallel_for is a header template: it runs its range on one thread unless this
+    # extension itself is compiled with OpenMP (torch's own build is; the CPU kernel's work items
+    # go through it). The runtime is the libgomp torch already loaded (same soname).
+    openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
+    cxx += openmp
     sources = sorted(glob.glob("ops/flexdma_ops.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
     with_cuda = _want_cuda()
     head_dims = _head_dims()
@@ -106,7 +111,7 @@ def _extensions():
         head_dims = tuple(d for d in head_dims if d not in WGMMA_ONLY_HEAD_DIMS)
     _write_build_info(with_cuda, head_dims, archs)
     if not with_cuda:
-        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx})]
+        return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=openmp)]
 
     hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
     gencode = []
@@ -123,7 +128,7 @@ def _extensions():
     nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
     include_dirs = [str(ROOT / "csrc")]
     sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
-    return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs,
+    return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs, extra_link_args=openmp,
                           extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
 
 

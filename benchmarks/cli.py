@@ -3,7 +3,8 @@
 Subcommands: forward, backward (training lengths at W=1024), window (window sweep at one
 length, forward and backward), decode (one query, long keys), equivalence (agreement of every
 implementation with the float64 reference), topk (the per-key top-W path, keep_window_size, against
-dense SDPA and its peers; benchmarks/topk.py), all, report (regenerate RESULTS.md from the JSON).
+dense SDPA and its peers; benchmarks/topk.py), all, report (regenerate RESULTS.md from the JSON),
+cpu (the CPU kernel against SDPA on the CPU, fp32; see benchmarks/cpu.py; not part of `all`).
 """
 from __future__ import annotations
 
@@ -349,8 +350,8 @@ def _finish(doc: dict, path: str, args) -> None:
 def _parse(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("subcommand", choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all",
-                                                   "report"])
+    ap.add_argument("subcommand",
+                    choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all", "report", "cpu"])
     ap.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and PNG files (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset")
     ap.add_argument("--d", default=None, help="head dims, e.g. 64,128")
@@ -365,6 +366,7 @@ def _parse(argv=None):
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--commit", default=None, help="record this commit instead of asking git (a -dirty suffix marks a dirty tree)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=6, help="cpu: forward repetitions (fwd+bwd: half as many)")
     ap.add_argument("--results", default=RESULTS_DIR, help="report: directory of JSON files to read")
     ap.add_argument("--md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"),
                     help="report: markdown file to write")
@@ -394,6 +396,11 @@ def main(argv=None) -> int:
         if vals is not None and any(v <= 0 for v in vals):
             raise SystemExit(f"{name} must be positive integers")
     env = environment(args.commit)
+    if args.subcommand == "cpu":
+        from . import cpu
+
+        cpu.run(args, env, result_path(args.out, env, "cpu"))
+        return 0
     kw = dict(quick=args.quick, ds=ds, biases=biases)
 
     def timing_peers():

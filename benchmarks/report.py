@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
+CPU_SCHEMA = "flexdma-bench-cpu/1"  # benchmarks/cpu.py: its own rows and table
 _SHORT = {"ok": None, "oom": "OOM", "error": "err", "skipped": "skip", "unavailable": "n/a"}
 
 
@@ -223,7 +224,7 @@ def load_results(results_dir: str) -> List[dict]:
                 doc = json.load(f)
         except (OSError, ValueError):
             continue
-        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        if not isinstance(doc, dict) or doc.get("schema") not in (SCHEMA, CPU_SCHEMA):
             continue  # other tools' files share the folder
         doc["_path"] = path
         k = (doc.get("gpu_short"), doc.get("subcommand"))
@@ -231,8 +232,12 @@ def load_results(results_dir: str) -> List[dict]:
     merged = []
     for by_commit in groups.values():
         newest = max(by_commit.values(), key=lambda ds: max((d.get("date", ""), d["_path"]) for d in ds))
+        if newest[0].get("schema") == CPU_SCHEMA:  # one run measures every row: the newest stands alone
+            doc = max(newest, key=lambda d: (d.get("date", ""), d["_path"]))
+            merged.append(dict(doc, _paths=[doc["_path"]]))
+            continue
         merged.append(_merge(newest))
-    order = {s: i for i, s in enumerate(("forward", "backward", "window", "decode", "equivalence"))}
+    order = {s: i for i, s in enumerate(("forward", "backward", "window", "decode", "equivalence", "cpu"))}
     return sorted(merged, key=lambda d: (d.get("gpu_short") or "", order.get(d.get("subcommand"), 99)))
 
 
@@ -246,6 +251,11 @@ def write_results_md(results_dir: str, md_path: str) -> str:
         out.append("No results yet.")
     md_dir = os.path.dirname(os.path.abspath(md_path))
     for doc in docs:
+        if doc.get("schema") == CPU_SCHEMA:
+            from .cpu import markdown as cpu_markdown
+
+            out += [f"## cpu ({doc.get('gpu_short')})", "", cpu_markdown(doc)]
+            continue
         out += [f"## {doc.get('subcommand')} ({doc.get('gpu_short')})", "", markdown(doc, detail=False)]
         stem = os.path.splitext(doc["_paths"][0])[0]
         pngs = plot(doc, stem)

@@ -50,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, tile_meta, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor); });
+                  deterministic, tile_meta, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
 }
 
 // tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_cpu(
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
     const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
   return topk_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                       bias_requires_grad, deterministic, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor); });
+                       bias_requires_grad, deterministic, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
 }
 
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with

@@ -206,3 +206,22 @@ def test_topk_benchmark_table_and_report_section(tmp_path):
     md = "\n".join(topk.section(str(tmp_path)))
     assert "0.500 / 1.000" in md and "2.00x / 2.50x" in md and "error: RuntimeError" in md
     assert "not run: time budget" in md and "commit abc1234" in md
+
+
+def test_cpu_subcommand_and_its_report_section(tmp_path, capsys):
+    assert cli.main(["cpu", "--lengths", "128", "--reps", "2", "--out", str(tmp_path), "--commit", "test000"]) == 0
+    [path] = list(tmp_path.glob("*_test000_cpu.json"))
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == report.CPU_SCHEMA and doc["subcommand"] == "cpu"
+    assert [(r["kind"], r["dir"]) for r in doc["rows"]] == [(k, d) for k in ("dense", "top25", "top25-blocks")
+                                                            for d in ("fwd", "fwd+bwd")]
+    for r in doc["rows"]:
+        assert {"flexdma-cpu", "sdpa"} <= set(r["results"]) and all(x["status"] == "ok" for x in r["results"].values())
+        assert r["speedup"]["sdpa"] == r["results"]["sdpa"]["min_ms"] / r["results"]["flexdma-cpu"]["min_ms"]
+        # causal: about half the pairs; top-L/4 of the visible keys: at most a quarter (whole
+        # 64-key blocks round up at this length)
+        assert r["density"] <= {"dense": 0.51, "top25": 0.25, "top25-blocks": 0.5}[r["kind"]]
+    md = tmp_path / "RESULTS.md"
+    assert cli.main(["report", "--results", str(tmp_path), "--md", str(md)]) == 0
+    text = md.read_text()
+    assert "## cpu (cpu)" in text and "| top25-blocks | 128 | fwd+bwd |" in text

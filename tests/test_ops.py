@@ -120,6 +120,28 @@ def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
         assert torch.equal(a, c), f"{name} differs between thread counts"
 
 
+@pytest.mark.parametrize("bias_pattern", [("1", "KVH", "1", "K"), ("1", "1", "Q", "1"), ("1", "H", "Q", "K")],
+                         ids=lambda p: "x".join(p))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backward_schedules_give_the_same_bits(bias_pattern, dtype):
+    # The CPU backward runs fused (one work item per (batch, kv head)) when B * KVH >= 2 x the
+    # thread count, else split in two passes: B * KVH = 2 takes the fused schedule on 1 thread
+    # and the split one on 3. Both must give the same bits.
+    q, k, v, mask, bias = _inputs(True, True, dtype=dtype, B=1, Q=150, K=200, H=4, KVH=2, D=32,
+                                  mask_pattern=("1", "H", "Q", "K"), bias_pattern=bias_pattern, requires_grad=False)
+    grad_out = torch.randn(q.shape, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fused = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+        torch.set_num_threads(3)
+        split = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, name in zip(fused, split, ("dq", "dk", "dv", "dbias")):
+        assert torch.equal(a, b), f"{name} differs between the fused and the split backward"
+
+
 # ---- tile activity bits (flexdma::tile_meta) ----
 
 def tile_meta_ref(mask: torch.Tensor, Q: int, K: int, is_causal: bool) -> torch.Tensor:
@@ -215,3 +237,70 @@ def test_autograd_hands_the_forward_tile_meta_to_the_backward(monkeypatch):
     fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)[0].sum().backward()
     for g, t in zip(grads, (q, k, v, bias)):
         assert torch.equal(g, t.grad)
+
+
+# ---- the kernel's baseline copy (CPUs without AVX2) ----
+
+_BASELINE_SCRIPT = r"""
+import sys
+import torch
+sys.path.insert(0, sys.argv[2])
+import flexdma  # noqa: F401
+from utils import make_mask_bias, make_qkv
+
+torch.manual_seed(0)
+runs = []
+for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    for causal, softcap in ((True, 0.0), (False, 3.0)):
+        # D = 40 and Q = 70: partial vector blocks and partial 6-row blocks of the tile GEMMs.
+        q, k, v = make_qkv(2, 70, 131, 4, 2, 40, dtype=dtype, requires_grad=True)
+        mask, bias = make_mask_bias(("B", "1", "Q", "K"), ("1", "KVH", "1", "K"), B=2, H=4, KVH=2, Q=70, K=131,
+                                    dtype=dtype, bias_requires_grad=True, empty_rows=True)
+        out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, 0.25, causal, softcap, False)
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v, bias), grad_out)
+        runs.append(dict(inputs=[t.detach() for t in (q, k, v)] + [mask, bias.detach(), grad_out], causal=causal,
+                         softcap=softcap, got=dict(zip(("out", "lse", "dq", "dk", "dv", "dbias"),
+                                                       [out.detach(), lse, *grads]))))
+torch.save(runs, sys.argv[1])
+"""
+
+
+def _cpu_has_avx2_fma():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def test_baseline_copy_matches_reference(tmp_path):
+    # FLEXDMA_CPU_NO_AVX2=1 makes the kernel run the copy compiled for the build's baseline
+    # target, the one CPUs without AVX2 (and non-x86 CPUs) always run.
+    import os
+    import subprocess
+    import sys
+
+    from utils import assert_close_to_ref, reference_with_grads
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = tmp_path / "baseline.pt"
+    subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT, str(path), tests_dir], check=True, timeout=900,
+                   env=dict(os.environ, FLEXDMA_CPU_NO_AVX2="1"))
+    differs = False
+    for run in torch.load(path):
+        q, k, v, mask, bias, grad_out = run["inputs"]
+        kw = dict(is_causal=run["causal"], softcap=run["softcap"], softmax_scale=0.25, bias_grad=True)
+        ref = reference_with_grads(q, k, v, mask, bias, grad_out, dtype=torch.float64, **kw)
+        low = None if q.dtype != torch.bfloat16 else reference_with_grads(q, k, v, mask, bias, grad_out,
+                                                                          dtype=q.dtype, **kw)
+        for name, t in run["got"].items():
+            assert_close_to_ref(t, ref[name], None if low is None else low[name], name,
+                                factor=3.0 if run["softcap"] else 2.0)
+        if q.dtype == torch.float32:
+            out, _ = fwd(q, k, v, mask, bias, 0.25, run["causal"], run["softcap"], False)
+            differs |= not torch.equal(out, run["got"]["out"])
+    if _cpu_has_avx2_fma():
+        # This process runs the AVX2 copy (other rounding: fused multiply-adds): the variable took effect.
+        assert differs, "FLEXDMA_CPU_NO_AVX2=1 gave the AVX2 copy's bits"
