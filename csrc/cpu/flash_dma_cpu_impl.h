@@ -340,6 +340,11 @@ struct Ctx {
         const T* brow = bias + offset(p.bias, b, h, i) + j0 * cs;
         for (int64_t c = 0; c < n; ++c) srow[c] += Elem<T>::load(brow[c * cs]);
       }
+      // A NaN score becomes +inf, before the masks write -inf: the row max and sum then turn NaN
+      // and so does the row (as in the reference), where a max that skips NaN would read the row
+      // as empty and output 0.
+      for (int64_t c = 0; c < n; ++c)
+        if (std::isnan(srow[c])) srow[c] = std::numeric_limits<A>::infinity();
       if (mask) {
         const int64_t cs = p.mask.col_stride;
         const uint8_t* mrow = mask + offset(p.mask, b, h, i) + j0 * cs;
