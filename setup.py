@@ -8,6 +8,7 @@ unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
   FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-Xptxas -v" (register and spill counts)
   MAX_JOBS             parallel compile jobs (ninja)
 """
+
 import glob
 import os
 import re
@@ -15,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import setup, find_packages
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent.resolve()
 
@@ -66,8 +67,9 @@ def _static_libstdcxx():
 
     cxx = os.environ.get("CXX") or "c++"
     try:
-        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True,
-                               timeout=30).stdout.strip()
+        found = subprocess.run(
+            [cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return False
     # GCC prints the bare name back when it does not find the file.
@@ -77,9 +79,12 @@ def _static_libstdcxx():
 def _write_build_info(with_cuda, head_dims, archs):
     static = _static_libstdcxx()
     if static:
-        print(f"WARNING: {os.environ.get('CXX') or 'c++'} has no shared libstdc++; flexdma._C links it "
-              "statically and any C++ error raised inside it will crash the process. Set CXX to a "
-              "compiler that has libstdc++.so.", file=sys.stderr)
+        print(
+            f"WARNING: {os.environ.get('CXX') or 'c++'} has no shared libstdc++; flexdma._C links it "
+            "statically and any C++ error raised inside it will crash the process. Set CXX to a "
+            "compiler that has libstdc++.so.",
+            file=sys.stderr,
+        )
     text = (
         "# Written by setup.py at build time.\n"
         f"STATIC_LIBSTDCXX = {static!r}\n"
@@ -106,8 +111,11 @@ def _extensions():
     if archs and not all(a == "90" for a in archs):
         dropped = [d for d in head_dims if d in WGMMA_ONLY_HEAD_DIMS]
         if dropped:
-            print(f"flexdma: head dims {dropped} need an sm_90-only build (FLEXDMA_CUDA_ARCHS=90); "
-                  "they fall back at run time", file=sys.stderr)
+            print(
+                f"flexdma: head dims {dropped} need an sm_90-only build (FLEXDMA_CUDA_ARCHS=90); "
+                "they fall back at run time",
+                file=sys.stderr,
+            )
         head_dims = tuple(d for d in head_dims if d not in WGMMA_ONLY_HEAD_DIMS)
     _write_build_info(with_cuda, head_dims, archs)
     if not with_cuda:
@@ -122,14 +130,33 @@ def _extensions():
     if archs and all(a == "90" for a in archs):
         # The forward's wgmma path is compiled only when every target is sm_90a.
         gencode.append("-DFLEXDMA_SM90A")
-    nvcc = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
-            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__"] + gencode + hd_defs
+    nvcc = (
+        [
+            "-O3",
+            "-std=c++17",
+            "--use_fast_math",
+            "--expt-relaxed-constexpr",
+            "-lineinfo",
+            "-U__CUDA_NO_HALF_OPERATORS__",
+            "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        ]
+        + gencode
+        + hd_defs
+    )
     nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
     include_dirs = [str(ROOT / "csrc")]
     sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
-    return [CUDAExtension("flexdma._C", sources, include_dirs=include_dirs, extra_link_args=openmp,
-                          extra_compile_args={"cxx": cxx, "nvcc": nvcc})]
+    return [
+        CUDAExtension(
+            "flexdma._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_link_args=openmp,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        )
+    ]
 
 
 def _cmdclass():

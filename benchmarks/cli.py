@@ -6,6 +6,7 @@ implementation with the float64 reference), topk (the per-key top-W path, keep_w
 dense SDPA and its peers; benchmarks/topk.py), all, report (regenerate RESULTS.md from the JSON),
 cpu (the CPU kernel against SDPA on the CPU, fp32; see benchmarks/cpu.py; not part of `all`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import configs, inputs as inputs_mod, peers as peers_mod, report
+from . import configs, report
+from . import inputs as inputs_mod
+from . import peers as peers_mod
 
 WARMUP_MS, REP_MS = 25, 100
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -32,10 +35,17 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 # ---------------------------------------------------------------------------------------------
 # Environment and output files
 
+
 def _git(*args) -> Optional[str]:
     try:
-        return subprocess.run(["git", *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
-                              text=True, timeout=20, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout.strip()
     except Exception:
         return None
 
@@ -47,11 +57,13 @@ def environment(commit: Optional[str] = None) -> dict:
         gpu = f"cpu ({platform.processor() or platform.machine()})"
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
     try:
         import flexdma
+
         fd_version = getattr(flexdma, "__version__", None)
         backends = flexdma.available_backends() if hasattr(flexdma, "available_backends") else None
     except Exception:
@@ -64,9 +76,16 @@ def environment(commit: Optional[str] = None) -> dict:
         status = _git("status", "--porcelain")
         dirty = bool(status) if status is not None else None
     return {
-        "gpu": gpu, "gpu_short": gpu_short(gpu), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": triton_version, "python": platform.python_version(), "flexdma": fd_version,
-        "available_backends": backends, "commit": commit or "nogit", "dirty": dirty,
+        "gpu": gpu,
+        "gpu_short": gpu_short(gpu),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "flexdma": fd_version,
+        "available_backends": backends,
+        "commit": commit or "nogit",
+        "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -115,6 +134,7 @@ class Progress:
     def __init__(self, total: int, desc: str):
         try:
             from tqdm import tqdm
+
             self.bar = tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
         except ImportError:
             self.bar = None
@@ -135,6 +155,7 @@ class Progress:
 
 # ---------------------------------------------------------------------------------------------
 # Timing
+
 
 def _free():
     gc.collect()
@@ -157,21 +178,25 @@ def _peak(fn) -> Dict[str, float]:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del res
-    return {"peak_mib": peak / 2 ** 20, "extra_mib": (peak - before) / 2 ** 20}
+    return {"peak_mib": peak / 2**20, "extra_mib": (peak - before) / 2**20}
 
 
 def _error_record(e: BaseException) -> dict:
     if isinstance(e, peers_mod.Unavailable):
         return {"status": "unavailable", "reason": str(e)}
-    if isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)) or "out of memory" in str(e).lower():
+    if (
+        isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+        or "out of memory" in str(e).lower()
+    ):
         return {"status": "oom", "reason": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError"}
     return {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:400]}"}
 
 
 def time_peer(peer: str, case: configs.Case, inp, direction: str) -> dict:
     backward = direction == "bwd"
-    t = SimpleNamespace(mask=inp.mask, **{n: getattr(inp, n).detach().requires_grad_(backward)
-                                          for n in ("q", "k", "v", "bias")})
+    t = SimpleNamespace(
+        mask=inp.mask, **{n: getattr(inp, n).detach().requires_grad_(backward) for n in ("q", "k", "v", "bias")}
+    )
     rec: dict = {}
     fn = out = None
     try:
@@ -209,8 +234,7 @@ def _derive(row: dict, case: configs.Case) -> None:
         m = row["results"].get(mine, {})
         if m.get("status") != "ok":
             continue
-        speed[mine] = {p: r["ms"] / m["ms"] for p, r in row["results"].items()
-                       if p != mine and r.get("status") == "ok"}
+        speed[mine] = {p: r["ms"] / m["ms"] for p, r in row["results"].items() if p != mine and r.get("status") == "ok"}
     row["speedup"] = speed
 
 
@@ -218,9 +242,17 @@ def run_timing(subcommand: str, cases: List[configs.Case], peers: List[str], arg
     if not torch.cuda.is_available():
         raise SystemExit(f"`{subcommand}` times on a CUDA GPU; none is visible (equivalence and report run on CPU)")
     path = result_path(args.out, env, subcommand)
-    doc = dict(schema="flexdma-bench/1", subcommand=subcommand, argv=public_argv(sys.argv[1:]), **env,
-               timing=dict(warmup_ms=WARMUP_MS, rep_ms=REP_MS, stat="median", tool="triton.testing.do_bench"),
-               peers=peers, peer_notes={}, rows=[], not_run=[])
+    doc = dict(
+        schema="flexdma-bench/1",
+        subcommand=subcommand,
+        argv=public_argv(sys.argv[1:]),
+        **env,
+        timing=dict(warmup_ms=WARMUP_MS, rep_ms=REP_MS, stat="median", tool="triton.testing.do_bench"),
+        peers=peers,
+        peer_notes={},
+        rows=[],
+        not_run=[],
+    )
     for p in peers:
         note = peers_mod.peer_note(p)
         if note:
@@ -244,9 +276,16 @@ def run_timing(subcommand: str, cases: List[configs.Case], peers: List[str], arg
             _free()
             continue
         for direction in case.dirs:
-            row = dict(case.as_dict(), dir=direction, pairs=inp.pairs, density=inp.density, inputs_s=inputs_s,
-                       flops=inputs_mod.flops(case, inp.pairs, direction),
-                       bytes=inputs_mod.bytes_moved(case, direction), results={})
+            row = dict(
+                case.as_dict(),
+                dir=direction,
+                pairs=inp.pairs,
+                density=inp.density,
+                inputs_s=inputs_s,
+                flops=inputs_mod.flops(case, inp.pairs, direction),
+                bytes=inputs_mod.bytes_moved(case, direction),
+                results={},
+            )
             for p in peers:
                 why = doc["peer_notes"].get(p) or (None if args.no_limits else configs.limit_reason(p, direction, case))
                 if why:
@@ -270,11 +309,15 @@ def run_timing(subcommand: str, cases: List[configs.Case], peers: List[str], arg
 # ---------------------------------------------------------------------------------------------
 # Equivalence with the float64 reference
 
+
 def _errors(x: torch.Tensor, ref: torch.Tensor) -> dict:
     x, ref = x.double(), ref.double()
     diff = (x - ref).abs()
-    return {"max_abs": float(diff.max()), "rel": float(diff.max() / ref.abs().max().clamp_min(1e-30)),
-            "finite": bool(torch.isfinite(x).all())}
+    return {
+        "max_abs": float(diff.max()),
+        "rel": float(diff.max() / ref.abs().max().clamp_min(1e-30)),
+        "finite": bool(torch.isfinite(x).all()),
+    }
 
 
 def _outputs_and_grads(fn, wrt, dout):
@@ -291,9 +334,18 @@ def run_equivalence(cases: List[configs.Case], peers: List[str], args, env: dict
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = result_path(args.out, env, "equivalence")
-    doc = dict(schema="flexdma-bench/1", subcommand="equivalence", argv=public_argv(sys.argv[1:]), **env, device=device,
-               rule="within_tol: rel error <= 2 x the bf16 eager reference's rel error + 1e-3, per tensor",
-               peers=peers, peer_notes={}, rows=[], not_run=[])
+    doc = dict(
+        schema="flexdma-bench/1",
+        subcommand="equivalence",
+        argv=public_argv(sys.argv[1:]),
+        **env,
+        device=device,
+        rule="within_tol: rel error <= 2 x the bf16 eager reference's rel error + 1e-3, per tensor",
+        peers=peers,
+        peer_notes={},
+        rows=[],
+        not_run=[],
+    )
     for p in peers:
         note = peers_mod.peer_note(p)
         if note:
@@ -308,8 +360,11 @@ def run_equivalence(cases: List[configs.Case], peers: List[str], args, env: dict
             return lambda: attention_ref(t.q, t.k, t.v, t.mask, t.bias, is_causal=True)[0]
 
         def leaves(dtype):
-            return SimpleNamespace(mask=inp.mask, **{n: getattr(inp, n).detach().to(dtype).requires_grad_(True)
-                                                     for n in ("q", "k", "v", "bias")})
+            return SimpleNamespace(
+                mask=inp.mask,
+                **{n: getattr(inp, n).detach().to(dtype).requires_grad_(True) for n in ("q", "k", "v", "bias")},
+            )
+
         t64 = leaves(torch.float64)
         truth = _outputs_and_grads(ref_fn(torch.float64, t64), [t64.q, t64.k, t64.v, t64.bias], inp.dout)
         tl = leaves(inp.q.dtype)
@@ -341,6 +396,7 @@ def run_equivalence(cases: List[configs.Case], peers: List[str], args, env: dict
 
 # ---------------------------------------------------------------------------------------------
 
+
 def _finish(doc: dict, path: str, args) -> None:
     pngs = [] if args.no_plots else report.plot(doc, os.path.splitext(path)[0])
     print(f"\nwrote {path}" + "".join(f"\nwrote {p}" for p in pngs), flush=True)
@@ -348,11 +404,15 @@ def _finish(doc: dict, path: str, args) -> None:
 
 
 def _parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("subcommand",
-                    choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all", "report", "cpu"])
-    ap.add_argument("--out", default=RESULTS_DIR, help="directory for the JSON and PNG files (default benchmarks/results)")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "subcommand", choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all", "report", "cpu"]
+    )
+    ap.add_argument(
+        "--out", default=RESULTS_DIR, help="directory for the JSON and PNG files (default benchmarks/results)"
+    )
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset")
     ap.add_argument("--d", default=None, help="head dims, e.g. 64,128")
     ap.add_argument("--bias", default=None, help="bias kinds: per-row,per-key")
@@ -360,16 +420,25 @@ def _parse(argv=None):
     ap.add_argument("--lengths", default=None, help="override the query/key lengths (forward/backward/decode)")
     ap.add_argument("--windows", default=None, help="override the windows (window)")
     ap.add_argument("--length", type=int, default=configs.WINDOW_LENGTH, help="the window sweep's length")
-    ap.add_argument("--budget", type=float, default=540.0,
-                    help="seconds after which no new case starts (the rest is listed as not_run); 0 = none")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=540.0,
+        help="seconds after which no new case starts (the rest is listed as not_run); 0 = none",
+    )
     ap.add_argument("--no-limits", action="store_true", help="also run peers past their LIMITS (slow)")
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--commit", default=None, help="record this commit instead of asking git (a -dirty suffix marks a dirty tree)")
+    ap.add_argument(
+        "--commit", default=None, help="record this commit instead of asking git (a -dirty suffix marks a dirty tree)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=6, help="cpu: forward repetitions (fwd+bwd: half as many)")
     ap.add_argument("--results", default=RESULTS_DIR, help="report: directory of JSON files to read")
-    ap.add_argument("--md", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"),
-                    help="report: markdown file to write")
+    ap.add_argument(
+        "--md",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"),
+        help="report: markdown file to write",
+    )
     return ap.parse_args(argv)
 
 
@@ -412,8 +481,13 @@ def main(argv=None) -> int:
     if sub in ("backward", "all"):
         run_timing("backward", configs.training_cases(("bwd",), lengths=lengths, **kw), timing_peers(), args, env)
     if sub in ("window", "all"):
-        run_timing("window", configs.window_cases(("fwd", "bwd"), windows=windows, length=args.length, **kw),
-                   timing_peers(), args, env)
+        run_timing(
+            "window",
+            configs.window_cases(("fwd", "bwd"), windows=windows, length=args.length, **kw),
+            timing_peers(),
+            args,
+            env,
+        )
     if sub in ("decode", "all"):
         run_timing("decode", configs.decode_cases(lengths=lengths, **kw), timing_peers(), args, env)
     if sub in ("equivalence", "all"):

@@ -4,6 +4,7 @@ Fixed for every case: B=1, H=2 query heads, KVH=1 key/value head, bf16, causal (
 A case varies the lengths, the window W (keys kept per query row), the head dim D and the bias
 kind: "per-row" is a (1,1,Q,K) bias, "per-key" a (1,1,1,K) one (one importance score per key).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,28 +20,28 @@ ANY_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 PEERS = ("flexdma-auto", "flexdma-cuda", "flexdma-flex", "sdpa", "flexattn", "flash_dmattn", "dense")
 FLEXDMA_PEERS = ("flexdma-auto", "flexdma-cuda", "flexdma-flex")
 
-TRAIN_LENGTHS = tuple(2 ** i for i in range(8, 16))            # 256 .. 32768
+TRAIN_LENGTHS = tuple(2**i for i in range(8, 16))  # 256 .. 32768
 WINDOW_LENGTH = 32768
-WINDOWS = tuple(2 ** i for i in range(5, 16))                  # 32 .. 32768
-DECODE_LENGTHS = tuple(2 ** i for i in range(8, 20))           # 256 .. 524288
+WINDOWS = tuple(2**i for i in range(5, 16))  # 32 .. 32768
+DECODE_LENGTHS = tuple(2**i for i in range(8, 20))  # 256 .. 524288
 TRAIN_WINDOW = DECODE_WINDOW = 1024
 
 # Peers that are known to take far longer than the rest at some size, and so would push one
 # invocation past its time limit: (peer, direction) -> largest query length still run. They are
 # recorded as skipped with this reason; --no-limits lifts them.
 LIMITS: Dict[Tuple[str, str], int] = {
-    ("sdpa", "bwd"): 16384,   # ~75 ms a call at 32K on an H100 (math/efficient kernel with a bias grad)
+    ("sdpa", "bwd"): 16384,  # ~75 ms a call at 32K on an H100 (math/efficient kernel with a bias grad)
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    mode: str          # "train" or "decode"
+    mode: str  # "train" or "decode"
     Q: int
     K: int
     W: int
     D: int
-    bias: str          # "per-row" or "per-key"
+    bias: str  # "per-row" or "per-key"
     dirs: Tuple[str, ...] = ("fwd",)
 
     @property
@@ -85,23 +86,32 @@ def _product(mode, lengths, windows, ds, biases, dirs, decode=False) -> List[Cas
     return out
 
 
-def training_cases(dirs: Iterable[str], *, quick=False, ds=HEAD_DIMS, biases=BIAS_KINDS,
-                   lengths: Optional[Sequence[int]] = None) -> List[Case]:
+def training_cases(
+    dirs: Iterable[str], *, quick=False, ds=HEAD_DIMS, biases=BIAS_KINDS, lengths: Optional[Sequence[int]] = None
+) -> List[Case]:
     lengths = lengths or ((1024, 4096, 16384) if quick else TRAIN_LENGTHS)
     if quick:
         ds, biases = ds[-1:], biases[:1]
     return _product("train", lengths, (TRAIN_WINDOW,), ds, biases, dirs)
 
 
-def window_cases(dirs: Iterable[str], *, quick=False, ds=HEAD_DIMS, biases=BIAS_KINDS,
-                 windows: Optional[Sequence[int]] = None, length: int = WINDOW_LENGTH) -> List[Case]:
+def window_cases(
+    dirs: Iterable[str],
+    *,
+    quick=False,
+    ds=HEAD_DIMS,
+    biases=BIAS_KINDS,
+    windows: Optional[Sequence[int]] = None,
+    length: int = WINDOW_LENGTH,
+) -> List[Case]:
     if quick:
         windows, length, ds, biases = windows or (64, 1024, 8192), 8192, ds[-1:], biases[:1]
     return _product("train", (length,), windows or WINDOWS, ds, biases, dirs)
 
 
-def decode_cases(*, quick=False, ds=HEAD_DIMS, biases=BIAS_KINDS,
-                 lengths: Optional[Sequence[int]] = None) -> List[Case]:
+def decode_cases(
+    *, quick=False, ds=HEAD_DIMS, biases=BIAS_KINDS, lengths: Optional[Sequence[int]] = None
+) -> List[Case]:
     # With one query a per-row bias (1,1,1,K) and a per-key one are the same tensor: run one kind.
     lengths = lengths or ((8192, 65536, 524288) if quick else DECODE_LENGTHS)
     if quick:

@@ -15,6 +15,7 @@ Each direction ("fwd", "fwd+bwd": forward and autograd backward with the grads o
 where there is one, the bias) is timed with the peers interleaved call by call, so that the load
 of other processes on a shared machine hits them alike; min and median over the repetitions.
 """
+
 from __future__ import annotations
 
 import os
@@ -91,34 +92,51 @@ def run(args, env: dict, out_path: str) -> dict:
     from .cli import public_argv, write_json
 
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [LENGTH]
-    doc = dict(schema=SCHEMA, subcommand="cpu", argv=public_argv(sys.argv[1:]), **env,
-               threads=torch.get_num_threads(), cpu_count=os.cpu_count(), dtype="float32",
-               shape=dict(B=B, H=H, KVH=KVH, D=D), reps=dict(fwd=args.reps, fwdbwd=max(2, args.reps // 2)),
-               timing="peers interleaved call by call; min and median of the repetitions, milliseconds",
-               rows=[])
+    doc = dict(
+        schema=SCHEMA,
+        subcommand="cpu",
+        argv=public_argv(sys.argv[1:]),
+        **env,
+        threads=torch.get_num_threads(),
+        cpu_count=os.cpu_count(),
+        dtype="float32",
+        shape=dict(B=B, H=H, KVH=KVH, D=D),
+        reps=dict(fwd=args.reps, fwdbwd=max(2, args.reps // 2)),
+        timing="peers interleaved call by call; min and median of the repetitions, milliseconds",
+        rows=[],
+    )
     start = time.perf_counter()
     for L in lengths:
         for kind in ("dense", "top25", "top25-blocks"):
             q, k, v, dout, bias, mask = _inputs(L, kind, args.seed)
             density = 0.5 * (L + 1) / L if mask is None else float(mask.float().mean())
             for direction in ("fwd", "fwd+bwd"):
-                leaves = [t.detach().requires_grad_(direction != "fwd") if t is not None else None
-                          for t in (q, k, v, bias)]
+                leaves = [
+                    t.detach().requires_grad_(direction != "fwd") if t is not None else None for t in (q, k, v, bias)
+                ]
                 peers = _peers(*leaves, mask)
                 if direction == "fwd":
                     fns = {n: fn for n, (fn, _) in peers.items()}
                     reps = args.reps
                 else:
+
                     def step(fn=None, wrt=None):
                         out = fn()
                         return torch.autograd.grad(out, wrt, dout)
+
                     fns = {n: (lambda fn=fn, wrt=wrt: step(fn, wrt)) for n, (fn, wrt) in peers.items()}
                     reps = max(2, args.reps // 2)
                 with torch.no_grad() if direction == "fwd" else torch.enable_grad():
                     res = _timed(fns, reps)
                 mine = res["flexdma-cpu"]
-                row = dict(kind=kind, L=L, dir=direction, density=density, results=res,
-                           speedup={p: r["min_ms"] / mine["min_ms"] for p, r in res.items() if p != "flexdma-cpu"})
+                row = dict(
+                    kind=kind,
+                    L=L,
+                    dir=direction,
+                    density=density,
+                    results=res,
+                    speedup={p: r["min_ms"] / mine["min_ms"] for p, r in res.items() if p != "flexdma-cpu"},
+                )
                 doc["rows"].append(row)
                 print(row_line(row), flush=True)
             doc["elapsed_s"] = time.perf_counter() - start
@@ -134,12 +152,18 @@ def row_line(row: dict) -> str:
 
 
 def markdown(doc: dict) -> str:
-    head = (f"`cpu` on {doc.get('gpu')}, {doc.get('threads')} threads, commit {doc.get('commit')}"
-            f"{' (dirty tree)' if doc.get('dirty') else ''}, {doc.get('date')}; torch {doc.get('torch')}\n"
-            f"fp32, B={doc['shape']['B']}, H=KVH={doc['shape']['H']}, D={doc['shape']['D']}, causal. "
-            f"{doc.get('timing')}. `flexdma vs P` = P's min / flexdma's min (> 1: flexdma faster).")
-    lines = [head, "", "| row | L | dir | density | flexdma-cpu ms | sdpa ms | dense ms | flexdma vs sdpa | "
-             "flexdma vs dense |", "|---|---|---|---|---|---|---|---|---|"]
+    head = (
+        f"`cpu` on {doc.get('gpu')}, {doc.get('threads')} threads, commit {doc.get('commit')}"
+        f"{' (dirty tree)' if doc.get('dirty') else ''}, {doc.get('date')}; torch {doc.get('torch')}\n"
+        f"fp32, B={doc['shape']['B']}, H=KVH={doc['shape']['H']}, D={doc['shape']['D']}, causal. "
+        f"{doc.get('timing')}. `flexdma vs P` = P's min / flexdma's min (> 1: flexdma faster)."
+    )
+    lines = [
+        head,
+        "",
+        "| row | L | dir | density | flexdma-cpu ms | sdpa ms | dense ms | flexdma vs sdpa | flexdma vs dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in doc.get("rows", []):
         r = row["results"]
 
@@ -148,6 +172,9 @@ def markdown(doc: dict) -> str:
 
         def sp(p):
             return f"{row['speedup'][p]:.2f}x" if p in row["speedup"] else "–"
-        lines.append(f"| {row['kind']} | {row['L']} | {row['dir']} | {row['density']:.3f} | {cell('flexdma-cpu')} | "
-                     f"{cell('sdpa')} | {cell('dense')} | {sp('sdpa')} | {sp('dense')} |")
+
+        lines.append(
+            f"| {row['kind']} | {row['L']} | {row['dir']} | {row['density']:.3f} | {cell('flexdma-cpu')} | "
+            f"{cell('sdpa')} | {cell('dense')} | {sp('sdpa')} | {sp('dense')} |"
+        )
     return "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@ B=1, H=2, KVH=1, D=128, bf16, causal, mask = top-W keys per row of the bias, 32K
 per-row bias (1,1,Q,K) and a per-key bias (1,1,1,K); and causal without mask or bias at 16K.
 Median of triton.testing.do_bench. Usage: python3 benchmarks/cuda_dev.py [--out results.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,12 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--seqlen", type=int, default=32768)
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--parts", default="fwd,bwd,nomask,decode",
-                    help="what to time, from fwd,bwd (the 32K rows), nomask, decode: a variant that changes "
-                         "one kernel needs only its rows")
+    ap.add_argument(
+        "--parts",
+        default="fwd,bwd,nomask,decode",
+        help="what to time, from fwd,bwd (the 32K rows), nomask, decode: a variant that changes "
+        "one kernel needs only its rows",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     dev, dt = "cuda", torch.bfloat16
@@ -61,7 +65,8 @@ def main():
             results[f"{name}_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
         if "bwd" in parts:
             results[f"{name}_bwd_ms"] = bench(
-                lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta))
+                lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta)
+            )
         print(name, {k_: v_ for k_, v_ in results.items() if k_.startswith(name) and k_.endswith("_ms")}, flush=True)
         # Per-kernel split (dq vs dkv vs the op's torch glue) of one forward + backward.
         try:
@@ -69,8 +74,9 @@ def main():
                 o2, l2 = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
                 bwd(dout, q, k, v, mask, bias, o2, l2, scale, True, 0.0, True, True)
                 torch.cuda.synchronize()
-            results[f"{name}_kernels_ms"] = {e.key[:60]: e.device_time_total / 1e3 for e in prof.key_averages()
-                                             if e.device_time_total > 0}
+            results[f"{name}_kernels_ms"] = {
+                e.key[:60]: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0
+            }
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=8), flush=True)
         except Exception as e:  # a profiler problem must not cost the timings
             print("profiler failed:", e, flush=True)
@@ -84,7 +90,8 @@ def main():
         qs, ks, vs = (t.transpose(1, 2).contiguous() for t in (q2, k2, v2))
         ks, vs = ks.expand(-1, H, -1, -1), vs.expand(-1, H, -1, -1)
         results["sdpa_causal_16k_fwd_ms"] = bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
+            lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        )
     # Decoding: one query, per-key bias, mask = top-W of the bias (broadcast over the query).
     for Kd in (4096, 65536, 524288) if "decode" in parts else ():
         kd = torch.randn(B, Kd, KVH, D, device=dev, dtype=dt)
@@ -95,7 +102,8 @@ def main():
         results[f"decode_{Kd}_fwd_ms"] = bench(lambda: fwd(qd, kd, vd, md, bd, scale, True, 0.0, True))
         kds, vds = (t.transpose(1, 2).expand(-1, H, -1, -1) for t in (kd, vd))
         results[f"decode_{Kd}_dense_sdpa_ms"] = bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds))
+            lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds)
+        )
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -9,6 +9,7 @@ of the causally visible bias per row. Times (median of triton.testing.do_bench):
 Writes JSON to the path given by --out. Run from the repository root with flexdma importable
 (installed, or PYTHONPATH=.): `python3 benchmarks/flex_check.py --out flex.json [--sweep]`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,11 +41,23 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time backward kernel_options candidates")
     args = ap.parse_args()
     Q = K = args.seqlen
-    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, Q=Q, K=K, W=args.window, B=1, H=2, KVH=1,
-               D=128, dtype="bfloat16", causal=True, bias="per-row (1,1,Q,K)")
+    res = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        Q=Q,
+        K=K,
+        W=args.window,
+        B=1,
+        H=2,
+        KVH=1,
+        D=128,
+        dtype="bfloat16",
+        causal=True,
+        bias="per-row (1,1,Q,K)",
+    )
     q, k, v, bias, mask = build_inputs(Q, K, args.window)
     res["mask_density"] = mask.float().mean().item()
-    scale = 128 ** -0.5
+    scale = 128**-0.5
 
     # (a) BlockMask construction.
     res["blockmask_ours_ms"] = do_bench(lambda: flex.block_mask_from_dense(mask, Q, K, 2, True, mask_mod=None))
@@ -71,7 +84,8 @@ def main():
         attend = flex._compiled()
         res["ours_block_tensors_ms"] = do_bench(lambda: flex._block_tensors(mask, Q, K, 2, True, need_q=False))
         res["ours_attend_only_ms"] = do_bench(
-            lambda: attend(qt, kt, vt, mask, bias, tensors, Q, K, True, scale, 0.0, None, True))
+            lambda: attend(qt, kt, vt, mask, bias, tensors, Q, K, True, scale, 0.0, None, True)
+        )
     qg, kg, vg, bg = (t.detach().clone().requires_grad_(True) for t in (q, k, v, bias))
     out, _ = flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0)
     dout = torch.randn_like(out)
@@ -83,7 +97,8 @@ def main():
     # The forward of a training step: grad-requiring inputs, the backward's kernel_options, the q
     # side of the BlockMask too.
     res["ours_train_fwd_ms"] = do_bench(
-        lambda: flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0))
+        lambda: flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0)
+    )
     opts = flex._kernel_options(q.device, True)
     res["kernel_options"] = opts
 
@@ -94,8 +109,10 @@ def main():
     def run_base(qh, kh, vh, b, options):
         def score_mod(s, bb, h, qi, ki):
             return s + b[0, 0, qi, ki]
-        return compiled(qh, kh, vh, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=True,
-                        kernel_options=options)
+
+        return compiled(
+            qh, kh, vh, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=True, kernel_options=options
+        )
 
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     with torch.no_grad():

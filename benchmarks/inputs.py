@@ -4,6 +4,7 @@ q/k/v/dout: random normal. bias: random normal in the case's shape. mask: the to
 query row of the causally visible bias (per-key bias: of the visible keys' scores), as a
 (1,1,Q,K) bool tensor. flexdma.create_mask does the top-W chunked over rows, so 32K x 32K fits.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .configs import B, H, KVH, Case
+from .configs import KVH, B, Case, H
 
 
 @dataclasses.dataclass
@@ -22,7 +23,7 @@ class Inputs:
     dout: torch.Tensor
     bias: torch.Tensor
     mask: torch.Tensor
-    pairs: int          # kept (q, k) pairs of one head: mask.sum()
+    pairs: int  # kept (q, k) pairs of one head: mask.sum()
 
     @property
     def density(self) -> float:

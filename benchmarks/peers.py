@@ -6,6 +6,7 @@ require grad), plus the tensors its backward differentiates. Everything a peer n
 first call (block masks, compilation) happens in prepare, outside the timed region. A peer that
 cannot run raises Unavailable with the reason, which the sweep records.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,7 +17,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .configs import FLEXDMA_PEERS, H, KVH, Case
+from .configs import FLEXDMA_PEERS, KVH, Case, H
 
 # FlexAttention's default backward config needs more shared memory than an H100 has once a
 # captured bias requires grad; this one fits (and is what the peer baselines used).
@@ -55,8 +56,10 @@ def _flexdma_peer(backend: str, case: Case, t: SimpleNamespace):
         raise Unavailable(why)
 
     def fn():
-        return fd.flash_dma_attention(t.q, t.k, t.v, attn_mask=t.mask, attn_bias=t.bias, is_causal=True,
-                                      backend=backend)
+        return fd.flash_dma_attention(
+            t.q, t.k, t.v, attn_mask=t.mask, attn_bias=t.bias, is_causal=True, backend=backend
+        )
+
     return fn, [t.q, t.k, t.v, t.bias]
 
 
@@ -69,6 +72,7 @@ def _sdpa_peer(case: Case, t: SimpleNamespace):
         bias = t.bias.masked_fill(~t.mask, float("-inf"))
         out = F.scaled_dot_product_attention(_bhsd(t.q), _bhsd(t.k), _bhsd(t.v), attn_mask=bias, enable_gqa=True)
         return out.transpose(1, 2)
+
     return fn, [t.q, t.k, t.v, t.bias]
 
 
@@ -79,6 +83,7 @@ def _dense_peer(case: Case, t: SimpleNamespace):
     def fn():
         out = F.scaled_dot_product_attention(_bhsd(t.q), _bhsd(t.k), _bhsd(t.v), is_causal=causal, enable_gqa=True)
         return out.transpose(1, 2)
+
     return fn, [t.q, t.k, t.v]
 
 
@@ -87,8 +92,7 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # Every shape is its own graph; the default cache limit (8) would fall back to eager mode.
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                 "accumulated_recompile_limit"):
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 1024))
     # The backward is timed with retain_graph=True, which donated buffers forbid.
@@ -111,21 +115,32 @@ def _flexattn_peer(case: Case, t: SimpleNamespace, *, backward: bool):
         return mask[b, h // G, q_idx, kv_idx]
 
     if case.bias == "per-row":
+
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias[b, h // G, q_idx, kv_idx]
     else:
+
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias[b, h // G, 0, kv_idx]
 
     # B=None/H=None: one block mask broadcast over batch and heads (the mask has one of each).
-    block_mask = create_block_mask(mask_mod, None, None, case.Q, case.K, device=t.q.device, BLOCK_SIZE=128,
-                                   _compile=True)
+    block_mask = create_block_mask(
+        mask_mod, None, None, case.Q, case.K, device=t.q.device, BLOCK_SIZE=128, _compile=True
+    )
     opts = FLEX_BWD_KERNEL_OPTIONS if backward else None
 
     def fn():
-        out = flex(_bhsd(t.q), _bhsd(t.k), _bhsd(t.v), score_mod=score_mod, block_mask=block_mask,
-                   enable_gqa=True, kernel_options=opts)
+        out = flex(
+            _bhsd(t.q),
+            _bhsd(t.k),
+            _bhsd(t.v),
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=True,
+            kernel_options=opts,
+        )
         return out.transpose(1, 2)
+
     return fn, [t.q, t.k, t.v, t.bias]
 
 
@@ -153,12 +168,13 @@ def _flash_dmattn_peer(case: Case, t: SimpleNamespace):
 
     def fn():
         return func(t.q, t.k, t.v, attn_mask=t.mask, attn_bias=bias, is_causal=True)
+
     return fn, [t.q, t.k, t.v, t.bias]
 
 
 def prepare(peer: str, case: Case, t: SimpleNamespace, *, backward: bool) -> Tuple[Callable, List[torch.Tensor]]:
     if peer.startswith("flexdma-"):
-        return _flexdma_peer(peer[len("flexdma-"):], case, t)
+        return _flexdma_peer(peer[len("flexdma-") :], case, t)
     if peer == "sdpa":
         return _sdpa_peer(case, t)
     if peer == "dense":
@@ -173,7 +189,7 @@ def prepare(peer: str, case: Case, t: SimpleNamespace, *, backward: bool) -> Tup
 def peer_note(peer: str) -> Optional[str]:
     """Machine-wide reason a peer cannot run at all (recorded once per run), or None."""
     if peer.startswith("flexdma-"):
-        return flexdma_backend_note(peer[len("flexdma-"):])
+        return flexdma_backend_note(peer[len("flexdma-") :])
     if peer == "flash_dmattn":
         return flash_dmattn_note()
     if peer == "flexattn" and not torch.cuda.is_available():

@@ -5,6 +5,7 @@ newest file of each (GPU, subcommand), and writes RESULTS.md with its tables and
 headed by the commit, GPU, date and versions that produced it. Nothing in RESULTS.md is typed by
 hand.
 """
+
 from __future__ import annotations
 
 import glob
@@ -49,8 +50,16 @@ def _lead(doc: dict) -> Optional[str]:
 
 def _case_cells(row: dict) -> List[str]:
     dirn = row.get("dir", "fwd+bwd")
-    return [row["mode"], dirn, row["bias"], str(row["D"]), str(row["Q"]), str(row["K"]), str(row["W"]),
-            f"{row.get('density', float('nan')):.4f}"]
+    return [
+        row["mode"],
+        dirn,
+        row["bias"],
+        str(row["D"]),
+        str(row["Q"]),
+        str(row["K"]),
+        str(row["W"]),
+        f"{row.get('density', float('nan')):.4f}",
+    ]
 
 
 _CASE_HEAD = ["mode", "dir", "bias", "D", "Q", "K", "W", "density"]
@@ -86,44 +95,73 @@ def timing_detail(doc: dict) -> str:
             if p in doc.get("peer_notes", {}):
                 continue
             note = "" if r.get("status") == "ok" else f"{r.get('status')}: {r.get('reason', '')}"[:120]
-            body.append(_case_cells(row) + [p, _cell(r), _cell(r, "{:.1f}", "tflops"), _cell(r, "{:.0f}", "gbps"),
-                                            _cell(r, "{:.0f}", "peak_mib"), _cell(r, "{:.0f}", "extra_mib"),
-                                            note.replace("|", "/").replace("\n", " ")])
+            body.append(
+                _case_cells(row)
+                + [
+                    p,
+                    _cell(r),
+                    _cell(r, "{:.1f}", "tflops"),
+                    _cell(r, "{:.0f}", "gbps"),
+                    _cell(r, "{:.0f}", "peak_mib"),
+                    _cell(r, "{:.0f}", "extra_mib"),
+                    note.replace("|", "/").replace("\n", " "),
+                ]
+            )
     return _table(head, body)
 
 
 def equivalence_table(doc: dict) -> str:
-    head = _CASE_HEAD[:1] + _CASE_HEAD[2:] + ["impl", "ok"] + [f"{n} max abs / rel" for n in
-                                                             ("out", "dq", "dk", "dv", "dbias")]
+    head = (
+        _CASE_HEAD[:1]
+        + _CASE_HEAD[2:]
+        + ["impl", "ok"]
+        + [f"{n} max abs / rel" for n in ("out", "dq", "dk", "dv", "dbias")]
+    )
     body = []
     for row in doc.get("rows", []):
         base = [c for i, c in enumerate(_case_cells(row)) if i != 1]
         ref = row.get("lowp_reference", {})
-        body.append(base + ["bf16 eager reference", "(tol. base)"] +
-                    [f"{ref[n]['max_abs']:.2e} / {ref[n]['rel']:.2e}" if n in ref else "–"
-                     for n in ("out", "dq", "dk", "dv", "dbias")])
+        body.append(
+            base
+            + ["bf16 eager reference", "(tol. base)"]
+            + [
+                f"{ref[n]['max_abs']:.2e} / {ref[n]['rel']:.2e}" if n in ref else "–"
+                for n in ("out", "dq", "dk", "dv", "dbias")
+            ]
+        )
         for p, r in row.get("results", {}).items():
             if r.get("status") != "ok":
                 body.append(base + [p, f"{r.get('status')}: {r.get('reason', '')}"[:100].replace("|", "/")] + ["–"] * 5)
                 continue
-            body.append(base + [p, "yes" if r.get("within_tol") else "NO"] +
-                        [f"{r[n]['max_abs']:.2e} / {r[n]['rel']:.2e}" if n in r else "–"
-                         for n in ("out", "dq", "dk", "dv", "dbias")])
+            body.append(
+                base
+                + [p, "yes" if r.get("within_tol") else "NO"]
+                + [
+                    f"{r[n]['max_abs']:.2e} / {r[n]['rel']:.2e}" if n in r else "–"
+                    for n in ("out", "dq", "dk", "dv", "dbias")
+                ]
+            )
     return _table(head, body)
 
 
 def header(doc: dict) -> str:
     dirty = {True: " (dirty tree)", False: "", None: ""}[doc.get("dirty")]
-    lines = [f"`{doc.get('subcommand')}` on {doc.get('gpu')}, commit {doc.get('commit')}{dirty}, {doc.get('date')}; "
-             f"torch {doc.get('torch')}, CUDA {doc.get('cuda')}, Triton {doc.get('triton')}"]
+    lines = [
+        f"`{doc.get('subcommand')}` on {doc.get('gpu')}, commit {doc.get('commit')}{dirty}, {doc.get('date')}; "
+        f"torch {doc.get('torch')}, CUDA {doc.get('cuda')}, Triton {doc.get('triton')}"
+    ]
     if "timing" in doc:
         t = doc["timing"]
-        lines.append(f"Times: {t.get('stat')} of {t.get('tool')} (warm-up {t.get('warmup_ms')} ms, rep "
-                     f"{t.get('rep_ms')} ms), milliseconds. B=1, H=2, KVH=1, bf16, causal; TFLOP/s over the kept "
-                     f"pairs, GB/s over the bytes that must move; `A vs P` = P's time / A's time.")
+        lines.append(
+            f"Times: {t.get('stat')} of {t.get('tool')} (warm-up {t.get('warmup_ms')} ms, rep "
+            f"{t.get('rep_ms')} ms), milliseconds. B=1, H=2, KVH=1, bf16, causal; TFLOP/s over the kept "
+            f"pairs, GB/s over the bytes that must move; `A vs P` = P's time / A's time."
+        )
     if any("sdpa" in row.get("results", {}) for row in doc.get("rows", [])) and "timing" in doc:
-        lines.append("`sdpa` times include folding the mask into the bias (`bias.masked_fill(~mask, -inf)`), "
-                     "which a caller holding a mask and a bias pays on every call; `dense` has no mask or bias.")
+        lines.append(
+            "`sdpa` times include folding the mask into the bias (`bias.masked_fill(~mask, -inf)`), "
+            "which a caller holding a mask and a bias pays on every call; `dense` has no mask or bias."
+        )
     for p, why in doc.get("peer_notes", {}).items():
         lines.append(f"- `{p}` not run: {why}")
     if doc.get("not_run"):
@@ -152,6 +190,7 @@ def plot(doc: dict, stem: str) -> List[str]:
         return []
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -168,8 +207,9 @@ def plot(doc: dict, stem: str) -> List[str]:
     colour = {p: f"C{i}" for i, p in enumerate(_peers_in(doc))}
     for ax, ((dirn, d, bias), rows) in zip(axes.flat, sorted(panels.items())):
         for p in _peers_in(doc):
-            pts = sorted((r[xkey], r["results"][p]["ms"]) for r in rows
-                         if r["results"].get(p, {}).get("status") == "ok")
+            pts = sorted(
+                (r[xkey], r["results"][p]["ms"]) for r in rows if r["results"].get(p, {}).get("status") == "ok"
+            )
             if pts:
                 ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p, color=colour[p])
         ax.set_xscale("log", base=2)
@@ -205,8 +245,13 @@ def _merge(docs: List[dict]) -> dict:
         for r in d.get("rows", []):
             rows[(_case_key(r), r.get("dir"))] = r
     # Sweep order: mode, head dim (as the CLI runs them: larger first), bias kind, lengths, window.
-    out["rows"] = sorted(rows.values(), key=lambda r: (r["mode"], -r["D"], r["bias"] != "per-row", r["Q"], r["K"], r["W"], r.get("dir") != "fwd"))
-    out["not_run"] = sorted({n for d in docs for n in d.get("not_run", []) if n.split(":")[0] not in {k for k, _ in rows}})
+    out["rows"] = sorted(
+        rows.values(),
+        key=lambda r: (r["mode"], -r["D"], r["bias"] != "per-row", r["Q"], r["K"], r["W"], r.get("dir") != "fwd"),
+    )
+    out["not_run"] = sorted(
+        {n for d in docs for n in d.get("not_run", []) if n.split(":")[0] not in {k for k, _ in rows}}
+    )
     out["elapsed_s"] = sum(d.get("elapsed_s") or 0 for d in docs)
     out["peer_notes"] = {k: v for d in docs for k, v in (d.get("peer_notes") or {}).items()}
     out["argv"] = [d.get("argv") for d in docs] if len(docs) > 1 else docs[0].get("argv")
@@ -243,10 +288,14 @@ def load_results(results_dir: str) -> List[dict]:
 
 def write_results_md(results_dir: str, md_path: str) -> str:
     docs = load_results(results_dir)
-    out = ["# flexdma benchmark results", "",
-           "Generated by `python -m benchmarks report` from the JSON files in `benchmarks/results/` "
-           "(the newest per GPU and subcommand); do not edit by hand. Reproduce a section with "
-           "`python -m benchmarks <subcommand>` (see `benchmarks/run_all.sh`).", ""]
+    out = [
+        "# flexdma benchmark results",
+        "",
+        "Generated by `python -m benchmarks report` from the JSON files in `benchmarks/results/` "
+        "(the newest per GPU and subcommand); do not edit by hand. Reproduce a section with "
+        "`python -m benchmarks <subcommand>` (see `benchmarks/run_all.sh`).",
+        "",
+    ]
     if not docs:
         out.append("No results yet.")
     md_dir = os.path.dirname(os.path.abspath(md_path))
@@ -262,8 +311,14 @@ def write_results_md(results_dir: str, md_path: str) -> str:
         for png in pngs:
             out += [f"![{doc.get('subcommand')}]({os.path.relpath(png, md_dir)})", ""]
         if doc.get("subcommand") != "equivalence":
-            out += ["<details><summary>per-peer detail (TFLOP/s, GB/s, peak memory)</summary>", "",
-                    timing_detail(doc), "", "</details>", ""]
+            out += [
+                "<details><summary>per-peer detail (TFLOP/s, GB/s, peak memory)</summary>",
+                "",
+                timing_detail(doc),
+                "",
+                "</details>",
+                "",
+            ]
     from . import topk
 
     out += topk.section(results_dir)

@@ -12,13 +12,14 @@ Rows: B=1, H=2, KVH=1, causal, lengths 32K / 64K / 128K, D in {64, 128}, W=2048,
 Forward = one call; backward = (forward + backward) - forward. Peak memory is the call's peak
 above what was allocated before it (inputs excluded, outputs included).
 """
+
 from __future__ import annotations
 
 import gc
 import json
 import os
 import time
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,15 +33,17 @@ FLEX_MAX = 65536  # FlexAttention visits every causal tile: kept to lengths it f
 
 def cases(quick: bool = False) -> List[dict]:
     rows = []
-    for L in ((32768,) if quick else (32768, 65536, 131072)):
-        for D in ((128,) if quick else (128, 64)):
+    for L in (32768,) if quick else (32768, 65536, 131072):
+        for D in (128,) if quick else (128, 64):
             rows.append(dict(name=f"L={L // 1024}K D={D}", B=1, L=L, Q=L, H=2, KVH=1, D=D, W=2048, bias_heads=1))
     rows.append(dict(name="model, bias per kv head", B=2, L=8192, Q=8192, H=16, KVH=4, D=128, W=2048, bias_heads=4))
     if not quick:
-        rows.append(dict(name="model, bias per query head", B=2, L=8192, Q=8192, H=16, KVH=4, D=128, W=2048,
-                         bias_heads=16))
-        rows.append(dict(name="decode Q=1 K=512K", B=1, L=524288, Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1,
-                         decode=True))
+        rows.append(
+            dict(name="model, bias per query head", B=2, L=8192, Q=8192, H=16, KVH=4, D=128, W=2048, bias_heads=16)
+        )
+        rows.append(
+            dict(name="decode Q=1 K=512K", B=1, L=524288, Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1, decode=True)
+        )
     return rows
 
 
@@ -62,8 +65,9 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
         return lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal and c["Q"] > 1, enable_gqa=True)
     if peer in ("flexdma", "flex"):
         backend = "auto" if peer == "flexdma" else "flex"
-        return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=causal, keep_window_size=c["W"],
-                                                   backend=backend)
+        return lambda: flexdma.flash_dma_attention(
+            q, k, v, None, bias, is_causal=causal, keep_window_size=c["W"], backend=backend
+        )
     if peer == "flexdma-cache":
         # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
         # key in O(W), then attention over the W gathered keys (no selection over all K).
@@ -77,11 +81,14 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
         def step():
             ks, vs, bb, keep = cache.step(k1, v1, b1, pad).kept()
             return flexdma.flash_dma_attention(q, ks, vs, keep, bb, is_causal=False)
+
         return step
     if peer == "dense-mask":
+
         def run():
             mask = flexdma.create_mask(bias.detach(), c["W"], is_causal=causal, query_len=c["Q"])
             return flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=causal, backend="cuda")
+
         return run
     raise ValueError(peer)
 
@@ -89,7 +96,7 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
 def _applies(peer: str, c: dict) -> Optional[str]:
     if peer == "flexdma-cache" and not c.get("decode"):
         return "decoding only"
-    if peer == "dense-mask" and c["L"] * c["Q"] > DENSE_MASK_MAX ** 2:
+    if peer == "dense-mask" and c["L"] * c["Q"] > DENSE_MASK_MAX**2:
         return f"the dense mask is {c['Q']} x {c['L']} bools"
     if peer == "dense-mask" and "cuda" not in flexdma.available_backends():
         return "the dense-mask CUDA kernels are not built"
@@ -116,8 +123,9 @@ def _peak(fn) -> float:
     return peak / 2**20
 
 
-def run(quick: bool = False, peers=("sdpa", "flexdma", "flexdma-cache", "flex", "dense-mask"),
-        budget: float = 480.0) -> dict:
+def run(
+    quick: bool = False, peers=("sdpa", "flexdma", "flexdma-cache", "flex", "dense-mask"), budget: float = 480.0
+) -> dict:
     t0 = time.time()
     rows = []
     for c in cases(quick):
@@ -158,14 +166,23 @@ def run(quick: bool = False, peers=("sdpa", "flexdma", "flexdma-cache", "flex", 
             gc.collect()
             torch.cuda.empty_cache()
             row["peers"][peer] = rec
-            print(c["name"], peer, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()},
-                  flush=True)
+            print(
+                c["name"], peer, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True
+            )
         rows.append(row)
     return dict(schema=SCHEMA, rows=rows)
 
 
-DOGE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=4, keep_window_size=2048, is_moe=False)
+DOGE = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    keep_window_size=2048,
+    is_moe=False,
+)
 
 
 def doge_rows(lengths=(16384, 65536)) -> List[dict]:
@@ -191,7 +208,7 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
                     model.set_attn_implementation("sdpa")
                 ids = torch.randint(cfg.vocab_size, (1, L), device="cuda")
 
-                def step():
+                def step(model=model):
                     loss = model(input_ids=ids, labels=ids).loss
                     loss.backward()
                     return loss
@@ -212,7 +229,9 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
 
 def markdown(doc: dict) -> str:
     peers = ["flexdma", "sdpa", "flex", "dense-mask", "flexdma-cache"]
-    head = ["case"] + [f"{p} fwd / bwd ms" for p in peers] + ["flexdma peak fwd / train MiB", "flexdma vs sdpa fwd / bwd"]
+    head = (
+        ["case"] + [f"{p} fwd / bwd ms" for p in peers] + ["flexdma peak fwd / train MiB", "flexdma vs sdpa fwd / bwd"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in doc["rows"]:
         c = row["case"]
@@ -242,14 +261,21 @@ def markdown(doc: dict) -> str:
             cells.append("–")
         lines.append("| " + " | ".join(cells) + " |")
     if doc.get("doge"):
-        lines += ["", "| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048) | flexdma (patch_doge) "
-                  "ms / peak MiB | attn_implementation sdpa ms / peak MiB |", "|---|---|---|"]
+        lines += [
+            "",
+            "| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048) | flexdma (patch_doge) "
+            "ms / peak MiB | attn_implementation sdpa ms / peak MiB |",
+            "|---|---|---|",
+        ]
         for row in doc["doge"]:
             cells = [row["case"]["name"]]
             for p in ("flexdma", "sdpa"):
                 r = row["peers"].get(p, {})
-                cells.append(f"error: {r['error'][:60]}" if "error" in r else
-                             f"{r.get('ms', float('nan')):.1f} / {r.get('peak_mib', float('nan')):.0f}")
+                cells.append(
+                    f"error: {r['error'][:60]}"
+                    if "error" in r
+                    else f"{r.get('ms', float('nan')):.1f} / {r.get('peak_mib', float('nan')):.0f}"
+                )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -274,9 +300,15 @@ def section(results_dir: str) -> List[str]:
     out = []
     for i, doc in enumerate(runs(results_dir)):
         title = "per-key top-W" if i == 0 else "per-key top-W, earlier run"
-        out += [f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})", "",
-                "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
-                "peak = the call's memory above its inputs.", "", markdown(doc), ""]
+        out += [
+            f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})",
+            "",
+            "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
+            "peak = the call's memory above its inputs.",
+            "",
+            markdown(doc),
+            "",
+        ]
     return out
 
 
@@ -293,4 +325,3 @@ def main(args, env: dict) -> str:
         json.dump(doc, f, indent=1)
     print(f"wrote {path}\n" + markdown(doc), flush=True)
     return path
-

@@ -5,6 +5,7 @@ Times selection, forward and backward of flexdma/_topk_triton.py against dense c
 all keys in the same run (do_bench medians), and with --check compares bf16 results against the
 float64 reference at small shapes (FlashAttention's 2x rule).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,12 @@ def _select(q, k, bias, W, causal):
 
 def check():
     rows = []
-    for (B, L, H, KVH, D, W, ph, causal) in [(1, 1000, 2, 1, 128, 64, 1, True), (2, 777, 4, 2, 64, 100, 2, True),
-                                             (1, 513, 4, 2, 128, 32, 4, False), (1, 600, 8, 2, 64, 700, 2, True)]:
+    for B, L, H, KVH, D, W, ph, causal in [
+        (1, 1000, 2, 1, 128, 64, 1, True),
+        (2, 777, 4, 2, 64, 100, 2, True),
+        (1, 513, 4, 2, 128, 32, 4, False),
+        (1, 600, 8, 2, 64, 700, 2, True),
+    ]:
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
         sel = _select(q, k, bias, W, causal)
         km = topk.keep_mask(sel, L, L, causal)
@@ -48,9 +53,9 @@ def check():
         errs = {}
         for prec in (torch.float64, torch.bfloat16):
             ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
-            o, l = attention_ref(*ins[:3], km, ins[3], is_causal=causal, softmax_scale=scale)
+            o, lse_r = attention_ref(*ins[:3], km, ins[3], is_causal=causal, softmax_scale=scale)
             (o.float() * do.float()).sum().backward()
-            errs[prec] = (o, l, *[t.grad for t in ins])
+            errs[prec] = (o, lse_r, *[t.grad for t in ins])
         ref, low = errs[torch.float64], errs[torch.bfloat16]
         res = {"shape": [B, L, H, KVH, D, W, ph, causal]}
         ok = True
@@ -59,7 +64,9 @@ def check():
             e = (mine.double() - r.double())[fin].abs().max().item()
             e_lo = (lo.double() - r.double())[fin].abs().max().item()
             res[name] = [e, e_lo]
-            ok &= e <= 2 * e_lo + 1e-4 + (1e-2 if name == "dbias" else 0) and bool(torch.isfinite(mine).all() or name == "lse")
+            ok &= e <= 2 * e_lo + 1e-4 + (1e-2 if name == "dbias" else 0) and bool(
+                torch.isfinite(mine).all() or name == "lse"
+            )
         res["ok"] = ok
         print(res, flush=True)
         rows.append(res)
@@ -74,23 +81,33 @@ def bench(lengths, Ws, Ds, model=True):
     cfgs = [(1, L, 2, 1, D, W, 1) for L in lengths for W in Ws for D in Ds]
     if model:
         cfgs += [(2, 8192, 16, 4, 128, 2048, 4), (2, 8192, 16, 4, 128, 2048, 16)]
-    for (B, L, H, KVH, D, W, ph) in cfgs:
+    for B, L, H, KVH, D, W, ph in cfgs:
         torch.cuda.empty_cache()
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
         scale = 1 / math.sqrt(D)
         sel = _select(q, k, bias, W, True)
-        r = {"B": B, "L": L, "H": H, "KVH": KVH, "D": D, "W": W, "plane_heads": ph,
-             "list_mean": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].float().mean().item(),
-             "list_max": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].max().item()}
+        r = {
+            "B": B,
+            "L": L,
+            "H": H,
+            "KVH": KVH,
+            "D": D,
+            "W": W,
+            "plane_heads": ph,
+            "list_mean": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].float().mean().item(),
+            "list_max": topk.tile_lists(sel, L, T.tile_rows_for(H, KVH, ph))[..., 0].max().item(),
+        }
         r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
         r["fwd_ms"] = do_bench(lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0), warmup=25, rep=100)
         out, lse, res = T.fwd(q, k, v, bias, *sel, scale, True, 0.0)
         do = torch.randn_like(q)
-        r["bwd_ms"] = do_bench(lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res),
-                               warmup=10, rep=50)
-        for name, cfgs, fn in (("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
-                               ("bwd", T.BWD_CONFIG,
-                                lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res))):
+        r["bwd_ms"] = do_bench(
+            lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res), warmup=10, rep=50
+        )
+        for name, cfgs, fn in (
+            ("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
+            ("bwd", T.BWD_CONFIG, lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res)),
+        ):
             if not SWEEP:
                 break
             keep = dict(cfgs)
@@ -98,18 +115,23 @@ def bench(lengths, Ws, Ds, model=True):
                 cfgs.clear()
                 cfgs.update(cfg)
                 try:
-                    r[f"{name}_sweep_{cfg['BN']}_{cfg['num_warps']}_{cfg['num_stages']}"] = do_bench(fn, warmup=5, rep=30)
+                    r[f"{name}_sweep_{cfg['BN']}_{cfg['num_warps']}_{cfg['num_stages']}"] = do_bench(
+                        fn, warmup=5, rep=30
+                    )
                 except Exception as e:  # e.g. out of shared memory
                     r[f"{name}_sweep_{cfg['BN']}_{cfg['num_warps']}_{cfg['num_stages']}"] = str(e)[:80]
             cfgs.clear()
             cfgs.update(keep)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        r["sdpa_fwd_ms"] = do_bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True),
-                                    warmup=10, rep=50)
+        r["sdpa_fwd_ms"] = do_bench(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True), warmup=10, rep=50
+        )
         qg, kg, vg = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
         o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=True)
         g = torch.randn_like(o)
-        r["sdpa_bwd_ms"] = do_bench(lambda: torch.autograd.grad(o, (qg, kg, vg), g, retain_graph=True), warmup=10, rep=50)
+        r["sdpa_bwd_ms"] = do_bench(
+            lambda: torch.autograd.grad(o, (qg, kg, vg), g, retain_graph=True), warmup=10, rep=50
+        )
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         s2 = _select(q, k, bias, W, True)
@@ -139,8 +161,12 @@ if __name__ == "__main__":
         res["check"] = check()
     if a.check_only:
         raise SystemExit(0 if all(r["ok"] for r in res.get("check", [])) else 1)
-    res["bench"] = bench([int(x) for x in a.lengths.split(",")], [int(x) for x in a.W.split(",")],
-                         [int(x) for x in a.D.split(",")], model=not a.no_model)
+    res["bench"] = bench(
+        [int(x) for x in a.lengths.split(",")],
+        [int(x) for x in a.W.split(",")],
+        [int(x) for x in a.D.split(",")],
+        model=not a.no_model,
+    )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -3,6 +3,7 @@
 
 python -m benchmarks.topk_profile [--L 32768] [--D 128] [--W 2048]
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,9 +3,9 @@
 Attention with an additive (learnable) bias and a boolean key mask, computed FlashAttention-style
 (O(N) memory) with gradients for query, key, value and the bias.
 """
-from . import _dispatch
+
+from . import _dispatch, nn
 from ._dispatch import available_backends
-from . import nn
 from .api import flash_dma_attention
 from .dynamic import dynamic_mask_attention
 from .masks import create_mask
@@ -22,9 +22,18 @@ elif getattr(_dispatch._build_info(), "STATIC_LIBSTDCXX", False):  # pragma: no 
     import warnings as _warnings
 
     # The failure it warns of is a crash, which no test can catch in-process: say it up front.
-    _warnings.warn("flexdma: flexdma._C was built with a compiler that links libstdc++ statically; an input "
-                   "error detected inside the C++ ops will crash the process instead of raising. Rebuild "
-                   "with CXX set to a compiler that has a shared libstdc++.")
+    _warnings.warn(
+        "flexdma: flexdma._C was built with a compiler that links libstdc++ statically; an input "
+        "error detected inside the C++ ops will crash the process instead of raising. Rebuild "
+        "with CXX set to a compiler that has a shared libstdc++."
+    )
 
-__all__ = ["flash_dma_attention", "dynamic_mask_attention", "create_mask", "available_backends", "attention_ref", "nn",
-           "__version__"]
+__all__ = [
+    "flash_dma_attention",
+    "dynamic_mask_attention",
+    "create_mask",
+    "available_backends",
+    "attention_ref",
+    "nn",
+    "__version__",
+]

@@ -1,4 +1,5 @@
 """`python -m flexdma`: versions, backends, and a forward+backward self-check against the reference."""
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     argparse.ArgumentParser(
         prog="python -m flexdma",
         description="Print the flexdma, torch and CUDA versions and the available backends, then run a "
-                    "forward + backward self-check of the default backend against the float64 reference "
-                    "(on the GPU when there is one). Exit status 1 on a mismatch.").parse_args(argv)
+        "forward + backward self-check of the default backend against the float64 reference "
+        "(on the GPU when there is one). Exit status 1 on a mismatch.",
+    ).parse_args(argv)
     print(f"flexdma {flexdma.__version__}")
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, "
-          f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, "
+        f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}"
+    )
     print(f"backends: {', '.join(flexdma.available_backends())}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"self-check on {device} (forward + backward vs the float64 reference):")

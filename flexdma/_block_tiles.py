@@ -8,6 +8,7 @@ second pass, and nothing here needs a host sync. Tiles entirely above the diagon
 
 Importing this module needs triton; flex.py falls back to torch when it is missing.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,10 +19,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile_flags_kernel(m_ptr, partial_ptr, full_ptr, Q, K, off, nq, nk, n_heads,
-                       s_b, s_h, s_q, s_k,
-                       HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                       EARLY_EXIT: tl.constexpr):
+def _tile_flags_kernel(
+    m_ptr,
+    partial_ptr,
+    full_ptr,
+    Q,
+    K,
+    off,
+    nq,
+    nk,
+    n_heads,
+    s_b,
+    s_h,
+    s_q,
+    s_k,
+    HAS_MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    EARLY_EXIT: tl.constexpr,
+):
     kt = tl.program_id(0)
     qt = tl.program_id(1)
     bh = tl.program_id(2)
@@ -100,9 +117,18 @@ def _tile_flags_kernel(m_ptr, partial_ptr, full_ptr, Q, K, off, nq, nk, n_heads,
 ROWS, NUM_WARPS, EARLY_EXIT = 16, 4, True
 
 
-def tile_flags(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: bool, *, device=None, block: int = 128,
-               rows: Optional[int] = None, num_warps: Optional[int] = None,
-               early_exit: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def tile_flags(
+    mask: Optional[torch.Tensor],
+    Q: int,
+    K: int,
+    is_causal: bool,
+    *,
+    device=None,
+    block: int = 128,
+    rows: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    early_exit: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(partial, full) bool tensors of shape (b, h, nq, nk) for a (b, h, {1|Q}, {1|K}) bool mask
     (None = all kept; then b = h = 1 and `device` says where). Any strides, 0-strides included."""
     rows = ROWS if rows is None else rows
@@ -121,9 +147,24 @@ def tile_flags(mask: Optional[torch.Tensor], Q: int, K: int, is_causal: bool, *,
     partial = torch.empty(b, h, nq, nk, dtype=torch.uint8, device=dev)
     full = torch.empty(b, h, nq, nk, dtype=torch.uint8, device=dev)
     m = mask.view(torch.uint8) if mask is not None else partial
-    _tile_flags_kernel[(nk, nq, b * h)](m, partial, full, Q, K, K - Q, nq, nk, h, *strides,
-                                        HAS_MASK=mask is not None, CAUSAL=bool(is_causal), BLOCK=block, ROWS=rows,
-                                        EARLY_EXIT=bool(early_exit), num_warps=num_warps)
+    _tile_flags_kernel[(nk, nq, b * h)](
+        m,
+        partial,
+        full,
+        Q,
+        K,
+        K - Q,
+        nq,
+        nk,
+        h,
+        *strides,
+        HAS_MASK=mask is not None,
+        CAUSAL=bool(is_causal),
+        BLOCK=block,
+        ROWS=rows,
+        EARLY_EXIT=bool(early_exit),
+        num_warps=num_warps,
+    )
     return partial.view(torch.bool), full.view(torch.bool)
 
 
@@ -153,6 +194,5 @@ def ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     strides = tuple(s if n > 1 else 0 for s, n in zip(blocks.stride(), blocks.shape))
     num = torch.empty(b, h, R, dtype=torch.int32, device=blocks.device)
     idx = torch.empty(b, h, R, C, dtype=torch.int32, device=blocks.device)
-    _ordered_kernel[(R, b * h)](blocks.view(torch.uint8), num, idx, h, R, C, *strides,
-                                CP=triton.next_power_of_2(C))
+    _ordered_kernel[(R, b * h)](blocks.view(torch.uint8), num, idx, h, R, C, *strides, CP=triton.next_power_of_2(C))
     return num, idx

@@ -3,6 +3,7 @@
 Errors are raised here, before any kernel runs, and name the argument, what it got and what it
 needs. The C++ binding checks again, as a last line for direct torch.ops.flexdma.* callers.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,12 +33,16 @@ def check_qkv(query, key, value) -> None:
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if key.device != query.device or value.device != query.device:
-        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
+        )
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape, got {_shape(key)} and {_shape(value)}")
     B, Q, H, D = query.shape
     if key.shape[0] != B:
-        raise ValueError(f"key batch {key.shape[0]} does not match query batch {B} (query {_shape(query)}, key {_shape(key)})")
+        raise ValueError(
+            f"key batch {key.shape[0]} does not match query batch {B} (query {_shape(query)}, key {_shape(key)})"
+        )
     if key.shape[3] != D:
         raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {D}")
     if D == 0:
@@ -49,7 +54,9 @@ def check_qkv(query, key, value) -> None:
 
 def _to_4d(name: str, t: torch.Tensor) -> torch.Tensor:
     if t.dim() > 4:
-        raise ValueError(f"{name} must have at most 4 dims ({{1|B}}, {{1|KVH|H}}, {{1|Q}}, {{1|K}}), got shape {_shape(t)}")
+        raise ValueError(
+            f"{name} must have at most 4 dims ({{1|B}}, {{1|KVH|H}}, {{1|Q}}, {{1|K}}), got shape {_shape(t)}"
+        )
     while t.dim() < 4:
         t = t.unsqueeze(0)
     return t
@@ -67,7 +74,8 @@ def check_broadcast(name: str, t: torch.Tensor, query: torch.Tensor, key: torch.
             need = " or ".join(str(x) for x in sorted(set(ok)))
             raise ValueError(
                 f"{name} of shape {_shape(t)} does not broadcast to (batch={B}, heads={H} (kv heads {KVH}), "
-                f"query={Q}, key={K}): its {dims[i]} dim is {got}, needs {need}")
+                f"query={Q}, key={K}): its {dims[i]} dim is {got}, needs {need}"
+            )
     if t.device != query.device:
         raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     # Kernels read the key dim with unit stride; only other dims may be strided or broadcast.
@@ -85,7 +93,8 @@ def padding_mask_2d(attn_mask: torch.Tensor, query: torch.Tensor) -> torch.Tenso
         raise ValueError(
             f"attn_mask of shape {_shape(attn_mask)} is ambiguous: batch and seqlen_q are both {B}; pass "
             f"attn_mask[:, None, None, :] for a (batch, key) padding mask or attn_mask[None, None] for a "
-            f"(query, key) mask")
+            f"(query, key) mask"
+        )
     return attn_mask[:, None, None, :]
 
 
@@ -94,8 +103,11 @@ def check_mask(attn_mask, query, key) -> Optional[torch.Tensor]:
         return None
     check_tensor("attn_mask", attn_mask)
     if attn_mask.dtype != torch.bool:
-        hint = ("pass additive float values as attn_bias" if attn_mask.is_floating_point()
-                else "a 0/1 padding mask becomes one with attn_mask.bool()")
+        hint = (
+            "pass additive float values as attn_bias"
+            if attn_mask.is_floating_point()
+            else "a 0/1 padding mask becomes one with attn_mask.bool()"
+        )
         raise TypeError(f"attn_mask must be a bool tensor (True = attend), got {attn_mask.dtype}; {hint}")
     return check_broadcast("attn_mask", padding_mask_2d(attn_mask, query), query, key)
 
@@ -114,7 +126,12 @@ def check_scalars(head_dim: int, softmax_scale, softcap, is_causal) -> Tuple[flo
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
         raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
     if softcap is None:
         softcap = 0.0

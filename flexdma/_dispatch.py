@@ -3,6 +3,7 @@
 auto: the CUDA kernel where it supports the call, FlexAttention where it does not, the eager
 reference last. On CPU the C++ kernel of the op family. Each fallback is warned once per reason.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,7 +16,6 @@ from .reference import attention_ref
 BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
 
 _warned: set = set()
-
 
 
 # Under torch.compile this runs once, when the call is traced (dynamo calls a function marked
@@ -100,8 +100,10 @@ def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optio
         return f"dtype {q.dtype} (the CUDA kernel takes float16 and bfloat16)"
     d = q.shape[-1]
     if d not in info.CUDA_HEAD_DIMS:
-        return (f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
-                f"FLEXDMA_HEAD_DIMS picks them at build time)")
+        return (
+            f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
+            f"FLEXDMA_HEAD_DIMS picks them at build time)"
+        )
     from ._C import MAX_GRID_DIM
 
     if q.shape[0] > MAX_GRID_DIM or q.shape[2] > MAX_GRID_DIM:
@@ -113,8 +115,9 @@ def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires
     flex, why = _flex_module()
     if flex is None:
         return why
-    return flex.unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap,
-                                   requires_grad=requires_grad)
+    return flex.unsupported_reason(
+        q, k, v, mask, bias, is_causal=is_causal, softcap=softcap, requires_grad=requires_grad
+    )
 
 
 def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
@@ -131,8 +134,9 @@ def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
 
 def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, need_lse=True):
     flex, _ = _flex_module()
-    return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap,
-                                   need_lse=need_lse)
+    return flex.flex_dma_attention(
+        q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap, need_lse=need_lse
+    )
 
 
 def _reference_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
@@ -151,8 +155,9 @@ def unsupported_reason(name: str, q, k, v, mask, bias, *, is_causal, softcap, re
     if name == "cuda":
         return cuda_unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap)
     if name == "flex":
-        return flex_unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap,
-                                       requires_grad=requires_grad)
+        return flex_unsupported_reason(
+            q, k, v, mask, bias, is_causal=is_causal, softcap=softcap, requires_grad=requires_grad
+        )
     if name == "cpu":
         if q.device.type != "cpu":
             return f"inputs are on {q.device.type}; the cpu backend takes CPU tensors"

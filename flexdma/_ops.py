@@ -3,6 +3,7 @@
 The schemas and the CPU/CUDA kernels are registered by the C++ extension (ops/); everything
 here is device-independent and registered once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,22 @@ def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, 
 
 
 @torch.library.register_fake("flexdma::bwd")
-def _bwd_fake(grad_out, q, k, v, attn_mask, attn_bias, out, lse, softmax_scale, is_causal, softcap,
-              bias_requires_grad, deterministic, tile_meta=None):
+def _bwd_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_mask,
+    attn_bias,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    deterministic,
+    tile_meta=None,
+):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
     dv = v.new_empty(v.shape)
@@ -49,8 +64,7 @@ def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
     # One int32 word per TILES_PER_WORD key tiles, per query tile, per mask (batch, head).
     tile, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
     words = (-(-seqlen_k // tile) + per_word - 1) // per_word
-    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], -(-seqlen_q // tile), words),
-                               dtype=torch.int32)
+    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], -(-seqlen_q // tile), words), dtype=torch.int32)
 
 
 @torch.library.register_fake("flexdma::topk_select")
@@ -58,8 +72,11 @@ def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
     P1, P2, K = scores.shape
     cap = min(K, window + tile_rows - 1)  # at most W + tile_rows - 1 keys a tile
     n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
-    return (scores.new_empty((P1, P2, K), dtype=torch.int32), scores.new_empty((P1, P2, seqlen_q), dtype=torch.int32),
-            scores.new_empty((P1, P2, n_tiles * (1 + cap)), dtype=torch.int32))
+    return (
+        scores.new_empty((P1, P2, K), dtype=torch.int32),
+        scores.new_empty((P1, P2, seqlen_q), dtype=torch.int32),
+        scores.new_empty((P1, P2, n_tiles * (1 + cap)), dtype=torch.int32),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -82,8 +99,22 @@ def _backward(ctx, grad_out, grad_lse):
         # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
         # as contiguous whatever its strides, and the kernels check head_dim's stride.
         grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-    dq, dk, dv, dbias = bwd(grad_out, q, k, v, attn_mask, attn_bias, out, lse, ctx.softmax_scale, ctx.is_causal,
-                            ctx.softcap, bias_grad, ctx.deterministic, tile_meta)
+    dq, dk, dv, dbias = bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        attn_mask,
+        attn_bias,
+        out,
+        lse,
+        ctx.softmax_scale,
+        ctx.is_causal,
+        ctx.softcap,
+        bias_grad,
+        ctx.deterministic,
+        tile_meta,
+    )
     return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None
 
 
@@ -100,22 +131,40 @@ torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_conte
 
 # ---- topk_fwd / topk_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
 
+
 def _keeps_residual(q) -> bool:
     # The CUDA kernels return out rounded and its rounding error (see the schema's comment).
     return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
 
 
 @torch.library.register_fake("flexdma::topk_fwd")
-def _topk_fwd_fake(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic,
-                   tile_keys=None):
+def _topk_fwd_fake(
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None
+):
     B, Q, H, _ = q.shape
     resid = q.new_empty(q.shape) if _keeps_residual(q) else q.new_empty((0,))
     return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype)), resid
 
 
 @torch.library.register_fake("flexdma::topk_bwd")
-def _topk_bwd_fake(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                   bias_requires_grad, deterministic, tile_keys=None, out_resid=None):
+def _topk_bwd_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    key_rank,
+    row_thr,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    deterministic,
+    tile_keys=None,
+    out_resid=None,
+):
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
@@ -136,14 +185,31 @@ def _topk_backward(ctx, grad_out, grad_lse, grad_resid):
     bias_grad = ctx.needs_input_grad[3]
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    dq, dk, dv, dbias = topk_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, ctx.softmax_scale,
-                                 ctx.is_causal, ctx.softcap, bias_grad, ctx.deterministic, tile_keys, resid)
+    dq, dk, dv, dbias = topk_bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        attn_bias,
+        key_rank,
+        row_thr,
+        out,
+        lse,
+        ctx.softmax_scale,
+        ctx.is_causal,
+        ctx.softcap,
+        bias_grad,
+        ctx.deterministic,
+        tile_keys,
+        resid,
+    )
     return dq, dk, dv, (dbias if bias_grad else None), None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("flexdma::topk_fwd", _topk_backward, setup_context=_topk_setup_context)
-torch.library.register_autograd("flexdma::topk_bwd", _no_double_backward,
-                                setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autograd(
+    "flexdma::topk_bwd", _no_double_backward, setup_context=lambda ctx, inputs, output: None
+)
 
 # The per-key path's GPU kernels are Triton (flexdma/_topk_triton.py), registered here as the CUDA
 # implementations of the op family's schemas.

@@ -15,6 +15,7 @@ docs/kernels.md describes them).
   the query tiles that list a key, accumulated in float32 with atomics, or (deterministic) stored
   per program and list entry and added in a fixed order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,10 +55,28 @@ def tile_rows_for(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
 
 # ----------------------------------------------------------------------------------- selection
 @triton.jit
-def _select_kernel(order_ptr, lvl_start_ptr, lvl_elig_ptr, rank_ptr, thr_ptr, keys_ptr, new_ptr,
-                   Q, K, W, off, n_tiles, cap, n_levels, lvl0,
-                   CAUSAL: tl.constexpr, TILE_ROWS: tl.constexpr, SCAN: tl.constexpr, LB: tl.constexpr,
-                   WIN: tl.constexpr):
+def _select_kernel(
+    order_ptr,
+    lvl_start_ptr,
+    lvl_elig_ptr,
+    rank_ptr,
+    thr_ptr,
+    keys_ptr,
+    new_ptr,
+    Q,
+    K,
+    W,
+    off,
+    n_tiles,
+    cap,
+    n_levels,
+    lvl0,
+    CAUSAL: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    SCAN: tl.constexpr,
+    LB: tl.constexpr,
+    WIN: tl.constexpr,
+):
     t = tl.program_id(0)
     pl = tl.program_id(1).to(tl.int64)
     r0 = t * TILE_ROWS
@@ -225,17 +244,64 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     keys = torch.zeros(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
     newidx = torch.full((P, n_tiles, tile_rows), NEVER, dtype=torch.int32, device=dev)
     if n_tiles > 0 and P > 0:
-        _select_kernel[(n_tiles, P)](orders, lvl_start, lvl_elig, ranks, thr, keys, newidx, Q, K, window, K - Q,
-                                     n_tiles, cap, n_levels, lvl0, CAUSAL=bool(is_causal), TILE_ROWS=tile_rows,
-                                     SCAN=1024, LB=256, WIN=2 * tile_rows, num_warps=4)
+        _select_kernel[(n_tiles, P)](
+            orders,
+            lvl_start,
+            lvl_elig,
+            ranks,
+            thr,
+            keys,
+            newidx,
+            Q,
+            K,
+            window,
+            K - Q,
+            n_tiles,
+            cap,
+            n_levels,
+            lvl0,
+            CAUSAL=bool(is_causal),
+            TILE_ROWS=tile_rows,
+            SCAN=1024,
+            LB=256,
+            WIN=2 * tile_rows,
+            num_warps=4,
+        )
     return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles * (1 + cap))
 
 
 # ----------------------------------------------------------------------------------- attention
 @triton.jit
-def _tile_setup(pid_t, pid_bh, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
-                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap,
-                PACK: tl.constexpr, TILE_ROWS: tl.constexpr):
+def _tile_setup(
+    pid_t,
+    pid_bh,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    rank_ptr,
+    thr_ptr,
+    keys_ptr,
+    skb,
+    skh,
+    svb,
+    svh,
+    sbb,
+    sbh,
+    H,
+    G,
+    PLANE_H,
+    PLANE_RATIO,
+    plane_b_on,
+    BIAS_RATIO,
+    bias_b_on,
+    Q,
+    K,
+    off,
+    n_tiles,
+    cap,
+    PACK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+):
     """One program's rows and operands: PACK query heads (sharing a kv head and a selection plane)
     x TILE_ROWS rows of query tile pid_t; their thresholds, causal limits, the tile's key list, and
     the K / V / bias rows of the batch and kv head."""
@@ -297,20 +363,91 @@ def _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, cap, CAUSAL: tl.
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_ptr, lse_ptr, res_ptr,
-                sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sob, som, soh, sbb, sbh, sbk,
-                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
-                Q, K, off, n_tiles, cap, scale_log2, softcap,
-                D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
-                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr):
+def _fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    rank_ptr,
+    thr_ptr,
+    keys_ptr,
+    o_ptr,
+    lse_ptr,
+    res_ptr,
+    sqb,
+    sqm,
+    sqh,
+    skb,
+    skn,
+    skh,
+    svb,
+    svn,
+    svh,
+    sob,
+    som,
+    soh,
+    sbb,
+    sbh,
+    sbk,
+    H,
+    G,
+    PLANE_H,
+    PLANE_RATIO,
+    plane_b_on,
+    BIAS_RATIO,
+    bias_b_on,
+    Q,
+    K,
+    off,
+    n_tiles,
+    cap,
+    scale_log2,
+    softcap,
+    D: tl.constexpr,
+    PACK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
     pid_t = tl.program_id(0)
     b, h0, kvh, i, h, row_ok, thr, p_row, head, n, ranks, kb, vb, bb = _tile_setup(
-        pid_t, tl.program_id(1), k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
-        H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap, PACK, TILE_ROWS)
+        pid_t,
+        tl.program_id(1),
+        k_ptr,
+        v_ptr,
+        bias_ptr,
+        rank_ptr,
+        thr_ptr,
+        keys_ptr,
+        skb,
+        skh,
+        svb,
+        svh,
+        sbb,
+        sbh,
+        H,
+        G,
+        PLANE_H,
+        PLANE_RATIO,
+        plane_b_on,
+        BIAS_RATIO,
+        bias_b_on,
+        Q,
+        K,
+        off,
+        n_tiles,
+        cap,
+        PACK,
+        TILE_ROWS,
+    )
     BM: tl.constexpr = PACK * TILE_ROWS
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
@@ -338,13 +475,63 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, o_pt
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_ptr, lse_ptr, o_ptr, res_ptr,
-                dq_ptr, dk_ptr, dv_ptr, db_ptr,
-                sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sdb, sdm, sdh, sbb, sbh, sbk, sgb, sgh,
-                H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on,
-                Q, K, off, n_tiles, cap, scale_log2, softcap, tile_base,
-                D: tl.constexpr, PACK: tl.constexpr, TILE_ROWS: tl.constexpr, BN: tl.constexpr,
-                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DBIAS: tl.constexpr, PARTIAL: tl.constexpr):
+def _bwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bias_ptr,
+    rank_ptr,
+    thr_ptr,
+    keys_ptr,
+    do_ptr,
+    lse_ptr,
+    o_ptr,
+    res_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
+    db_ptr,
+    sqb,
+    sqm,
+    sqh,
+    skb,
+    skn,
+    skh,
+    svb,
+    svn,
+    svh,
+    sdb,
+    sdm,
+    sdh,
+    sbb,
+    sbh,
+    sbk,
+    sgb,
+    sgh,
+    H,
+    G,
+    PLANE_H,
+    PLANE_RATIO,
+    plane_b_on,
+    BIAS_RATIO,
+    bias_b_on,
+    Q,
+    K,
+    off,
+    n_tiles,
+    cap,
+    scale_log2,
+    softcap,
+    tile_base,
+    D: tl.constexpr,
+    PACK: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    BN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DBIAS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
     # dk / dv / db are float32 (B, K, KVH, D) / (B, K, KVH, D) / (bias batch, bias heads, K)
     # accumulators, added to with atomics; with PARTIAL they are per-program slices instead,
     # (slot, list entry, D) / (slot, list entry), slot = (tile - tile_base) * programs a tile + pid:
@@ -352,8 +539,35 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, do_p
     # q's dtype with q's strides.
     pid_t = tl.program_id(0) + tile_base
     b, h0, kvh, i, h, row_ok, thr, p_row, head, n, ranks, kb, vb, bb = _tile_setup(
-        pid_t, tl.program_id(1), k_ptr, v_ptr, bias_ptr, rank_ptr, thr_ptr, keys_ptr, skb, skh, svb, svh, sbb, sbh,
-        H, G, PLANE_H, PLANE_RATIO, plane_b_on, BIAS_RATIO, bias_b_on, Q, K, off, n_tiles, cap, PACK, TILE_ROWS)
+        pid_t,
+        tl.program_id(1),
+        k_ptr,
+        v_ptr,
+        bias_ptr,
+        rank_ptr,
+        thr_ptr,
+        keys_ptr,
+        skb,
+        skh,
+        svb,
+        svh,
+        sbb,
+        sbh,
+        H,
+        G,
+        PLANE_H,
+        PLANE_RATIO,
+        plane_b_on,
+        BIAS_RATIO,
+        bias_b_on,
+        Q,
+        K,
+        off,
+        n_tiles,
+        cap,
+        PACK,
+        TILE_ROWS,
+    )
     BM: tl.constexpr = PACK * TILE_ROWS
     d = tl.arange(0, D)
     row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
@@ -417,11 +631,25 @@ def _geometry(q, k, bias, key_rank, tile_keys):
     tile_rows = BLOCK_M // pack
     n_tiles = -(-Q // tile_rows)
     if n_tiles == 0 or tile_keys.shape[2] % n_tiles:
-        raise ValueError(f"tile_keys of shape {tuple(tile_keys.shape)} does not hold {n_tiles} lists of query tiles "
-                         f"of {tile_rows} rows (these kernels' tiles): select with tile_rows={tile_rows}")
+        raise ValueError(
+            f"tile_keys of shape {tuple(tile_keys.shape)} does not hold {n_tiles} lists of query tiles "
+            f"of {tile_rows} rows (these kernels' tiles): select with tile_rows={tile_rows}"
+        )
     return dict(
-        args=(H, H // KVH, P2, H // P2, int(P1 > 1), H // bias.shape[1], int(bias.shape[0] > 1),
-              Q, K, K - Q, n_tiles, tile_keys.shape[2] // n_tiles - 1),
+        args=(
+            H,
+            H // KVH,
+            P2,
+            H // P2,
+            int(P1 > 1),
+            H // bias.shape[1],
+            int(bias.shape[0] > 1),
+            Q,
+            K,
+            K - Q,
+            n_tiles,
+            tile_keys.shape[2] // n_tiles - 1,
+        ),
         meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows),
         grid=(n_tiles, B * H // pack),
     )
@@ -441,10 +669,31 @@ def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, s
         return out, lse, resid
     g = _geometry(q, k, bias, key_rank, tile_keys)
     _fwd_kernel[g["grid"]](
-        q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, resid,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(out), bias.stride(0), bias.stride(1), bias.stride(3),
-        *g["args"], softmax_scale * LOG2E, softcap,
-        **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, **FWD_CONFIG)
+        q,
+        k,
+        v,
+        bias,
+        key_rank,
+        row_thr,
+        tile_keys,
+        out,
+        lse,
+        resid,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(out),
+        bias.stride(0),
+        bias.stride(1),
+        bias.stride(3),
+        *g["args"],
+        softmax_scale * LOG2E,
+        softcap,
+        **g["meta"],
+        CAUSAL=bool(is_causal),
+        SOFTCAP=softcap > 0,
+        **FWD_CONFIG,
+    )
     return out, lse, resid
 
 
@@ -464,8 +713,24 @@ def _deterministic_algorithms():
         torch.use_deterministic_algorithms(prev, warn_only=warn)
 
 
-def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_scale, is_causal, softcap,
-        bias_requires_grad, out_resid=None, deterministic=False):
+def bwd(
+    dout,
+    q,
+    k,
+    v,
+    bias,
+    key_rank,
+    row_thr,
+    tile_keys,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    out_resid=None,
+    deterministic=False,
+):
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
     Bb, Hb = bias.shape[0], bias.shape[1]
@@ -488,12 +753,41 @@ def bwd(dout, q, k, v, bias, key_rank, row_thr, tile_keys, out, lse, softmax_sca
 
         def launch(grid, tile_base, dk_, dv_, db_, partial):
             _bwd_kernel[grid](
-                q, k, v, bias, key_rank, row_thr, tile_keys, dout, lse, out, out_resid, dq, dk_, dv_, db_,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(dout), bias.stride(0), bias.stride(1),
-                bias.stride(3), Hb * K, K,
-                *g["args"], softmax_scale * LOG2E, softcap, tile_base,
-                **g["meta"], CAUSAL=bool(is_causal), SOFTCAP=softcap > 0, DBIAS=bool(bias_requires_grad),
-                PARTIAL=partial, **BWD_CONFIG)
+                q,
+                k,
+                v,
+                bias,
+                key_rank,
+                row_thr,
+                tile_keys,
+                dout,
+                lse,
+                out,
+                out_resid,
+                dq,
+                dk_,
+                dv_,
+                db_,
+                *_strides(q),
+                *_strides(k),
+                *_strides(v),
+                *_strides(dout),
+                bias.stride(0),
+                bias.stride(1),
+                bias.stride(3),
+                Hb * K,
+                K,
+                *g["args"],
+                softmax_scale * LOG2E,
+                softcap,
+                tile_base,
+                **g["meta"],
+                CAUSAL=bool(is_causal),
+                SOFTCAP=softcap > 0,
+                DBIAS=bool(bias_requires_grad),
+                PARTIAL=partial,
+                **BWD_CONFIG,
+            )
 
         if not deterministic:
             launch(g["grid"], 0, dk, dv, db, False)
@@ -531,7 +825,7 @@ def _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, b
         part_v = torch.empty_like(part_k)
         part_b = torch.empty(nt * n_bh, cap, dtype=torch.float32, device=dev)
         launch((nt, n_bh), t0, part_k, part_v, part_b, True)
-        lst = lists[:, t0:t0 + nt].transpose(0, 1)  # (tiles, programs, 1 + cap): the slots' order
+        lst = lists[:, t0 : t0 + nt].transpose(0, 1)  # (tiles, programs, 1 + cap): the slots' order
         keys = lst[..., 1:].long()
         unused = entry >= lst[..., :1]
         kv_rows = ((b_of[None, :, None] * K + keys) * KVH + kvh[None, :, None]).masked_fill(unused, dk.shape[0] - 1)
@@ -545,8 +839,10 @@ def _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, b
 
 def _need_tiles(tile_keys):
     if tile_keys is None:
-        raise ValueError("flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
-                         "flexdma::topk_select (called with the tile_rows of flexdma.topk.tile_rows_for)")
+        raise ValueError(
+            "flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
+            "flexdma::topk_select (called with the tile_rows of flexdma.topk.tile_rows_for)"
+        )
     return tile_keys
 
 
@@ -554,7 +850,39 @@ def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, soft
     return fwd(q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), softmax_scale, is_causal, softcap)
 
 
-def bwd_op(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-           bias_requires_grad, deterministic, tile_keys=None, out_resid=None):
-    return bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), out, lse, softmax_scale,
-               is_causal, softcap, bias_requires_grad, out_resid, bool(deterministic))
+def bwd_op(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    key_rank,
+    row_thr,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    deterministic,
+    tile_keys=None,
+    out_resid=None,
+):
+    return bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        attn_bias,
+        key_rank,
+        row_thr,
+        _need_tiles(tile_keys),
+        out,
+        lse,
+        softmax_scale,
+        is_causal,
+        softcap,
+        bias_requires_grad,
+        out_resid,
+        bool(deterministic),
+    )

@@ -1,4 +1,5 @@
 """The public attention function."""
+
 from __future__ import annotations
 
 from typing import Optional, Tuple, Union
@@ -59,14 +60,34 @@ def flash_dma_attention(
     if keep_window_size is not None:
         from . import topk
 
-        out, lse = topk.attention(query, key, value, attn_mask, attn_bias, topk.check_window(keep_window_size),
-                                  scale=scale, is_causal=is_causal, softcap=softcap, backend=backend,
-                                  deterministic=bool(deterministic))
+        out, lse = topk.attention(
+            query,
+            key,
+            value,
+            attn_mask,
+            attn_bias,
+            topk.check_window(keep_window_size),
+            scale=scale,
+            is_causal=is_causal,
+            softcap=softcap,
+            backend=backend,
+            deterministic=bool(deterministic),
+        )
         return (out, lse) if return_lse else out
     requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
-    name = _dispatch.select(backend, query, key, value, attn_mask, attn_bias, is_causal=is_causal,
-                            softcap=softcap, requires_grad=requires_grad)
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    )
+    name = _dispatch.select(
+        backend,
+        query,
+        key,
+        value,
+        attn_mask,
+        attn_bias,
+        is_causal=is_causal,
+        softcap=softcap,
+        requires_grad=requires_grad,
+    )
     run = _dispatch.RUNNERS[name]
     extra = {"need_lse": return_lse} if name == "flex" else {}
     out, lse = run(query, key, value, attn_mask, attn_bias, scale, is_causal, softcap, bool(deterministic), **extra)

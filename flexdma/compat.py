@@ -1,7 +1,8 @@
 """The seed project's (flash-dmattn) names, so its code runs by changing the import:
 
-    from flexdma.compat import flash_dmattn_func_auto, create_mask, get_available_backends
+from flexdma.compat import flash_dmattn_func_auto, create_mask, get_available_backends
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional
@@ -11,17 +12,28 @@ import torch
 from ._dispatch import available_backends
 from .api import flash_dma_attention
 from .dynamic import dynamic_mask_attention
-from .reference import causal_mask as _causal
 from .masks import create_mask as _create_mask
 from .reference import causal_mask
+from .reference import causal_mask as _causal
 
-__all__ = ["flash_dmattn_func", "flash_dmattn_func_auto", "get_available_backends", "create_mask",
-           "apply_dynamic_mask_attention"]
+__all__ = [
+    "flash_dmattn_func",
+    "flash_dmattn_func_auto",
+    "get_available_backends",
+    "create_mask",
+    "apply_dynamic_mask_attention",
+]
 
 # The seed called the FlexAttention path "flex" and its own kernels "cuda"/"triton"; flexdma has
 # no Triton kernel of its own, so "triton" maps to FlexAttention (Triton-generated).
-_SEED_BACKENDS = {"cuda": "cuda", "triton": "flex", "flex": "flex", "auto": "auto", "cpu": "cpu",
-                  "reference": "reference"}
+_SEED_BACKENDS = {
+    "cuda": "cuda",
+    "triton": "flex",
+    "flex": "flex",
+    "auto": "auto",
+    "cpu": "cpu",
+    "reference": "reference",
+}
 
 
 def _one_of(name: str, value, alias: str, alias_value):
@@ -32,9 +44,24 @@ def _one_of(name: str, value, alias: str, alias_value):
     return value if value is not None else alias_value
 
 
-def flash_dmattn_func(query=None, key=None, value=None, attn_mask=None, attn_bias=None, scale=None, is_causal=None,
-                      softcap=None, deterministic=None, return_attn_probs=None, *, softmax_scale=None,
-                      backend: str = "auto", q=None, k=None, v=None):
+def flash_dmattn_func(
+    query=None,
+    key=None,
+    value=None,
+    attn_mask=None,
+    attn_bias=None,
+    scale=None,
+    is_causal=None,
+    softcap=None,
+    deterministic=None,
+    return_attn_probs=None,
+    *,
+    softmax_scale=None,
+    backend: str = "auto",
+    q=None,
+    k=None,
+    v=None,
+):
     """flash-dmattn's function: (batch, seqlen, heads, head_dim) tensors, returns the output.
 
     As in the seed: query / key / value may be passed as q= / k= / v=; a float32 attn_bias with a
@@ -48,13 +75,26 @@ def flash_dmattn_func(query=None, key=None, value=None, attn_mask=None, attn_bia
     value = _one_of("value", value, "v", v)
     if scale is not None and softmax_scale is not None and scale != softmax_scale:
         raise ValueError(f"scale={scale} and softmax_scale={softmax_scale} disagree")
-    if (isinstance(attn_bias, torch.Tensor) and isinstance(query, torch.Tensor) and attn_bias.dtype == torch.float32
-            and query.dtype in (torch.float16, torch.bfloat16)):
+    if (
+        isinstance(attn_bias, torch.Tensor)
+        and isinstance(query, torch.Tensor)
+        and attn_bias.dtype == torch.float32
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
         attn_bias = attn_bias.to(query.dtype)
-    res = flash_dma_attention(query, key, value, attn_mask, attn_bias, is_causal=bool(is_causal),
-                              softmax_scale=softmax_scale if softmax_scale is not None else scale,
-                              softcap=softcap or 0.0, deterministic=bool(deterministic), backend=backend,
-                              return_lse=bool(return_attn_probs))
+    res = flash_dma_attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        attn_bias,
+        is_causal=bool(is_causal),
+        softmax_scale=softmax_scale if softmax_scale is not None else scale,
+        softcap=softcap or 0.0,
+        deterministic=bool(deterministic),
+        backend=backend,
+        return_lse=bool(return_attn_probs),
+    )
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -105,8 +145,10 @@ def _keep_flags(attention_mask: torch.Tensor, drop_at: float) -> torch.Tensor:
     checking = not torch.compiler.is_compiling()  # the checks read values: eager only
     if not m.is_floating_point():
         if checking and not bool(((m == 0) | (m == 1)).all()):
-            raise ValueError(f"an integer attention_mask must hold keep flags, 1 = attend and 0 = masked (a "
-                             f"Hugging Face padding mask); got {m.dtype} values {_values(m[(m != 0) & (m != 1)])}")
+            raise ValueError(
+                f"an integer attention_mask must hold keep flags, 1 = attend and 0 = masked (a "
+                f"Hugging Face padding mask); got {m.dtype} values {_values(m[(m != 0) & (m != 1)])}"
+            )
         return m != 0
     flags = (m == 0) | (m == 1)
     additive = (m == 0) | (m <= drop_at)
@@ -117,7 +159,8 @@ def _keep_flags(attention_mask: torch.Tensor, drop_at: float) -> torch.Tensor:
         raise ValueError(
             f"a floating-point attention_mask must hold keep flags (1 = attend, 0 = masked) or be additive "
             f"(0 = attend, <= {drop_at:g} or -inf = masked); got {m.dtype} values "
-            f"{_values(m[~(flags | additive)])}")
+            f"{_values(m[~(flags | additive)])}"
+        )
     return torch.where(as_flags, m == 1, m > drop_at)
 
 
@@ -131,8 +174,10 @@ def _mask_4d(keep: torch.Tensor, batch_size: int, query_len: int, key_len: int) 
     if keep.shape[0] == batch_size and keep.shape[1] == query_len and query_len < key_len:
         pad = keep.new_ones((batch_size, key_len - query_len))
         return torch.cat((pad, keep), dim=1)[:, None, None, :]
-    raise ValueError(f"a 2-D attention_mask must be (batch_size, key_len) = ({batch_size}, {key_len}) or "
-                     f"(batch_size, query_len) = ({batch_size}, {query_len}), got {tuple(keep.shape)}")
+    raise ValueError(
+        f"a 2-D attention_mask must be (batch_size, key_len) = ({batch_size}, {key_len}) or "
+        f"(batch_size, query_len) = ({batch_size}, {query_len}), got {tuple(keep.shape)}"
+    )
 
 
 def _block_majority(sel: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -148,11 +193,13 @@ def _block_majority(sel: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _relu_mask(bias: torch.Tensor, allowed: Optional[torch.Tensor], is_causal: bool, query_len: int,
-               block_size: Optional[int]) -> torch.Tensor:
+def _relu_mask(
+    bias: torch.Tensor, allowed: Optional[torch.Tensor], is_causal: bool, query_len: int, block_size: Optional[int]
+) -> torch.Tensor:
     if not bias.is_floating_point() or bias.dim() != 4:
-        raise ValueError(f"attention_bias must be a 4-D floating-point tensor, got {bias.dtype} of shape "
-                         f"{tuple(bias.shape)}")
+        raise ValueError(
+            f"attention_bias must be a 4-D floating-point tensor, got {bias.dtype} of shape {tuple(bias.shape)}"
+        )
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
         raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
     if bias.shape[2] not in (1, query_len):
@@ -171,9 +218,18 @@ def _relu_mask(bias: torch.Tensor, allowed: Optional[torch.Tensor], is_causal: b
     return sel
 
 
-def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Tensor], batch_size: int,
-                query_len: int, key_len: int, window_size: int, min_dtype: Optional[float] = None,
-                block_size: Optional[int] = None, type: str = "topk", is_causal: bool = False) -> torch.Tensor:
+def create_mask(
+    attention_bias: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    batch_size: int,
+    query_len: int,
+    key_len: int,
+    window_size: int,
+    min_dtype: Optional[float] = None,
+    block_size: Optional[int] = None,
+    type: str = "topk",
+    is_causal: bool = False,
+) -> torch.Tensor:
     """The seed's create_mask: a bool mask (True = attend) from the bias and an optional mask.
 
     attention_mask: None, bool (True = attend), integer 0/1 or float 0/1 keep flags (Hugging Face
@@ -189,34 +245,51 @@ def create_mask(attention_bias: torch.Tensor, attention_mask: Optional[torch.Ten
     is_causal: also drop keys after each query (bottom-right aligned); flexdma's addition.
     """
     if not isinstance(type, str) or type not in MASK_TYPES:
-        raise ValueError(f"type must be one of {', '.join(repr(t) for t in MASK_TYPES)} (the seed's mask types), "
-                         f"got {type!r}")
+        raise ValueError(
+            f"type must be one of {', '.join(repr(t) for t in MASK_TYPES)} (the seed's mask types), got {type!r}"
+        )
     if not isinstance(attention_bias, torch.Tensor):
         raise TypeError(f"attention_bias must be a torch.Tensor, got {attention_bias.__class__.__name__}")
     if attention_bias.shape[-1] != key_len:
         raise ValueError(f"attention_bias key dim {attention_bias.shape[-1]} != key_len {key_len}")
     if attention_bias.shape[0] not in (1, batch_size):
         raise ValueError(f"attention_bias batch dim {attention_bias.shape[0]} must be 1 or batch_size {batch_size}")
-    if min_dtype is not None and (isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float))
-                                  or not min_dtype < 0):
-        raise ValueError(f"min_dtype must be a negative number (e.g. torch.finfo(dtype).min) or None, "
-                         f"got {min_dtype!r}")
+    if min_dtype is not None and (
+        isinstance(min_dtype, bool) or not isinstance(min_dtype, (int, float)) or not min_dtype < 0
+    ):
+        raise ValueError(
+            f"min_dtype must be a negative number (e.g. torch.finfo(dtype).min) or None, got {min_dtype!r}"
+        )
     drop_at = ADDITIVE_DROP if min_dtype is None else max(float(min_dtype), ADDITIVE_DROP)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a torch.Tensor or None, got "
-                            f"{attention_mask.__class__.__name__}")
+            raise TypeError(f"attention_mask must be a torch.Tensor or None, got {attention_mask.__class__.__name__}")
         attention_mask = _mask_4d(_keep_flags(attention_mask, drop_at), batch_size, query_len, key_len)
     if type == "relu":
         return _relu_mask(attention_bias, attention_mask, is_causal, query_len, block_size)
-    return _create_mask(attention_bias, window_size, attn_mask=attention_mask, is_causal=is_causal,
-                        query_len=query_len, block_size=block_size)
+    return _create_mask(
+        attention_bias,
+        window_size,
+        attn_mask=attention_mask,
+        is_causal=is_causal,
+        query_len=query_len,
+        block_size=block_size,
+    )
 
 
-def apply_dynamic_mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dt_proj: torch.Tensor,
-                                 A: torch.Tensor, causal_mask: Optional[torch.Tensor] = None,
-                                 keep_window_size: int = 2048, is_causal: bool = True, *,
-                                 softmax_scale: float = 1.0, backend: str = "auto") -> torch.Tensor:
+def apply_dynamic_mask_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dt_proj: torch.Tensor,
+    A: torch.Tensor,
+    causal_mask: Optional[torch.Tensor] = None,
+    keep_window_size: int = 2048,
+    is_causal: bool = True,
+    *,
+    softmax_scale: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
     """The seed's dynamic mask attention, (batch, heads, seqlen, head_dim) in and out.
 
     query (B, H, Q, D); key, value (B, KVH, K, D); dt_proj (KVH, KVH * D); A (KVH,). Each key gets
@@ -239,8 +312,9 @@ def apply_dynamic_mask_attention(query: torch.Tensor, key: torch.Tensor, value: 
     allowed = None
     if causal_mask is not None:
         if not isinstance(causal_mask, torch.Tensor) or not causal_mask.is_floating_point():
-            raise TypeError("causal_mask must be a float tensor, 0 = keep and -inf (or the dtype's min) = masked, "
-                            "as in the seed")
+            raise TypeError(
+                "causal_mask must be a float tensor, 0 = keep and -inf (or the dtype's min) = masked, as in the seed"
+            )
         if causal_mask.dim() != 4 or causal_mask.shape[1] != 1 or causal_mask.shape[2] not in (1, Q):
             raise ValueError(f"causal_mask must be (batch, 1, {Q} or 1, key_len), got {tuple(causal_mask.shape)}")
         allowed = causal_mask[..., :K] == 0
@@ -255,5 +329,15 @@ def apply_dynamic_mask_attention(query: torch.Tensor, key: torch.Tensor, value: 
                 allowed, is_causal = last, True
             elif torch.equal(eff, last.expand_as(eff)):
                 allowed = last
-    return dynamic_mask_attention(q, k, v, dt_proj, A, keep_window_size=keep_window_size, is_causal=is_causal,
-                                  attn_mask=allowed, softmax_scale=softmax_scale, backend=backend).transpose(1, 2)
+    return dynamic_mask_attention(
+        q,
+        k,
+        v,
+        dt_proj,
+        A,
+        keep_window_size=keep_window_size,
+        is_causal=is_causal,
+        attn_mask=allowed,
+        softmax_scale=softmax_scale,
+        backend=backend,
+    ).transpose(1, 2)

@@ -1,4 +1,5 @@
 """Dynamic mask attention: keys are scored from the value states, the top ones are attended to."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -66,10 +67,21 @@ def dynamic_mask_attention(
     if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[2] > 1:
         # A mask that differs by row (nn.MultiheadAttention's attn_mask): the selection depends on
         # it row by row, so it is built densely.
-        mask = create_mask(bias.detach(), keep_window_size, attn_mask=attn_mask, is_causal=is_causal,
-                           query_len=query.shape[1])
-        return flash_dma_attention(query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale,
-                                   backend=backend)
+        mask = create_mask(
+            bias.detach(), keep_window_size, attn_mask=attn_mask, is_causal=is_causal, query_len=query.shape[1]
+        )
+        return flash_dma_attention(
+            query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, backend=backend
+        )
     # The scores are per key: the selection is implicit (flexdma/topk.py), no Q x K mask is built.
-    return flash_dma_attention(query, key, value, attn_mask, bias, is_causal=is_causal,
-                               softmax_scale=softmax_scale, backend=backend, keep_window_size=keep_window_size)
+    return flash_dma_attention(
+        query,
+        key,
+        value,
+        attn_mask,
+        bias,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        keep_window_size=keep_window_size,
+    )

@@ -13,6 +13,7 @@
 - FlexAttention has no CPU backward: on CPU the forward runs through FlexAttention and the
   backward through the flexdma C++ op (same conventions, so the saved out/lse are valid for it).
 """
+
 from __future__ import annotations
 
 import functools
@@ -163,8 +164,16 @@ def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return num.contiguous(), idx.contiguous()
 
 
-def _block_tensors(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int, is_causal: bool,
-                   need_q: bool = True, device=None, no_full: bool = False) -> tuple:
+def _block_tensors(
+    mask: Optional[torch.Tensor],
+    Q: int,
+    K: int,
+    num_heads: int,
+    is_causal: bool,
+    need_q: bool = True,
+    device=None,
+    no_full: bool = False,
+) -> tuple:
     """BlockMask tensors (kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
     full_q_idx) for a dense (b, h, q|1, K) bool mask (None = all True), causal folded in; the q
     side (only the backward reads it) is None unless need_q."""
@@ -193,14 +202,24 @@ def _make_block_mask(tensors: tuple, Q: int, K: int, mask_mod) -> BlockMask:
     # The plain constructor (not from_kv_blocks, which would recompute the q side inside the
     # compiled graph). Keyword arguments only: used with torch 2.11 and 2.13.
     kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tensors
-    return BlockMask(seq_lengths=(Q, K), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
-                     full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
-                     full_q_indices=full_q_idx, BLOCK_SIZE=(BLOCK, BLOCK),
-                     mask_mod=mask_mod if mask_mod is not None else noop_mask)
+    return BlockMask(
+        seq_lengths=(Q, K),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(BLOCK, BLOCK),
+        mask_mod=mask_mod if mask_mod is not None else noop_mask,
+    )
 
 
-def block_mask_from_dense(mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int, is_causal: bool,
-                          mask_mod, device=None) -> BlockMask:
+def block_mask_from_dense(
+    mask: Optional[torch.Tensor], Q: int, K: int, num_heads: int, is_causal: bool, mask_mod, device=None
+) -> BlockMask:
     """A BlockMask (kv and q side) for a dense (b, h, q|1, K) bool mask (None = all True, on
     `device`), causal folded in."""
     return _make_block_mask(_block_tensors(mask, Q, K, num_heads, is_causal, True, device), Q, K, mask_mod)
@@ -217,8 +236,9 @@ def _index_fn(t: torch.Tensor, num_heads: int):
     return at
 
 
-def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse,
-            keep=None):
+def _attend(
+    q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse, keep=None
+):
     """Runs FlexAttention on (B, H, S, D) inputs; compiled as a whole so the closures built here
     are part of the graph (no guard on their identity, so no recompiles for new contents)."""
     H = q.shape[1]
@@ -266,11 +286,21 @@ def _attend(q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, sof
     bm = _make_block_mask(block_mask_tensors, Q, K, mask_mod)
     gqa = q.shape[1] != k.shape[1]
     if need_lse:
-        out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
-                                  kernel_options=kernel_options, return_aux=AuxRequest(lse=True))
+        out, aux = flex_attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=bm,
+            scale=scale,
+            enable_gqa=gqa,
+            kernel_options=kernel_options,
+            return_aux=AuxRequest(lse=True),
+        )
         return out, aux.lse
-    return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa,
-                          kernel_options=kernel_options), None
+    return flex_attention(
+        q, k, v, score_mod=score_mod, block_mask=bm, scale=scale, enable_gqa=gqa, kernel_options=kernel_options
+    ), None
 
 
 _RECOMPILE_LIMIT = 128
@@ -332,6 +362,7 @@ def _add_row_bias(out, lse, row_bias, H):
     moves the LSE of rows with visible keys; as in the reference a NaN / +inf one makes the row
     NaN and a -inf one empties it."""
     from .reference import expand_heads
+
     rb = expand_heads(row_bias, H)[..., 0].to(lse.dtype)  # ({1|B}, {1|H}, {1|Q})
     visible = lse != float("-inf")
     # Rows with nothing visible stay -inf; they contribute no gradient: torch.where.
@@ -352,8 +383,17 @@ class _FlexFwdOpBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, is_causal, scale, softcap):
         # FlexAttention refuses CPU inputs that require grad, even in no-grad mode.
-        out, lse = _forward(q.detach(), k.detach(), v.detach(), mask, bias.detach() if bias is not None else None,
-                            is_causal, scale, softcap, training=False)
+        out, lse = _forward(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            mask,
+            bias.detach() if bias is not None else None,
+            is_causal,
+            scale,
+            softcap,
+            training=False,
+        )
         out = out.contiguous()
         ctx.save_for_backward(q, k, v, mask, bias, out, lse)
         ctx.cfg = (is_causal, scale, softcap)
@@ -365,24 +405,47 @@ class _FlexFwdOpBwd(torch.autograd.Function):
         q, k, v, mask, bias, out, lse = ctx.saved_tensors
         is_causal, scale, softcap = ctx.cfg
         bias_grad = bias is not None and ctx.needs_input_grad[4]
-        dq, dk, dv, dbias = torch.ops.flexdma.bwd(dout.contiguous(), q, k, v, mask, bias, out, lse, scale, is_causal,
-                                                  softcap, bias_grad, True)
+        dq, dk, dv, dbias = torch.ops.flexdma.bwd(
+            dout.contiguous(), q, k, v, mask, bias, out, lse, scale, is_causal, softcap, bias_grad, True
+        )
         return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None
 
 
-def flex_dma_attention(query, key, value, attn_mask, attn_bias, *, is_causal: bool, softmax_scale: float,
-                       softcap: float, need_lse: bool = True):
+def flex_dma_attention(
+    query,
+    key,
+    value,
+    attn_mask,
+    attn_bias,
+    *,
+    is_causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    need_lse: bool = True,
+):
     """(out (B, Q, H, D), lse (B, H, Q) or None if not need_lse) through FlexAttention; inputs
     validated by flexdma.api."""
     training = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias))
+        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+    )
     if training and query.device.type == "cpu":
         return _FlexFwdOpBwd.apply(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap)
     return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
 
 
-def flex_topk_attention(query, key, value, attn_bias, key_rank, row_thr, *, is_causal: bool, softmax_scale: float,
-                        softcap: float, need_lse: bool = True):
+def flex_topk_attention(
+    query,
+    key,
+    value,
+    attn_bias,
+    key_rank,
+    row_thr,
+    *,
+    is_causal: bool,
+    softmax_scale: float,
+    softcap: float,
+    need_lse: bool = True,
+):
     """The per-key top-W path through FlexAttention: the selection (flexdma/topk.py) read by the
     mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping)."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))

@@ -1,4 +1,5 @@
 """Dynamic masks: which keys each query attends to, picked from importance scores (the bias)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -60,8 +61,10 @@ def create_mask(
         with a full query dim when causal), True = attend.
     """
     if not isinstance(attn_bias, torch.Tensor) or not attn_bias.is_floating_point():
-        raise TypeError(f"attn_bias must be a floating-point tensor, got "
-                        f"{attn_bias.dtype if isinstance(attn_bias, torch.Tensor) else type(attn_bias).__name__}")
+        raise TypeError(
+            f"attn_bias must be a floating-point tensor, got "
+            f"{attn_bias.dtype if isinstance(attn_bias, torch.Tensor) else type(attn_bias).__name__}"
+        )
     if attn_bias.dim() != 4:
         raise ValueError(f"attn_bias must be 4-D (B|1, H|KVH|1, Q|1, K), got shape {tuple(attn_bias.shape)}")
     if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size <= 0:
@@ -90,8 +93,9 @@ def create_mask(
     try:
         out_shape = torch.broadcast_shapes(attn_bias.shape, allowed.shape if allowed is not None else (1, 1, 1, 1))
     except RuntimeError as e:
-        raise ValueError(f"attn_mask {tuple(allowed.shape)} does not broadcast with attn_bias "
-                         f"{tuple(attn_bias.shape)}") from e
+        raise ValueError(
+            f"attn_mask {tuple(allowed.shape)} does not broadcast with attn_bias {tuple(attn_bias.shape)}"
+        ) from e
 
     if window_size >= K:
         if allowed is None:
@@ -101,8 +105,13 @@ def create_mask(
     pad = None if attn_mask is None else _padding_to_4d(attn_mask, Bb)
     # Under torch.compile/export the dense top-k below stays: the selection op's fake tensor sizes
     # its tile lists with min(K, W + rows - 1), which a dynamic key length cannot satisfy as a guard.
-    if Qb == 1 and block_size is None and (pad is None or pad.shape[2] == 1) \
-            and not torch.compiler.is_compiling() and _per_key_ok(attn_bias.device):
+    if (
+        Qb == 1
+        and block_size is None
+        and (pad is None or pad.shape[2] == 1)
+        and not torch.compiler.is_compiling()
+        and _per_key_ok(attn_bias.device)
+    ):
         # One score per key: the selection is flexdma.topk's (ranks + one threshold per row, O(Q + K)),
         # and the dense mask is a comparison against the thresholds -- bound by writing the mask.
         return _per_key_mask(attn_bias, pad, window_size, out_shape, is_causal)
@@ -152,8 +161,9 @@ def _per_key_ok(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _per_key_mask(attn_bias: torch.Tensor, pad: Optional[torch.Tensor], window_size: int, out_shape,
-                  is_causal: bool) -> torch.Tensor:
+def _per_key_mask(
+    attn_bias: torch.Tensor, pad: Optional[torch.Tensor], window_size: int, out_shape, is_causal: bool
+) -> torch.Tensor:
     """create_mask for a per-key bias (query dim 1) and a mask without a query dim: key j is kept by
     row i iff key_rank[j] <= row_thr[i] (and j is causally visible), which is the top-k of the dense
     path entry for entry (same float32 scores, same (score desc, index asc) order)."""

@@ -1,4 +1,5 @@
 """Attention layers built on dynamic mask attention."""
+
 from __future__ import annotations
 
 import math
@@ -44,11 +45,11 @@ class DMACache(tuple):
 
     @property
     def bias(self) -> torch.Tensor:
-        return self._bufs[2][:, :, :self.length]
+        return self._bufs[2][:, :, : self.length]
 
     @property
     def padding(self) -> torch.Tensor:
-        return self._bufs[3][:, :self.length]
+        return self._bufs[3][:, : self.length]
 
     @classmethod
     def from_full(cls, key, value, bias, padding, window: int) -> "DMACache":
@@ -74,8 +75,12 @@ class DMACache(tuple):
         worst kept one (the lowest score, the highest index among equal ones); a tie keeps the older
         key. No selection over all keys (fact 5 of the per-key selection note)."""
         n = self.length
-        bufs = (_append(self._bufs[0], n, key, 1), _append(self._bufs[1], n, value, 1),
-                _append(self._bufs[2], n, bias[:, :, 0, :], 2), _append(self._bufs[3], n, padding[:, None], 1))
+        bufs = (
+            _append(self._bufs[0], n, key, 1),
+            _append(self._bufs[1], n, value, 1),
+            _append(self._bufs[2], n, bias[:, :, 0, :], 2),
+            _append(self._bufs[3], n, padding[:, None], 1),
+        )
         idx, valid = self.sel_idx, self.sel_valid
         s_new = bias[:, :, 0, 0].float()
         eligible = padding[:, None] & (s_new != float("-inf"))
@@ -93,8 +98,12 @@ class DMACache(tuple):
         a gather of W rows."""
         B, W = self.sel_idx.shape[0], self.sel_idx.shape[-1]
         rows = self.sel_idx.transpose(1, 2)[..., None].expand(B, W, self.sel_idx.shape[1], self[0].shape[-1])
-        return (self[0].gather(1, rows), self[1].gather(1, rows), self.bias.gather(-1, self.sel_idx)[:, :, None, :],
-                self.sel_valid[:, :, None, :])
+        return (
+            self[0].gather(1, rows),
+            self[1].gather(1, rows),
+            self.bias.gather(-1, self.sel_idx)[:, :, None, :],
+            self.sel_valid[:, :, None, :],
+        )
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +119,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0,
-                   dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of shape positions.shape + (head_dim,) for apply_rotary."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32)[..., None] * inv_freq
@@ -136,9 +146,20 @@ class DynamicMaskAttention(nn.Module):
     With a cache, S_total = S_past + S and the new queries attend causally (bottom-right) to all keys.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, *, keep_window_size: int = 2048, bias: bool = False,
-                 is_causal: bool = True, backend: str = "auto", device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        *,
+        keep_window_size: int = 2048,
+        bias: bool = False,
+        is_causal: bool = True,
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
@@ -148,7 +169,12 @@ class DynamicMaskAttention(nn.Module):
                 raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads})")
             head_dim = hidden_size // num_heads
         fk = {"device": device, "dtype": dtype}
-        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = hidden_size, num_heads, num_kv_heads, head_dim
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            hidden_size,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        )
         self.keep_window_size = _check_window(keep_window_size)
         self.is_causal, self.backend = is_causal, backend
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **fk)
@@ -160,11 +186,18 @@ class DynamicMaskAttention(nn.Module):
         self.A = nn.Parameter(torch.zeros(num_kv_heads, **fk))
         nn.init.kaiming_uniform_(self.dt_proj, a=math.sqrt(5))
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                attention_mask: Optional[torch.Tensor] = None, past_key_value: Optional[KVCache] = None,
-                use_cache: bool = False):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        past_key_value: Optional[KVCache] = None,
+        use_cache: bool = False,
+    ):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"hidden_states must be (batch, seqlen, {self.hidden_size}), got {tuple(hidden_states.shape)}")
+            raise ValueError(
+                f"hidden_states must be (batch, seqlen, {self.hidden_size}), got {tuple(hidden_states.shape)}"
+            )
         B, S, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
@@ -175,8 +208,10 @@ class DynamicMaskAttention(nn.Module):
         total = S + (0 if past_key_value is None else past_key_value[0].shape[1])
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, total):
-                raise ValueError(f"attention_mask must be a bool (batch, {total}) padding mask, got "
-                                 f"{attention_mask.dtype} {tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must be a bool (batch, {total}) padding mask, got "
+                    f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+                )
         decode = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
         if decode and S == 1:
             # Decoding: the kept set is updated with the new key and attended to, O(W) -- the earlier
@@ -191,8 +226,9 @@ class DynamicMaskAttention(nn.Module):
             k, v = torch.cat((pk, k), dim=1), torch.cat((pv, v), dim=1)
         bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
         pad = None if attention_mask is None else attention_mask[:, None, None, :]
-        out = flash_dma_attention(q, k, v, pad, bias, is_causal=self.is_causal, backend=self.backend,
-                                  keep_window_size=self.keep_window_size)
+        out = flash_dma_attention(
+            q, k, v, pad, bias, is_causal=self.is_causal, backend=self.backend, keep_window_size=self.keep_window_size
+        )
         out = self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
         if not use_cache:
             return out
@@ -208,10 +244,23 @@ class MultiheadDynamicMaskAttention(nn.Module):
     torch.nn.MultiheadAttention computes with the same weights. Returns (output, None).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
-                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim=None, vdim=None,
-                 batch_first: bool = False, device=None, dtype=None, *, keep_window_size: int = 2048,
-                 backend: str = "auto"):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim=None,
+        vdim=None,
+        batch_first: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        keep_window_size: int = 2048,
+        backend: str = "auto",
+    ):
         super().__init__()
         if dropout != 0.0:
             raise ValueError(f"dropout must be 0, got {dropout}")
@@ -235,10 +284,17 @@ class MultiheadDynamicMaskAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
         nn.init.kaiming_uniform_(self.dt_proj, a=math.sqrt(5))
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_padding_mask: Optional[torch.Tensor] = None, need_weights: bool = False,
-                attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_padding_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = False,
+        attn_mask: Optional[torch.Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ):
         if need_weights:
             raise ValueError("need_weights=True is not supported: the attention weights are never materialized")
         if query.dim() != 3:
@@ -248,7 +304,10 @@ class MultiheadDynamicMaskAttention(nn.Module):
         B, L, E = query.shape
         S = key.shape[1]
         H, D = self.num_heads, self.head_dim
-        w, b = self.in_proj_weight.chunk(3), (self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3)
+        w, b = (
+            self.in_proj_weight.chunk(3),
+            (self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3),
+        )
         q = nn.functional.linear(query, w[0], b[0]).view(B, L, H, D)
         k = nn.functional.linear(key, w[1], b[1]).view(B, S, H, D)
         v = nn.functional.linear(value, w[2], b[2]).view(B, S, H, D)
@@ -256,8 +315,10 @@ class MultiheadDynamicMaskAttention(nn.Module):
         allowed = None
         if key_padding_mask is not None:
             if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (B, S):
-                raise ValueError(f"key_padding_mask must be a bool ({B}, {S}) tensor, got "
-                                 f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+                raise ValueError(
+                    f"key_padding_mask must be a bool ({B}, {S}) tensor, got "
+                    f"{key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+                )
             allowed = (~key_padding_mask)[:, None, None, :]
         if attn_mask is not None:
             if attn_mask.dtype != torch.bool:
@@ -269,8 +330,17 @@ class MultiheadDynamicMaskAttention(nn.Module):
             else:
                 raise ValueError(f"attn_mask must be ({L}, {S}) or ({B * H}, {L}, {S}), got {tuple(attn_mask.shape)}")
             allowed = am if allowed is None else allowed & am
-        out = dynamic_mask_attention(q, k, v, self.dt_proj, self.A, keep_window_size=self.keep_window_size,
-                                     is_causal=is_causal, attn_mask=allowed, backend=self.backend)
+        out = dynamic_mask_attention(
+            q,
+            k,
+            v,
+            self.dt_proj,
+            self.A,
+            keep_window_size=self.keep_window_size,
+            is_causal=is_causal,
+            attn_mask=allowed,
+            backend=self.backend,
+        )
         out = self.out_proj(out.reshape(B, L, E))
         if not self.batch_first:
             out = out.transpose(0, 1)

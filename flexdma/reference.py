@@ -21,6 +21,7 @@ Conventions defined here (the kernels in csrc/ follow them, see csrc/flash_dma_p
 - mask and bias broadcast as ({1|B}, {1|KVH|H}, {1|Q}, {1|K}); autograd returns dbias in the
   bias's own shape (summed over its broadcast dims).
 """
+
 from __future__ import annotations
 
 import math

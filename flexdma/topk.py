@@ -19,6 +19,7 @@ This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_
 densely, entry for entry (tests/test_topk.py checks it). A plane is one (batch, head) entry of the
 broadcast of the bias's and the mask's batch / head dims.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -91,15 +92,21 @@ def check_window(keep_window_size) -> int:
 def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor]) -> None:
     """The per-key path's limits on the (already broadcast-checked, 4-D) mask and bias."""
     if attn_bias is None:
-        raise ValueError("keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias of shape "
-                         "({1|B}, {1|KVH|H}, 1, K)")
+        raise ValueError(
+            "keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias of shape "
+            "({1|B}, {1|KVH|H}, 1, K)"
+        )
     if attn_bias.shape[2] != 1 or attn_bias.shape[3] == 1:
-        raise ValueError(f"keep_window_size needs a per-key attn_bias ({{1|B}}, {{1|KVH|H}}, 1, K) (one score per "
-                         f"key, shared by every query row), got shape {tuple(attn_bias.shape)}; for a bias that "
-                         "varies by row, build the mask with create_mask and pass it as attn_mask")
+        raise ValueError(
+            f"keep_window_size needs a per-key attn_bias ({{1|B}}, {{1|KVH|H}}, 1, K) (one score per "
+            f"key, shared by every query row), got shape {tuple(attn_bias.shape)}; for a bias that "
+            "varies by row, build the mask with create_mask and pass it as attn_mask"
+        )
     if attn_mask is not None and attn_mask.shape[2] != 1:
-        raise ValueError(f"with keep_window_size, attn_mask may only drop keys for every row (a (B, K) padding "
-                         f"mask or a query dim of 1), got shape {tuple(attn_mask.shape)}")
+        raise ValueError(
+            f"with keep_window_size, attn_mask may only drop keys for every row (a (B, K) padding "
+            f"mask or a query dim of 1), got shape {tuple(attn_mask.shape)}"
+        )
 
 
 def cuda_unsupported_reason(q: torch.Tensor) -> Optional[str]:
@@ -117,34 +124,76 @@ def cuda_unsupported_reason(q: torch.Tensor) -> Optional[str]:
     return None
 
 
-def attention(query, key, value, attn_mask, attn_bias, window: int, *, scale: float, is_causal: bool,
-              softcap: float, backend: str, deterministic: bool):
+def attention(
+    query,
+    key,
+    value,
+    attn_mask,
+    attn_bias,
+    window: int,
+    *,
+    scale: float,
+    is_causal: bool,
+    softcap: float,
+    backend: str,
+    deterministic: bool,
+):
     """(out, lse) of attention over each row's top `window` keys by the per-key attn_bias; inputs
     validated by flexdma.api. No Q x K tensor on the cuda, cpu and flex backends."""
     from . import _dispatch
 
     check_operands(attn_mask, attn_bias)
     Q, K, H = query.shape[1], key.shape[1], query.shape[2]
-    name = _select_backend(backend, query, key, value, attn_mask, attn_bias, is_causal, softcap, deterministic,
-                           _dispatch)
+    name = _select_backend(
+        backend, query, key, value, attn_mask, attn_bias, is_causal, softcap, deterministic, _dispatch
+    )
     scores = selection_scores(attn_bias.detach(), attn_mask, H)
-    sel = select(scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]) if name == "cuda"
-                 else CPU_TILE_ROWS)
+    sel = select(
+        scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]) if name == "cuda" else CPU_TILE_ROWS
+    )
     if name in ("cuda", "cpu"):
         from . import _ops
 
-        out, lse, _ = _ops.topk_fwd(query, key, value, attn_bias, sel.key_rank, sel.row_thr, scale, is_causal,
-                                    softcap, bool(deterministic), sel.tile_keys if name == "cuda" else None)
+        out, lse, _ = _ops.topk_fwd(
+            query,
+            key,
+            value,
+            attn_bias,
+            sel.key_rank,
+            sel.row_thr,
+            scale,
+            is_causal,
+            softcap,
+            bool(deterministic),
+            sel.tile_keys if name == "cuda" else None,
+        )
         return out, lse
     if name == "flex":
         from . import flex
 
-        return flex.flex_topk_attention(query, key, value, attn_bias, sel.key_rank, sel.row_thr, is_causal=is_causal,
-                                        softmax_scale=scale, softcap=softcap)
+        return flex.flex_topk_attention(
+            query,
+            key,
+            value,
+            attn_bias,
+            sel.key_rank,
+            sel.row_thr,
+            is_causal=is_causal,
+            softmax_scale=scale,
+            softcap=softcap,
+        )
     from .reference import attention_ref
 
-    return attention_ref(query, key, value, keep_mask(sel, Q, K, is_causal), attn_bias, is_causal=is_causal,
-                         softmax_scale=scale, softcap=softcap)
+    return attention_ref(
+        query,
+        key,
+        value,
+        keep_mask(sel, Q, K, is_causal),
+        attn_bias,
+        is_causal=is_causal,
+        softmax_scale=scale,
+        softcap=softcap,
+    )
 
 
 def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, deterministic, _dispatch) -> str:
@@ -158,11 +207,13 @@ def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, determinis
         if name == "flex":
             if q.device.type == "cpu" and training:
                 return "FlexAttention has no CPU backward for the per-key path"
-            return _dispatch.flex_unsupported_reason(q, k, v, None, bias, is_causal=is_causal, softcap=softcap,
-                                                     requires_grad=training)
+            return _dispatch.flex_unsupported_reason(
+                q, k, v, None, bias, is_causal=is_causal, softcap=softcap, requires_grad=training
+            )
         if name == "cpu":
-            return _dispatch.unsupported_reason("cpu", q, k, v, None, bias, is_causal=is_causal, softcap=softcap,
-                                                requires_grad=training)
+            return _dispatch.unsupported_reason(
+                "cpu", q, k, v, None, bias, is_causal=is_causal, softcap=softcap, requires_grad=training
+            )
         return None
 
     if backend != "auto":
@@ -176,8 +227,9 @@ def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, determinis
         why = why_not(name)
         if why is None:
             if first is not None:
-                _dispatch._warn_once(f"flexdma: keep_window_size path falls back from {first[0]!r} to {name!r}: "
-                                     f"{first[1]}")
+                _dispatch._warn_once(
+                    f"flexdma: keep_window_size path falls back from {first[0]!r} to {name!r}: {first[1]}"
+                )
             return name
         first = first or (name, why)
     raise AssertionError("unreachable: the reference supports every call")

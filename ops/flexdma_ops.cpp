@@ -50,15 +50,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, tile_meta, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
+                  deterministic, tile_meta,
+                  [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
 }
 
 // tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
 // ranks and thresholds of each tile as it goes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
-    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap, bool /*deterministic*/,
-    const c10::optional<at::Tensor>& /*tile_keys*/) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& bias,
+                                                            const at::Tensor& key_rank, const at::Tensor& row_thr,
+                                                            double softmax_scale, bool is_causal, double softcap,
+                                                            bool /*deterministic*/,
+                                                            const c10::optional<at::Tensor>& /*tile_keys*/) {
   auto [out, lse] = topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
                                   [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
   return {out, lse, at::empty({0}, q.options())};
@@ -70,7 +73,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_cpu(
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
     const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
   return topk_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                       bias_requires_grad, deterministic, [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
+                       bias_requires_grad, deterministic,
+                       [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
 }
 
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with
@@ -150,9 +154,10 @@ TORCH_LIBRARY(flexdma, m) {
   // length-prefixed list of the keys its rows keep, each 1 + cap entries, side by side:
   // (P1, P2, ceil(Q / tile_rows) * (1 + cap)) (one flat dim keeps the shape free of a guard on the
   // tile count under torch.export).
-  m.def("topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
-        "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
-        {at::Tag::pt2_compliant_tag});
+  m.def(
+      "topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
+      "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
+      {at::Tag::pt2_compliant_tag});
   // fwd / bwd with a top-k selection in place of attn_mask: row i keeps key j iff
   // key_rank[b, h, j] <= row_thr[b, h, i] (and causality). key_rank (1|B, 1|KVH|H, K) int32 ranks
   // the keys of a selection plane (INT32_MAX: never kept), row_thr (1|B, 1|KVH|H, Q) int32 (-1:

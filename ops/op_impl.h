@@ -71,8 +71,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
 // wrong plane or bias is reported as such.
 inline std::tuple<at::Tensor, at::Tensor> topk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                         const at::Tensor& bias, const at::Tensor& key_rank,
-                                                        const at::Tensor& row_thr, double softmax_scale,
-                                                        bool is_causal, double softcap,
+                                                        const at::Tensor& row_thr, double softmax_scale, bool is_causal,
+                                                        double softcap,
                                                         const std::function<void(const FwdParams&)>& run) {
   check_qkv(q, k, v);
   FwdParams rule;

@@ -161,15 +161,15 @@ inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor&
 // One plane operand of the top-k rank rule: int32 (Bs, Hs, n), Bs in {1, B}, Hs in {1, KVH, H},
 // n = `len` (K for key_rank, Q for row_thr), contiguous along n. Seen by the kernel as 4-D with
 // the n entries along `along_rows` ? rows (row_thr: (Bs, Hs, Q, 1)) : keys (key_rank: (Bs, Hs, 1, K)).
-inline Broadcast4d topk_plane(const at::Tensor& x, const char* name, const char* len_name, int64_t len,
-                              bool along_rows, const at::Tensor& q, int64_t kv_heads) {
+inline Broadcast4d topk_plane(const at::Tensor& x, const char* name, const char* len_name, int64_t len, bool along_rows,
+                              const at::Tensor& q, int64_t kv_heads) {
   const int64_t B = q.size(0), H = q.size(2);
   TORCH_CHECK(x.scalar_type() == at::kInt, "flexdma: ", name, " must be int32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 3, "flexdma: ", name, " must be 3-D (batch, heads, ", len_name, "), got ", x.sizes());
   TORCH_CHECK(x.device() == q.device(), "flexdma: ", name, " is on ", x.device(), ", query on ", q.device());
   TORCH_CHECK(x.size(0) == 1 || x.size(0) == B, "flexdma: ", name, " batch dim ", x.size(0), " must be 1 or ", B);
-  TORCH_CHECK(x.size(1) == 1 || x.size(1) == kv_heads || x.size(1) == H, "flexdma: ", name, " head dim ",
-              x.size(1), " must be 1, ", kv_heads, " or ", H);
+  TORCH_CHECK(x.size(1) == 1 || x.size(1) == kv_heads || x.size(1) == H, "flexdma: ", name, " head dim ", x.size(1),
+              " must be 1, ", kv_heads, " or ", H);
   TORCH_CHECK(x.size(2) == len, "flexdma: ", name, " last dim ", x.size(2), " must be ", len_name, " = ", len);
   TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, "flexdma: ", name, " must be contiguous in its last dim (stride ",
               x.stride(2), "); call .contiguous()");

@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RUFF_VERSION=0.17.6
 CLANG_FORMAT_VERSION=23.1.5
-CXX_FORMAT_PENDING="csrc/cpu"  # format-pending: formatted by `format`, then this becomes ""
+CXX_FORMAT_PENDING=""
 
 venv=build/lint-venv
 want="ruff==$RUFF_VERSION clang-format==$CLANG_FORMAT_VERSION"

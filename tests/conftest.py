@@ -1,4 +1,5 @@
 """Shared pytest setup: a fresh, reproducible seed per test and the `gpu` marker."""
+
 import zlib
 
 import pytest

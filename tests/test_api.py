@@ -1,4 +1,5 @@
 """Public API: argument errors, backend selection, compile/export integration, compat names."""
+
 import re
 import warnings
 
@@ -14,9 +15,11 @@ from flexdma.compat import flash_dmattn_func, flash_dmattn_func_auto, get_availa
 
 def qkv(B=2, Q=9, K=11, H=4, KVH=2, D=16, dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(B, Q, H, D, generator=g, dtype=dtype).to(device),
-            torch.randn(B, K, KVH, D, generator=g, dtype=dtype).to(device),
-            torch.randn(B, K, KVH, D, generator=g, dtype=dtype).to(device))
+    return (
+        torch.randn(B, Q, H, D, generator=g, dtype=dtype).to(device),
+        torch.randn(B, K, KVH, D, generator=g, dtype=dtype).to(device),
+        torch.randn(B, K, KVH, D, generator=g, dtype=dtype).to(device),
+    )
 
 
 # ---------------------------------------------------------------- bad input
@@ -25,27 +28,102 @@ def _bad_cases():
     B, Q, H, D = q.shape
     K = k.shape[1]
     yield "not a tensor", dict(query=q.tolist()), TypeError, "query must be a torch.Tensor, got list"
-    yield "3-D query", dict(query=q[0]), ValueError, r"query must be 4-D \(batch, seqlen, heads, head_dim\), got shape \(9, 4, 16\)"
-    yield "int dtype", dict(query=q.long(), key=k.long(), value=v.long()), TypeError, "query must be float16, bfloat16, float32 or float64, got torch.int64"
+    yield (
+        "3-D query",
+        dict(query=q[0]),
+        ValueError,
+        r"query must be 4-D \(batch, seqlen, heads, head_dim\), got shape \(9, 4, 16\)",
+    )
+    yield (
+        "int dtype",
+        dict(query=q.long(), key=k.long(), value=v.long()),
+        TypeError,
+        "query must be float16, bfloat16, float32 or float64, got torch.int64",
+    )
     yield "mixed dtype", dict(key=k.double()), TypeError, "query, key and value must share a dtype"
-    yield "k/v shapes", dict(value=v[:, :5]), ValueError, r"key and value must have the same shape, got \(2, 11, 2, 16\) and \(2, 5, 2, 16\)"
+    yield (
+        "k/v shapes",
+        dict(value=v[:, :5]),
+        ValueError,
+        r"key and value must have the same shape, got \(2, 11, 2, 16\) and \(2, 5, 2, 16\)",
+    )
     yield "batch", dict(key=k[:1], value=v[:1]), ValueError, "key batch 1 does not match query batch 2"
-    yield "head_dim", dict(key=k[..., :8], value=v[..., :8]), ValueError, "key head_dim 8 does not match query head_dim 16"
-    yield "heads divide", dict(key=torch.randn(2, K, 3, D), value=torch.randn(2, K, 3, D)), ValueError, r"query heads \(4\) must be a multiple of key/value heads \(3\)"
-    yield "float mask", dict(attn_mask=torch.ones(1, 1, Q, K)), TypeError, "attn_mask must be a bool tensor .* got torch.float32"
-    yield "mask batch", dict(attn_mask=torch.ones(3, 1, Q, K, dtype=torch.bool)), ValueError, r"attn_mask of shape \(3, 1, 9, 11\) does not broadcast .* its batch dim is 3, needs 1 or 2"
-    yield "mask heads", dict(attn_mask=torch.ones(1, 3, Q, K, dtype=torch.bool)), ValueError, "its heads dim is 3, needs 1 or 2 or 4"
-    yield "mask keys", dict(attn_mask=torch.ones(1, 1, Q, K + 1, dtype=torch.bool)), ValueError, "its key dim is 12, needs 1 or 11"
-    yield "mask 5-D", dict(attn_mask=torch.ones(1, 1, 1, Q, K, dtype=torch.bool)), ValueError, "attn_mask must have at most 4 dims"
-    yield "bias dtype", dict(attn_bias=torch.randn(1, 1, Q, K, dtype=torch.float64)), TypeError, "attn_bias dtype torch.float64 must match query dtype torch.float32"
+    yield (
+        "head_dim",
+        dict(key=k[..., :8], value=v[..., :8]),
+        ValueError,
+        "key head_dim 8 does not match query head_dim 16",
+    )
+    yield (
+        "heads divide",
+        dict(key=torch.randn(2, K, 3, D), value=torch.randn(2, K, 3, D)),
+        ValueError,
+        r"query heads \(4\) must be a multiple of key/value heads \(3\)",
+    )
+    yield (
+        "float mask",
+        dict(attn_mask=torch.ones(1, 1, Q, K)),
+        TypeError,
+        "attn_mask must be a bool tensor .* got torch.float32",
+    )
+    yield (
+        "mask batch",
+        dict(attn_mask=torch.ones(3, 1, Q, K, dtype=torch.bool)),
+        ValueError,
+        r"attn_mask of shape \(3, 1, 9, 11\) does not broadcast .* its batch dim is 3, needs 1 or 2",
+    )
+    yield (
+        "mask heads",
+        dict(attn_mask=torch.ones(1, 3, Q, K, dtype=torch.bool)),
+        ValueError,
+        "its heads dim is 3, needs 1 or 2 or 4",
+    )
+    yield (
+        "mask keys",
+        dict(attn_mask=torch.ones(1, 1, Q, K + 1, dtype=torch.bool)),
+        ValueError,
+        "its key dim is 12, needs 1 or 11",
+    )
+    yield (
+        "mask 5-D",
+        dict(attn_mask=torch.ones(1, 1, 1, Q, K, dtype=torch.bool)),
+        ValueError,
+        "attn_mask must have at most 4 dims",
+    )
+    yield (
+        "bias dtype",
+        dict(attn_bias=torch.randn(1, 1, Q, K, dtype=torch.float64)),
+        TypeError,
+        "attn_bias dtype torch.float64 must match query dtype torch.float32",
+    )
     yield "bias query dim", dict(attn_bias=torch.randn(1, 1, Q - 1, K)), ValueError, "its query dim is 8, needs 1 or 9"
-    yield "scale", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive finite float or None, got -1.0"
+    yield (
+        "scale",
+        dict(softmax_scale=-1.0),
+        ValueError,
+        "softmax_scale must be a positive finite float or None, got -1.0",
+    )
     yield "softcap", dict(softcap=-2.0), ValueError, r"softcap must be a finite float >= 0 \(0 disables it\), got -2.0"
     yield "is_causal", dict(is_causal=1), TypeError, "is_causal must be a bool, got int"
-    yield "backend", dict(backend="triton"), ValueError, r"backend must be one of \('auto', 'cuda', 'flex', 'cpu', 'reference'\), got 'triton'"
-    yield "cuda on cpu", dict(backend="cuda"), ValueError, "backend='cuda' cannot run this call: inputs are on cpu, not cuda"
+    yield (
+        "backend",
+        dict(backend="triton"),
+        ValueError,
+        r"backend must be one of \('auto', 'cuda', 'flex', 'cpu', 'reference'\), got 'triton'",
+    )
+    yield (
+        "cuda on cpu",
+        dict(backend="cuda"),
+        ValueError,
+        "backend='cuda' cannot run this call: inputs are on cpu, not cuda",
+    )
     if torch.device("meta") != q.device:
-        yield "mask device", dict(attn_mask=torch.ones(1, 1, Q, K, dtype=torch.bool, device="meta")), ValueError, "attn_mask is on meta but query is on cpu"
+        yield (
+            "mask device",
+            dict(attn_mask=torch.ones(1, 1, Q, K, dtype=torch.bool, device="meta")),
+            ValueError,
+            "attn_mask is on meta but query is on cpu",
+        )
 
 
 @pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda c: c[0])
@@ -63,8 +141,17 @@ def test_bad_input_on_direct_op_call_is_checked():
     with pytest.raises(RuntimeError, match="attn_mask must be bool"):
         torch.ops.flexdma.fwd(q, k, v, torch.ones(1, 1, 9, 11), None, 0.25, False, 0.0, False)
     with pytest.raises(RuntimeError, match="not divisible by kv heads"):
-        torch.ops.flexdma.fwd(q, k[:, :, :1].expand(2, 11, 3, 16).contiguous(), v[:, :, :1].expand(2, 11, 3, 16).contiguous(),
-                              None, None, 0.25, False, 0.0, False)
+        torch.ops.flexdma.fwd(
+            q,
+            k[:, :, :1].expand(2, 11, 3, 16).contiguous(),
+            v[:, :, :1].expand(2, 11, 3, 16).contiguous(),
+            None,
+            None,
+            0.25,
+            False,
+            0.0,
+            False,
+        )
 
 
 # ---------------------------------------------------------------- backends
@@ -158,8 +245,15 @@ def test_create_mask_errors():
 def test_compat_names_run_seed_code():
     q, k, v = qkv(dtype=torch.float64)
     bias = torch.randn(2, 2, 9, 11, dtype=torch.float64)
-    mask = seed_create_mask(attention_bias=bias, attention_mask=None, batch_size=2, query_len=9, key_len=11,
-                            window_size=4, min_dtype=torch.finfo(torch.float64).min)
+    mask = seed_create_mask(
+        attention_bias=bias,
+        attention_mask=None,
+        batch_size=2,
+        query_len=9,
+        key_len=11,
+        window_size=4,
+        min_dtype=torch.finfo(torch.float64).min,
+    )
     assert mask.dtype == torch.bool and mask.shape == (2, 2, 9, 11)
     func = flash_dmattn_func_auto(backend="reference")
     out = func(query=q, key=k, value=v, attn_mask=mask, attn_bias=bias, is_causal=True, softmax_scale=0.3)
@@ -184,8 +278,11 @@ def _graph_calls(gm: torch.fx.GraphModule) -> str:
     for n in gm.graph.nodes:
         if n.op == "call_function":
             t = n.target
-            name = str(t) if isinstance(t, torch._ops.OpOverload) or isinstance(t, torch._ops.OpOverloadPacket) \
+            name = (
+                str(t)
+                if isinstance(t, torch._ops.OpOverload) or isinstance(t, torch._ops.OpOverloadPacket)
                 else f"{getattr(t, '__module__', '')}.{getattr(t, '__name__', t)}"
+            )
             lines.append(re.sub(r"^_operator\.", "operator.", name))
     return "\n".join(lines)
 
@@ -206,9 +303,12 @@ class TestCompileExport(expecttest.TestCase):
         out = compiled(q, k, v, mask, bias)
         torch.testing.assert_close(out, Attn()(q, k, v, mask, bias))
         self.assertEqual(len(graphs), 1)
-        self.assertExpectedInline(_graph_calls(graphs[0]), """\
+        self.assertExpectedInline(
+            _graph_calls(graphs[0]),
+            """\
 flexdma.fwd
-operator.getitem""")
+operator.getitem""",
+        )
 
     def test_compile_inductor_trains(self):
         torch._dynamo.reset()

@@ -1,5 +1,6 @@
 """CPU smoke test of the benchmark suite's plumbing: configurations, derived figures, JSON naming,
 markdown, report regeneration from a small fake result file, and the equivalence subcommand."""
+
 import json
 import os
 import sys
@@ -14,13 +15,13 @@ from benchmarks import cli, configs, inputs, report  # noqa: E402
 
 def test_configs_cover_the_issue_sweeps():
     fwd = configs.training_cases(("fwd",))
-    assert {c.Q for c in fwd} == set(2 ** i for i in range(8, 16))
+    assert {c.Q for c in fwd} == set(2**i for i in range(8, 16))
     assert all(c.Q == c.K and c.W == 1024 for c in fwd)
     assert {(c.D, c.bias) for c in fwd} == {(64, "per-row"), (64, "per-key"), (128, "per-row"), (128, "per-key")}
     win = configs.window_cases(("fwd", "bwd"))
-    assert {c.W for c in win} == set(2 ** i for i in range(5, 16)) and {c.K for c in win} == {32768}
+    assert {c.W for c in win} == set(2**i for i in range(5, 16)) and {c.K for c in win} == {32768}
     dec = configs.decode_cases()
-    assert {c.K for c in dec} == set(2 ** i for i in range(8, 20)) and {c.Q for c in dec} == {1}
+    assert {c.K for c in dec} == set(2**i for i in range(8, 20)) and {c.Q for c in dec} == {1}
     assert {c.bias_shape[2] for c in dec} == {1}
     assert configs.Case("train", 8, 8, 4, 64, "per-key").bias_shape == (1, 1, 1, 8)
     assert configs.Case("train", 8, 8, 4, 64, "per-row").bias_shape == (1, 1, 8, 8)
@@ -70,26 +71,51 @@ def test_gpu_short_and_result_path(tmp_path):
 
 
 def test_recorded_argv_hides_directories():
-    assert cli.public_argv(["forward", "--out", "/x/y", "--quick", "--md=/a/b.md"]) == \
-        ["forward", "--out", "DIR", "--quick", "--md=DIR"]
+    assert cli.public_argv(["forward", "--out", "/x/y", "--quick", "--md=/a/b.md"]) == [
+        "forward",
+        "--out",
+        "DIR",
+        "--quick",
+        "--md=DIR",
+    ]
 
 
 def _fake_doc(sub="forward"):
     rows = []
     for K, auto_ms in ((1024, 0.05), (4096, 0.2)):
         case = configs.Case("train", K, K, 1024, 128, "per-row", ("fwd",))
-        row = dict(case.as_dict(), dir="fwd", pairs=K * 100, density=0.1,
-                   flops=inputs.flops(case, K * 100, "fwd"), bytes=inputs.bytes_moved(case, "fwd"),
-                   results={"flexdma-auto": {"status": "ok", "ms": auto_ms, "peak_mib": 10.0, "extra_mib": 1.0},
-                            "sdpa": {"status": "ok", "ms": 2 * auto_ms, "peak_mib": 20.0, "extra_mib": 5.0},
-                            "flexattn": {"status": "oom", "reason": "CUDA out of memory"},
-                            "dense": {"status": "skipped", "reason": "skipped: test"}})
+        row = dict(
+            case.as_dict(),
+            dir="fwd",
+            pairs=K * 100,
+            density=0.1,
+            flops=inputs.flops(case, K * 100, "fwd"),
+            bytes=inputs.bytes_moved(case, "fwd"),
+            results={
+                "flexdma-auto": {"status": "ok", "ms": auto_ms, "peak_mib": 10.0, "extra_mib": 1.0},
+                "sdpa": {"status": "ok", "ms": 2 * auto_ms, "peak_mib": 20.0, "extra_mib": 5.0},
+                "flexattn": {"status": "oom", "reason": "CUDA out of memory"},
+                "dense": {"status": "skipped", "reason": "skipped: test"},
+            },
+        )
         cli._derive(row, case)
         rows.append(row)
-    return dict(schema=report.SCHEMA, subcommand=sub, gpu="NVIDIA H100 80GB HBM3", gpu_short="h100",
-                torch="2.11.0", cuda="13.0", triton="3.6.0", commit="abc1234", dirty=False,
-                date="2026-11-22T10:00:00Z", timing=dict(warmup_ms=25, rep_ms=100, stat="median", tool="do_bench"),
-                peer_notes={"flash_dmattn": "not importable"}, rows=rows, not_run=[])
+    return dict(
+        schema=report.SCHEMA,
+        subcommand=sub,
+        gpu="NVIDIA H100 80GB HBM3",
+        gpu_short="h100",
+        torch="2.11.0",
+        cuda="13.0",
+        triton="3.6.0",
+        commit="abc1234",
+        dirty=False,
+        date="2026-11-22T10:00:00Z",
+        timing=dict(warmup_ms=25, rep_ms=100, stat="median", tool="do_bench"),
+        peer_notes={"flash_dmattn": "not importable"},
+        rows=rows,
+        not_run=[],
+    )
 
 
 def test_derived_figures():
@@ -150,8 +176,11 @@ def test_report_merges_runs_of_one_commit(tmp_path):
     (tmp_path / "h100_old_forward.json").write_text(json.dumps(old))
     [doc] = report.load_results(str(tmp_path))
     assert doc["commit"] == "abc1234" and doc["not_run"] == [] and len(doc["rows"]) == 3
-    assert [r["results"]["flexdma-auto"]["ms"] for r in doc["rows"] if r["Q"] == redo["Q"] and r["D"] == redo["D"]
-            and r["bias"] == redo["bias"]] == [123.0]  # the later run's figure
+    assert [
+        r["results"]["flexdma-auto"]["ms"]
+        for r in doc["rows"]
+        if r["Q"] == redo["Q"] and r["D"] == redo["D"] and r["bias"] == redo["bias"]
+    ] == [123.0]  # the later run's figure
     assert doc["_paths"] == [str(p) for p in paths]
     assert "the 2 invocations merged here" in report.header(doc)
     # the window sweep has a forward and a backward row per case: both survive a merge
@@ -178,8 +207,25 @@ def test_timing_subcommands_need_a_gpu(tmp_path):
 def test_equivalence_subcommand_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the GPU run covers it")
-    assert cli.main(["equivalence", "--quick", "--d", "64", "--bias", "per-key", "--peers", "flexdma-auto,sdpa",
-                     "--out", str(tmp_path), "--commit", "test000"]) == 0
+    assert (
+        cli.main(
+            [
+                "equivalence",
+                "--quick",
+                "--d",
+                "64",
+                "--bias",
+                "per-key",
+                "--peers",
+                "flexdma-auto,sdpa",
+                "--out",
+                str(tmp_path),
+                "--commit",
+                "test000",
+            ]
+        )
+        == 0
+    )
     files = list(tmp_path.glob("*_test000_equivalence.json"))
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
@@ -195,13 +241,24 @@ def test_equivalence_subcommand_on_cpu(tmp_path, capsys):
 def test_topk_benchmark_table_and_report_section(tmp_path):
     from benchmarks import topk
 
-    doc = dict(schema=topk.SCHEMA, date="2026-11-23T00:00:00Z", gpu_short="h100", commit="abc1234", rows=[
-        dict(case=topk.cases(quick=True)[0], peers={
-            "flexdma": dict(fwd_ms=0.5, bwd_ms=1.0, fwd_bwd_ms=1.5, fwd_peak_mib=10.0, fwd_bwd_peak_mib=20.0),
-            "sdpa": dict(fwd_ms=1.0, bwd_ms=2.5, fwd_bwd_ms=3.5),
-            "flex": dict(error="RuntimeError: boom"),
-            "dense-mask": dict(skipped="the dense mask is 131072 x 131072 bools")}),
-        dict(case=topk.cases(quick=True)[-1], not_run="time budget")])
+    doc = dict(
+        schema=topk.SCHEMA,
+        date="2026-11-23T00:00:00Z",
+        gpu_short="h100",
+        commit="abc1234",
+        rows=[
+            dict(
+                case=topk.cases(quick=True)[0],
+                peers={
+                    "flexdma": dict(fwd_ms=0.5, bwd_ms=1.0, fwd_bwd_ms=1.5, fwd_peak_mib=10.0, fwd_bwd_peak_mib=20.0),
+                    "sdpa": dict(fwd_ms=1.0, bwd_ms=2.5, fwd_bwd_ms=3.5),
+                    "flex": dict(error="RuntimeError: boom"),
+                    "dense-mask": dict(skipped="the dense mask is 131072 x 131072 bools"),
+                },
+            ),
+            dict(case=topk.cases(quick=True)[-1], not_run="time budget"),
+        ],
+    )
     (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
     md = "\n".join(topk.section(str(tmp_path)))
     assert "0.500 / 1.000" in md and "2.00x / 2.50x" in md and "error: RuntimeError" in md
@@ -213,8 +270,9 @@ def test_cpu_subcommand_and_its_report_section(tmp_path, capsys):
     [path] = list(tmp_path.glob("*_test000_cpu.json"))
     doc = json.loads(path.read_text())
     assert doc["schema"] == report.CPU_SCHEMA and doc["subcommand"] == "cpu"
-    assert [(r["kind"], r["dir"]) for r in doc["rows"]] == [(k, d) for k in ("dense", "top25", "top25-blocks")
-                                                            for d in ("fwd", "fwd+bwd")]
+    assert [(r["kind"], r["dir"]) for r in doc["rows"]] == [
+        (k, d) for k in ("dense", "top25", "top25-blocks") for d in ("fwd", "fwd+bwd")
+    ]
     for r in doc["rows"]:
         assert {"flexdma-cpu", "sdpa"} <= set(r["results"]) and all(x["status"] == "ok" for x in r["results"].values())
         assert r["speedup"]["sdpa"] == r["results"]["sdpa"]["min_ms"] / r["results"]["flexdma-cpu"]["min_ms"]

@@ -1,5 +1,6 @@
 """flexdma.compat runs the seed project's (flash-dmattn) calls: its create_mask with every mask
 form the seed and transformers pass, its mask types, and its flash_dmattn_func call forms."""
+
 import pytest
 import torch
 
@@ -70,23 +71,36 @@ def test_create_mask_query_len_padding_mask_keeps_the_cache():
     keep = torch.ones(B, Q, dtype=torch.long)
     keep[1, :2] = 0
     m = create_mask(torch.randn(B, 1, Q, K), keep, B, Q, K, window_size=K)
-    assert m[:, :, :, :K - Q].all()
-    assert torch.equal(m[:, 0, 0, K - Q:], keep.bool())
+    assert m[:, :, :, : K - Q].all()
+    assert torch.equal(m[:, 0, 0, K - Q :], keep.bool())
 
 
-@pytest.mark.parametrize("mask, exc, pattern", [
-    (torch.full((B, K), 0.5), ValueError,
-     r"must hold keep flags \(1 = attend, 0 = masked\) or be additive \(0 = attend, <= -10000 or -inf = masked\); "
-     r"got torch.float32 values 0.5"),
-    (torch.full((B, K), -3.0), ValueError, "got torch.float32 values -3"),
-    (torch.full((B, K), float("nan")), ValueError, "got torch.float32 values nan"),
-    (torch.full((B, K), 2, dtype=torch.long), ValueError,
-     "an integer attention_mask must hold keep flags, 1 = attend and 0 = masked .*; got torch.int64 values 2"),
-    (torch.ones(B, K, dtype=torch.complex64), TypeError, "attention_mask must be bool, integer or floating point"),
-    (torch.ones(B, K + 1, dtype=torch.bool), ValueError,
-     r"a 2-D attention_mask must be \(batch_size, key_len\) = \(2, 40\) .* got \(2, 41\)"),
-    ([[1] * K] * B, TypeError, "attention_mask must be a torch.Tensor or None, got list"),
-], ids=["float 0.5", "float -3", "nan", "long 2", "complex", "2-D shape", "list"])
+@pytest.mark.parametrize(
+    "mask, exc, pattern",
+    [
+        (
+            torch.full((B, K), 0.5),
+            ValueError,
+            r"must hold keep flags \(1 = attend, 0 = masked\) or be additive \(0 = attend, <= -10000 or -inf = masked\); "
+            r"got torch.float32 values 0.5",
+        ),
+        (torch.full((B, K), -3.0), ValueError, "got torch.float32 values -3"),
+        (torch.full((B, K), float("nan")), ValueError, "got torch.float32 values nan"),
+        (
+            torch.full((B, K), 2, dtype=torch.long),
+            ValueError,
+            "an integer attention_mask must hold keep flags, 1 = attend and 0 = masked .*; got torch.int64 values 2",
+        ),
+        (torch.ones(B, K, dtype=torch.complex64), TypeError, "attention_mask must be bool, integer or floating point"),
+        (
+            torch.ones(B, K + 1, dtype=torch.bool),
+            ValueError,
+            r"a 2-D attention_mask must be \(batch_size, key_len\) = \(2, 40\) .* got \(2, 41\)",
+        ),
+        ([[1] * K] * B, TypeError, "attention_mask must be a torch.Tensor or None, got list"),
+    ],
+    ids=["float 0.5", "float -3", "nan", "long 2", "complex", "2-D shape", "list"],
+)
 def test_create_mask_bad_attention_mask(mask, exc, pattern):
     with pytest.raises(exc, match=pattern):
         create_mask(torch.randn(B, 1, Q, K), mask, B, Q, K, window_size=4)
@@ -119,7 +133,9 @@ def test_create_mask_relu_block_size_smooths_but_keeps_masked_keys_out():
 
 
 def test_create_mask_unknown_type_names_the_supported_ones():
-    with pytest.raises(ValueError, match=r"type must be one of 'topk', 'relu' \(the seed's mask types\), got 'sigmoid'"):
+    with pytest.raises(
+        ValueError, match=r"type must be one of 'topk', 'relu' \(the seed's mask types\), got 'sigmoid'"
+    ):
         create_mask(torch.randn(B, 1, Q, K), None, B, Q, K, window_size=4, type="sigmoid")
 
 
@@ -155,12 +171,14 @@ def test_flash_dmattn_func_float32_bias_with_low_precision_query(dtype):
 def test_flash_dmattn_func_returns_lse_like_the_seed():
     q, k, v = _qkv()
     bias = torch.randn(B, KVH, Q, K)
-    out, lse, probs = flash_dmattn_func(q, k, v, None, bias, is_causal=True, return_attn_probs=True,
-                                        backend="reference")
+    out, lse, probs = flash_dmattn_func(
+        q, k, v, None, bias, is_causal=True, return_attn_probs=True, backend="reference"
+    )
     ref, ref_lse = flexdma.attention_ref(q, k, v, None, bias, is_causal=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse, ref_lse)
     assert lse.shape == (B, H, Q) and lse.dtype == torch.float32 and probs is None
-    out2, lse2, _ = flash_dmattn_func_auto(backend="reference")(query=q, key=k, value=v, attn_bias=bias,
-                                                                is_causal=True, return_attn_probs=True)
+    out2, lse2, _ = flash_dmattn_func_auto(backend="reference")(
+        query=q, key=k, value=v, attn_bias=bias, is_causal=True, return_attn_probs=True
+    )
     torch.testing.assert_close(lse2, ref_lse)

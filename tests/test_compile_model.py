@@ -1,11 +1,12 @@
 """The compiler stack on a small DMA transformer: torch.compile(fullgraph), torch.export with a
 dynamic sequence length, and an AOTInductor package."""
+
 import copy
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 import flexdma
 from flexdma.examples.mqar import DMALanguageModel
@@ -20,12 +21,14 @@ def _model(device, **kw):
         if "cuda" not in flexdma.available_backends():
             pytest.skip("flexdma was built without its CUDA kernels")
         # bf16 with head_dim 64: a call the CUDA kernels take, so their ops are what gets traced.
-        return DMALanguageModel(VOCAB, dim=128, num_layers=2, num_heads=2, num_kv_heads=1, keep_window_size=6,
-                                backend="cuda", **kw).to(device, torch.bfloat16)
+        return DMALanguageModel(
+            VOCAB, dim=128, num_layers=2, num_heads=2, num_kv_heads=1, keep_window_size=6, backend="cuda", **kw
+        ).to(device, torch.bfloat16)
     if "cpu" not in flexdma.available_backends():
         pytest.skip("flexdma was built without its CPU kernel")
-    return DMALanguageModel(VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, keep_window_size=6,
-                            backend="cpu", **kw).to(device)
+    return DMALanguageModel(
+        VOCAB, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, keep_window_size=6, backend="cpu", **kw
+    ).to(device)
 
 
 def _tol(device):
@@ -45,6 +48,7 @@ class GraphRecorder:
         def compiler(gm, example_inputs):
             store.append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
 
 

@@ -6,6 +6,7 @@ head dims 16..256, GQA ratios 1/2/4, every mask and bias broadcast pattern, caus
 rows with no visible key, bias with and without a gradient. Forward out and lse, backward dq, dk, dv
 and dbias, with FlashAttention's tolerance rule for low precision.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,11 +15,19 @@ from typing import Optional, Tuple
 
 import pytest
 import torch
+from utils import (
+    ALL_PATTERNS,
+    assert_close_to_ref,
+    assert_no_nan,
+    make_mask_bias,
+    make_qkv,
+    pattern_id,
+    poison_allocator,
+    reference_with_grads,
+)
 
 import flexdma
 from flexdma import _dispatch
-from utils import (ALL_PATTERNS, assert_close_to_ref, assert_no_nan, make_mask_bias, make_qkv, pattern_id,
-                   poison_allocator, reference_with_grads)
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -40,13 +49,29 @@ class Case:
 
     @property
     def id(self) -> str:
-        return (f"B{self.B}-Q{self.Q}-K{self.K}-H{self.H}kv{self.KVH}-D{self.D}-m{pattern_id(self.mask)}"
-                f"-b{pattern_id(self.bias)}{'-causal' if self.causal else ''}{'-dbias' if self.bias_grad else ''}"
-                f"{'-empty' if self.empty_rows else ''}{f'-cap{self.softcap:g}' if self.softcap else ''}")
+        return (
+            f"B{self.B}-Q{self.Q}-K{self.K}-H{self.H}kv{self.KVH}-D{self.D}-m{pattern_id(self.mask)}"
+            f"-b{pattern_id(self.bias)}{'-causal' if self.causal else ''}{'-dbias' if self.bias_grad else ''}"
+            f"{'-empty' if self.empty_rows else ''}{f'-cap{self.softcap:g}' if self.softcap else ''}"
+        )
 
 
-SEQLENS = [(1, 1), (1, 37), (37, 1), (17, 130), (130, 17), (64, 64), (65, 129), (113, 203), (200, 77),
-           (300, 300), (255, 256), (3, 300), (300, 5), (96, 161)]
+SEQLENS = [
+    (1, 1),
+    (1, 37),
+    (37, 1),
+    (17, 130),
+    (130, 17),
+    (64, 64),
+    (65, 129),
+    (113, 203),
+    (200, 77),
+    (300, 300),
+    (255, 256),
+    (3, 300),
+    (300, 5),
+    (96, 161),
+]
 HEAD_DIM = [16, 32, 40, 64, 80, 96, 128, 160, 192, 256]
 HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (8, 2), (3, 3)]  # GQA ratios 1, 2, 4
 MASKS = [None] + list(ALL_PATTERNS)
@@ -65,12 +90,22 @@ def _cases():
             H, KVH = (2, 1) if i % 2 else (2, 2)
         mask = MASKS[i % len(MASKS)]
         bias = BIASES[(i * 11 + 3 + i // len(MASKS)) % len(BIASES)]
-        cases.append(Case(
-            B=1 + i % 2, Q=Q, K=K, H=H, KVH=KVH, D=D, mask=mask, bias=bias,
-            causal=(i % 3 == 1) or (i % 5 == 0),
-            bias_grad=bias is not None and i % 4 != 3,
-            empty_rows=mask is not None and i % 4 == 2,
-            softcap=(30.0 if i % 7 == 3 else (5.0 if i % 11 == 6 else 0.0))))
+        cases.append(
+            Case(
+                B=1 + i % 2,
+                Q=Q,
+                K=K,
+                H=H,
+                KVH=KVH,
+                D=D,
+                mask=mask,
+                bias=bias,
+                causal=(i % 3 == 1) or (i % 5 == 0),
+                bias_grad=bias is not None and i % 4 != 3,
+                empty_rows=mask is not None and i % 4 == 2,
+                softcap=(30.0 if i % 7 == 3 else (5.0 if i % 11 == 6 else 0.0)),
+            )
+        )
     return cases
 
 
@@ -108,8 +143,9 @@ def _params():
 
 
 def _run_backend(backend, q, k, v, mask, bias, case):
-    return flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap,
-                                       return_lse=True, backend=backend)
+    return flexdma.flash_dma_attention(
+        q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap, return_lse=True, backend=backend
+    )
 
 
 @pytest.mark.parametrize("backend,dtype,case", list(_params()))
@@ -117,12 +153,19 @@ def test_matches_reference(backend, dtype, case):
     device = _device_for(backend)
     _skip_unavailable(backend, device)
     dims = dict(B=case.B, H=case.H, KVH=case.KVH, Q=case.Q, K=case.K)
-    q, k, v = make_qkv(case.B, case.Q, case.K, case.H, case.KVH, case.D, dtype=dtype, device=device,
-                       requires_grad=True)
-    mask, bias = make_mask_bias(case.mask, case.bias, **dims, dtype=dtype, device=device,
-                                empty_rows=case.empty_rows, bias_requires_grad=case.bias_grad)
-    why = _dispatch.unsupported_reason(backend, q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap,
-                                       requires_grad=True)
+    q, k, v = make_qkv(case.B, case.Q, case.K, case.H, case.KVH, case.D, dtype=dtype, device=device, requires_grad=True)
+    mask, bias = make_mask_bias(
+        case.mask,
+        case.bias,
+        **dims,
+        dtype=dtype,
+        device=device,
+        empty_rows=case.empty_rows,
+        bias_requires_grad=case.bias_grad,
+    )
+    why = _dispatch.unsupported_reason(
+        backend, q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap, requires_grad=True
+    )
     if why:
         pytest.skip(f"{backend} does not take this call: {why}")
 
@@ -140,8 +183,9 @@ def test_matches_reference(backend, dtype, case):
             assert_no_nan(name, t)
     assert lse.dtype == torch.float32 and lse.shape == (case.B, case.H, case.Q)
 
-    kw = dict(is_causal=case.causal, softcap=case.softcap, softmax_scale=1.0 / math.sqrt(case.D),
-              bias_grad=case.bias_grad)
+    kw = dict(
+        is_causal=case.causal, softcap=case.softcap, softmax_scale=1.0 / math.sqrt(case.D), bias_grad=case.bias_grad
+    )
     ref = reference_with_grads(q, k, v, mask, bias, grad_out, dtype=torch.float64, **kw)
     low = None if dtype == torch.float32 else reference_with_grads(q, k, v, mask, bias, grad_out, dtype=dtype, **kw)
     factor = 3.0 if case.softcap else 2.0  # FlashAttention-3's rule
@@ -193,11 +237,16 @@ def test_all_masked_rows_give_zero_out_and_zero_grads(device):
         assert torch.isfinite(g).all()
     assert (dq[0, 3, 1] == 0).all() and (dq[1, 40:] == 0).all()
     # Batch 1 rows 40.. are empty in every head: they add nothing to dbias (summed over batch).
-    ref = reference_with_grads(q, k, v, mask, bias, grad_out, dtype=torch.float64, bias_grad=True,
-                               is_causal=False, softmax_scale=D ** -0.5)
-    low = None if dtype == torch.float32 else reference_with_grads(q, k, v, mask, bias, grad_out, dtype=dtype,
-                                                                  bias_grad=True, is_causal=False,
-                                                                  softmax_scale=D ** -0.5)
+    ref = reference_with_grads(
+        q, k, v, mask, bias, grad_out, dtype=torch.float64, bias_grad=True, is_causal=False, softmax_scale=D**-0.5
+    )
+    low = (
+        None
+        if dtype == torch.float32
+        else reference_with_grads(
+            q, k, v, mask, bias, grad_out, dtype=dtype, bias_grad=True, is_causal=False, softmax_scale=D**-0.5
+        )
+    )
     for name, t in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias).items():
         assert_close_to_ref(t, ref[name], None if low is None else low[name], name)
 
@@ -228,19 +277,42 @@ def test_strided_inputs_and_strided_mask_columns(dtype):
     B, Q, K, H, KVH, D = 2, 37, 83, 4, 2, 32
     big_q = torch.randn(B, Q, 2 * H, D + 8).to(dtype)
     big_kv = torch.randn(B, K, 3 * KVH, D).to(dtype)
-    q, k, v = big_q[:, :, ::2, :D], big_kv[:, :, :KVH], big_kv[:, :, KVH:2 * KVH]
+    q, k, v = big_q[:, :, ::2, :D], big_kv[:, :, :KVH], big_kv[:, :, KVH : 2 * KVH]
     mask_full = torch.rand(B, 1, Q, 2 * K) < 0.7
     mask = mask_full[..., ::2]
     bias_full = torch.randn(1, H, 1, 3 * K).to(dtype)
     bias = bias_full[..., ::3]
     assert mask.stride(-1) == 2 and bias.stride(-1) == 3 and q.stride(2) == 2 * (D + 8)
-    scale = D ** -0.5
+    scale = D**-0.5
     out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, False)
-    ref = reference_with_grads(q, k, v, mask, bias, torch.randn(B, Q, H, D), dtype=torch.float64, bias_grad=False,
-                               is_causal=True, softmax_scale=scale)
-    low = None if dtype == torch.float32 else reference_with_grads(
-        q, k, v, mask, bias, torch.randn(B, Q, H, D), dtype=dtype, bias_grad=False, is_causal=True,
-        softmax_scale=scale)
+    ref = reference_with_grads(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        torch.randn(B, Q, H, D),
+        dtype=torch.float64,
+        bias_grad=False,
+        is_causal=True,
+        softmax_scale=scale,
+    )
+    low = (
+        None
+        if dtype == torch.float32
+        else reference_with_grads(
+            q,
+            k,
+            v,
+            mask,
+            bias,
+            torch.randn(B, Q, H, D),
+            dtype=dtype,
+            bias_grad=False,
+            is_causal=True,
+            softmax_scale=scale,
+        )
+    )
     assert_close_to_ref(out, ref["out"], None if low is None else low["out"], "out")
     assert_close_to_ref(lse, ref["lse"], None if low is None else low["lse"], "lse")
 
@@ -248,7 +320,7 @@ def test_strided_inputs_and_strided_mask_columns(dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_conversions_are_exact(dtype):
     # One key: out = v exactly, so every finite 16-bit pattern must survive load + store.
-    bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     vals = bits.view(dtype)
     vals = vals[torch.isfinite(vals.float())]
     D = 256
@@ -280,16 +352,38 @@ def test_float64_is_exact_to_rounding(softcap, is_causal):
     # kernel params carry them as float), it matches the float64 reference to ~1e-12.
     B, Q, K, H, KVH, D = 2, 70, 131, 4, 2, 64
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=torch.float64, requires_grad=True)
-    mask, bias = make_mask_bias(("B", "1", "Q", "K"), ("1", "KVH", "1", "K"), B=B, H=H, KVH=KVH, Q=Q, K=K,
-                                dtype=torch.float64, empty_rows=True, bias_requires_grad=True)
-    out, lse = flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=0.125,
-                                           softcap=softcap, return_lse=True, backend="cpu")
+    mask, bias = make_mask_bias(
+        ("B", "1", "Q", "K"),
+        ("1", "KVH", "1", "K"),
+        B=B,
+        H=H,
+        KVH=KVH,
+        Q=Q,
+        K=K,
+        dtype=torch.float64,
+        empty_rows=True,
+        bias_requires_grad=True,
+    )
+    out, lse = flexdma.flash_dma_attention(
+        q, k, v, mask, bias, is_causal=is_causal, softmax_scale=0.125, softcap=softcap, return_lse=True, backend="cpu"
+    )
     assert lse.dtype == torch.float64
     grad_out = torch.randn_like(out)
     got = dict(zip(("dq", "dk", "dv", "dbias"), torch.autograd.grad(out, (q, k, v, bias), grad_out)))
     got.update(out=out, lse=lse)
-    ref = reference_with_grads(q, k, v, mask, bias, grad_out, dtype=torch.float64, bias_grad=True,
-                               is_causal=is_causal, softmax_scale=0.125, softcap=softcap)
+    ref = reference_with_grads(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        grad_out,
+        dtype=torch.float64,
+        bias_grad=True,
+        is_causal=is_causal,
+        softmax_scale=0.125,
+        softcap=softcap,
+    )
     for name, t in got.items():
         check = torch.isfinite(ref[name])
         assert torch.equal(torch.isfinite(t), check), name

@@ -3,17 +3,18 @@ FlashAttention's tolerance rule: output and LSE, dq / dk / dv / dbias, for bf16 
 32 / 64 / 96 / 128 / 192 / 256 (those the build has), GQA, every broadcast layout of mask and bias,
 causal with Q != K, odd lengths, rows with no key, softcap; plus bitwise-deterministic backward and
 outputs that are fully written."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from utils import assert_close_to_ref, make_mask_bias, make_qkv
 
 import flexdma  # noqa: F401  (registers the ops)
 from flexdma import _dispatch
 from flexdma.reference import attention_ref
-from utils import assert_close_to_ref, make_mask_bias, make_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -43,8 +44,9 @@ def _head_dims(*dims):
     # A dev build (FLEXDMA_HEAD_DIMS=64,128) lacks some dims: those cases skip, not fail.
     info = _dispatch._build_info()
     built = set(info.CUDA_HEAD_DIMS) if info is not None else set()
-    return [d if d in built else pytest.param(d, marks=pytest.mark.skip(reason=f"head_dim {d} not built"))
-            for d in dims]
+    return [
+        d if d in built else pytest.param(d, marks=pytest.mark.skip(reason=f"head_dim {d} not built")) for d in dims
+    ]
 
 
 def _poison(*shapes_dtypes):
@@ -84,8 +86,12 @@ def _run_case(dtype, D, H, KVH, case, B=2):
     _poison(((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
     out, lse = fwd(q, k, v, mask, bias, scale, causal, softcap, True)
     # dbias too: where the kernel stores it in the bias dtype the buffer comes unfilled.
-    _poison(((B, Q, H, D), dtype), ((B, K, KVH, D), dtype), ((B, K, KVH, D), dtype),
-            *([(tuple(bias.shape), dtype)] if bias is not None else []))
+    _poison(
+        ((B, Q, H, D), dtype),
+        ((B, K, KVH, D), dtype),
+        ((B, K, KVH, D), dtype),
+        *([(tuple(bias.shape), dtype)] if bias is not None else []),
+    )
     dq, dk, dv, db = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
     r64 = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, torch.float64)
     rlo = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, dtype)
@@ -114,7 +120,9 @@ def test_block_sparse_mask_skips_tiles_correctly():
     B, H, KVH, Q, K, D, dtype = 1, 4, 2, 256, 320, 128, torch.bfloat16
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
     blocks = torch.rand(1, 1, Q // 64, (K + 63) // 64, device=DEV) < 0.5
-    mask = blocks.repeat_interleave(64, 2).repeat_interleave(64, 3)[..., :K] & (torch.rand(1, 1, Q, K, device=DEV) < 0.7)
+    mask = blocks.repeat_interleave(64, 2).repeat_interleave(64, 3)[..., :K] & (
+        torch.rand(1, 1, Q, K, device=DEV) < 0.7
+    )
     bias = torch.randn(1, 1, Q, K, device=DEV).to(dtype)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
     out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
@@ -127,9 +135,15 @@ def test_block_sparse_mask_skips_tiles_correctly():
         assert_close_to_ref(got, r64[i], rlo[i], name)
 
 
-@pytest.mark.parametrize("shape,Q,K,causal", [
-    ((1, 1, 256, 320), 256, 320, True), ((2, 2, 130, 4000), 130, 4000, False), ((1, 1, 1, 70001), 3, 70001, True),
-    ((1, 1, 200, 1), 200, 150, True)])
+@pytest.mark.parametrize(
+    "shape,Q,K,causal",
+    [
+        ((1, 1, 256, 320), 256, 320, True),
+        ((2, 2, 130, 4000), 130, 4000, False),
+        ((1, 1, 1, 70001), 3, 70001, True),
+        ((1, 1, 200, 1), 200, 150, True),
+    ],
+)
 def test_tile_meta_cuda_matches_the_host_op(shape, Q, K, causal):
     # (Named without "cpu": the GPU suite deselects tests by `-k "not cpu"`.)
     # Sparse masks with whole empty tiles; a strided (non-contiguous) copy exercises the

@@ -1,6 +1,7 @@
 """flexdma.integrations.transformers.patch_doge: a transformers DogeForCausalLM runs its dynamic mask
 attention through flash_dma_attention(keep_window_size=...) and matches the eager model (which builds
 the (B, H, Q, K) dynamic mask), in logits, gradients and greedy generation, without a Q x K tensor."""
+
 import copy
 
 import pytest
@@ -17,9 +18,17 @@ VOCAB, W = 64, 5
 
 
 def _models(dtype, layers=2):
-    cfg = transformers.DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                  num_attention_heads=4, num_key_value_heads=2, keep_window_size=W, is_moe=False,
-                                  max_position_embeddings=512)
+    cfg = transformers.DogeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        keep_window_size=W,
+        is_moe=False,
+        max_position_embeddings=512,
+    )
     eager = transformers.DogeForCausalLM(cfg).to(dtype)
     eager.set_attn_implementation("eager")
     with torch.no_grad():
@@ -79,8 +88,9 @@ def test_greedy_generate_matches_eager():
     ids = _ids(2, 8)
     am = torch.ones(2, 8, dtype=torch.long)
     am[1, :3] = 0
-    seqs = [m.generate(ids, attention_mask=am, max_new_tokens=10, do_sample=False, pad_token_id=0)
-            for m in (eager, patched)]
+    seqs = [
+        m.generate(ids, attention_mask=am, max_new_tokens=10, do_sample=False, pad_token_id=0) for m in (eager, patched)
+    ]
     assert seqs[0].shape == (2, 18)
     assert torch.equal(seqs[1], seqs[0])
 
@@ -99,11 +109,23 @@ def test_no_q_by_k_tensor():
 
 
 def test_patch_doge_rejects():
-    cfg = transformers.DogeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                  num_attention_heads=4, num_key_value_heads=2, keep_window_size=W,
-                                  sliding_window=8)
+    cfg = transformers.DogeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        keep_window_size=W,
+        sliding_window=8,
+    )
     with pytest.raises(ValueError, match="sliding window"):
         fx.patch_doge(transformers.DogeForCausalLM(cfg))
     with pytest.raises(ValueError, match="no DogeAttention"):
-        fx.patch_doge(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)))
+        fx.patch_doge(
+            transformers.LlamaForCausalLM(
+                transformers.LlamaConfig(
+                    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+                )
+            )
+        )

@@ -1,13 +1,13 @@
 """The FlexAttention backend against the float64 reference: the BlockMask built from a dense mask,
 the forward on CPU (and GPU), the CPU backward route (flex forward, flexdma op backward), the GPU
 backward with dbias, and no recompilation when only mask / bias contents change."""
+
 from __future__ import annotations
 
 import sys
 
 import pytest
 import torch
-
 from utils import assert_close_to_ref, make_mask_bias, make_qkv, reference_with_grads, requires_cuda
 
 flex = pytest.importorskip("flexdma.flex")
@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 
 
 def _ref_kw(is_causal, D, softcap=0.0):
-    return dict(is_causal=is_causal, softmax_scale=D ** -0.5, softcap=softcap)
+    return dict(is_causal=is_causal, softmax_scale=D**-0.5, softcap=softcap)
 
 
 # ------------------------------------------------------------------------------ BlockMask
@@ -35,8 +35,10 @@ def _create_block_mask_ref(mask, Q, K, H, is_causal):
 def _sets(num, idx):
     """Selected tile sets per (b, h, q-tile): the order within a row is not part of the contract."""
     num, idx = num.cpu(), idx.cpu()
-    return [[[sorted(idx[b, h, r, : num[b, h, r]].tolist()) for r in range(num.shape[2])]
-             for h in range(num.shape[1])] for b in range(num.shape[0])]
+    return [
+        [[sorted(idx[b, h, r, : num[b, h, r]].tolist()) for r in range(num.shape[2])] for h in range(num.shape[1])]
+        for b in range(num.shape[0])
+    ]
 
 
 @pytest.mark.parametrize("Q,K", [(256, 256), (300, 200), (130, 513), (384, 640)])
@@ -53,7 +55,7 @@ def test_block_mask_matches_create_block_mask(Q, K, is_causal, kind):
         mask = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :Q, :K].clone()
         mask[0, 0, 3, 5] = False
     else:
-        mask = (torch.rand(2, 1, 1, K) < 0.5)
+        mask = torch.rand(2, 1, 1, K) < 0.5
         mask[..., :128] = True
     ours = flex.block_mask_from_dense(mask, Q, K, H, is_causal, mask_mod=None)
     ref = _create_block_mask_ref(mask, Q, K, H, is_causal)
@@ -63,9 +65,13 @@ def test_block_mask_matches_create_block_mask(Q, K, is_causal, kind):
         # create_block_mask keeps tiles cut by the sequence end "full" when in range; ours keeps
         # them partial. Compare the union (visited tiles) always, and the split on interior tiles.
         assert ours_n.shape[-1] == ref_n.shape[-1]
-    visited = lambda bm: [[[sorted(set(p) | set(f)) for p, f in zip(pr, fr)] for pr, fr in zip(ph, fh)]  # noqa: E731
-                          for ph, fh in zip(_sets(bm.kv_num_blocks, bm.kv_indices),
-                                            _sets(bm.full_kv_num_blocks, bm.full_kv_indices))]
+
+    def visited(bm):
+        return [
+            [[sorted(set(p) | set(f)) for p, f in zip(pr, fr)] for pr, fr in zip(ph, fh)]
+            for ph, fh in zip(_sets(bm.kv_num_blocks, bm.kv_indices), _sets(bm.full_kv_num_blocks, bm.full_kv_indices))
+        ]
+
     ref_visited = visited(ref)
     if len(ref_visited[0]) == 1 and H > 1:
         ref_visited = [[h[0]] * H for h in ref_visited]
@@ -139,12 +145,23 @@ def test_block_tiles_kernel_interpreted_on_cpu():
     here = os.path.dirname(os.path.abspath(__file__))
     # The child imports flexdma the way this process did (an editable install may point elsewhere).
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(flex.__file__)))  # flexdma/flex.py
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(p for p in (here, pkg_root, os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join(p for p in (here, pkg_root, os.environ.get("PYTHONPATH")) if p),
+    )
     # One child per causal setting, run side by side: the interpreter is slow.
-    procs = [subprocess.Popen([sys.executable, "-c", f"import test_flex; test_flex._check_block_tiles({c})"], env=env,
-                              cwd=here, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for c in (False, True)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import test_flex; test_flex._check_block_tiles({c})"],
+            env=env,
+            cwd=here,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for c in (False, True)
+    ]
     for p in procs:
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out[-3000:]
@@ -180,11 +197,11 @@ CPU_CASES = [
 def _check_forward(device, dtype, case, empty_rows=False):
     B, Q, K, H, KVH, D, mp, bp, causal, softcap = case
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=device)
-    mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=device,
-                                empty_rows=empty_rows)
+    mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=device, empty_rows=empty_rows)
     kw = _ref_kw(causal, D, softcap)
-    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D ** -0.5, softcap=softcap)
+    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D**-0.5, softcap=softcap)
     from flexdma.reference import attention_ref
+
     ref64 = attention_ref(q.double(), k.double(), v.double(), mask, None if bias is None else bias.double(), **kw)
     reflp = attention_ref(q, k, v, mask, bias, **kw)
     assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -203,8 +220,9 @@ def test_cpu_forward_no_lse_is_compiled_and_matches():
     torch.manual_seed(1)
     case = CPU_CASES[1]
     q, k, v, mask, bias, out = _check_forward("cpu", torch.float32, case, empty_rows=True)
-    out2, lse2 = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=True, softmax_scale=64 ** -0.5, softcap=5.0,
-                                         need_lse=False)
+    out2, lse2 = flex.flex_dma_attention(
+        q, k, v, mask, bias, is_causal=True, softmax_scale=64**-0.5, softcap=5.0, need_lse=False
+    )
     assert lse2 is None
     torch.testing.assert_close(out2, out, atol=1e-5, rtol=1e-5)
 
@@ -217,10 +235,12 @@ def test_cpu_backward_route(case):
     B, Q, K, H, KVH, D, mp, bp, causal, softcap = case
     q, k, v = make_qkv(B, Q, K, H, KVH, D, requires_grad=True)
     mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, empty_rows=True, bias_requires_grad=True)
-    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D ** -0.5, softcap=softcap)
+    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D**-0.5, softcap=softcap)
     g = torch.randn_like(out)
     dq, dk, dv, db = torch.autograd.grad(out, (q, k, v, bias), g)
-    ref = reference_with_grads(q, k, v, mask, bias, g, dtype=torch.float64, bias_grad=True, **_ref_kw(causal, D, softcap))
+    ref = reference_with_grads(
+        q, k, v, mask, bias, g, dtype=torch.float64, bias_grad=True, **_ref_kw(causal, D, softcap)
+    )
     for name, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=db).items():
         assert x.shape == ref[name].shape, name
         assert_close_to_ref(x, ref[name], None, name)
@@ -254,8 +274,9 @@ def test_no_recompile_for_new_contents():
 
     def step():
         mask, bias = make_mask_bias(("1", "1", "Q", "K"), ("1", "1", "Q", "K"), B=B, H=H, KVH=KVH, Q=Q, K=K)
-        return flex.flex_dma_attention(q, k, v, mask, bias, is_causal=True, softmax_scale=D ** -0.5, softcap=0.0,
-                                       need_lse=False)[0]
+        return flex.flex_dma_attention(
+            q, k, v, mask, bias, is_causal=True, softmax_scale=D**-0.5, softcap=0.0, need_lse=False
+        )[0]
 
     step()  # compile
     before = dyn_utils.counters["stats"]["unique_graphs"]
@@ -289,9 +310,10 @@ def test_gpu_forward_backward(case, dtype):
     torch.manual_seed(4)
     B, Q, K, H, KVH, D, mp, bp, causal, softcap = case
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device="cuda", requires_grad=True)
-    mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device="cuda", empty_rows=True,
-                                bias_requires_grad=True)
-    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D ** -0.5, softcap=softcap)
+    mask, bias = make_mask_bias(
+        mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device="cuda", empty_rows=True, bias_requires_grad=True
+    )
+    out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D**-0.5, softcap=softcap)
     g = torch.randn_like(out)
     dq, dk, dv, db = torch.autograd.grad(out, (q, k, v, bias), g)
     kw = _ref_kw(causal, D, softcap)

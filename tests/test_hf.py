@@ -1,4 +1,5 @@
 """attn_implementation="flexdma" in Hugging Face transformers models matches their eager attention."""
+
 import pytest
 import torch
 
@@ -40,8 +41,14 @@ def _compare(model, device, train_bias=False):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_llama_matches_eager(device):
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     _compare(transformers.LlamaForCausalLM(cfg).to(device), device)
 
 
@@ -49,8 +56,15 @@ def test_llama_matches_eager(device):
 def test_doge_matches_eager(device):
     if not hasattr(transformers, "DogeForCausalLM"):
         pytest.skip("this transformers has no Doge model")
-    cfg = transformers.DogeConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, keep_window_size=5)
+    cfg = transformers.DogeConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        keep_window_size=5,
+    )
     model = transformers.DogeForCausalLM(cfg).to(device)
     with torch.no_grad():
         # A = 0 (the init) makes every key equally important; random A gives a real dynamic mask
@@ -61,8 +75,14 @@ def test_doge_matches_eager(device):
 
 
 def test_generate_with_cache_matches_eager():
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(100, (1, 6))
     seqs = {}
@@ -78,8 +98,9 @@ def test_attention_function_layouts():
     module.is_causal = True
     out, w = fx.flexdma_attention_forward(module, q, k, v, None, scaling=0.3)
     assert w is None and out.shape == (2, 5, 4, 8)
-    ref = fx.flash_dma_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                 softmax_scale=0.3, backend="reference")
+    ref = fx.flash_dma_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, softmax_scale=0.3, backend="reference"
+    )
     torch.testing.assert_close(out, ref)
     # bool and additive float masks mean the same thing
     keep = torch.rand(2, 1, 5, 7) < 0.7
@@ -94,15 +115,28 @@ def _tiny(name):
     if name == "doge":
         if not hasattr(transformers, "DogeForCausalLM"):
             pytest.skip("this transformers has no Doge model")
-        cfg = transformers.DogeConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, keep_window_size=5)
+        cfg = transformers.DogeConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            keep_window_size=5,
+        )
         model = transformers.DogeForCausalLM(cfg)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.A.normal_()
         return model
-    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1)
+    cfg = transformers.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 

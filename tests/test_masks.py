@@ -1,18 +1,20 @@
 """create_mask's per-key path (flexdma.topk's selection, then a comparison against the row
 thresholds) is bitwise the dense top-k it replaced: a frozen copy of that implementation is the oracle."""
+
 from typing import Optional
 
 import pytest
 import torch
+from utils import LargestTensor
 
 import flexdma
 from flexdma.reference import causal_mask
-from utils import LargestTensor
 
 
 def old_create_mask(attn_bias, window_size, *, attn_mask=None, is_causal=False, query_len=None):
     """create_mask as it was before the per-key path (a top-k over a (Q, K) score matrix per row),
     block_size=None; kept verbatim in substance as the oracle."""
+
     def topk_rows(scores, k):
         thr = torch.topk(scores, k, dim=-1, sorted=True).values[..., -1:]
         above = scores > thr
@@ -46,12 +48,18 @@ def _random_case(g):
     B, H, K = r(1, 3), r(1, 4), r(1, 80)
     Q = r(1, 90)
     W = r(1, K + 3)
-    bias = torch.randn(B if r(0, 1) else 1, H if r(0, 1) else 1, 1, K, generator=g,
-                       dtype=(torch.float32, torch.float64, torch.bfloat16)[r(0, 2)])
+    bias = torch.randn(
+        B if r(0, 1) else 1,
+        H if r(0, 1) else 1,
+        1,
+        K,
+        generator=g,
+        dtype=(torch.float32, torch.float64, torch.bfloat16)[r(0, 2)],
+    )
     if r(0, 1):  # ties, also across the float32 rounding of float64 scores
-        bias[..., r(0, K - 1)::r(2, 7)] = bias[..., :1].clone()
+        bias[..., r(0, K - 1) :: r(2, 7)] = bias[..., :1].clone()
     if r(0, 2) == 0:
-        bias[..., r(0, K - 1)::r(2, 5)] = float("-inf")
+        bias[..., r(0, K - 1) :: r(2, 5)] = float("-inf")
     mask = None
     kind = r(0, 3)
     if kind == 1:

@@ -1,4 +1,5 @@
 """Smoke test of the MQAR example: data, a short training run, the CLI and the plot."""
+
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ def test_make_batch_pairs_and_targets():
     cfg = mqar.MQARConfig(num_keys=16, num_values=16, num_pairs=4, num_queries=3)
     tokens, targets = mqar.make_batch(cfg, 8, torch.Generator().manual_seed(0), torch.device("cpu"))
     assert tokens.shape == targets.shape == (8, cfg.seq_len)
-    assert (targets[:, :2 * cfg.num_pairs] == -100).all()
+    assert (targets[:, : 2 * cfg.num_pairs] == -100).all()
     for b in range(8):
         pairs = dict(zip(tokens[b, 0:8:2].tolist(), tokens[b, 1:8:2].tolist()))
         assert len(pairs) == 4  # distinct keys
@@ -50,18 +51,23 @@ def test_cli_and_plot(tmp_path, capsys, one_thread):
 def no_training(monkeypatch):
     def train(**kw):
         raise AssertionError("training started")
+
     monkeypatch.setattr(mqar, "train", train)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
-    (["--batch", "0"], "argument --batch: expected a positive integer, got 0"),
-    (["--threads", "0"], "argument --threads: expected a positive integer, got 0"),
-    (["--steps", "-3"], "argument --steps: expected a positive integer, got -3"),
-    (["--lr", "0"], "argument --lr: expected a positive number, got 0"),
-    (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
-    (["--epochs", "3"], "unrecognized arguments: --epochs 3"),
-], ids=["steps 0", "batch 0", "threads 0", "steps -3", "lr 0", "backend tpu", "unknown flag"])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+        (["--batch", "0"], "argument --batch: expected a positive integer, got 0"),
+        (["--threads", "0"], "argument --threads: expected a positive integer, got 0"),
+        (["--steps", "-3"], "argument --steps: expected a positive integer, got -3"),
+        (["--lr", "0"], "argument --lr: expected a positive number, got 0"),
+        (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+        (["--epochs", "3"], "unrecognized arguments: --epochs 3"),
+    ],
+    ids=["steps 0", "batch 0", "threads 0", "steps -3", "lr 0", "backend tpu", "unknown flag"],
+)
 def test_cli_rejects_bad_arguments(argv, message, capsys, no_training):
     with pytest.raises(SystemExit) as e:
         mqar.main(argv)

@@ -1,4 +1,5 @@
 """dynamic_mask_attention and the flexdma.nn layers against independent eager implementations."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,11 @@ def naive_dynamic_mask(bias, window, *, Q, padding=None, is_causal=True):
     for b in range(B):
         for h in range(H):
             for i in range(Q):
-                vis = [j for j in range(K) if (not is_causal or j <= i + K - Q)
-                       and (padding is None or bool(padding[b, j]))]
+                vis = [
+                    j
+                    for j in range(K)
+                    if (not is_causal or j <= i + K - Q) and (padding is None or bool(padding[b, j]))
+                ]
                 vis.sort(key=lambda j: (-float(bias[b, h, 0, j]), j))
                 mask[b, h, i, vis[:window]] = True
     return mask
@@ -45,8 +49,9 @@ def eager_dma(q, k, v, dt_proj, A, window, *, padding=None, is_causal=True):
 
 
 @pytest.mark.parametrize("device,backend", CASES)
-@pytest.mark.parametrize("Q,K,window,padded", [(16, 16, 5, False), (16, 16, 64, True), (3, 20, 7, True),
-                                               (1, 9, 4, False)])
+@pytest.mark.parametrize(
+    "Q,K,window,padded", [(16, 16, 5, False), (16, 16, 64, True), (3, 20, 7, True), (1, 9, 4, False)]
+)
 def test_dynamic_mask_attention_matches_eager(device, backend, Q, K, window, padded):
     B, H, KVH, D = 2, 4, 2, 16
     q = torch.randn(B, Q, H, D, device=device, requires_grad=True)
@@ -135,7 +140,7 @@ def test_kv_cache_decoding_matches_full_forward(device, backend):
     out, cache = layer(x[:, :P], rope(0, P), use_cache=True)
     outs = [out]
     for t in range(P, S):
-        out, cache = layer(x[:, t:t + 1], rope(t, t + 1), past_key_value=cache, use_cache=True)
+        out, cache = layer(x[:, t : t + 1], rope(t, t + 1), past_key_value=cache, use_cache=True)
         outs.append(out)
     assert cache[0].shape == (B, S, 1, 8)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
@@ -167,7 +172,9 @@ def test_layer_bad_args():
 def test_multihead_matches_torch(device, backend, batch_first, masking):
     E, H, B, L = 32, 4, 2, 9
     S = 13 if masking == "cross" else L
-    ours = MultiheadDynamicMaskAttention(E, H, batch_first=batch_first, keep_window_size=10_000, backend=backend).to(device)
+    ours = MultiheadDynamicMaskAttention(E, H, batch_first=batch_first, keep_window_size=10_000, backend=backend).to(
+        device
+    )
     theirs = torch.nn.MultiheadAttention(E, H, batch_first=batch_first).to(device)
     with torch.no_grad():
         theirs.in_proj_weight.copy_(ours.in_proj_weight)
@@ -240,8 +247,13 @@ def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window
     monkeypatch.setattr(flexdma.topk, "select", no_selection)
     with torch.set_grad_enabled(grad):
         for t in range(P, S):
-            out, cache = layer(x[:, t:t + 1], rope(t, t + 1), attention_mask=None if pad is None else pad[:, :t + 1],
-                               past_key_value=cache, use_cache=True)
+            out, cache = layer(
+                x[:, t : t + 1],
+                rope(t, t + 1),
+                attention_mask=None if pad is None else pad[:, : t + 1],
+                past_key_value=cache,
+                use_cache=True,
+            )
             outs.append(out)
     if grad:  # gradients flow through the gathered keys and the cached biases
         torch.cat(outs, 1).sum().backward()
@@ -259,7 +271,7 @@ def test_selection_cache_is_the_last_row_of_the_full_selection():
     x = torch.randn(B, S, 32, dtype=torch.float64)
     _, cache = layer(x[:, :10], use_cache=True)
     for t in range(10, S):
-        _, cache = layer(x[:, t:t + 1], past_key_value=cache, use_cache=True)
+        _, cache = layer(x[:, t : t + 1], past_key_value=cache, use_cache=True)
     _, full = layer(x, use_cache=True)
     bias = full.bias[:, :, None, :]
     want = flexdma.create_mask(bias, W, is_causal=True, query_len=S)[:, :, -1]  # (B, KVH, K)

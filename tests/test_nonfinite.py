@@ -1,5 +1,6 @@
 """NaN / Inf inputs reach exactly the rows that use them, on every backend: a diverging training
 run must look diverged, and a clean row must not be disturbed by a bad one."""
+
 import pytest
 import torch
 
@@ -46,18 +47,28 @@ CASES = {
     "q nan in a row that attends to nothing": (lambda q, k, v, bias: _set(q, (1, 0, 2, 0), NAN), _rows()),
     "q +inf": (_q_plus_inf, _rows((0, 2, 0))),
     "k nan at a key only the last row sees": (
-        lambda q, k, v, bias: _set(k, (0, K - 1, 1, 3), NAN), _rows((0, Q - 1, 2), (0, Q - 1, 3))),
+        lambda q, k, v, bias: _set(k, (0, K - 1, 1, 3), NAN),
+        _rows((0, Q - 1, 2), (0, Q - 1, 3)),
+    ),
     "k nan at a key every row sees": (
-        lambda q, k, v, bias: _set(k, (0, 0, 0, 0), NAN), _rows((0, ALL, 0), (0, ALL, 1))),
+        lambda q, k, v, bias: _set(k, (0, 0, 0, 0), NAN),
+        _rows((0, ALL, 0), (0, ALL, 1)),
+    ),
     "k nan at a masked key": (lambda q, k, v, bias: _set(k, (0, 1, 0, 0), NAN), _rows()),
     "v nan at a key every row sees": (
-        lambda q, k, v, bias: _set(v, (0, 0, 1, 0), NAN), _rows((0, ALL, 2), (0, ALL, 3))),
+        lambda q, k, v, bias: _set(v, (0, 0, 1, 0), NAN),
+        _rows((0, ALL, 2), (0, ALL, 3)),
+    ),
     "v +inf at a key every row sees": (
-        lambda q, k, v, bias: _set(v, (0, 0, 0, 7), INF), _rows((0, ALL, 0), (0, ALL, 1))),
+        lambda q, k, v, bias: _set(v, (0, 0, 0, 7), INF),
+        _rows((0, ALL, 0), (0, ALL, 1)),
+    ),
     "bias nan at a visible key": (lambda q, k, v, bias: _set(bias, (0, 1, 2, 3), NAN), _rows((0, 2, 1))),
     "bias +inf at a visible key": (lambda q, k, v, bias: _set(bias, (1, 3, 4, 0), INF), _rows((1, 4, 3))),
     "bias nan at masked and causally hidden keys": (
-        lambda q, k, v, bias: (_set(bias, (0, 0, 0, 1), NAN), _set(bias, (0, 0, 0, 5), NAN)), _rows()),
+        lambda q, k, v, bias: (_set(bias, (0, 0, 0, 1), NAN), _set(bias, (0, 0, 0, 5), NAN)),
+        _rows(),
+    ),
     # a -inf bias masks: the row is empty (out 0, LSE -inf), not broken
     "bias -inf at every key of a row": (lambda q, k, v, bias: _set(bias, (0, 0, 1, ALL), -INF), _rows()),
 }
@@ -72,8 +83,11 @@ def _check_backend(backend, device, dtype, return_lse):
         poison(q, k, v, bias)
         # The same inputs with the bad values replaced by 0 (a -inf bias is a mask: it stays), in float32.
         clean, _ = flexdma.attention_ref(
-            *(t.float().nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)), mask,
-            bias.float().nan_to_num(0.0, 0.0, -INF), is_causal=True)
+            *(t.float().nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)),
+            mask,
+            bias.float().nan_to_num(0.0, 0.0, -INF),
+            is_causal=True,
+        )
         res = flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=True, backend=backend, return_lse=return_lse)
         out, lse = res if return_lse else (res, None)
         out, clean = out.float().cpu(), clean.cpu()
@@ -129,6 +143,7 @@ def test_flex_row_bias_nonfinite_like_the_reference():
     if "flex" not in flexdma.available_backends():
         pytest.skip("FlexAttention is unavailable")
     from flexdma import flex
+
     q, k, v, _, mask = _inputs("cpu", torch.float32)
     rb = torch.randn(B, H, Q, 1)
     rb[0, 1, 2] = NAN

@@ -1,24 +1,46 @@
 """The torch.ops.flexdma op family itself: registration checks (opcheck), float64 gradcheck of the
 CPU kernel including the bias gradient, and bitwise-deterministic backward."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from utils import make_mask_bias, make_qkv
 
 import flexdma  # noqa: F401  (registers fake kernels and autograd)
-from utils import make_mask_bias, make_qkv
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
 
 
-def _inputs(with_mask, with_bias, *, dtype=torch.float32, B=2, Q=5, K=7, H=4, KVH=2, D=16,
-            mask_pattern=("B", "1", "Q", "K"), bias_pattern=("1", "KVH", "Q", "K"), requires_grad=True,
-            bias_requires_grad=True):
+def _inputs(
+    with_mask,
+    with_bias,
+    *,
+    dtype=torch.float32,
+    B=2,
+    Q=5,
+    K=7,
+    H=4,
+    KVH=2,
+    D=16,
+    mask_pattern=("B", "1", "Q", "K"),
+    bias_pattern=("1", "KVH", "Q", "K"),
+    requires_grad=True,
+    bias_requires_grad=True,
+):
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, requires_grad=requires_grad)
-    mask, bias = make_mask_bias(mask_pattern if with_mask else None, bias_pattern if with_bias else None,
-                                B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype,
-                                bias_requires_grad=bias_requires_grad and with_bias)
+    mask, bias = make_mask_bias(
+        mask_pattern if with_mask else None,
+        bias_pattern if with_bias else None,
+        B=B,
+        H=H,
+        KVH=KVH,
+        Q=Q,
+        K=K,
+        dtype=dtype,
+        bias_requires_grad=bias_requires_grad and with_bias,
+    )
     return q, k, v, mask, bias
 
 
@@ -40,8 +62,7 @@ def test_opcheck_bwd(with_mask, with_bias, bias_requires_grad):
     q, k, v, mask, bias = _inputs(with_mask, with_bias, requires_grad=False, bias_requires_grad=False)
     out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
     grad_out = torch.randn_like(out)
-    torch.library.opcheck(bwd, (grad_out, q, k, v, mask, bias, out, lse, 0.25, True, 0.0,
-                                bias_requires_grad, False))
+    torch.library.opcheck(bwd, (grad_out, q, k, v, mask, bias, out, lse, 0.25, True, 0.0, bias_requires_grad, False))
 
 
 def test_bwd_returns_empty_dbias_when_not_requested():
@@ -61,8 +82,12 @@ GRADCHECK_CASES = [
     ("causal-Q<K-softcap", dict(with_mask=False, with_bias=True, Q=4, K=9), True, 3.0),
     ("bias-1xHx1xK", dict(with_mask=False, with_bias=True, bias_pattern=("1", "H", "1", "K")), True, 0.0),
     ("bias-Bx1xQx1", dict(with_mask=True, with_bias=True, bias_pattern=("B", "1", "Q", "1")), False, 0.0),
-    ("bias-1x1x1x1-mqa", dict(with_mask=True, with_bias=True, bias_pattern=("1", "1", "1", "1"), H=3, KVH=1),
-     False, 0.0),
+    (
+        "bias-1x1x1x1-mqa",
+        dict(with_mask=True, with_bias=True, bias_pattern=("1", "1", "1", "1"), H=3, KVH=1),
+        False,
+        0.0,
+    ),
     ("mask-empty-rows", dict(with_mask=True, with_bias=True, mask_pattern=("1", "H", "Q", "1")), False, 0.0),
 ]
 
@@ -85,8 +110,19 @@ def test_gradcheck_fp64(case):
 def test_gradcheck_fp64_several_tiles():
     # More than one 64-wide query and key tile; the bias is broadcast over keys, whose gradient
     # is summed across key tiles in a fixed order.
-    q, k, v, mask, bias = _inputs(True, True, dtype=torch.float64, B=1, Q=70, K=131, H=2, KVH=1, D=4,
-                                  mask_pattern=("1", "1", "Q", "K"), bias_pattern=("1", "H", "Q", "1"))
+    q, k, v, mask, bias = _inputs(
+        True,
+        True,
+        dtype=torch.float64,
+        B=1,
+        Q=70,
+        K=131,
+        H=2,
+        KVH=1,
+        D=4,
+        mask_pattern=("1", "1", "Q", "K"),
+        bias_pattern=("1", "H", "Q", "1"),
+    )
 
     def f(q, k, v, b):
         return fwd(q, k, v, mask, b, 0.5, True, 0.0, False)[0]
@@ -99,12 +135,14 @@ def _backward_once(q, k, v, mask, bias, grad_out, is_causal, softcap):
     return bwd(grad_out, q, k, v, mask, bias, out, lse, 0.2, is_causal, softcap, True, True)
 
 
-@pytest.mark.parametrize("bias_pattern", [("B", "H", "Q", "K"), ("1", "KVH", "1", "K"), ("1", "1", "Q", "1")],
-                         ids=lambda p: "x".join(p))
+@pytest.mark.parametrize(
+    "bias_pattern", [("B", "H", "Q", "K"), ("1", "KVH", "1", "K"), ("1", "1", "Q", "1")], ids=lambda p: "x".join(p)
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
-    q, k, v, mask, bias = _inputs(True, True, dtype=dtype, B=2, Q=150, K=200, H=8, KVH=2, D=64,
-                                  bias_pattern=bias_pattern, requires_grad=False)
+    q, k, v, mask, bias = _inputs(
+        True, True, dtype=dtype, B=2, Q=150, K=200, H=8, KVH=2, D=64, bias_pattern=bias_pattern, requires_grad=False
+    )
     grad_out = torch.randn(q.shape).to(dtype)
     first = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
     again = _backward_once(q, k, v, mask, bias, grad_out, True, 0.0)
@@ -120,15 +158,28 @@ def test_backward_is_bitwise_deterministic(bias_pattern, dtype):
         assert torch.equal(a, c), f"{name} differs between thread counts"
 
 
-@pytest.mark.parametrize("bias_pattern", [("1", "KVH", "1", "K"), ("1", "1", "Q", "1"), ("1", "H", "Q", "K")],
-                         ids=lambda p: "x".join(p))
+@pytest.mark.parametrize(
+    "bias_pattern", [("1", "KVH", "1", "K"), ("1", "1", "Q", "1"), ("1", "H", "Q", "K")], ids=lambda p: "x".join(p)
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_backward_schedules_give_the_same_bits(bias_pattern, dtype):
     # The CPU backward runs fused (one work item per (batch, kv head)) when B * KVH >= 2 x the
     # thread count, else split in two passes: B * KVH = 2 takes the fused schedule on 1 thread
     # and the split one on 3. Both must give the same bits.
-    q, k, v, mask, bias = _inputs(True, True, dtype=dtype, B=1, Q=150, K=200, H=4, KVH=2, D=32,
-                                  mask_pattern=("1", "H", "Q", "K"), bias_pattern=bias_pattern, requires_grad=False)
+    q, k, v, mask, bias = _inputs(
+        True,
+        True,
+        dtype=dtype,
+        B=1,
+        Q=150,
+        K=200,
+        H=4,
+        KVH=2,
+        D=32,
+        mask_pattern=("1", "H", "Q", "K"),
+        bias_pattern=bias_pattern,
+        requires_grad=False,
+    )
     grad_out = torch.randn(q.shape, dtype=dtype)
     threads = torch.get_num_threads()
     try:
@@ -143,6 +194,7 @@ def test_backward_schedules_give_the_same_bits(bias_pattern, dtype):
 
 
 # ---- tile activity bits (flexdma::tile_meta) ----
+
 
 def tile_meta_ref(mask: torch.Tensor, Q: int, K: int, is_causal: bool) -> torch.Tensor:
     """The bits spelled out: word w of row (b, h, qt) has bit i set iff the 64 x 64 tile
@@ -167,11 +219,11 @@ def _as_uint(meta: torch.Tensor) -> torch.Tensor:
 TILE_META_CASES = [
     # (mask shape, Q, K, causal)
     ((1, 1, 130, 200), 130, 200, False),
-    ((2, 3, 130, 200), 130, 200, True),     # Q < K: bottom-right diagonal
-    ((1, 2, 300, 97), 300, 97, True),       # Q > K: leading rows see nothing
-    ((2, 1, 1, 3000), 5, 3000, True),       # broadcast over queries, > 32 key tiles (2 words)
-    ((1, 1, 70, 1), 70, 150, False),        # broadcast over keys
-    ((1, 1, 1, 4100), 1, 4100, True),       # decoding row
+    ((2, 3, 130, 200), 130, 200, True),  # Q < K: bottom-right diagonal
+    ((1, 2, 300, 97), 300, 97, True),  # Q > K: leading rows see nothing
+    ((2, 1, 1, 3000), 5, 3000, True),  # broadcast over queries, > 32 key tiles (2 words)
+    ((1, 1, 70, 1), 70, 150, False),  # broadcast over keys
+    ((1, 1, 1, 4100), 1, 4100, True),  # decoding row
 ]
 
 
@@ -196,8 +248,9 @@ def test_opcheck_tile_meta_and_fwd_bwd_with_it():
     out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
     out0, lse0 = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
-    torch.library.opcheck(bwd, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, False,
-                                meta))
+    torch.library.opcheck(
+        bwd, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, False, meta)
+    )
 
 
 def test_tile_meta_that_does_not_fit_the_mask_is_refused():
@@ -286,18 +339,26 @@ def test_baseline_copy_matches_reference(tmp_path):
 
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     path = tmp_path / "baseline.pt"
-    subprocess.run([sys.executable, "-c", _BASELINE_SCRIPT, str(path), tests_dir], check=True, timeout=900,
-                   env=dict(os.environ, FLEXDMA_CPU_NO_AVX2="1"))
+    subprocess.run(
+        [sys.executable, "-c", _BASELINE_SCRIPT, str(path), tests_dir],
+        check=True,
+        timeout=900,
+        env=dict(os.environ, FLEXDMA_CPU_NO_AVX2="1"),
+    )
     differs = False
     for run in torch.load(path):
         q, k, v, mask, bias, grad_out = run["inputs"]
         kw = dict(is_causal=run["causal"], softcap=run["softcap"], softmax_scale=0.25, bias_grad=True)
         ref = reference_with_grads(q, k, v, mask, bias, grad_out, dtype=torch.float64, **kw)
-        low = None if q.dtype != torch.bfloat16 else reference_with_grads(q, k, v, mask, bias, grad_out,
-                                                                          dtype=q.dtype, **kw)
+        low = (
+            None
+            if q.dtype != torch.bfloat16
+            else reference_with_grads(q, k, v, mask, bias, grad_out, dtype=q.dtype, **kw)
+        )
         for name, t in run["got"].items():
-            assert_close_to_ref(t, ref[name], None if low is None else low[name], name,
-                                factor=3.0 if run["softcap"] else 2.0)
+            assert_close_to_ref(
+                t, ref[name], None if low is None else low[name], name, factor=3.0 if run["softcap"] else 2.0
+            )
         if q.dtype == torch.float32:
             out, _ = fwd(q, k, v, mask, bias, 0.25, run["causal"], run["softcap"], False)
             differs |= not torch.equal(out, run["got"]["out"])

@@ -1,6 +1,7 @@
 """flexdma.compat.apply_dynamic_mask_attention against a float64 transcription of the seed's
 dynamic mask attention loop (per batch, kv head and query: masked scores set to 0, top-k,
 attention over the non-zero entries of the dynamic mask)."""
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,5 +1,6 @@
 """The per-key top-W path (flash_dma_attention(keep_window_size=W)) against create_mask + the
 float64 reference, on every backend that runs here; the selection op; the memory bound."""
+
 import math
 
 import pytest
@@ -71,8 +72,9 @@ def test_matches_create_mask_and_reference(device, case):
     backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] else [])
     for backend in backends:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        out, lse = flexdma.flash_dma_attention(ins[0], ins[1], ins[2], pad, ins[3], is_causal=causal,
-                                               keep_window_size=W, return_lse=True, backend=backend)
+        out, lse = flexdma.flash_dma_attention(
+            ins[0], ins[1], ins[2], pad, ins[3], is_causal=causal, keep_window_size=W, return_lse=True, backend=backend
+        )
         got = (out, lse) + torch.autograd.grad(out, ins, grad.to(dtype))
         for name, g, r, lo in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, ref[torch.float64], ref[dtype]):
             assert g.shape == r.shape, (backend, name)
@@ -107,10 +109,10 @@ def test_selection_is_the_dense_mask(device):
         lists = topk.tile_lists(sel, Q, rows)
         n = lists[..., 0]
         for t in range(n.shape[-1]):
-            union = dense[:, :, t * rows:(t + 1) * rows].any(2)
+            union = dense[:, :, t * rows : (t + 1) * rows].any(2)
             for p1 in range(union.shape[0]):
                 for p2 in range(union.shape[1]):
-                    listed = lists[p1, p2, t, 1:1 + n[p1, p2, t]].long()
+                    listed = lists[p1, p2, t, 1 : 1 + n[p1, p2, t]].long()
                     assert set(union[p1, p2].nonzero().flatten().tolist()) <= set(listed.tolist())
                     assert torch.all(sel.key_rank[p1, p2, listed].diff() > 0)
         assert n.max() <= min(K, W + rows - 1)
@@ -133,7 +135,7 @@ def test_cpu_and_cuda_selection_agree():
             for idx in n.flatten().nonzero().flatten().tolist()[:50]:
                 p1, p2, t = torch.unravel_index(torch.tensor(idx), n.shape)
                 m = int(n[p1, p2, t])
-                assert torch.equal(la[p1, p2, t, :1 + m], lb[p1, p2, t, :1 + m])
+                assert torch.equal(la[p1, p2, t, : 1 + m], lb[p1, p2, t, : 1 + m])
 
 
 def test_gradcheck_fp64():
@@ -183,14 +185,17 @@ def test_no_q_by_k_tensor_at_16k():
     assert mode.largest <= (L // 64) * (W + 64) + L * 16
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(keep_window_size=0), "keep_window_size must be a positive int"),
-    (dict(keep_window_size=True), "keep_window_size must be a positive int"),
-    (dict(keep_window_size=4, attn_bias="none"), "needs a per-key attn_bias|pass a per-key attn_bias"),
-    (dict(keep_window_size=4, attn_bias="rows"), "needs a per-key attn_bias"),
-    (dict(keep_window_size=4, attn_mask="rows"), "attn_mask may only drop keys for every row"),
-    (dict(keep_window_size=4, backend="flex", train=True), "FlexAttention has no CPU backward"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(keep_window_size=0), "keep_window_size must be a positive int"),
+        (dict(keep_window_size=True), "keep_window_size must be a positive int"),
+        (dict(keep_window_size=4, attn_bias="none"), "needs a per-key attn_bias|pass a per-key attn_bias"),
+        (dict(keep_window_size=4, attn_bias="rows"), "needs a per-key attn_bias"),
+        (dict(keep_window_size=4, attn_mask="rows"), "attn_mask may only drop keys for every row"),
+        (dict(keep_window_size=4, backend="flex", train=True), "FlexAttention has no CPU backward"),
+    ],
+)
 def test_rejected_inputs(kwargs, match):
     q, k, v, bias, _ = _inputs((1, 8, 8, 2, 1, 4, True, "1", False, False), "cpu", torch.float32)
     kw = dict(kwargs)
@@ -221,8 +226,9 @@ def test_compile_fullgraph_and_export():
 
     class M(torch.nn.Module):
         def forward(self, q, k, v, pad, bias):
-            return flexdma.flash_dma_attention(q, k, v, pad[:, None, None, :], bias, is_causal=True,
-                                               keep_window_size=6, backend="cpu")
+            return flexdma.flash_dma_attention(
+                q, k, v, pad[:, None, None, :], bias, is_causal=True, keep_window_size=6, backend="cpu"
+            )
 
     eager = M()(q, k, v, pad, bias)
     compiled = torch.compile(M(), fullgraph=True, backend="aot_eager")(q, k, v, pad, bias)
@@ -253,8 +259,17 @@ def test_cuda_deterministic_backward_is_bitwise_reproducible():
 
     def grads(deterministic):
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        out = flexdma.flash_dma_attention(ins[0], ins[1], ins[2], pad, ins[3], is_causal=True, keep_window_size=100,
-                                          backend="cuda", deterministic=deterministic)
+        out = flexdma.flash_dma_attention(
+            ins[0],
+            ins[1],
+            ins[2],
+            pad,
+            ins[3],
+            is_causal=True,
+            keep_window_size=100,
+            backend="cuda",
+            deterministic=deterministic,
+        )
         return torch.autograd.grad(out, ins, grad)
 
     old = _topk_triton.PARTIAL_BYTES

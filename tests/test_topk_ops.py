@@ -1,17 +1,18 @@
 """flexdma::topk_fwd / topk_bwd on CPU: the top-k rank keep rule (key_rank, row_thr) against the
 float64 reference run with the dense bool mask it stands for, plus opcheck and input checks."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 import pytest
 import torch
+from utils import assert_close_to_ref, assert_no_nan, make_qkv, reference_with_grads
 
 import flexdma  # noqa: F401  (registers fake kernels and autograd)
 from flexdma.reference import causal_mask
-from utils import assert_close_to_ref, assert_no_nan, make_qkv, reference_with_grads
 
 topk_fwd = torch.ops.flexdma.topk_fwd
 topk_bwd = torch.ops.flexdma.topk_bwd
@@ -20,8 +21,9 @@ INT32_MAX = 2**31 - 1
 
 
 # ------------------------------------------------------------------------ the rank planes, slowly
-def rank_planes(scores: torch.Tensor, eligible: torch.Tensor, W: int, Q: int, is_causal: bool,
-                empty_rows=()) -> Tuple[torch.Tensor, torch.Tensor]:
+def rank_planes(
+    scores: torch.Tensor, eligible: torch.Tensor, W: int, Q: int, is_causal: bool, empty_rows=()
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """key_rank (Bs, Hs, K) and row_thr (Bs, Hs, Q) int32 of a per-row top-W selection.
 
     scores / eligible are (Bs, Hs, K). In each plane the eligible keys are ordered by
@@ -84,8 +86,9 @@ def test_rank_planes_describe_the_top_w_of_each_row():
                     got = {j for j in range(K) if keep[b, h, i, j]}
                     assert got == want, (is_causal, b, h, i)
     # Ties are resolved by index: two equal best scores, W = 1 keeps the lower index.
-    key_rank, row_thr = rank_planes(torch.tensor([[[1.0, 5.0, 5.0]]]), torch.ones(1, 1, 3, dtype=torch.bool), 1, 1,
-                                    False)
+    key_rank, row_thr = rank_planes(
+        torch.tensor([[[1.0, 5.0, 5.0]]]), torch.ones(1, 1, 3, dtype=torch.bool), 1, 1, False
+    )
     assert key_rank.tolist() == [[[2, 0, 1]]] and row_thr.tolist() == [[[0]]]
 
 
@@ -98,8 +101,8 @@ class Case:
     K: int = 100
     H: int = 2
     KVH: int = 2
-    plane: Tuple[str, str] = ("1", "H")      # (Bs, Hs) of key_rank / row_thr
-    bias: Tuple[str, str] = ("1", "KVH")     # (batch, heads) of the (., ., 1, K) bias
+    plane: Tuple[str, str] = ("1", "H")  # (Bs, Hs) of key_rank / row_thr
+    bias: Tuple[str, str] = ("1", "KVH")  # (batch, heads) of the (., ., 1, K) bias
     causal: bool = False
     W: int = 20
     monotone: bool = False
@@ -122,8 +125,9 @@ CASES = [
     Case("batch-plane-per-batch", B=2, H=4, KVH=2, plane=("B", "H"), bias=("B", "H")),
     Case("empty-rows", Q=37, K=100, empty_rows=(0, 17, 36), causal=True),
     Case("tiles-skipped", Q=150, K=300, W=40, monotone=True, plane=("1", "1")),
-    Case("tiles-skipped-causal-gqa", B=2, Q=130, K=200, H=4, KVH=2, W=70, monotone=True, plane=("B", "KVH"),
-         causal=True),
+    Case(
+        "tiles-skipped-causal-gqa", B=2, Q=130, K=200, H=4, KVH=2, W=70, monotone=True, plane=("B", "KVH"), causal=True
+    ),
     Case("softcap", softcap=5.0, causal=True),
     Case("W-above-eligible", W=1000, causal=True),
 ]
@@ -175,8 +179,9 @@ def test_matches_reference_with_the_dense_mask(dtype, case):
     else:
         low = None if dtype == torch.float32 else reference_with_grads(q, k, v, mask, bias, grad_out, dtype=dtype, **kw)
         for name, t in got.items():
-            assert_close_to_ref(t, ref[name], None if low is None else low[name], name,
-                                factor=3.0 if case.softcap else 2.0)
+            assert_close_to_ref(
+                t, ref[name], None if low is None else low[name], name, factor=3.0 if case.softcap else 2.0
+            )
 
     empty = torch.isneginf(ref["lse"])
     if case.empty_rows:
@@ -199,8 +204,9 @@ def test_row_thr_minus_one_everywhere_gives_zeros():
 
 
 def test_gradcheck_fp64_bias_and_inputs():
-    case = Case("gc", B=2, Q=6, K=9, H=4, KVH=2, plane=("B", "KVH"), bias=("1", "H"), W=4, causal=True, D=4,
-                empty_rows=(1,))
+    case = Case(
+        "gc", B=2, Q=6, K=9, H=4, KVH=2, plane=("B", "KVH"), bias=("1", "H"), W=4, causal=True, D=4, empty_rows=(1,)
+    )
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float64)
 
     def f(q, k, v, b):
@@ -248,11 +254,14 @@ def test_opcheck_topk_bwd(bias_requires_grad):
     case = Case("oc", B=2, Q=5, K=7, H=4, KVH=2, plane=("B", "H"), bias=("1", "KVH"), W=3, causal=True, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32, requires_grad=False)
     out, lse, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
-    dbias = topk_bwd(torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True, 0.0,
-                     bias_requires_grad, True)[3]
+    dbias = topk_bwd(
+        torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True, 0.0, bias_requires_grad, True
+    )[3]
     assert dbias.shape == (bias.shape if bias_requires_grad else (0,))
-    torch.library.opcheck(topk_bwd, (torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True,
-                                     0.0, bias_requires_grad, True))
+    torch.library.opcheck(
+        topk_bwd,
+        (torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True, 0.0, bias_requires_grad, True),
+    )
 
 
 def test_no_double_backward():
@@ -275,11 +284,18 @@ def _rejected_inputs():
         ("key_rank-int64", dict(key_rank=kr.long()), "key_rank must be int32"),
         ("row_thr-float", dict(row_thr=rt.float()), "row_thr must be int32"),
         ("key_rank-4d", dict(key_rank=kr[:, :, None]), r"key_rank must be 3-D \(batch, heads, K\)"),
-        ("key_rank-len", dict(key_rank=kr[..., :K - 1]), "key_rank last dim 6 must be K = 7"),
+        ("key_rank-len", dict(key_rank=kr[..., : K - 1]), "key_rank last dim 6 must be K = 7"),
         ("row_thr-len", dict(row_thr=torch.zeros(1, KVH, K, dtype=torch.int32)), "row_thr last dim 7 must be Q = 5"),
-        ("key_rank-heads", dict(key_rank=torch.zeros(1, 3, K, dtype=torch.int32)),
-         "key_rank head dim 3 must be 1, 2 or 4"),
-        ("row_thr-batch", dict(row_thr=torch.zeros(3, KVH, Q, dtype=torch.int32)), "row_thr batch dim 3 must be 1 or 2"),
+        (
+            "key_rank-heads",
+            dict(key_rank=torch.zeros(1, 3, K, dtype=torch.int32)),
+            "key_rank head dim 3 must be 1, 2 or 4",
+        ),
+        (
+            "row_thr-batch",
+            dict(row_thr=torch.zeros(3, KVH, Q, dtype=torch.int32)),
+            "row_thr batch dim 3 must be 1 or 2",
+        ),
         ("key_rank-strided", dict(key_rank=wide[..., ::2]), "key_rank must be contiguous in its last dim"),
         ("bias-per-row", dict(attn_bias=torch.zeros(1, KVH, Q, K)), "per-key bias of shape"),
         ("bias-dtype", dict(attn_bias=bias.double()), "attn_bias dtype"),
@@ -296,11 +312,27 @@ def test_rejected_inputs(which, name, override, message):
     g = _GOOD
     q, k, v = make_qkv(g["B"], g["Q"], g["K"], g["H"], g["KVH"], 8)
     kw = dict(attn_bias=g["attn_bias"], key_rank=g["key_rank"], row_thr=g["row_thr"])
-    out, lse, _ = topk_fwd(q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False)  # valid as given
+    out, lse, _ = topk_fwd(
+        q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False
+    )  # valid as given
     kw.update(override)
     with pytest.raises(RuntimeError, match=message):
         if which == "fwd":
             topk_fwd(q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False)
         else:
-            topk_bwd(torch.randn_like(out), q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], out, lse, 0.25,
-                     False, 0.0, True, True)
+            topk_bwd(
+                torch.randn_like(out),
+                q,
+                k,
+                v,
+                kw["attn_bias"],
+                kw["key_rank"],
+                kw["row_thr"],
+                out,
+                lse,
+                0.25,
+                False,
+                0.0,
+                True,
+                True,
+            )

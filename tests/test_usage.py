@@ -1,5 +1,6 @@
 """Calls users make that used to fail or warn: a (batch, key) padding mask, zero queries with a
 backward, the compiler's and FlexAttention's warnings, the command line, the README's claims."""
+
 import pathlib
 import re
 import warnings
@@ -16,8 +17,10 @@ README = " ".join((pathlib.Path(__file__).resolve().parents[1] / "README.md").re
 
 def _qkv(B=3, Q=5, K=7, H=4, KVH=2, D=16, requires_grad=False):
     g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(*s, generator=g).requires_grad_(requires_grad)
-                 for s in ((B, Q, H, D), (B, K, KVH, D), (B, K, KVH, D)))
+    return tuple(
+        torch.randn(*s, generator=g).requires_grad_(requires_grad)
+        for s in ((B, Q, H, D), (B, K, KVH, D), (B, K, KVH, D))
+    )
 
 
 # ---------------------------------------------------------------- (batch, key) padding mask
@@ -58,8 +61,9 @@ def test_compile_traces_the_api_without_dynamo_warnings(monkeypatch):
     monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
     torch._dynamo.reset()
     q, k, v = _qkv()
-    f = torch.compile(lambda q, k, v: flexdma.flash_dma_attention(q, k, v, is_causal=True), backend="eager",
-                      fullgraph=True)
+    f = torch.compile(
+        lambda q, k, v: flexdma.flash_dma_attention(q, k, v, is_causal=True), backend="eager", fullgraph=True
+    )
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         f(q, k, v)
@@ -70,6 +74,7 @@ def test_flex_backend_uses_the_current_flex_attention_api(monkeypatch):
     if "flex" not in flexdma.available_backends():
         pytest.skip("FlexAttention is unavailable")
     import torch.nn.attention.flex_attention as fa
+
     monkeypatch.setattr(fa, "_WARNINGS_SHOWN", set())  # FlexAttention warns once per process
     q, k, v = _qkv(Q=16, K=16)
     bias = torch.randn(3, 2, 16, 16)
@@ -106,5 +111,7 @@ def test_readme_states_what_attention_ref_returns():
 
 
 def test_readme_says_register_comes_before_attn_implementation():
-    assert 'Without `register()` transformers rejects the name ("Specified `attn_implementation="flexdma"` ' \
-           'is not supported")' in README
+    assert (
+        'Without `register()` transformers rejects the name ("Specified `attn_implementation="flexdma"` '
+        'is not supported")' in README
+    )

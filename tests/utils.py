@@ -1,5 +1,6 @@
 """Shared test utilities: random inputs, mask/bias generators for every broadcast pattern, the
 FlashAttention tolerance rule against the float64 reference, and output poisoning."""
+
 from __future__ import annotations
 
 import itertools
@@ -19,7 +20,9 @@ BATCH_DIMS = ("1", "B")
 HEAD_DIMS = ("1", "KVH", "H")
 QUERY_DIMS = ("1", "Q")
 KEY_DIMS = ("1", "K")
-ALL_PATTERNS: Tuple[Tuple[str, str, str, str], ...] = tuple(itertools.product(BATCH_DIMS, HEAD_DIMS, QUERY_DIMS, KEY_DIMS))
+ALL_PATTERNS: Tuple[Tuple[str, str, str, str], ...] = tuple(
+    itertools.product(BATCH_DIMS, HEAD_DIMS, QUERY_DIMS, KEY_DIMS)
+)
 
 
 def pattern_id(pattern: Optional[Sequence[str]]) -> str:
@@ -39,9 +42,22 @@ def make_qkv(B, Q, K, H, KVH, D, *, dtype=torch.float32, device="cpu", requires_
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def make_mask_bias(mask_pattern, bias_pattern, *, B, H, KVH, Q, K, dtype=torch.float32, device="cpu",
-                   density: float = 0.6, empty_rows: bool = False, bias_requires_grad: bool = False,
-                   bias_scale: float = 2.0):
+def make_mask_bias(
+    mask_pattern,
+    bias_pattern,
+    *,
+    B,
+    H,
+    KVH,
+    Q,
+    K,
+    dtype=torch.float32,
+    device="cpu",
+    density: float = 0.6,
+    empty_rows: bool = False,
+    bias_requires_grad: bool = False,
+    bias_scale: float = 2.0,
+):
     """(mask or None, bias or None) with the given broadcast patterns (see ALL_PATTERNS).
 
     Every mask row keeps at least one key, unless empty_rows: then a few query rows of the first
@@ -99,8 +115,9 @@ def rounding_floor(ref: torch.Tensor, dtype: torch.dtype) -> float:
     return max(at_03, 2 * (r + 0.3 - 0.3 - r).abs().max().item())
 
 
-def assert_close_to_ref(out: torch.Tensor, out_ref: torch.Tensor, out_ref_lowp: Optional[torch.Tensor], name: str,
-                        *, factor: float = 2.0) -> None:
+def assert_close_to_ref(
+    out: torch.Tensor, out_ref: torch.Tensor, out_ref_lowp: Optional[torch.Tensor], name: str, *, factor: float = 2.0
+) -> None:
     """FlashAttention's rule: |out - ref64| <= factor * |ref_lowp - ref64| + floor (max norms).
 
     out_ref is the float64 reference; out_ref_lowp the same computation run in out's dtype, and
@@ -121,12 +138,15 @@ def assert_close_to_ref(out: torch.Tensor, out_ref: torch.Tensor, out_ref_lowp: 
     ref_err = _finite_err(out_ref_lowp.detach().cpu(), out_ref)
     floor = rounding_floor(out_ref, out_ref_lowp.dtype)
     tol = factor * ref_err + floor
-    assert err <= tol, (f"{name}: max error {err:.3e} > {factor} x reference {out_ref_lowp.dtype} error "
-                        f"{ref_err:.3e} + floor {floor:.3e} (|ref| max {scale:.3e})")
+    assert err <= tol, (
+        f"{name}: max error {err:.3e} > {factor} x reference {out_ref_lowp.dtype} error "
+        f"{ref_err:.3e} + floor {floor:.3e} (|ref| max {scale:.3e})"
+    )
 
 
 def reference_with_grads(q, k, v, mask, bias, grad_out, *, dtype, bias_grad: bool, **kw) -> Dict[str, torch.Tensor]:
     """attention_ref run in `dtype` on copies of the inputs: out, lse, dq, dk, dv (dbias)."""
+
     def leaf(t):
         return t.detach().to(dtype).requires_grad_(True)
 

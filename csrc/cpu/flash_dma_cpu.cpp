@@ -87,4 +87,3 @@ void run_bwd(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_th
 
 }  // namespace cpu
 }  // namespace flexdma
-

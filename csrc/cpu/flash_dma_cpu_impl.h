@@ -40,8 +40,8 @@ struct Vec {
 };
 
 template <class A, int R, int NV, bool kAcc>
-inline __attribute__((always_inline)) void gemm_block(int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb,
-                                                      A* c, int64_t ldc) {
+inline __attribute__((always_inline)) void gemm_block(int64_t K, const A* a, int64_t lda, const A* b, int64_t ldb, A* c,
+                                                      int64_t ldc) {
   using V = typename Vec<A>::type;
   constexpr int L = Vec<A>::kLanes;
   V x[R][NV];
@@ -260,12 +260,22 @@ struct Ctx {
   const int32_t* row_thr;
 
   explicit Ctx(const FwdParams& prm)
-      : p(prm), B(prm.batch), Q(prm.seqlen_q), K(prm.seqlen_k), H(prm.num_heads), KVH(prm.num_heads_k),
-        D(prm.head_dim), group(prm.num_heads / prm.num_heads_k), causal_off(prm.seqlen_k - prm.seqlen_q),
-        n_qt(ceil_div(prm.seqlen_q, kBlockM)), n_kt(ceil_div(prm.seqlen_k, kBlockN)),
-        scale(static_cast<A>(prm.softmax_scale)), cap(static_cast<A>(prm.softcap)),
+      : p(prm),
+        B(prm.batch),
+        Q(prm.seqlen_q),
+        K(prm.seqlen_k),
+        H(prm.num_heads),
+        KVH(prm.num_heads_k),
+        D(prm.head_dim),
+        group(prm.num_heads / prm.num_heads_k),
+        causal_off(prm.seqlen_k - prm.seqlen_q),
+        n_qt(ceil_div(prm.seqlen_q, kBlockM)),
+        n_kt(ceil_div(prm.seqlen_k, kBlockN)),
+        scale(static_cast<A>(prm.softmax_scale)),
+        cap(static_cast<A>(prm.softcap)),
         scale_over_cap(prm.softcap > 0 ? static_cast<A>(prm.softmax_scale) / static_cast<A>(prm.softcap) : A(0)),
-        mask(static_cast<const uint8_t*>(prm.mask.ptr)), bias(static_cast<const T*>(prm.bias.ptr)),
+        mask(static_cast<const uint8_t*>(prm.mask.ptr)),
+        bias(static_cast<const T*>(prm.bias.ptr)),
         key_rank(static_cast<const int32_t*>(prm.key_rank.ptr)),
         row_thr(static_cast<const int32_t*>(prm.row_thr.ptr)) {}
 
@@ -298,8 +308,7 @@ struct Ctx {
       for (int64_t c = 0; c < (kr.col_stride == 0 ? 1 : n); ++c)
         min_rank = std::min(min_rank, ranks[c * kr.col_stride]);
       int32_t max_thr = std::numeric_limits<int32_t>::min();
-      for (int64_t r = 0; r < (rt.row_stride == 0 ? 1 : m); ++r)
-        max_thr = std::max(max_thr, thrs[r * rt.row_stride]);
+      for (int64_t r = 0; r < (rt.row_stride == 0 ? 1 : m); ++r) max_thr = std::max(max_thr, thrs[r * rt.row_stride]);
       if (min_rank > max_thr) return false;
     }
     if (!mask) return true;
@@ -318,8 +327,8 @@ struct Ctx {
   // s[r * kBlockN + c] = final score of row i0 + r, key j0 + c, from q rows qf ([m][D], row
   // stride ldq) and the transposed keys kt ([D][.], row stride ldk, zero-padded past the last
   // key: KeySide). With softcap, th (if given) receives the tanh values.
-  void scores(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t n, const A* qf, int64_t ldq,
-              const A* kt, int64_t ldk, A* s, A* th) const {
+  void scores(int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t n, const A* qf, int64_t ldq, const A* kt,
+              int64_t ldk, A* s, A* th) const {
     const A neg_inf = -std::numeric_limits<A>::infinity();
     gemm_set_padded(m, n, D, qf, ldq, kt, ldk, s, kBlockN);
     for (int64_t r = 0; r < m; ++r) {
@@ -455,8 +464,7 @@ void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
       const int64_t qt = item % cx.n_qt, h = (item / cx.n_qt) % cx.H, b = item / (cx.n_qt * cx.H);
       const int64_t kvh = h / cx.group;
       const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, cx.Q - i0);
-      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
-                qf.data());
+      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D, qf.data());
       std::fill(o.begin(), o.begin() + m * D, A(0));
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<A>::infinity());
       std::fill(row_sum.begin(), row_sum.end(), A(0));
@@ -509,9 +517,8 @@ void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
 template <class T>
 void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename Elem<T>::acc* lse_row,
                        const typename Elem<T>::acc* delta_row, typename Elem<T>::acc* s,
-                       const typename Elem<T>::acc* th, const typename Elem<T>::acc* dp,
-                       typename Elem<T>::acc* pbuf, typename Elem<T>::acc* ds,
-                       typename Elem<T>::acc* p_sum = nullptr) {
+                       const typename Elem<T>::acc* th, const typename Elem<T>::acc* dp, typename Elem<T>::acc* pbuf,
+                       typename Elem<T>::acc* ds, typename Elem<T>::acc* p_sum = nullptr) {
   using A = typename Elem<T>::acc;
   for (int64_t r = 0; r < m; ++r) {
     A* __restrict srow = s + r * kBlockN;
@@ -600,8 +607,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
       std::fill(dq_acc.begin(), dq_acc.begin() + m * D, A(0));
       std::fill(pdp_sum.begin(), pdp_sum.end(), A(0));
       std::fill(p_sum.begin(), p_sum.end(), A(0));
-      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
-                qf.data());
+      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D, qf.data());
       load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
                 dof.data());
       const int64_t kt_end = cx.kt_end(i0, m);
@@ -630,8 +636,8 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
             }
             continue;
           }
-          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(),
-                            ds.data(), kDeltaFromOut && dbias_by_row ? p_sum.data() : nullptr);
+          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(), ds.data(),
+                            kDeltaFromOut && dbias_by_row ? p_sum.data() : nullptr);
           gemm_acc(m, D, n, s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_acc.data(), D);
         }
         if (sweep == 0) {
@@ -657,8 +663,15 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
   struct Scratch {
     std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
     explicit Scratch(int64_t D)
-        : qf(kBlockM * D), dof(kBlockM * D), s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN),
-          pb(kBlockM * kBlockN), ds(kBlockM * kBlockN), tt(kBlockN * kBlockM), dk_acc(kBlockN * D),
+        : qf(kBlockM * D),
+          dof(kBlockM * D),
+          s(kBlockM * kBlockN),
+          th(kBlockM * kBlockN),
+          dp(kBlockM * kBlockN),
+          pb(kBlockM * kBlockN),
+          ds(kBlockM * kBlockN),
+          tt(kBlockN * kBlockM),
+          dk_acc(kBlockN * D),
           dv_acc(kBlockN * D) {}
   };
   auto key_tile = [&](Scratch& w, int64_t b, int64_t kvh, int64_t ktile, A* dq_rows, A* p_rows) {
@@ -686,8 +699,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
         gemm_acc(n, D, m, w.tt.data(), kBlockM, w.dof.data(), D, w.dv_acc.data(), D);
         transpose(w.s.data(), kBlockN, m, n, w.tt.data(), kBlockM);
         gemm_acc(n, D, m, w.tt.data(), kBlockM, w.qf.data(), D, w.dk_acc.data(), D);
-        if (dq_rows)
-          gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_rows + (hh * Q + i0) * D, D);
+        if (dq_rows) gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_rows + (hh * Q + i0) * D, D);
         if (dbias && !dbias_by_row) {
           for (int64_t r = 0; r < m; ++r) {
             A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
@@ -725,8 +737,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
         for (int64_t hh = 0; hh < cx.group; ++hh) {
           const int64_t h = kvh * cx.group + hh;
           for (int64_t i = 0; i < Q; ++i) {
-            load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride, 0, 1, D,
-                      w.dof.data());
+            load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride, 0, 1, D, w.dof.data());
             delta[(b * H + h) * Q + i] =
                 dot(w.dof.data(), out + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride, D);
           }
@@ -762,20 +773,28 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
 // Entry points of this copy; the params are checked by the caller.
 inline void run_fwd_isa(const FwdParams& p, const ParallelFor& parallel_for) {
   switch (p.dtype) {
-    case DType::kFloat32: return fwd_typed<float>(p, parallel_for);
-    case DType::kFloat64: return fwd_typed<double>(p, parallel_for);
-    case DType::kBFloat16: return fwd_typed<bf16_t>(p, parallel_for);
-    case DType::kFloat16: return fwd_typed<fp16_t>(p, parallel_for);
+    case DType::kFloat32:
+      return fwd_typed<float>(p, parallel_for);
+    case DType::kFloat64:
+      return fwd_typed<double>(p, parallel_for);
+    case DType::kBFloat16:
+      return fwd_typed<bf16_t>(p, parallel_for);
+    case DType::kFloat16:
+      return fwd_typed<fp16_t>(p, parallel_for);
   }
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
 
 inline void run_bwd_isa(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
   switch (p.dtype) {
-    case DType::kFloat32: return bwd_typed<float>(p, parallel_for, num_threads);
-    case DType::kFloat64: return bwd_typed<double>(p, parallel_for, num_threads);
-    case DType::kBFloat16: return bwd_typed<bf16_t>(p, parallel_for, num_threads);
-    case DType::kFloat16: return bwd_typed<fp16_t>(p, parallel_for, num_threads);
+    case DType::kFloat32:
+      return bwd_typed<float>(p, parallel_for, num_threads);
+    case DType::kFloat64:
+      return bwd_typed<double>(p, parallel_for, num_threads);
+    case DType::kBFloat16:
+      return bwd_typed<bf16_t>(p, parallel_for, num_threads);
+    case DType::kFloat16:
+      return bwd_typed<fp16_t>(p, parallel_for, num_threads);
   }
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
@@ -783,4 +802,3 @@ inline void run_bwd_isa(const BwdParams& p, const ParallelFor& parallel_for, int
 }  // namespace FLEXDMA_CPU_ISA
 }  // namespace cpu
 }  // namespace flexdma
-

@@ -8,11 +8,23 @@ namespace flexdma {
 namespace cpu {
 
 // Storage types: the kernel reads and writes the 16 bits, all math is done in float.
-struct bf16_t { uint16_t bits; };
-struct fp16_t { uint16_t bits; };
+struct bf16_t {
+  uint16_t bits;
+};
+struct fp16_t {
+  uint16_t bits;
+};
 
-inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 inline float bf16_to_float(bf16_t x) { return bits_float(static_cast<uint32_t>(x.bits) << 16); }
 
@@ -33,7 +45,10 @@ inline float fp16_to_float(fp16_t x) {
     if (mant == 0) return bits_float(sign);
     // Subnormal half: shift the mantissa up until its leading 1 is the implicit bit.
     exp = 113;  // 127 - 15 + 1
-    while (!(mant & 0x400u)) { mant <<= 1; --exp; }
+    while (!(mant & 0x400u)) {
+      mant <<= 1;
+      --exp;
+    }
     return bits_float(sign | (exp << 23) | ((mant & 0x3ffu) << 13));
   }
   return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
@@ -48,9 +63,9 @@ inline fp16_t float_to_fp16(float f) {
   if (a < 0x38800000u) {
     // Result is subnormal (or zero): value / 2^-24 rounded to an integer, RNE by hand.
     if (a < 0x33000000u) return fp16_t{sign};  // below half the smallest subnormal (2^-25): 0
-    const uint32_t e = a >> 23;               // 102 .. 112
+    const uint32_t e = a >> 23;                // 102 .. 112
     const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126u - e;          // 14 .. 24
+    const uint32_t shift = 126u - e;  // 14 .. 24
     uint32_t q = m >> shift;
     const uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
     if (rem > half || (rem == half && (q & 1u))) ++q;
@@ -66,23 +81,28 @@ inline fp16_t float_to_fp16(float f) {
 
 // The element types the kernel is templated on, and how each is read into / written from the
 // accumulation type (float, double for double).
-template <class T> struct Elem;
-template <> struct Elem<float> {
+template <class T>
+struct Elem;
+template <>
+struct Elem<float> {
   using acc = float;
   static float load(float x) { return x; }
   static float store(float x) { return x; }
 };
-template <> struct Elem<double> {
+template <>
+struct Elem<double> {
   using acc = double;
   static double load(double x) { return x; }
   static double store(double x) { return x; }
 };
-template <> struct Elem<bf16_t> {
+template <>
+struct Elem<bf16_t> {
   using acc = float;
   static float load(bf16_t x) { return bf16_to_float(x); }
   static bf16_t store(float x) { return float_to_bf16(x); }
 };
-template <> struct Elem<fp16_t> {
+template <>
+struct Elem<fp16_t> {
   using acc = float;
   static float load(fp16_t x) { return fp16_to_float(x); }
   static fp16_t store(float x) { return float_to_fp16(x); }

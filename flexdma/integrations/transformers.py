@@ -9,6 +9,7 @@ Models hand the attention function q/k/v as (batch, heads, seqlen, head_dim) and
 dtype's minimum are masked out) and a bias (the rest), so models that fold a learned bias into the
 mask -- Doge's dynamic mask does -- get it back as a differentiable flexdma bias.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -61,8 +62,9 @@ def flexdma_attention_forward(
     else:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         causal = bool(causal) and Q > 1
-    out = flash_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=scaling,
-                              softcap=float(softcap or 0.0), backend=backend)
+    out = flash_dma_attention(
+        q, k, v, mask, bias, is_causal=causal, softmax_scale=scaling, softcap=float(softcap or 0.0), backend=backend
+    )
     return out, None
 
 
@@ -76,6 +78,7 @@ def register(name: str = NAME) -> None:
     try:  # transformers >= 4.53 picks the mask format per attention implementation
         from transformers import AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
+
         AttentionMaskInterface.register(name, sdpa_mask)
     except ImportError:
         pass
@@ -85,15 +88,25 @@ def register(name: str = NAME) -> None:
 DOGE_NAME = "flexdma_doge"
 
 
-def _doge_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                       mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+def _doge_padding_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask: Optional[torch.Tensor] = None,
+    **kwargs,
+):
     """AttentionMaskInterface function of patch_doge: the (B, K) bool padding mask (True = real
     token) or None -- never a (B, 1, Q, K) mask; the causal cut is flexdma's is_causal."""
     from transformers.masking_utils import causal_mask_function
 
     if mask_function is not causal_mask_function:
-        raise NotImplementedError("patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
-                                  "sliding windows and custom mask overlays vary by row")
+        raise NotImplementedError(
+            "patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
+            "sliding windows and custom mask overlays vary by row"
+        )
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
@@ -101,8 +114,14 @@ def _doge_padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset:
     return attention_mask[:, -kv_length:].bool()
 
 
-def _doge_attention_forward(self, hidden_states: torch.Tensor, position_embeddings: Tuple[torch.Tensor, torch.Tensor],
-                            attention_mask: Optional[torch.Tensor] = None, past_key_values=None, **kwargs):
+def _doge_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: Tuple[torch.Tensor, torch.Tensor],
+    attention_mask: Optional[torch.Tensor] = None,
+    past_key_values=None,
+    **kwargs,
+):
     """DogeAttention.forward with the dynamic mask as flexdma's keep_window_size selection: the same
     projections, rotary, cache update and dt_states as transformers' Doge, then one
     flash_dma_attention call with the per-key dt_states as the bias; no (B, H, Q, K) tensor."""
@@ -129,16 +148,25 @@ def _doge_attention_forward(self, hidden_states: torch.Tensor, position_embeddin
 
     K = key_states.shape[-2]
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (input_shape[0], K)):
-        raise ValueError(f"patch_doge: expected a (batch, {K}) padding mask from the model, got "
-                         f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after "
-                         "patch_doge? (static caches and prepared 4-D masks are not supported)")
+        raise ValueError(
+            f"patch_doge: expected a (batch, {K}) padding mask from the model, got "
+            f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after "
+            "patch_doge? (static caches and prepared 4-D masks are not supported)"
+        )
     # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
     # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
     pad = None if attention_mask is None else attention_mask[:, None, None, :]
-    out = flash_dma_attention(query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2),
-                              pad, dt_states[:, :, None, :].to(query_states.dtype), is_causal=True,
-                              softmax_scale=self.scaling, keep_window_size=self.keep_window_size,
-                              backend=getattr(self, "_flexdma_backend", "auto"))
+    out = flash_dma_attention(
+        query_states.transpose(1, 2),
+        key_states.transpose(1, 2),
+        value_states.transpose(1, 2),
+        pad,
+        dt_states[:, :, None, :].to(query_states.dtype),
+        is_causal=True,
+        softmax_scale=self.scaling,
+        keep_window_size=self.keep_window_size,
+        backend=getattr(self, "_flexdma_backend", "auto"),
+    )
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 

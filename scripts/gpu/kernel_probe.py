@@ -3,6 +3,7 @@ attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CAS
 nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode (small / smallkey: 333 queries x 333
 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
+
 import math
 import sys
 
@@ -15,8 +16,15 @@ from benchmarks.cuda_dev import top_w_mask
 def main(case, D):
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    L = {"nomask16k": 16384, "perrow32k": 32768, "perkey32k": 32768, "bwd8k": 8192, "small": 333, "smallkey": 333,
-         "decode": 5000}[case]
+    L = {
+        "nomask16k": 16384,
+        "perrow32k": 32768,
+        "perkey32k": 32768,
+        "bwd8k": 8192,
+        "small": 333,
+        "smallkey": 333,
+        "decode": 5000,
+    }[case]
     q = torch.randn(1, L, 2, D, device=dev, dtype=dt)
     k = torch.randn(1, L, 1, D, device=dev, dtype=dt)
     v = torch.randn(1, L, 1, D, device=dev, dtype=dt)

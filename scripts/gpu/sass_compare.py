@@ -13,6 +13,7 @@ are compared; addresses are not (an anonymous namespace demangles without its ha
 status 1 on any difference.
 nvcc and cuobjdump come from PATH (or NVCC / CUOBJDUMP); builds are cached under --cache.
 """
+
 import argparse
 import concurrent.futures
 import glob
@@ -26,10 +27,19 @@ import tarfile
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = ["-O3", "-std=c++17", "--use_fast_math", "--expt-relaxed-constexpr", "-lineinfo",
-         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-         "-gencode=arch=compute_90a,code=sm_90a", "-DFLEXDMA_SM90A"]
+FLAGS = [
+    "-O3",
+    "-std=c++17",
+    "--use_fast_math",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-DFLEXDMA_SM90A",
+]
 
 
 def tool(name):
@@ -59,7 +69,9 @@ def tree_hash(root):
 
 def build(root, dims, cache, extra):
     """{object path} of every csrc/cuda/*.cu of root, built for the head dims."""
-    key = tree_hash(root) + "_" + "_".join(map(str, dims)) + "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
+    key = (
+        tree_hash(root) + "_" + "_".join(map(str, dims)) + "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
+    )
     out = os.path.join(cache, key)
     os.makedirs(out, exist_ok=True)
     defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in dims]
@@ -82,8 +94,9 @@ def build(root, dims, cache, extra):
 def demangle(names):
     if not names:
         return {}
-    proc = subprocess.run([shutil.which("cu++filt") or "c++filt"], input="\n".join(names), capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [shutil.which("cu++filt") or "c++filt"], input="\n".join(names), capture_output=True, text=True, check=True
+    )
     return dict(zip(names, proc.stdout.splitlines()))
 
 
