@@ -165,23 +165,32 @@ def unsupported_reason(name: str, q, k, v, mask, bias, *, is_causal, softcap, re
     return None  # the reference runs anywhere
 
 
-def select(backend: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> str:
-    """The backend that runs this call; raises if an explicitly named one cannot."""
+def select(backend: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad, why_not=None, what="") -> str:
+    """The backend that runs this call; raises if an explicitly named one cannot. `why_not(name)`
+    replaces unsupported_reason for a path with its own limits (the per-key one), `what` names it
+    in messages."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    kw = dict(is_causal=is_causal, softcap=softcap, requires_grad=requires_grad)
+    if why_not is None:
+        kw = dict(is_causal=is_causal, softcap=softcap, requires_grad=requires_grad)
+
+        def why_not(name):
+            return unsupported_reason(name, q, k, v, mask, bias, **kw)
+
     if backend != "auto":
-        why = unsupported_reason(backend, q, k, v, mask, bias, **kw)
+        why = why_not(backend)
         if why:
-            raise ValueError(f"backend={backend!r} cannot run this call: {why}")
+            raise ValueError(f"backend={backend!r} cannot run this {what}call: {why}")
         return backend
     chain: Tuple[str, ...] = ("cuda", "flex", "reference") if q.device.type == "cuda" else ("cpu", "reference")
     previous, reason = None, None
     for name in chain:
-        why = unsupported_reason(name, q, k, v, mask, bias, **kw)
+        why = why_not(name)
         if why is None:
             if previous is not None:
-                _warn_once(f"flexdma: backend 'auto' falls back from {previous!r} to {name!r}: {reason}")
+                _warn_once(
+                    f"flexdma: backend 'auto' falls back from {previous!r} to {name!r}{what and ' for a ' + what.strip()}: {reason}"
+                )
             return name
         if previous is None:
             previous, reason = name, why

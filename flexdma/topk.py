@@ -144,13 +144,9 @@ def attention(
 
     check_operands(attn_mask, attn_bias)
     Q, K, H = query.shape[1], key.shape[1], query.shape[2]
-    name = _select_backend(
-        backend, query, key, value, attn_mask, attn_bias, is_causal, softcap, deterministic, _dispatch
-    )
+    name = _select_backend(backend, query, key, value, attn_bias, is_causal, softcap, _dispatch)
     scores = selection_scores(attn_bias.detach(), attn_mask, H)
-    sel = select(
-        scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]) if name == "cuda" else CPU_TILE_ROWS
-    )
+    sel = select(scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]))
     if name in ("cuda", "cpu"):
         from . import _ops
 
@@ -196,40 +192,28 @@ def attention(
     )
 
 
-def _select_backend(backend, q, k, v, mask, bias, is_causal, softcap, deterministic, _dispatch) -> str:
-    if backend not in _dispatch.BACKENDS:
-        raise ValueError(f"backend must be one of {_dispatch.BACKENDS}, got {backend!r}")
+def _select_backend(backend, q, k, v, bias, is_causal, softcap, _dispatch) -> str:
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
 
     def why_not(name):
         if name == "cuda":
             return cuda_unsupported_reason(q)
-        if name == "flex":
-            if q.device.type == "cpu" and training:
-                return "FlexAttention has no CPU backward for the per-key path"
-            return _dispatch.flex_unsupported_reason(
-                q, k, v, None, bias, is_causal=is_causal, softcap=softcap, requires_grad=training
-            )
-        if name == "cpu":
-            return _dispatch.unsupported_reason(
-                "cpu", q, k, v, None, bias, is_causal=is_causal, softcap=softcap, requires_grad=training
-            )
-        return None
+        if name == "flex" and q.device.type == "cpu" and training:
+            return "FlexAttention has no CPU backward for the per-key path"
+        return _dispatch.unsupported_reason(
+            name, q, k, v, None, bias, is_causal=is_causal, softcap=softcap, requires_grad=training
+        )
 
-    if backend != "auto":
-        why = why_not(backend)
-        if why:
-            raise ValueError(f"backend={backend!r} cannot run this per-key (keep_window_size) call: {why}")
-        return backend
-    chain = ("cuda", "flex", "reference") if q.device.type == "cuda" else ("cpu", "reference")
-    first = None
-    for name in chain:
-        why = why_not(name)
-        if why is None:
-            if first is not None:
-                _dispatch._warn_once(
-                    f"flexdma: keep_window_size path falls back from {first[0]!r} to {name!r}: {first[1]}"
-                )
-            return name
-        first = first or (name, why)
-    raise AssertionError("unreachable: the reference supports every call")
+    return _dispatch.select(
+        backend,
+        q,
+        k,
+        v,
+        None,
+        bias,
+        is_causal=is_causal,
+        softcap=softcap,
+        requires_grad=training,
+        why_not=why_not,
+        what="per-key (keep_window_size) ",
+    )
