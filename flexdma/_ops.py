@@ -6,9 +6,14 @@ here is device-independent and registered once.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from . import _C  # loads the library that defines torch.ops.flexdma.*
+from . import (
+    _C,  # loads the library that defines torch.ops.flexdma.*
+    topk,
+)
 
 __all__ = ["fwd", "bwd", "tile_meta", "topk_select", "topk_fwd", "topk_bwd"]
 
@@ -70,7 +75,7 @@ def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
 @torch.library.register_fake("flexdma::topk_select")
 def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
     P1, P2, K = scores.shape
-    cap = min(K, window + tile_rows - 1)  # at most W + tile_rows - 1 keys a tile
+    cap = topk.list_cap(K, window, tile_rows)
     n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
     return (
         scores.new_empty((P1, P2, K), dtype=torch.int32),
@@ -134,7 +139,7 @@ torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_conte
 
 def _keeps_residual(q) -> bool:
     # The CUDA kernels return out rounded and its rounding error (see the schema's comment).
-    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    return q.device.type == "cuda"
 
 
 @torch.library.register_fake("flexdma::topk_fwd")
@@ -212,13 +217,21 @@ torch.library.register_autograd(
 )
 
 # The per-key path's GPU kernels are Triton (flexdma/_topk_triton.py), registered here as the CUDA
-# implementations of the op family's schemas.
-try:
-    from . import _topk_triton
-except ImportError:  # pragma: no cover - a torch without triton
-    _topk_triton = None
+# implementations of the op family's schemas. Triton is imported by the first call, not by
+# `import flexdma`.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
-if _topk_triton is not None:
-    torch.library.register_kernel("flexdma::topk_select", "cuda", _topk_triton.select)
-    torch.library.register_kernel("flexdma::topk_fwd", "cuda", _topk_triton.fwd_op)
-    torch.library.register_kernel("flexdma::topk_bwd", "cuda", _topk_triton.bwd_op)
+
+def _triton_kernel(name):
+    def run(*args, **kwargs):
+        from . import _topk_triton
+
+        return getattr(_topk_triton, name)(*args, **kwargs)
+
+    return run
+
+
+if HAVE_TRITON:
+    torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("select"))
+    torch.library.register_kernel("flexdma::topk_fwd", "cuda", _triton_kernel("fwd_op"))
+    torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("bwd_op"))

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import topk
+
 NEVER = 2147483647  # key_rank of a key no row keeps
 LOG2E = 1.4426950408889634
 # The same, as the compile-time constants kernels may read.
@@ -180,10 +182,6 @@ def _select_kernel(
     tl.store(head, m)
 
 
-def list_cap(K: int, window: int, tile_rows: int) -> int:
-    return min(K, window + tile_rows - 1)
-
-
 _LAST = (1 << 27) - 1  # ranks below this fit the packed 32-bit (level, rank) sort key
 
 
@@ -238,7 +236,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     else:
         orders = order.to(torch.int32)
     lvl_elig = (ranks != NEVER).cumsum(-1, dtype=torch.int32)[:, last]
-    cap = list_cap(K, window, tile_rows)
+    cap = topk.list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
     keys = torch.zeros(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
@@ -741,13 +739,11 @@ def bwd(
     dv = torch.zeros(B * K * KVH + 1, D, dtype=torch.float32, device=dev)
     db = torch.zeros(Bb * Hb * K + 1, dtype=torch.float32, device=dev)
     if q.numel() > 0 and k.numel() > 0:
-        if dout.stride() != out.stride():
-            dout, out = dout.contiguous(), out.contiguous()
         if out_resid is None or out_resid.numel() == 0:
             out_resid = torch.zeros_like(out)
-        elif out_resid.stride() != out.stride():
-            out_resid = out_resid.contiguous()
-            dout, out = dout.contiguous(), out.contiguous()
+        # The kernel reads the three with one set of strides.
+        if not dout.stride() == out.stride() == out_resid.stride():
+            dout, out, out_resid = (t.contiguous() for t in (dout, out, out_resid))
         g = _geometry(q, k, bias, key_rank, tile_keys)
         n_tiles, n_bh = g["grid"]
 

@@ -157,7 +157,7 @@ def _per_key_ok(device: torch.device) -> bool:
     if device.type == "cuda":
         from . import _ops
 
-        return _ops._topk_triton is not None
+        return _ops.HAVE_TRITON
     return device.type == "cpu"
 
 

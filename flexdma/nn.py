@@ -129,12 +129,6 @@ def rotary_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def _check_window(keep_window_size) -> int:
-    if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int) or keep_window_size <= 0:
-        raise ValueError(f"keep_window_size must be a positive int, got {keep_window_size!r}")
-    return keep_window_size
-
-
 class DynamicMaskAttention(nn.Module):
     """Doge-style self-attention: GQA projections plus a learned per-key importance (dt_proj, A)
     that picks the `keep_window_size` keys each query attends to and is added to the logits.
@@ -175,7 +169,7 @@ class DynamicMaskAttention(nn.Module):
             num_kv_heads,
             head_dim,
         )
-        self.keep_window_size = _check_window(keep_window_size)
+        self.keep_window_size = topk.check_window(keep_window_size)
         self.is_causal, self.backend = is_causal, backend
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
@@ -273,7 +267,7 @@ class MultiheadDynamicMaskAttention(nn.Module):
         fk = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.batch_first, self.backend = batch_first, backend
-        self.keep_window_size = _check_window(keep_window_size)
+        self.keep_window_size = topk.check_window(keep_window_size)
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **fk))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim, **fk)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)

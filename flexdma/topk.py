@@ -53,6 +53,11 @@ def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor],
     return s.masked_fill(~m, float("-inf"))
 
 
+def list_cap(K: int, window: int, tile_rows: int) -> int:
+    """Entries of a tile's list: at most W + tile_rows - 1 keys (and never more than K)."""
+    return min(K, window + tile_rows - 1)
+
+
 def tile_rows_for(query: torch.Tensor, key: torch.Tensor, plane_heads: int) -> int:
     """Rows per query tile of the selection lists, as the kernels of query's device read them."""
     if query.device.type == "cuda":
@@ -85,7 +90,7 @@ def keep_mask(sel: Selection, seqlen_q: int, seqlen_k: int, is_causal: bool) -> 
 
 def check_window(keep_window_size) -> int:
     if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int) or keep_window_size <= 0:
-        raise ValueError(f"keep_window_size must be a positive int or None, got {keep_window_size!r}")
+        raise ValueError(f"keep_window_size must be a positive int, got {keep_window_size!r}")
     return keep_window_size
 
 
@@ -112,10 +117,10 @@ def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.
 def cuda_unsupported_reason(q: torch.Tensor) -> Optional[str]:
     if q.device.type != "cuda":
         return f"inputs are on {q.device.type}, not cuda"
-    try:
-        from . import _topk_triton  # noqa: F401
-    except ImportError as e:  # pragma: no cover - a torch without triton
-        return f"triton is unavailable ({e})"
+    from . import _ops
+
+    if not _ops.HAVE_TRITON:  # pragma: no cover - a torch without triton
+        return "triton is unavailable (the per-key CUDA kernels are Triton)"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (the per-key CUDA kernels take float16 and bfloat16)"
     d = q.shape[-1]
