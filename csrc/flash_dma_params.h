@@ -60,7 +60,8 @@ struct FwdParams {
   // kernels, so an empty tile is skipped without reading its mask bytes.
   Broadcast4d tile_meta;
 
-  // Top-k rank keep rule (optional; flexdma::topk_fwd / topk_bwd, CPU kernel only so far): key j
+  // Top-k rank keep rule (optional; flexdma::topk_fwd / topk_bwd; the CPU kernels and the CUDA
+  // forward, which also needs tile_keys below): key j
   // is kept for row i iff key_rank[b, h, j] <= row_thr[b, h, i], on top of the mask and causality.
   // Both int32. key_rank is seen as a (Bs, Hs, 1, K) operand (row_stride 0), row_thr as
   // (Bs, Hs, Q, 1) (col_stride 0); batch / head dims broadcast like the mask's. It describes a
@@ -69,6 +70,16 @@ struct FwdParams {
   // rule must refuse params with either pointer set.
   Broadcast4d key_rank;
   Broadcast4d row_thr;
+  // The keys each query tile of topk_tile_rows rows lists (flexdma::topk_select's tile_keys), for
+  // the CUDA forward of the rank rule: row qt of a plane holds the count n, then n key indices
+  // (row_stride = 1 + the list capacity, col_stride 1; batch / head dims broadcast like
+  // key_rank's). The kernel gathers K / V rows from the list instead of walking every key tile;
+  // its 64-row tiles read the list of the tile they lie in (topk_tile_rows a multiple of 64).
+  Broadcast4d tile_keys;
+  int64_t topk_tile_rows = 64;
+  // out's rounding error (out - out rounded to its dtype, in out's dtype and strides), written
+  // where non-null: the per-key backward's rowsum(dout * out) needs out in float.
+  void* out_resid = nullptr;
 
   float softmax_scale = 1.f;
   float softcap = 0.f;  // 0: off

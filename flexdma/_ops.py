@@ -174,6 +174,12 @@ def _topk_bwd_fake(
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
+@torch.library.register_fake("flexdma::topk_fwd_sm90")
+def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap):
+    B, Q, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=torch.float32), q.new_empty(q.shape)
+
+
 def _topk_setup_context(ctx, inputs, output):
     q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys = inputs
     out, lse, resid = output
@@ -217,8 +223,8 @@ torch.library.register_autograd(
 )
 
 # The per-key path's GPU kernels are Triton (flexdma/_topk_triton.py), registered here as the CUDA
-# implementations of the op family's schemas. Triton is imported by the first call, not by
-# `import flexdma`.
+# implementations of the op family's schemas; topk_fwd hands the calls the C++ sm_90a kernel
+# takes to flexdma::topk_fwd_sm90. Triton is imported by the first call, not by `import flexdma`.
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 

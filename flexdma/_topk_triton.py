@@ -51,8 +51,40 @@ def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
     return pack
 
 
-def tile_rows_for(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
-    return BLOCK_M // pack_size(num_heads, num_kv_heads, plane_heads)
+# Query rows per tile of the C++ forward (flexdma::topk_fwd_sm90; csrc/cuda/fwd_kernel.cuh): it
+# reads lists of tiles of a multiple of this many rows.
+SM90_TILE_ROWS = 64
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int):
+    return torch.cuda.get_device_capability(index)
+
+
+def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether topk_fwd on `device` runs the C++ sm_90a kernel for this head dim and dtype (what
+    the selection's tile rows depend on; operand alignment is checked per call)."""
+    from . import _build_info
+
+    if head_dim not in (64, 128) or head_dim not in _build_info.CUDA_HEAD_DIMS:
+        return False
+    if tuple(_build_info.CUDA_ARCHS) != ("90",) or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+
+
+def plan(num_heads: int, num_kv_heads: int, plane_heads: int, head_dim: int, dtype, device) -> tuple:
+    """(pack, tile_rows): the query heads a Triton program serves (its BLOCK_M rows are `pack`
+    heads x tile_rows) and the rows of a selection tile. The C++ forward's 64-row tiles need lists
+    of at least 64 rows, so with it a pack is at most two heads."""
+    pack = pack_size(num_heads, num_kv_heads, plane_heads)
+    if sm90_forward(head_dim, dtype, device):
+        pack = min(pack, BLOCK_M // SM90_TILE_ROWS)
+    return pack, BLOCK_M // pack
+
+
+def tile_rows_for(q: torch.Tensor, k: torch.Tensor, plane_heads: int) -> int:
+    return plan(q.shape[2], k.shape[2], plane_heads, q.shape[3], q.dtype, q.device)[1]
 
 
 # ----------------------------------------------------------------------------------- selection
@@ -625,8 +657,7 @@ def _geometry(q, k, bias, key_rank, tile_keys):
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
     P1, P2 = key_rank.shape[0], key_rank.shape[1]
-    pack = pack_size(H, KVH, P2)
-    tile_rows = BLOCK_M // pack
+    pack, tile_rows = plan(H, KVH, P2, D, q.dtype, q.device)
     n_tiles = -(-Q // tile_rows)
     if n_tiles == 0 or tile_keys.shape[2] % n_tiles:
         raise ValueError(
@@ -842,8 +873,23 @@ def _need_tiles(tile_keys):
     return tile_keys
 
 
+def _sm90_takes(q, k, v, attn_bias, softcap) -> bool:
+    """The C++ forward's conditions on this call's operands (16-byte rows, bias in q's dtype)."""
+    if not sm90_forward(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
+        return False
+    if q.shape[0] > 65535 or q.shape[2] > 65535:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
+
+
 def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None):
-    return fwd(q, k, v, attn_bias, key_rank, row_thr, _need_tiles(tile_keys), softmax_scale, is_causal, softcap)
+    tile_keys = _need_tiles(tile_keys)
+    if _sm90_takes(q, k, v, attn_bias, softcap):
+        tile_rows = _geometry(q, k, attn_bias, key_rank, tile_keys)["meta"]["TILE_ROWS"]
+        return torch.ops.flexdma.topk_fwd_sm90(
+            q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap
+        )
+    return fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)
 
 
 def bwd_op(

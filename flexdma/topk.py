@@ -63,7 +63,7 @@ def tile_rows_for(query: torch.Tensor, key: torch.Tensor, plane_heads: int) -> i
     if query.device.type == "cuda":
         from . import _topk_triton
 
-        return _topk_triton.tile_rows_for(query.shape[2], key.shape[2], plane_heads)
+        return _topk_triton.tile_rows_for(query, key, plane_heads)
     return CPU_TILE_ROWS
 
 

@@ -65,9 +65,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       /*device_stores_dbias_dtype=*/true);
 }
 
+// flexdma::topk_fwd_sm90: the per-key forward over each query tile's listed keys.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                                  const at::Tensor& v, const at::Tensor& bias,
+                                                                  const at::Tensor& key_rank, const at::Tensor& row_thr,
+                                                                  const at::Tensor& tile_keys, int64_t tile_rows,
+                                                                  double softmax_scale, bool is_causal,
+                                                                  double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  check_qkv(q, k, v);
+  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
+  at::Tensor resid = at::empty(q.sizes(), q.options());  // same layout as fwd_impl's out
+  auto [out, lse] =
+      topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, [&](const FwdParams& rule) {
+        FwdParams p = rule;
+        p.tile_keys = keys;
+        p.topk_tile_rows = tile_rows;
+        p.out_resid = resid.data_ptr();
+        check_supported(p);
+        cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return {out, lse, resid};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
+  m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("tile_meta", &tile_meta_cuda);

@@ -171,6 +171,15 @@ TORCH_LIBRARY(flexdma, m) {
       "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor? tile_keys=None) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
+  // topk_fwd's C++ CUDA kernel (sm_90a builds, head dims 64 / 128; flexdma/_topk_triton.py's
+  // CUDA topk_fwd calls it where it applies and runs the Triton kernel elsewhere): tile_keys from
+  // topk_select with tile_rows a multiple of 64 (the kernel's query tiles), attn_bias in q's
+  // dtype, out_resid always written. No other device implements it.
+  m.def(
+      "topk_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
+      "Tensor tile_keys, int tile_rows, float softmax_scale, bool is_causal, float softcap) "
+      "-> (Tensor out, Tensor lse, Tensor out_resid)",
+      {at::Tag::pt2_compliant_tag});
   m.def(
       "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
       "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "

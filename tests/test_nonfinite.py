@@ -11,11 +11,11 @@ B, Q, K, H, KVH, D = 2, 18, 20, 4, 2, 32
 NAN, INF = float("nan"), float("inf")
 
 
-def _inputs(device, dtype):
+def _inputs(device, dtype, d=D):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, Q, H, D, generator=g)
-    k = torch.randn(B, K, KVH, D, generator=g)
-    v = torch.randn(B, K, KVH, D, generator=g)
+    q = torch.randn(B, Q, H, d, generator=g)
+    k = torch.randn(B, K, KVH, d, generator=g)
+    v = torch.randn(B, K, KVH, d, generator=g)
     bias = torch.randn(B, H, Q, K, generator=g)
     mask = torch.ones(B, 1, Q, K, dtype=torch.bool)
     mask[..., 1] = False  # key 1 is never attended to
@@ -74,8 +74,8 @@ CASES = {
 }
 
 
-def _check_backend(backend, device, dtype, return_lse):
-    q0, k0, v0, bias0, mask = _inputs(device, dtype)
+def _check_backend(backend, device, dtype, return_lse, d=D):
+    q0, k0, v0, bias0, mask = _inputs(device, dtype, d)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     failures = []
     for name, (poison, expected) in CASES.items():
@@ -113,9 +113,6 @@ def _check_backend(backend, device, dtype, return_lse):
     assert not failures, "\n".join(failures)
 
 
-# The CUDA kernel's row max (fmaxf) skips NaN too, and its epilogue calls a row with a NaN sum
-# empty (LSE -inf). Read from the code, not yet run on a GPU: not strict until it has been.
-_CUDA_KERNEL = pytest.mark.xfail(strict=False, reason="cuda kernel")
 _CASES = [
     ("reference", "cpu", torch.float32),
     ("flex", "cpu", torch.float32),
@@ -123,8 +120,17 @@ _CASES = [
     ("cpu", "cpu", torch.bfloat16),
     pytest.param("reference", "cuda", torch.bfloat16, marks=pytest.mark.gpu),
     pytest.param("flex", "cuda", torch.bfloat16, marks=pytest.mark.gpu),
-    pytest.param("cuda", "cuda", torch.bfloat16, marks=[pytest.mark.gpu, _CUDA_KERNEL]),
+    pytest.param("cuda", "cuda", torch.bfloat16, marks=pytest.mark.gpu),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])
+def test_nonfinite_inputs_cuda_wgmma_head_dim(return_lse):
+    # D = 32 above runs the CUDA kernel's mma.sync path; D = 64 its wgmma one (sm_90a builds).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _check_backend("cuda", "cuda", torch.bfloat16, return_lse, d=64)
 
 
 @pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out+lse"])

@@ -32,11 +32,11 @@ CASES = [
 ]
 
 
-def _inputs(case, device, dtype, ties=True):
+def _inputs(case, device, dtype, ties=True, D=16):
     B, Q, K, H, KVH, W, causal, bh, padded, empty = case
-    q = torch.randn(B, Q, H, 16, dtype=torch.float64)
-    k = torch.randn(B, K, KVH, 16, dtype=torch.float64)
-    v = torch.randn(B, K, KVH, 16, dtype=torch.float64)
+    q = torch.randn(B, Q, H, D, dtype=torch.float64)
+    k = torch.randn(B, K, KVH, D, dtype=torch.float64)
+    v = torch.randn(B, K, KVH, D, dtype=torch.float64)
     nb = {"1": 1, "KVH": KVH, "H": H}[bh]
     bias = torch.randn(B if nb > 1 else 1, nb, 1, K, dtype=torch.float64) * 2
     if ties:
@@ -55,25 +55,73 @@ def _dense(bias, pad, W, Q, causal):
     return flexdma.create_mask(bias.detach(), W, attn_mask=m, is_causal=causal, query_len=Q)
 
 
+def _poison_cuda_allocator():
+    # The next outputs reuse these all-ones blocks (NaN in every float dtype), so an element a
+    # kernel leaves unwritten shows up as non-finite.
+    if torch.cuda.is_available():
+        blocks = [
+            torch.full((n,), -1, dtype=torch.int32, device="cuda") for n in (1 << 20, 1 << 18, 1 << 16, 1 << 14) * 4
+        ]
+        del blocks
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c)))
 def test_matches_create_mask_and_reference(device, case):
+    _check_case(device, case, torch.float64 if device == "cpu" else torch.bfloat16)
+
+
+# Head dims 64 / 128: on an sm_90a build the forward is the C++ kernel (flexdma::topk_fwd_sm90)
+# over 64-row query tiles; fp16 and a softcap on some of them; a decode whose keys split.
+SM90_CASES = CASES + [(1, 1, 2000, 2, 1, 600, True, "1", True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", SM90_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_cuda_head_dims_match_reference(case, D):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flexdma import _topk_triton
+
+    i = SM90_CASES.index(case)
+    dtype = torch.float16 if i % 3 == 1 else torch.bfloat16
+    softcap = 5.0 if i % 4 == 2 else 0.0
+    if not _topk_triton.sm90_forward(D, dtype, torch.device("cuda")):
+        pytest.skip("the C++ per-key forward is not built for this device / head dim")
+    _check_case("cuda", case, dtype, D=D, softcap=softcap, sm90=True)
+
+
+def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False):
     B, Q, K, H, KVH, W, causal, *_ = case
-    dtype = torch.float64 if device == "cpu" else torch.bfloat16
-    q, k, v, bias, pad = _inputs(case, device, dtype)
+    q, k, v, bias, pad = _inputs(case, device, dtype, D=D)
     mask = _dense(bias, pad, W, Q, causal)
-    grad = torch.randn(B, Q, H, 16, dtype=torch.float64, device=device)
+    grad = torch.randn(B, Q, H, D, dtype=torch.float64, device=device)
     ref = {}
     for prec in (torch.float64, dtype):
         ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
-        o, lse = attention_ref(ins[0], ins[1], ins[2], mask, ins[3], is_causal=causal)
+        o, lse = attention_ref(ins[0], ins[1], ins[2], mask, ins[3], is_causal=causal, softcap=softcap)
         gs = torch.autograd.grad(o, ins, grad.to(prec))
         ref[prec] = (o, lse) + gs
-    backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] else [])
+    backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] and not sm90 else [])
     for backend in backends:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+        if sm90:
+            from flexdma import _topk_triton
+
+            assert _topk_triton._sm90_takes(*ins[:4], softcap), "the C++ forward must take this call"
+        _poison_cuda_allocator()
         out, lse = flexdma.flash_dma_attention(
-            ins[0], ins[1], ins[2], pad, ins[3], is_causal=causal, keep_window_size=W, return_lse=True, backend=backend
+            ins[0],
+            ins[1],
+            ins[2],
+            pad,
+            ins[3],
+            is_causal=causal,
+            keep_window_size=W,
+            return_lse=True,
+            backend=backend,
+            softcap=softcap,
         )
         got = (out, lse) + torch.autograd.grad(out, ins, grad.to(dtype))
         for name, g, r, lo in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, ref[torch.float64], ref[dtype]):

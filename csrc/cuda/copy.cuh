@@ -68,6 +68,67 @@ __device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const K
   }
 }
 
+// 4-byte global -> shared copy (gathered int32 / float entries).
+__device__ inline void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+
+// The per-key forward's key tiles: list entries [n0, n0 + 64) of a query tile's key list
+// (FwdParams::tile_keys) name the K / V rows of tile n0. GatheredKeys reads an index from memory
+// in front of every copy, a dependent load per tile; here a tile's 64 indices are copied into
+// smem with the tile before it, so its own copies issue after a shared-memory read. Each buffer's
+// slot holds (int32 words) the tile's key indices [0, 64) (the causal test), ranks [64, 128) and
+// biases as float [128, 192), and at [192, 256) the indices of the tile to be issued into that
+// buffer next. Threads 0..63 gather one key's operands each: the rank by cp.async, the bias
+// (16-bit, too narrow for cp.async) through a register that stage() stores before the barrier
+// that publishes the tile. 16-byte K / V copies only (the launcher refuses unaligned q / k / v).
+template <typename T, int D>
+struct KeyList {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kSlotWords = 256;
+  static constexpr int32_t kNever = 0x7fffffff;  // rank / index of an entry past the list
+  const int32_t* keys;                           // the list's first key index
+  int64_t n;                                     // its length
+  float bias;                                    // bias of key threadIdx.x of the tile in flight, until stage()
+
+  // Copies the indices of the tile at list entry n0 into slot + 192 (where issue() reads them).
+  __device__ inline void request(int32_t* slot, int64_t n0) const {
+    if (threadIdx.x < 64 && n0 + threadIdx.x < n) cp_async4(slot + 192 + threadIdx.x, keys + n0 + threadIdx.x);
+  }
+
+  // Requests tile n0 into buffer `slot` / sk / sv: its K / V rows (zero rows past the list), its
+  // keys' indices and ranks; then the next tile's indices into `next`.
+  template <typename RankPlane, typename BiasPlane>
+  __device__ inline void issue(int32_t* slot, int32_t* next, T* sk, T* sv, const T* k, const T* v, int64_t k_rs,
+                               int64_t v_rs, int64_t n0, const RankPlane& ranks, const BiasPlane& biases) {
+    static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
+    const int32_t* idx = slot + 192;
+#pragma unroll
+    for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
+      const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
+      const bool ok = n0 + r < n;
+      const int64_t at = ok ? idx[r] : 0;
+      cp_async16(sk + tile_index<D>(r, col), k + at * k_rs + col, ok ? 16 : 0);
+      cp_async16(sv + tile_index<D>(r, col), v + at * v_rs + col, ok ? 16 : 0);
+    }
+    if (threadIdx.x < 64) {
+      const bool ok = n0 + threadIdx.x < n;
+      const int32_t j = idx[threadIdx.x];
+      slot[threadIdx.x] = ok ? j : kNever;
+      if (ok)
+        cp_async4(slot + 64 + threadIdx.x, ranks.at(0, j));
+      else
+        slot[64 + threadIdx.x] = kNever;
+      bias = ok ? to_float(*biases.at(0, j)) : 0.f;
+    }
+    request(next, n0 + 64);
+  }
+
+  __device__ inline void stage(int32_t* slot) const {
+    if (threadIdx.x < 64) reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias;
+  }
+};
+
 // Requests 64 rows x D (row r at src + r * rs) into a smem tile (tile_index layout); rows at or
 // past `valid` are zero (their P / dS are 0, and 0 * garbage could be NaN).
 template <typename T, int D>

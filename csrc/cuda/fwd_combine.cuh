@@ -7,6 +7,7 @@
 #include "constants.cuh"
 #include "fwd_epilogue.cuh"
 #include "mma_sm80.cuh"
+#include "softmax.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -21,13 +22,13 @@ __global__ void combine_splits(const FwdParams p, const FwdSplit sp) {
   if (row >= rows) return;
   const int lane = threadIdx.x % 32;
   float m = -CUDART_INF_F;
-  for (int s = lane; s < sp.n; s += 32) m = fmaxf(m, sp.lse_part[s * rows + row]);
+  for (int s = lane; s < sp.n; s += 32) m = fmax_nan(m, sp.lse_part[s * rows + row]);
 #pragma unroll
-  for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  for (int o = 16; o > 0; o /= 2) m = fmax_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
   float acc[D / 32], wsum = 0.f;
 #pragma unroll
   for (int e = 0; e < D / 32; ++e) acc[e] = 0.f;
-  if (m != -CUDART_INF_F) {
+  if (m != -CUDART_INF_F) {  // NaN enters: every weight is then NaN
     for (int s = 0; s < sp.n; ++s) {
       const float l = sp.lse_part[s * rows + row];
       if (l == -CUDART_INF_F) continue;
@@ -40,10 +41,18 @@ __global__ void combine_splits(const FwdParams p, const FwdSplit sp) {
   }
   const int64_t i = row % p.seqlen_q, bh = row / p.seqlen_q, h = bh % p.num_heads, b = bh / p.num_heads;
   T* orow = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+  // wsum is 0 only when no split kept anything; a NaN split (its LSE NaN) makes m, wsum and the
+  // row NaN.
+  const bool empty = wsum == 0.f;
+  const float inv = empty ? 0.f : 1.f / wsum;
+  T* rrow = p.out_resid ? static_cast<T*>(p.out_resid) + (orow - static_cast<T*>(p.out)) : nullptr;
 #pragma unroll
-  for (int e = 0; e < D / 32; ++e) orow[lane + 32 * e] = from_float<T>(acc[e] * inv);
-  if (lane == 0) static_cast<float*>(p.lse)[row] = wsum > 0.f ? m + __logf(wsum) : -CUDART_INF_F;
+  for (int e = 0; e < D / 32; ++e) {
+    const float x = acc[e] * inv;
+    orow[lane + 32 * e] = from_float<T>(x);
+    if (rrow) rrow[lane + 32 * e] = from_float<T>(x - to_float(from_float<T>(x)));
+  }
+  if (lane == 0) static_cast<float*>(p.lse)[row] = empty ? -CUDART_INF_F : m + __logf(wsum);
 }
 
 }  // namespace cuda

@@ -1,6 +1,6 @@
 // The forward's epilogue: O / rowsum into out, LSE = max + log(sum); empty rows give 0 and
-// -inf. A split over keys writes the same, in float, to its slice of the partial buffers
-// (combined by fwd_combine.cuh).
+// -inf; where FwdParams::out_resid is set, out's rounding error beside it. A split over keys writes the same, in float,
+// to its slice of the partial buffers (combined by fwd_combine.cuh).
 #pragma once
 #include <math_constants.h>
 
@@ -39,7 +39,9 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
     const int64_t i = m0 + w * 16 + g + 8 * hh;
     if (i < p.seqlen_q) {
       const float m = row_max[hh];
-      const bool empty = !(l > 0.f) || m == -CUDART_INF_F;
+      // A finite max means some p = 1, so l >= 1: only a row that kept nothing is empty. A NaN row
+      // (max and sum NaN) is not, and comes out NaN.
+      const bool empty = m == -CUDART_INF_F;
       const float inv = empty ? 0.f : 1.f / l;
       if (sp.n > 1) {
         float* orow = sp.o_part + (row0 + i) * D;
@@ -48,14 +50,22 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
           *reinterpret_cast<float2*>(orow + d * 8 + 2 * qc) = make_float2(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
       } else {
         T* orow = out + i * p.o_row_stride;
+        T* rrow = p.out_resid ? static_cast<T*>(p.out_resid) + (orow - static_cast<T*>(p.out)) : nullptr;
 #pragma unroll
         for (int d = 0; d < D / 8; ++d) {
           const int col = d * 8 + 2 * qc;
+          const float x0 = o[d][2 * hh] * inv, x1 = o[d][2 * hh + 1] * inv;
+          const uint32_t lo = pack2<T>(x0, x1);
           if (f.out_vec) {
-            *reinterpret_cast<uint32_t*>(orow + col) = pack2<T>(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
+            *reinterpret_cast<uint32_t*>(orow + col) = lo;
           } else {
-            orow[col] = from_float<T>(o[d][2 * hh] * inv);
-            orow[col + 1] = from_float<T>(o[d][2 * hh + 1] * inv);
+            orow[col] = from_float<T>(x0);
+            orow[col + 1] = from_float<T>(x1);
+          }
+          if (rrow) {
+            const float2 back = unpack2<T>(lo);
+            rrow[col] = from_float<T>(x0 - back.x);
+            rrow[col + 1] = from_float<T>(x1 - back.y);
           }
         }
       }

@@ -7,6 +7,10 @@
 // t+1's copies are in flight while tile t is computed. Which key tiles keep
 // anything comes from the mask's tile activity bits (FwdParams::tile_meta), so an all-false
 // tile costs no byte at all and finding the next kept tile needs no load round trip.
+// kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are not the sequence's but
+// consecutive 64-entry pieces of the query tile's key list (FwdParams::tile_keys), K / V rows
+// gathered through it (KeyList), and the mask is the rank rule (apply_rank_keep) with the bias
+// of each listed key; everything from S on is the same code.
 #pragma once
 #include <math_constants.h>
 
@@ -34,11 +38,12 @@ __device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0,
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
-template <typename T, int D>
+template <typename T, int D, bool kTopk>
 __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
                                             : D <= 128 ? 2
                                                        : 1)
     fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
+  static_assert(!kTopk || (use_wgmma<D>() && !fwd_q_in_smem<D>()), "the per-key forward is built for D = 64 / 128");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   constexpr bool kQSmem = fwd_q_in_smem<D>();
@@ -79,12 +84,30 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
 
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
-  const bool has_bias = p.bias.ptr != nullptr;
+  // The per-key path adds its biases per listed key (apply_rank_keep), not from bias tiles.
+  const bool has_bias = !kTopk && p.bias.ptr != nullptr;
   // This thread's bias rows in a smem bias tile; a bias broadcast over queries keeps only row 0.
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias(p.bias, b, h);
   const Plane<uint8_t> mask(p.mask, b, h);
-  const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
+  KeyList<T, D> kl{};
+  const Plane<int32_t> ranks(p.key_rank, b, h);
+  // The rank rule's per-row terms of this thread's rows g, g + 8: the largest kept rank (-1 past
+  // seqlen_q: nothing kept) and the causal limit.
+  int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
+  if constexpr (kTopk) {
+    const int32_t* list = Plane<int32_t>(p.tile_keys, b, h).at(m0 / p.topk_tile_rows, 0);
+    kl.keys = list + 1;
+    kl.n = list[0];
+    const Plane<int32_t> thr_plane(p.row_thr, b, h);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t i = m0 + w * 16 + g + 8 * hh;
+      if (i < p.seqlen_q) thr[hh] = *thr_plane.at(i, 0);
+      if (p.is_causal) lim[hh] = (int)(i + p.seqlen_k - p.seqlen_q);
+    }
+  }
+  const int64_t n_all = kTopk ? ceil_div(kl.n, kBlockN) : key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
   const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
   const int64_t n_end = imin(n_all, t_begin + per_split);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
@@ -96,7 +119,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const bool softcap_on = p.softcap > 0.f;
   const float scale_l2 = p.softmax_scale * kLog2eF;
   const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
+  // The per-key operands of the tile in buffer buf (KeyList's slot).
+  auto key_slot = [&](int buf) { return reinterpret_cast<int32_t*>(sKeep + buf * L::kKeepSlot); };
   auto issue_tile = [&](int64_t t, int buf) {
+    if constexpr (kTopk) {
+      kl.issue(key_slot(buf), key_slot(buf ^ 1), sK + buf * L::kTileKV / 2, sV + buf * L::kTileKV / 2, kp, vp,
+               p.k_row_stride, p.v_row_stride, t * kBlockN, ranks, bias);
+      cp_async_commit();
+      return;
+    }
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias)
@@ -115,8 +146,11 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8; sum per thread
 
   // Tile t's K / V / bias copies (and the raw mask bytes of t + 1) have landed in every thread's
-  // view, and in the async proxy's that wgmma reads through. Block-uniform.
-  auto land = [&]() {
+  // view, and in the async proxy's that wgmma reads through; on the per-key path its key operands
+  // are staged into buf's slot (whose last reader, the tile two before, is behind the previous
+  // barrier). Block-uniform.
+  auto land = [&](int buf) {
+    if constexpr (kTopk) kl.stage(key_slot(buf));
     cp_async_wait<0>();
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
@@ -175,8 +209,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   int64_t tn = n_end;
   uint32_t pa[kBlockN / 16][4];  // P of tile t as A fragments; read by the P.V wgmma until it is waited for
   if (t < n_end) {
+    if constexpr (kTopk) {
+      // The first tile's indices; later tiles' come with the tile before them.
+      kl.request(key_slot(0), t * kBlockN);
+      cp_async_commit();
+      cp_async_wait<0>();
+      __syncthreads();
+    }
     issue_tile(t, 0);
-    land();
+    land(0);
     keep_tile(t, 0);
     tn = next_active(t + 1);
     if (tn < n_end) issue_tile(tn, 1);
@@ -218,7 +259,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
             s[n][2 * hh + 1] = fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]);
           }
       }
-      if (has_mask) {
+      if constexpr (kTopk) {
+        apply_rank_keep(s, key_slot(cur), thr, lim, qc);
+      } else if (has_mask) {
         // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
         const uint8_t* keep = sKeep + cur * L::kKeepSlot;
         if (tb.full)
@@ -267,7 +310,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
       }
       if (tn >= n_end) break;
 
-      land();  // tile tn landed; every warp is done with tile t's bias and keep bytes
+      land(cur ^ 1);  // tile tn landed; every warp is done with tile t's bias and keep bytes
       keep_tile(tn, cur ^ 1);
       const int64_t tnn = next_active(tn + 1);
       // P.V of tile t is done from here on: its K / V / bias / mask buffers take tile tnn. (Issuing S

@@ -11,7 +11,12 @@ namespace cuda {
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kSmem = FwdSmem<T, D>::kBytes;
-  cudaFuncSetAttribute(fwd_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
+  auto kernel = fwd_kernel<T, D, false>;
+  if constexpr (topk_head_dim(D)) {
+    if (p.tile_keys.ptr) kernel = fwd_kernel<T, D, true>;
+  }
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   FwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -29,7 +34,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   if (ctas < sms) {
     // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
     // about two CTAs run per SM, each over at least 4 key tiles.
-    sp.n = (int)imax(1, imin(ceil_div(2 * sms, ctas), ceil_div(p.seqlen_k, 4 * kBlockN)));
+    // A per-key query tile walks its list (at most the list capacity), not the sequence.
+    const int64_t keys = p.tile_keys.ptr ? imin(p.seqlen_k, p.tile_keys.row_stride - 1) : p.seqlen_k;
+    sp.n = (int)imax(1, imin(ceil_div(2 * sms, ctas), ceil_div(keys, 4 * kBlockN)));
   }
   if (sp.n > 1) {
     const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
@@ -37,7 +44,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.lse_part = sp.o_part + sp.n * rows * D;
   }
   dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
-  fwd_kernel<T, D><<<grid, kThreads, kSmem, stream>>>(p, f, sp);
+  kernel<<<grid, kThreads, kSmem, stream>>>(p, f, sp);
   if (sp.n > 1) {
     const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
     combine_splits<T, D><<<(unsigned)ceil_div(rows, 4), 128, 0, stream>>>(p, sp);

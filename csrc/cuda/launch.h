@@ -10,6 +10,15 @@ namespace cuda {
 
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream);
+
+// Head dims of the per-key (top-W rank rule) forward: the wgmma dims that keep Q in registers.
+constexpr bool topk_head_dim(int64_t d) {
+#ifdef FLEXDMA_SM90A
+  return d == 64 || d == 128;
+#else
+  return false;
+#endif
+}
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream);
 

@@ -150,5 +150,28 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
     }
 }
 
+// The per-key rank rule on a warp's C fragments (rows of thr / lim: g and g + 8 of the thread):
+// column c of the tile keeps its score iff rank[c] <= thr (the row's largest kept rank) and
+// key[c] <= lim (the row's causal limit; INT32_MAX without causality), and adds the key's bias
+// (log2 units) first. slot: the tile's keys, ranks and float biases (KeyList's layout).
+__device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
+                                       const int (&lim)[2], int qc) {
+  const float* bias = reinterpret_cast<const float*>(slot + 128);
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n) {
+    const int col = n * 8 + 2 * qc;
+    const int2 key = *reinterpret_cast<const int2*>(slot + col);
+    const int2 rank = *reinterpret_cast<const int2*>(slot + 64 + col);
+    const float2 bv = *reinterpret_cast<const float2*>(bias + col);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const bool k0 = (rank.x <= thr[hh]) & (key.x <= lim[hh]);
+      const bool k1 = (rank.y <= thr[hh]) & (key.y <= lim[hh]);
+      s[n][2 * hh] = k0 ? fmaf(bv.x, kLog2eF, s[n][2 * hh]) : -CUDART_INF_F;
+      s[n][2 * hh + 1] = k1 ? fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]) : -CUDART_INF_F;
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace flexdma

@@ -35,9 +35,24 @@ __device__ inline void softcap_tanh(float (&s)[kBlockN / 8][4], float over_cap) 
     for (int e = 0; e < 4; ++e) s[n][e] = tanhf(s[n][e] * over_cap);
 }
 
+// max that returns NaN when either input is NaN (fmaxf returns the other input). A kept score
+// that is NaN (a NaN in q, k or bias) must turn its row NaN, as in the reference and in SDPA; a
+// max that skipped it would leave the row looking finite. Dropped scores are -inf before the max,
+// so a NaN at a masked key never gets here.
+__device__ inline float fmax_nan(float a, float b) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+
 // One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread,
 // scores in log2 units): the running row max and per-thread row sum are updated, s becomes P,
-// and the O accumulator is rescaled by exp2(old max - new max).
+// and the O accumulator is rescaled by exp2(old max - new max). A NaN score makes the max NaN,
+// and with it P, the sum and O of the row (fmax_nan).
 template <int D>
 __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                       float (&o)[D / 8][4]) {
@@ -45,12 +60,12 @@ __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_ma
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) mx[hh] = fmaxf(mx[hh], fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
+    for (int hh = 0; hh < 2; ++hh) mx[hh] = fmax_nan(mx[hh], fmax_nan(s[n][2 * hh], s[n][2 * hh + 1]));
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
-    mx[hh] = fmaxf(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-    const float m_new = fmaxf(row_max[hh], mx[hh]);
+    mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
+    mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
+    const float m_new = fmax_nan(row_max[hh], mx[hh]);
     const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
     const float alpha = exp2f(row_max[hh] - m_use);
     row_max[hh] = m_new;
