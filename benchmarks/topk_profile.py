@@ -1,12 +1,17 @@
 """Where a per-key call's time goes: torch.profiler over flash_dma_attention(keep_window_size=W)
 (forward, and forward + backward), device kernels and host time side by side.
 
-python -m benchmarks.topk_profile [--L 32768] [--D 128] [--W 2048]
+python -m benchmarks.topk_profile [--L 32768] [--D 128] [--W 2048] [--host]
+--host: the host's time per call (calls issued back to back, no sync) against the GPU's, and
+the Python functions that take it (cProfile).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -18,6 +23,7 @@ if __name__ == "__main__":
     ap.add_argument("--L", type=int, default=32768)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--W", type=int, default=2048)
+    ap.add_argument("--host", action="store_true")
     a = ap.parse_args()
     q = torch.randn(1, a.L, 2, a.D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, a.L, 1, a.D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -36,6 +42,23 @@ if __name__ == "__main__":
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
+        if a.host:
+            n = 50
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            host = (time.perf_counter() - t0) / n
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / n
+            print(f"==== {name}: host {host * 1e3:.3f} ms a call, host + drain {wall * 1e3:.3f} ms a call")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(n):
+                fn()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+            continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 fn()

@@ -56,9 +56,15 @@ def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
 SM90_TILE_ROWS = 64
 
 
-@functools.lru_cache(maxsize=16)
+# A dict, not functools.lru_cache: torch.compile traces sm90_forward (through topk.tile_rows_for)
+# and warns about an lru_cache wrapper; a module dict is read as a constant.
+_CAPABILITY: dict = {}
+
+
 def _capability(index: int):
-    return torch.cuda.get_device_capability(index)
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
 
 
 def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -92,7 +98,6 @@ def tile_rows_for(q: torch.Tensor, k: torch.Tensor, plane_heads: int) -> int:
 def _select_kernel(
     order_ptr,
     lvl_start_ptr,
-    lvl_elig_ptr,
     rank_ptr,
     thr_ptr,
     keys_ptr,
@@ -129,22 +134,28 @@ def _select_kernel(
         lvl += 1
         size = size * 2
     order = order_ptr + tl.load(lvl_start_ptr + lvl).to(tl.int64) + pl * tl.load(lvl_start_ptr + n_levels + lvl)
-    n_e = tl.load(lvl_elig_ptr + pl * n_levels + lvl)
+    n_lvl = tl.minimum(size, K)
     ranks = rank_ptr + pl * K
     head = keys_ptr + (pl * n_tiles + t) * (1 + cap)
     lst = head + 1
     newidx = new_ptr + (pl * n_tiles + t) * TILE_ROWS
+    # A new key's list index, NEVER where none: every slot written before the scan fills some.
+    tl.store(newidx + tl.arange(0, TILE_ROWS), tl.full([TILE_ROWS], _NEVER, tl.int32))
+    tl.debug_barrier()
 
     # Candidates, in rank order: until the first row has seen W keys (every row's threshold is at
     # most that rank), the keys the last row can see. A key visible to the last row but not the
-    # first ("new", at most TILE_ROWS - 1) also leaves its list index in newidx.
+    # first ("new", at most TILE_ROWS - 1) also leaves its list index in newidx. A level's
+    # ineligible keys (rank NEVER) sort after its eligible ones: the first one ends the scan.
     seen = tl.zeros([], tl.int32)
     n = tl.zeros([], tl.int32)
     r = tl.zeros([], tl.int32)
-    while (r < n_e) & (seen < W) & (p_last >= 0):
+    more = p_last >= 0
+    while more & (r < n_lvl) & (seen < W):
         offs = r + tl.arange(0, SCAN)
-        valid = offs < n_e
-        pos = tl.load(order + offs, mask=valid, other=0)
+        pos = tl.load(order + offs, mask=offs < n_lvl, other=0)
+        valid = (offs < n_lvl) & (tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER) != _NEVER)
+        more = tl.sum(valid.to(tl.int32), 0) == SCAN
         base = (valid & (pos <= p_first)).to(tl.int32)
         before = tl.cumsum(base, 0) - base + seen
         ok = before < W
@@ -220,8 +231,8 @@ _LAST = (1 << 27) - 1  # ranks below this fit the packed 32-bit (level, rank) so
 @functools.lru_cache(maxsize=64)
 def _levels(K: int, lvl0: int, device: torch.device):
     """Static index tensors of the prefix levels [0, T_l), T_l = lvl0 * 2^l (the last one all K):
-    every level's key positions side by side, their level in the high 32 bits of the sort key,
-    each level's start, and the index of its last key."""
+    every level's key positions side by side, their level in the high bits of the sort key, and
+    each level's start."""
     sizes = []
     while True:
         sizes.append(min(K, lvl0 << len(sizes)))
@@ -238,11 +249,11 @@ def _levels(K: int, lvl0: int, device: torch.device):
         starts.append(starts[-1] + T)
     # Level starts, then the plane stride of the concatenated orders (one value a level).
     lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32)
-    last = torch.tensor([T - 1 for T in sizes], dtype=torch.int64)
     ar = torch.arange(K, dtype=torch.int32)
-    # An ineligible key's sort key: after every eligible rank of its level, before the next level.
+    # An ineligible key's sort key: after every eligible rank of its level, before the next level
+    # (its rank NEVER clamped to this).
     tail = (1 << shift) - 1
-    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, last, ar)) + (len(sizes), tail)
+    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, ar)) + (len(sizes), tail)
 
 
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int):
@@ -253,31 +264,31 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     flat = scores.reshape(P, K)
     dev = flat.device
     lvl0 = max(2 * window, 2 * tile_rows, 1024)
-    pos, pos32, lvl_key, lvl_start, last, ar, n_levels, tail = _levels(K, lvl0 if is_causal else K, dev)
+    pos, pos32, lvl_key, lvl_start, ar, n_levels, tail = _levels(K, lvl0 if is_causal else K, dev)
     # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
     order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
     ranks = torch.empty(P, K, dtype=torch.int32, device=dev)
     ranks.scatter_(1, order, ar.expand(P, K))
     ranks.masked_fill_(flat == float("-inf"), NEVER)
+    # Each torch op here costs host time of its own (tens of microseconds on some hosts), which at
+    # 32K is a good part of the call: the steps are as few as the sorts allow.
     if n_levels > 1:
-        # Every level's keys in rank order, by one sort keyed by (level, rank).
-        r = ranks[:, pos]
-        # Ineligible keys sort after every eligible rank of their level.
-        r = torch.where(r == NEVER, tail, r.to(lvl_key.dtype))
-        orders = pos32[torch.sort(r + lvl_key, dim=-1).indices]
+        # Every level's keys in rank order, by one sort keyed by (level, rank); ineligible keys
+        # (NEVER, clamped to tail) after every eligible rank of their level.
+        r = ranks[:, pos].to(lvl_key.dtype).clamp_max_(tail)
+        orders = pos32[torch.sort(r.add_(lvl_key), dim=-1).indices]
     else:
         orders = order.to(torch.int32)
-    lvl_elig = (ranks != NEVER).cumsum(-1, dtype=torch.int32)[:, last]
     cap = topk.list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
-    keys = torch.zeros(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
-    newidx = torch.full((P, n_tiles, tile_rows), NEVER, dtype=torch.int32, device=dev)
+    # Entries past a list's length are never read; newidx is filled by the kernel.
+    keys = torch.empty(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
+    newidx = torch.empty((P, n_tiles, tile_rows), dtype=torch.int32, device=dev)
     if n_tiles > 0 and P > 0:
         _select_kernel[(n_tiles, P)](
             orders,
             lvl_start,
-            lvl_elig,
             ranks,
             thr,
             keys,
@@ -766,9 +777,10 @@ def bwd(
     dev = q.device
     dq = torch.empty_like(q)
     # One spare row at the end of each accumulator takes the deterministic path's unused slots.
-    dk = torch.zeros(B * K * KVH + 1, D, dtype=torch.float32, device=dev)
-    dv = torch.zeros(B * K * KVH + 1, D, dtype=torch.float32, device=dev)
-    db = torch.zeros(Bb * Hb * K + 1, dtype=torch.float32, device=dev)
+    # The three accumulators are one buffer: one fill instead of three.
+    nk = (B * K * KVH + 1) * D
+    acc = torch.zeros(2 * nk + Bb * Hb * K + 1, dtype=torch.float32, device=dev)
+    dk, dv, db = acc[:nk].view(-1, D), acc[nk : 2 * nk].view(-1, D), acc[2 * nk :]
     if q.numel() > 0 and k.numel() > 0:
         if out_resid is None or out_resid.numel() == 0:
             out_resid = torch.zeros_like(out)

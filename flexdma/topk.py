@@ -12,8 +12,9 @@ mask fits in O(Q + K) per selection plane (see the per-key selection design note
 - `tile_keys[p]`: for each query tile t of `tile_rows` rows, 1 + cap entries from t * (1 + cap)
   on: the number n of listed keys, then n key indices in rank order: every key some row of the
   tile keeps, and the keys its last row sees up to the tile's largest threshold (at most
-  cap = min(K, W + tile_rows - 1)). `tile_lists` views it per tile. The GPU kernels gather K / V
-  rows from it; the CPU kernel and FlexAttention need only the first two.
+  cap = min(K, W + tile_rows - 1); entries past n are unspecified). `tile_lists` views it per
+  tile. The GPU kernels gather K / V rows from it; the CPU kernel and FlexAttention need only the
+  first two.
 
 This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_len=Q)` builds
 densely, entry for entry (tests/test_topk.py checks it). A plane is one (batch, head) entry of the
