@@ -65,8 +65,8 @@ if has sanitizer; then
     # One process for every case: forward + backward at the wgmma head dims and both dbias paths
     # (the wide ones on their two-pass dk/dv path), and the split-key decode forward.
     timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
-      small 256 smallkey 192 decode 128 > "$out/san.tmp" 2>&1
-    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+      small 256 smallkey 192 decode 128 topk 64 topk 128 topkdecode 128 > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128, topk 64/128, topkdecode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
   done
   rm -f "$out/san.tmp"
 fi

@@ -1,7 +1,10 @@
 """Runs the flexdma CUDA op calls of named cases, each twice (warm-up, then the call a profiler
 attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
-nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode (small / smallkey: 333 queries x 333
-keys with a per-row / per-key bias, forward and backward, for compute-sanitizer).
+nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode|topk|topkdecode (small / smallkey: 333
+queries x 333 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer;
+topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
+333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
+list splits over keys).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
 
 import math
@@ -24,7 +27,11 @@ def main(case, D):
         "small": 333,
         "smallkey": 333,
         "decode": 5000,
+        "topk": 333,
+        "topkdecode": 5000,
     }[case]
+    if case.startswith("topk"):
+        return topk_case(case, L, D)
     q = torch.randn(1, L, 2, D, device=dev, dtype=dt)
     k = torch.randn(1, L, 1, D, device=dev, dtype=dt)
     v = torch.randn(1, L, 1, D, device=dev, dtype=dt)
@@ -44,6 +51,19 @@ def main(case, D):
         out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
         if case in ("bwd8k", "small", "smallkey"):
             torch.ops.flexdma.bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True)
+    torch.cuda.synchronize()
+
+
+def topk_case(case, L, D):
+    dev, dt = "cuda", torch.bfloat16
+    Q, H, KVH, W = (L, 4, 2, 100) if case == "topk" else (1, 2, 1, 600)
+    q = torch.randn(1, Q, H, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(1, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    bias = torch.randn(1, KVH, 1, L, device=dev, dtype=dt).requires_grad_()
+    for _ in range(2):
+        out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W, backend="cuda")
+        torch.autograd.grad(out, (q, k, v, bias), torch.randn_like(out))
     torch.cuda.synchronize()
 
 
