@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const bool softcap_on = p.softcap > 0.f;
   const float scale_l2 = p.softmax_scale * kLog2eF;
   const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
-  // The per-key operands of the tile in buffer buf (KeyList's slot).
+  // The per-key operands of the tile in buffer buf (KeyList's slot, in the keep slot the per-key
+  // path does not use otherwise).
+  static_assert(KeyList<T, D>::kSlotWords * 4 <= L::kKeepSlot, "KeyList's slot must fit a keep slot");
   auto key_slot = [&](int buf) { return reinterpret_cast<int32_t*>(sKeep + buf * L::kKeepSlot); };
   auto issue_tile = [&](int64_t t, int buf) {
     if constexpr (kTopk) {
