@@ -4,7 +4,7 @@ nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode|topk|topkdecode (small
 queries x 333 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer;
 topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
-list splits over keys).
+list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
 
 import math
@@ -29,6 +29,7 @@ def main(case, D):
         "decode": 5000,
         "topk": 333,
         "topkdecode": 5000,
+        "topk32k": 32768,
     }[case]
     if case.startswith("topk"):
         return topk_case(case, L, D)
@@ -56,14 +57,15 @@ def main(case, D):
 
 def topk_case(case, L, D):
     dev, dt = "cuda", torch.bfloat16
-    Q, H, KVH, W = (L, 4, 2, 100) if case == "topk" else (1, 2, 1, 600)
+    Q, H, KVH, W = {"topk": (L, 4, 2, 100), "topkdecode": (1, 2, 1, 600), "topk32k": (L, 2, 1, 2048)}[case]
     q = torch.randn(1, Q, H, D, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(1, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
     v = torch.randn(1, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
     bias = torch.randn(1, KVH, 1, L, device=dev, dtype=dt).requires_grad_()
     for _ in range(2):
         out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W, backend="cuda")
-        torch.autograd.grad(out, (q, k, v, bias), torch.randn_like(out))
+        if case != "topk32k":
+            torch.autograd.grad(out, (q, k, v, bias), torch.randn_like(out))
     torch.cuda.synchronize()
 
 
