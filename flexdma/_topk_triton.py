@@ -891,6 +891,9 @@ def _sm90_takes(q, k, v, attn_bias, softcap) -> bool:
         return False
     if q.shape[0] > 65535 or q.shape[2] > 65535:
         return False
+    # The kernel indexes K / V rows in 32 bits.
+    if k.shape[1] * max(k.stride(1), v.stride(1), 1) >= 2**31:
+        return False
     return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
 
 

@@ -103,13 +103,17 @@ struct KeyList {
                                int64_t v_rs, int64_t n0, const RankPlane& ranks, const BiasPlane& biases) {
     static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
     const int32_t* idx = slot + 192;
+    // Element offsets in 32 bits (seqlen_k x row stride < 2^31, checked at launch): a 64-bit
+    // offset took a sign extension and a three-instruction multiply per copy, the kernel's
+    // largest integer cost (perf log, session 11).
+    const int32_t ks = (int32_t)k_rs, vs = (int32_t)v_rs;
 #pragma unroll
     for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
       const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
       const bool ok = n0 + r < n;
-      const int64_t at = ok ? idx[r] : 0;
-      cp_async16(sk + tile_index<D>(r, col), k + at * k_rs + col, ok ? 16 : 0);
-      cp_async16(sv + tile_index<D>(r, col), v + at * v_rs + col, ok ? 16 : 0);
+      const int32_t j = ok ? idx[r] : 0;
+      cp_async16(sk + tile_index<D>(r, col), k + (j * ks + col), ok ? 16 : 0);
+      cp_async16(sv + tile_index<D>(r, col), v + (j * vs + col), ok ? 16 : 0);
     }
     if (threadIdx.x < 64) {
       const bool ok = n0 + threadIdx.x < n;

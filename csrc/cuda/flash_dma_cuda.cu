@@ -55,6 +55,9 @@ const char* unsupported_reason(const FwdParams& p) {
         !aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) ||
         !aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride))
       return "the top-k forward needs 16-byte aligned q / k / v rows";
+    const int64_t rs = p.k_row_stride > p.v_row_stride ? p.k_row_stride : p.v_row_stride;
+    if (p.k_row_stride < 0 || p.v_row_stride < 0 || rs >= (int64_t(1) << 31) || p.seqlen_k * rs >= (int64_t(1) << 31))
+      return "the top-k forward indexes key / value rows in 32 bits: seqlen_k x row stride must be below 2^31";
   }
   return nullptr;
 }
