@@ -54,7 +54,9 @@ def check():
         scale = 1 / math.sqrt(D)
         do = torch.randn_like(q)
         out, lse, res = _fwd(q, k, v, bias, sel, scale, causal)
-        dq, dk, dv, db = T.bwd(do, q, k, v, bias, *sel, out, lse, scale, causal, 0.0, True, res)
+        dq, dk, dv, db = T.bwd(
+            do, q, k, v, bias, *sel[:2], out, lse, scale, causal, 0.0, True, False, sel.tile_keys, res
+        )
         errs = {}
         for prec in (torch.float64, torch.bfloat16):
             ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
@@ -110,11 +112,17 @@ def bench(lengths, Ws, Ds, model=True):
         out, lse, res = _fwd(q, k, v, bias, sel, scale, True)
         do = torch.randn_like(q)
         r["bwd_ms"] = do_bench(
-            lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res), warmup=10, rep=50
+            lambda: T.bwd(do, q, k, v, bias, *sel[:2], out, lse, scale, True, 0.0, True, False, sel.tile_keys, res),
+            warmup=10,
+            rep=50,
         )
         for name, cfgs, fn in (
             ("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
-            ("bwd", T.BWD_CONFIG, lambda: T.bwd(do, q, k, v, bias, *sel, out, lse, scale, True, 0.0, True, res)),
+            (
+                "bwd",
+                T.BWD_CONFIG,
+                lambda: T.bwd(do, q, k, v, bias, *sel[:2], out, lse, scale, True, 0.0, True, False, sel.tile_keys, res),
+            ),
         ):
             if not SWEEP:
                 break
@@ -144,7 +152,7 @@ def bench(lengths, Ws, Ds, model=True):
         base = torch.cuda.memory_allocated()
         s2 = _select(q, k, bias, W, True)
         o2, l2, r2 = _fwd(q, k, v, bias, s2, scale, True)
-        T.bwd(do, q, k, v, bias, *s2, o2, l2, scale, True, 0.0, True, r2)
+        T.bwd(do, q, k, v, bias, *s2[:2], o2, l2, scale, True, 0.0, True, False, s2.tile_keys, r2)
         r["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(r, flush=True)
         rows.append(r)

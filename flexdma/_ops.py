@@ -240,4 +240,4 @@ def _triton_kernel(name):
 if HAVE_TRITON:
     torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("select"))
     torch.library.register_kernel("flexdma::topk_fwd", "cuda", _triton_kernel("fwd_op"))
-    torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("bwd_op"))
+    torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("bwd"))

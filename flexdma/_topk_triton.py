@@ -761,16 +761,20 @@ def bwd(
     bias,
     key_rank,
     row_thr,
-    tile_keys,
     out,
     lse,
     softmax_scale,
     is_causal,
     softcap,
     bias_requires_grad,
-    out_resid=None,
     deterministic=False,
+    tile_keys=None,
+    out_resid=None,
 ):
+    """(dq, dk, dv, dbias) of the per-key top-W attention; arguments as flexdma::topk_bwd (this is
+    its CUDA implementation)."""
+    tile_keys = _need_tiles(tile_keys)
+    deterministic = bool(deterministic)
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
     Bb, Hb = bias.shape[0], bias.shape[1]
@@ -905,41 +909,3 @@ def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, soft
             q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap
         )
     return fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)
-
-
-def bwd_op(
-    grad_out,
-    q,
-    k,
-    v,
-    attn_bias,
-    key_rank,
-    row_thr,
-    out,
-    lse,
-    softmax_scale,
-    is_causal,
-    softcap,
-    bias_requires_grad,
-    deterministic,
-    tile_keys=None,
-    out_resid=None,
-):
-    return bwd(
-        grad_out,
-        q,
-        k,
-        v,
-        attn_bias,
-        key_rank,
-        row_thr,
-        _need_tiles(tile_keys),
-        out,
-        lse,
-        softmax_scale,
-        is_causal,
-        softcap,
-        bias_requires_grad,
-        out_resid,
-        bool(deterministic),
-    )
