@@ -116,6 +116,16 @@ inline FwdParams tile_meta_params(const at::Tensor& mask, int64_t seqlen_q, int6
   return p;
 }
 
+// A (batch, seqlen, heads, head_dim) tensor's data pointer and batch / row / head strides.
+template <typename Ptr>
+inline void point_rows(const at::Tensor& x, Ptr& ptr, int64_t& batch_stride, int64_t& row_stride,
+                       int64_t& head_stride) {
+  ptr = x.data_ptr();
+  batch_stride = x.stride(0);
+  row_stride = x.stride(1);
+  head_stride = x.stride(2);
+}
+
 inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
                             double softmax_scale, bool is_causal, double softcap, at::Tensor& out, at::Tensor& lse,
@@ -128,22 +138,10 @@ inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor&
   p.seqlen_k = k.size(1);
   p.num_heads_k = k.size(2);
   p.dtype = to_dtype(q.scalar_type());
-  p.q = q.data_ptr();
-  p.q_batch_stride = q.stride(0);
-  p.q_row_stride = q.stride(1);
-  p.q_head_stride = q.stride(2);
-  p.k = k.data_ptr();
-  p.k_batch_stride = k.stride(0);
-  p.k_row_stride = k.stride(1);
-  p.k_head_stride = k.stride(2);
-  p.v = v.data_ptr();
-  p.v_batch_stride = v.stride(0);
-  p.v_row_stride = v.stride(1);
-  p.v_head_stride = v.stride(2);
-  p.out = out.data_ptr();
-  p.o_batch_stride = out.stride(0);
-  p.o_row_stride = out.stride(1);
-  p.o_head_stride = out.stride(2);
+  point_rows(q, p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride);
+  point_rows(k, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride);
+  point_rows(v, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+  point_rows(out, p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
   p.lse = lse.data_ptr();
   if (mask.has_value() && mask->defined())
     TORCH_CHECK(mask->scalar_type() == at::kBool, "flexdma: attn_mask must be bool, got ", mask->scalar_type());
@@ -156,6 +154,17 @@ inline void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor&
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.is_causal = is_causal;
+}
+
+// The (batch, head) part of a 3-D selection-plane operand (key_rank, row_thr, tile_keys): its
+// pointer, batch / head strides (0 on size-1 dims) and head ratio; the caller sets the last dim's.
+inline Broadcast4d plane_dims(const at::Tensor& x, int64_t num_heads) {
+  Broadcast4d b;
+  b.ptr = x.data_ptr();
+  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
+  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  b.head_ratio = num_heads / x.size(1);
+  return b;
 }
 
 // One plane operand of the top-k rank rule: int32 (Bs, Hs, n), Bs in {1, B}, Hs in {1, KVH, H},
@@ -173,12 +182,8 @@ inline Broadcast4d topk_plane(const at::Tensor& x, const char* name, const char*
   TORCH_CHECK(x.size(2) == len, "flexdma: ", name, " last dim ", x.size(2), " must be ", len_name, " = ", len);
   TORCH_CHECK(x.size(2) <= 1 || x.stride(2) == 1, "flexdma: ", name, " must be contiguous in its last dim (stride ",
               x.stride(2), "); call .contiguous()");
-  Broadcast4d b;
-  b.ptr = x.data_ptr();
-  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
-  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  Broadcast4d b = plane_dims(x, H);
   (along_rows ? b.row_stride : b.col_stride) = x.size(2) == 1 ? 0 : 1;
-  b.head_ratio = H / x.size(1);
   return b;
 }
 
@@ -209,13 +214,9 @@ inline Broadcast4d tile_keys_operand(const at::Tensor& x, const at::Tensor& key_
   TORCH_CHECK(n_tiles > 0 && x.size(2) % n_tiles == 0 && x.size(2) / n_tiles >= 1, "flexdma: tile_keys of shape ",
               x.sizes(), " does not hold ", n_tiles, " lists of ", tile_rows,
               "-row query tiles (flexdma::topk_select with tile_rows=", tile_rows, ")");
-  Broadcast4d b;
-  b.ptr = x.data_ptr();
-  b.batch_stride = x.size(0) == 1 ? 0 : x.stride(0);
-  b.head_stride = x.size(1) == 1 ? 0 : x.stride(1);
+  Broadcast4d b = plane_dims(x, q.size(2));
   b.row_stride = x.size(2) / n_tiles;
   b.col_stride = 1;
-  b.head_ratio = q.size(2) / x.size(1);
   return b;
 }
 
@@ -263,22 +264,10 @@ inline void fill_bwd_params(BwdParams& p, const at::Tensor& dout, const at::Tens
   TORCH_CHECK(dout.stride(3) == 1 && out.stride(3) == 1, "flexdma: grad_out/out head_dim must be contiguous");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == acc_type(q.scalar_type()), "flexdma: lse must be contiguous ",
               acc_type(q.scalar_type()));
-  p.dout = dout.data_ptr();
-  p.do_batch_stride = dout.stride(0);
-  p.do_row_stride = dout.stride(1);
-  p.do_head_stride = dout.stride(2);
-  p.dq = dq.data_ptr();
-  p.dq_batch_stride = dq.stride(0);
-  p.dq_row_stride = dq.stride(1);
-  p.dq_head_stride = dq.stride(2);
-  p.dk = dk.data_ptr();
-  p.dk_batch_stride = dk.stride(0);
-  p.dk_row_stride = dk.stride(1);
-  p.dk_head_stride = dk.stride(2);
-  p.dv = dv.data_ptr();
-  p.dv_batch_stride = dv.stride(0);
-  p.dv_row_stride = dv.stride(1);
-  p.dv_head_stride = dv.stride(2);
+  point_rows(dout, p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  point_rows(dq, p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  point_rows(dk, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  point_rows(dv, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   if (dbias_accum.has_value()) {
     p.dbias_accum = broadcast4d(dbias_accum, "dbias", q, p.seqlen_k, p.num_heads_k);
   }
