@@ -104,8 +104,8 @@ struct KeyList {
     static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
     const int32_t* idx = slot + 192;
     // Element offsets in 32 bits (seqlen_k x row stride < 2^31, checked at launch): a 64-bit
-    // offset took a sign extension and a three-instruction multiply per copy, the kernel's
-    // largest integer cost (perf log, session 11).
+    // offset costs a sign extension and a three-instruction multiply per copy, on the issue path
+    // of every warp.
     const int32_t ks = (int32_t)k_rs, vs = (int32_t)v_rs;
 #pragma unroll
     for (int u = 0; u < 64 * kChunks / kThreads; ++u) {

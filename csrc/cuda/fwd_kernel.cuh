@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
   const bool has_mask = p.mask.ptr != nullptr;
-  // The scale and the softcap factor stay two constants here, not ScoreScale's selected `mul`: the
-  // select in front of every tile's multiply cost the per-key forward ~3% (benchmarks/perf-log.md).
+  // The scale and the softcap factor stay two constants here, not ScoreScale's selected `mul`: a
+  // select in front of every tile's multiply lengthens the forward's per-element chain.
   const bool softcap_on = p.softcap > 0.f;
   const float scale_l2 = p.softmax_scale * kLog2eF;
   const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;

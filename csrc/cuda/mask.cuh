@@ -115,8 +115,8 @@ __device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx
       }
       *reinterpret_cast<uint4*>(dst) = make_uint4(wds[0], wds[1], wds[2], wds[3]);
     } else {
-      // Cut tiles and unaligned masks: byte by byte, not unrolled (rare; an unrolled version
-      // hoisted 16 predicated 64-bit-addressed loads and cost the kernels their registers).
+      // Cut tiles and unaligned masks: byte by byte, not unrolled (rare; unrolled, ptxas hoists 16
+      // predicated 64-bit-addressed loads, and the kernels lose the registers to them).
 #pragma unroll 1
       for (int e = 0; e < 16; ++e) {
         bool kk = tb.ok(r, col0 + e);
