@@ -8,6 +8,23 @@ transformers = pytest.importorskip("transformers")
 import flexdma.integrations.transformers as fx  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The models' sizes: small ones for the comparisons with eager attention, tiny ones to compile.
+SMALL = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,14 +58,7 @@ def _compare(model, device, train_bias=False):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_llama_matches_eager(device):
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = transformers.LlamaConfig(**SMALL)
     _compare(transformers.LlamaForCausalLM(cfg).to(device), device)
 
 
@@ -56,15 +66,7 @@ def test_llama_matches_eager(device):
 def test_doge_matches_eager(device):
     if not hasattr(transformers, "DogeForCausalLM"):
         pytest.skip("this transformers has no Doge model")
-    cfg = transformers.DogeConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        keep_window_size=5,
-    )
+    cfg = transformers.DogeConfig(**SMALL, keep_window_size=5)
     model = transformers.DogeForCausalLM(cfg).to(device)
     with torch.no_grad():
         # A = 0 (the init) makes every key equally important; random A gives a real dynamic mask
@@ -75,14 +77,7 @@ def test_doge_matches_eager(device):
 
 
 def test_generate_with_cache_matches_eager():
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
+    cfg = transformers.LlamaConfig(**SMALL)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(100, (1, 6))
     seqs = {}
@@ -115,28 +110,13 @@ def _tiny(name):
     if name == "doge":
         if not hasattr(transformers, "DogeForCausalLM"):
             pytest.skip("this transformers has no Doge model")
-        cfg = transformers.DogeConfig(
-            vocab_size=100,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            keep_window_size=5,
-        )
+        cfg = transformers.DogeConfig(**TINY, keep_window_size=5)
         model = transformers.DogeForCausalLM(cfg)
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.A.normal_()
         return model
-    cfg = transformers.LlamaConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
+    cfg = transformers.LlamaConfig(**TINY)
     return transformers.LlamaForCausalLM(cfg)
 
 
