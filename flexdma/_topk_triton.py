@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import topk
+from . import _C, topk
 
 NEVER = 2147483647  # key_rank of a key no row keeps
 LOG2E = 1.4426950408889634
@@ -51,9 +51,9 @@ def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
     return pack
 
 
-# Query rows per tile of the C++ forward (flexdma::topk_fwd_sm90; csrc/cuda/fwd_kernel.cuh): it
+# Query rows per CTA of the C++ forward (flexdma::topk_fwd_sm90; csrc/cuda/fwd_ws_kernel.cuh): it
 # reads lists of tiles of a multiple of this many rows.
-SM90_TILE_ROWS = 64
+SM90_TILE_ROWS = _C.TOPK_TILE_ROWS
 
 
 # A dict, not functools.lru_cache: torch.compile traces sm90_forward (through topk.tile_rows_for)
@@ -81,8 +81,8 @@ def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> boo
 
 def plan(num_heads: int, num_kv_heads: int, plane_heads: int, head_dim: int, dtype, device) -> tuple:
     """(pack, tile_rows): the query heads a Triton program serves (its BLOCK_M rows are `pack`
-    heads x tile_rows) and the rows of a selection tile. The C++ forward's 64-row tiles need lists
-    of at least 64 rows, so with it a pack is at most two heads."""
+    heads x tile_rows) and the rows of a selection tile. The C++ forward's 128-row tiles need
+    lists of at least 128 rows, so with it a program serves one head."""
     pack = pack_size(num_heads, num_kv_heads, plane_heads)
     if sm90_forward(head_dim, dtype, device):
         pack = min(pack, BLOCK_M // SM90_TILE_ROWS)

@@ -16,6 +16,7 @@ PyObject* PyInit__C(void) {
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (PyModule_AddIntConstant(m, "TILE_SIZE", flexdma::kTileSize) < 0 ||
+      PyModule_AddIntConstant(m, "TOPK_TILE_ROWS", flexdma::kTopkTileRows) < 0 ||
       PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
       PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||
       PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0) {
@@ -173,7 +174,7 @@ TORCH_LIBRARY(flexdma, m) {
       {at::Tag::pt2_compliant_tag});
   // topk_fwd's C++ CUDA kernel (sm_90a builds, head dims 64 / 128; flexdma/_topk_triton.py's
   // CUDA topk_fwd calls it where it applies and runs the Triton kernel elsewhere): tile_keys from
-  // topk_select with tile_rows a multiple of 64 (the kernel's query tiles), attn_bias in q's
+  // topk_select with tile_rows a multiple of 128 (the kernel's query tiles), attn_bias in q's
   // dtype, out_resid always written. No other device implements it.
   m.def(
       "topk_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "

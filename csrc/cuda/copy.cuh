@@ -75,34 +75,33 @@ __device__ inline void cp_async4(void* dst, const void* src) {
 
 // The per-key forward's key tiles: list entries [n0, n0 + 64) of a query tile's key list
 // (FwdParams::tile_keys) name the K / V rows of tile n0. GatheredKeys reads an index from memory
-// in front of every copy, a dependent load per tile; here a tile's 64 indices are copied into
-// smem with the tile before it, so its own copies issue after a shared-memory read. Each buffer's
-// slot holds (int32 words) the tile's key indices [0, 64) (the causal test), ranks [64, 128) and
-// biases as float [128, 192), and at [192, 256) the indices of the tile to be issued into that
-// buffer next. Threads 0..63 gather one key's operands each: the rank by cp.async, the bias
-// (16-bit, too narrow for cp.async) through a register that stage() stores before the barrier
-// that publishes the tile. 16-byte K / V copies only (the launcher refuses unaligned q / k / v).
+// in front of every copy, a dependent load per tile; here the loading warpgroup copies a tile's 64
+// indices into smem two tiles ahead (request), so its K / V copies issue after a shared-memory
+// read. A stage's slot holds (int32 words) the tile's key indices [0, 64) (the causal test),
+// ranks [64, 128) and biases as float [128, 192). Threads 0..63 gather one key's operands each:
+// the rank by cp.async, the bias (16-bit, too narrow for cp.async) through a register that
+// stage() stores once the tile's copies have landed. 16-byte K / V copies only (the launcher
+// refuses unaligned q / k / v). Run by the kThreads threads of the loading warpgroup.
 template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
-  static constexpr int kSlotWords = 256;
+  static constexpr int kSlotWords = 192;
   static constexpr int32_t kNever = 0x7fffffff;  // rank / index of an entry past the list
   const int32_t* keys;                           // the list's first key index
   int64_t n;                                     // its length
-  float bias;                                    // bias of key threadIdx.x of the tile in flight, until stage()
 
-  // Copies the indices of the tile at list entry n0 into slot + 192 (where issue() reads them).
-  __device__ inline void request(int32_t* slot, int64_t n0) const {
-    if (threadIdx.x < 64 && n0 + threadIdx.x < n) cp_async4(slot + 192 + threadIdx.x, keys + n0 + threadIdx.x);
+  // Copies the indices of the tile at list entry n0 into idx[0, 64).
+  __device__ inline void request(int32_t* idx, int64_t n0) const {
+    if (threadIdx.x < 64 && n0 + threadIdx.x < n) cp_async4(idx + threadIdx.x, keys + n0 + threadIdx.x);
   }
 
-  // Requests tile n0 into buffer `slot` / sk / sv: its K / V rows (zero rows past the list), its
-  // keys' indices and ranks; then the next tile's indices into `next`.
+  // Requests tile n0 (its indices in idx, landed) into `slot` / sk / sv: its K / V rows (zero
+  // rows past the list), its keys' indices and ranks; `bias` takes the bias of key threadIdx.x.
   template <typename RankPlane, typename BiasPlane>
-  __device__ inline void issue(int32_t* slot, int32_t* next, T* sk, T* sv, const T* k, const T* v, int64_t k_rs,
-                               int64_t v_rs, int64_t n0, const RankPlane& ranks, const BiasPlane& biases) {
+  __device__ inline void issue(const int32_t* idx, int32_t* slot, T* sk, T* sv, const T* k, const T* v, int64_t k_rs,
+                               int64_t v_rs, int64_t n0, const RankPlane& ranks, const BiasPlane& biases,
+                               float& bias) const {
     static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
-    const int32_t* idx = slot + 192;
     // Element offsets in 32 bits (seqlen_k x row stride < 2^31, checked at launch): a 64-bit
     // offset costs a sign extension and a three-instruction multiply per copy, on the issue path
     // of every warp.
@@ -125,10 +124,9 @@ struct KeyList {
         slot[64 + threadIdx.x] = kNever;
       bias = ok ? to_float(*biases.at(0, j)) : 0.f;
     }
-    request(next, n0 + 64);
   }
 
-  __device__ inline void stage(int32_t* slot) const {
+  __device__ inline void stage(int32_t* slot, float bias) const {
     if (threadIdx.x < 64) reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias;
   }
 };

@@ -49,8 +49,8 @@ const char* unsupported_reason(const FwdParams& p) {
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";
     if (!topk_head_dim(p.head_dim)) return "the top-k forward takes head dims 64 and 128, on sm_90a builds";
     if (p.mask.ptr) return "the top-k forward takes no attn_mask (the selection holds it)";
-    if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTileSize != 0)
-      return "the top-k forward reads lists of query tiles of a multiple of 64 rows";
+    if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTopkTileRows != 0)
+      return "the top-k forward reads lists of query tiles of a multiple of 128 rows (its CTA's rows)";
     if (!aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) ||
         !aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) ||
         !aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride))

@@ -1,4 +1,6 @@
-// Forward kernel: one CTA of 4 warps (one warpgroup) per (64-row query tile, head, batch); warp
+// Forward kernel of the head dims the warp-specialized one (fwd_ws_kernel.cuh) does not take
+// (32 / 96 on mma.sync, 192 / 256 with Q in smem, any head dim on builds without sm_90a): one CTA
+// of 4 warps (one warpgroup) per (64-row query tile, head, batch); warp
 // w owns query rows [16w, 16w + 16). Q lives in registers as A fragments (in smem above D = 128);
 // S, the online softmax statistics, P and the O accumulator never leave registers (P's C fragments
 // are repacked as the A operand of P.V). Both products are wgmma (sm_90a, head dims 64 / 128 /
@@ -7,10 +9,6 @@
 // t+1's copies are in flight while tile t is computed. Which key tiles keep
 // anything comes from the mask's tile activity bits (FwdParams::tile_meta), so an all-false
 // tile costs no byte at all and finding the next kept tile needs no load round trip.
-// kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are not the sequence's but
-// consecutive 64-entry pieces of the query tile's key list (FwdParams::tile_keys), K / V rows
-// gathered through it (KeyList), and the mask is the rank rule (apply_rank_keep) with the bias
-// of each listed key; everything from S on is the same code.
 #pragma once
 #include <math_constants.h>
 
@@ -18,6 +16,7 @@
 #include "constants.cuh"
 #include "copy.cuh"
 #include "fwd_epilogue.cuh"
+#include "fwd_scores.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
@@ -27,23 +26,14 @@
 namespace flexdma {
 namespace cuda {
 
-// Whether the mask tile at n0 is copied raw into a smem slot by cp.async with its K / V tile
-// (aligned rows, tile inside both lengths) rather than built when the tile has landed.
-// A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
-// query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
-__device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
-  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) && n0 + kBlockN <= p.seqlen_k;
-}
-
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
-template <typename T, int D, bool kTopk>
+template <typename T, int D>
 __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
                                             : D <= 128 ? 2
                                                        : 1)
     fwd_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
-  static_assert(!kTopk || (use_wgmma<D>() && !fwd_q_in_smem<D>()), "the per-key forward is built for D = 64 / 128");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   constexpr bool kQSmem = fwd_q_in_smem<D>();
@@ -84,52 +74,21 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
 
   const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
-  // The per-key path adds its biases per listed key (apply_rank_keep), not from bias tiles.
-  const bool has_bias = !kTopk && p.bias.ptr != nullptr;
+  const bool has_bias = p.bias.ptr != nullptr;
   // This thread's bias rows in a smem bias tile; a bias broadcast over queries keeps only row 0.
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias(p.bias, b, h);
   const Plane<uint8_t> mask(p.mask, b, h);
-  KeyList<T, D> kl{};
-  const Plane<int32_t> ranks(p.key_rank, b, h);
-  // The rank rule's per-row terms of this thread's rows g, g + 8: the largest kept rank (-1 past
-  // seqlen_q: nothing kept) and the causal limit.
-  int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  if constexpr (kTopk) {
-    const int32_t* list = Plane<int32_t>(p.tile_keys, b, h).at(m0 / p.topk_tile_rows, 0);
-    kl.keys = list + 1;
-    kl.n = list[0];
-    const Plane<int32_t> thr_plane(p.row_thr, b, h);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int64_t i = m0 + w * 16 + g + 8 * hh;
-      if (i < p.seqlen_q) thr[hh] = *thr_plane.at(i, 0);
-      if (p.is_causal) lim[hh] = (int)(i + p.seqlen_k - p.seqlen_q);
-    }
-  }
-  const int64_t n_all = kTopk ? ceil_div(kl.n, kBlockN) : key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
+  const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
   const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
   const int64_t n_end = imin(n_all, t_begin + per_split);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
   const bool has_mask = p.mask.ptr != nullptr;
-  // The scale and the softcap factor stay two constants here, not ScoreScale's selected `mul`: a
-  // select in front of every tile's multiply lengthens the forward's per-element chain.
-  const bool softcap_on = p.softcap > 0.f;
-  const float scale_l2 = p.softmax_scale * kLog2eF;
-  const float cap_l2 = p.softcap * kLog2eF, scale_over_cap = softcap_on ? p.softmax_scale / p.softcap : 0.f;
-  // The per-key operands of the tile in buffer buf (KeyList's slot, in the keep slot the per-key
-  // path does not use otherwise).
-  static_assert(KeyList<T, D>::kSlotWords * 4 <= L::kKeepSlot, "KeyList's slot must fit a keep slot");
-  auto key_slot = [&](int buf) { return reinterpret_cast<int32_t*>(sKeep + buf * L::kKeepSlot); };
+  const FwdScoreConsts sc(p);
+  const int no_rank[2] = {0, 0};  // the rank rule's row terms, unused here
   auto issue_tile = [&](int64_t t, int buf) {
-    if constexpr (kTopk) {
-      kl.issue(key_slot(buf), key_slot(buf ^ 1), sK + buf * L::kTileKV / 2, sV + buf * L::kTileKV / 2, kp, vp,
-               p.k_row_stride, p.v_row_stride, t * kBlockN, ranks, bias);
-      cp_async_commit();
-      return;
-    }
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias)
@@ -148,11 +107,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8; sum per thread
 
   // Tile t's K / V / bias copies (and the raw mask bytes of t + 1) have landed in every thread's
-  // view, and in the async proxy's that wgmma reads through; on the per-key path its key operands
-  // are staged into buf's slot (whose last reader, the tile two before, is behind the previous
-  // barrier). Block-uniform.
+  // view, and in the async proxy's that wgmma reads through. Block-uniform.
   auto land = [&](int buf) {
-    if constexpr (kTopk) kl.stage(key_slot(buf));
     cp_async_wait<0>();
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
@@ -211,13 +167,6 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   int64_t tn = n_end;
   uint32_t pa[kBlockN / 16][4];  // P of tile t as A fragments; read by the P.V wgmma until it is waited for
   if (t < n_end) {
-    if constexpr (kTopk) {
-      // The first tile's indices; later tiles' come with the tile before them.
-      kl.request(key_slot(0), t * kBlockN);
-      cp_async_commit();
-      cp_async_wait<0>();
-      __syncthreads();
-    }
     issue_tile(t, 0);
     land(0);
     keep_tile(t, 0);
@@ -234,49 +183,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
       }
       const T* sv = sV + cur * L::kTileKV / 2;
 
-      // Scores in log2 units (scale * log2 e folded in once), so the softmax needs one exp2 per
-      // element and no multiply. Each stage below is one unrolled loop behind a CTA-uniform branch:
-      // a per-element branch (softcap or not, full tile or not) compiled to a jump per element.
-      const TileBounds tb(p, m0, t * kBlockN);
-      if (softcap_on) {
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] = cap_l2 * tanhf(s[n][e] * scale_over_cap);
-      } else {
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
-      }
-      if (has_bias) {
-        const T* sb = sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias;
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const float2 bv =
-                unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + 8 * hh * bias_row_step + n * 8 + 2 * qc));
-            s[n][2 * hh] = fmaf(bv.x, kLog2eF, s[n][2 * hh]);
-            s[n][2 * hh + 1] = fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]);
-          }
-      }
-      if constexpr (kTopk) {
-        apply_rank_keep(s, key_slot(cur), thr, lim, qc);
-      } else if (has_mask) {
-        // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
-        const uint8_t* keep = sKeep + cur * L::kKeepSlot;
-        if (tb.full)
-          apply_keep<false>(s, keep, w * 16 + g, qc, tb);
-        else
-          apply_keep<true>(s, keep, w * 16 + g, qc, tb);
-      } else if (!tb.full) {
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (!tb.ok(w * 16 + g + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
-      }
+      const uint8_t* keep = has_mask ? sKeep + cur * L::kKeepSlot : nullptr;
+      const T* sb = has_bias ? sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias : nullptr;
+      fwd_scores<false, T>(s, sc, TileBounds(p, m0, t * kBlockN), sb, bias_row_step, keep, nullptr, no_rank, no_rank,
+                           w * 16 + g, qc);
       online_softmax<D>(s, row_max, row_sum, o);
 
       // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
@@ -336,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   }
   if constexpr (kQSmem) cp_async_wait<0>();  // Q's copies, where no tile was kept
 
-  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, b, h, m0);
+  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, b, h, m0, threadIdx.x);
 }
 
 }  // namespace cuda

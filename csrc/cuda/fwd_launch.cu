@@ -1,22 +1,33 @@
-// Grid and launch of the forward kernel: one CTA per (query tile, head, batch), (tile, head)
-// flattened into x so that heads interleave.
+// Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split),
+// (tile, head) flattened into x so that heads interleave.
 #include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
+#include "fwd_ws_kernel.cuh"
 #include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
 namespace cuda {
 
+// Head dims 64 / 128 on sm_90a run the warp-specialized kernel (one 128-row CTA per SM), the
+// others the one-warpgroup kernel (64-row CTAs, two or three per SM).
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  constexpr int kSmem = FwdSmem<T, D>::kBytes;
-  // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-  auto kernel = fwd_kernel<T, D, false>;
-  if constexpr (topk_head_dim(D)) {
-    if (p.tile_keys.ptr) kernel = fwd_kernel<T, D, true>;
+  constexpr bool kWs = use_wgmma<D>() && !fwd_q_in_smem<D>();
+  void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
+  int smem = 0, threads = kThreads, rows = kBlockM, per_sm = 2;
+  if constexpr (kWs) {
+    // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
+    kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
+    smem = FwdWsSmem<T, D>::kBytes;
+    threads = kWsThreads;
+    rows = kWsRows;
+    per_sm = 1;
+  } else {
+    kernel = fwd_kernel<T, D>;
+    smem = FwdSmem<T, D>::kBytes;
   }
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   FwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -26,28 +37,28 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
-  const int64_t ctas = ceil_div(p.seqlen_q, kBlockM) * p.num_heads * p.batch;
+  const int64_t ctas = ceil_div(p.seqlen_q, rows) * p.num_heads * p.batch;
   FwdSplit sp;
   int dev = 0, sms = 1;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (ctas < sms) {
     // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
-    // about two CTAs run per SM, each over at least 4 key tiles.
+    // every SM runs per_sm CTAs, each over at least 4 key tiles.
     // A per-key query tile walks its list (at most the list capacity), not the sequence.
     const int64_t keys = p.tile_keys.ptr ? imin(p.seqlen_k, p.tile_keys.row_stride - 1) : p.seqlen_k;
-    sp.n = (int)imax(1, imin(ceil_div(2 * sms, ctas), ceil_div(keys, 4 * kBlockN)));
+    sp.n = (int)imax(1, imin(ceil_div(per_sm * sms, ctas), ceil_div(keys, 4 * kBlockN)));
   }
   if (sp.n > 1) {
-    const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
-    cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows * (D + 1) * sizeof(float), stream);
-    sp.lse_part = sp.o_part + sp.n * rows * D;
+    const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
+    cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows_all * (D + 1) * sizeof(float), stream);
+    sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
-  kernel<<<grid, kThreads, kSmem, stream>>>(p, f, sp);
+  dim3 grid((unsigned)(ceil_div(p.seqlen_q, rows) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
+  kernel<<<grid, threads, smem, stream>>>(p, f, sp);
   if (sp.n > 1) {
-    const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
-    combine_splits<T, D><<<(unsigned)ceil_div(rows, 4), 128, 0, stream>>>(p, sp);
+    const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
+    combine_splits<T, D><<<(unsigned)ceil_div(rows_all, 4), 128, 0, stream>>>(p, sp);
     cudaFreeAsync(sp.o_part, stream);
   }
 }

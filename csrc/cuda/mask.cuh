@@ -57,20 +57,30 @@ struct TileBounds {
   __device__ inline bool ok(int r, int c) const { return (r < lim_r) & (c < lim_c) & (c <= r + diag); }
 };
 
+// Whether the mask tile at n0 is copied raw into a smem slot by cp.async with its K / V tile
+// (aligned rows, tile inside both lengths) rather than built when the tile has landed.
+// A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
+// query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
+__device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
+  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) && n0 + kBlockN <= p.seqlen_k;
+}
+
 // A row of tile activity bits (FwdParams::tile_meta) walked forward: the current word stays in
 // a register, so the scan reads memory once per 32 tiles, not once per tile (a dependent load
-// in front of every tile's copies). The same in every thread.
+// in front of every tile's copies). The same in every thread. With a second row (`row2`, the
+// next query tile's), a key tile is active when either row's bit is set.
 struct ActiveTiles {
   const uint32_t* row;
+  const uint32_t* row2;
   int64_t w_idx = -1;
   uint32_t word = 0;
-  __device__ explicit ActiveTiles(const uint32_t* r) : row(r) {}
+  __device__ explicit ActiveTiles(const uint32_t* r, const uint32_t* r2 = nullptr) : row(r), row2(r2) {}
   // First tile in [t, end) whose bit is set; end if none.
   __device__ inline int64_t next(int64_t t, int64_t end) {
     while (t < end) {
       if ((t >> 5) != w_idx) {
         w_idx = t >> 5;
-        word = row[w_idx];
+        word = row[w_idx] | (row2 ? row2[w_idx] : 0u);
       }
       const uint32_t wd = word >> (t & 31);
       if (wd) return imin(end, t + __ffs(wd) - 1);
@@ -87,8 +97,10 @@ __device__ inline uint32_t byte_of(const uint4& v, int e) {
 }
 
 // Builds the exact keep tile (mask & causal & bounds; m.base null: bounds only) of (m0, n0)
-// and returns whether any element is kept; block-uniform (ends in a barrier).
-template <typename Idx>
+// and returns whether any element is kept. kBarrier: block-uniform, ends in a barrier and returns
+// the CTA's answer; without, the thread's own (the loading warpgroup of the forward publishes the
+// tile through its pipeline instead).
+template <bool kBarrier = true, typename Idx>
 __device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx>& m, uint8_t* keep, bool mask_vec,
                                   int64_t m0, int64_t n0) {
   constexpr int kPer = kBlockM * kBlockN / 16 / kThreads;
@@ -126,7 +138,10 @@ __device__ inline bool build_keep(const TileBounds& tb, const Plane<uint8_t, Idx
       }
     }
   }
-  return __syncthreads_or(any) != 0;
+  if constexpr (kBarrier)
+    return __syncthreads_or(any) != 0;
+  else
+    return any != 0;
 }
 
 // Drops (-inf) the scores of a warp's C fragments whose keep byte is 0 (rows r0, r0 + 8);

@@ -50,12 +50,12 @@ __device__ inline float fmax_nan(float a, float b) {
 }
 
 // One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread,
-// scores in log2 units): the running row max and per-thread row sum are updated, s becomes P,
-// and the O accumulator is rescaled by exp2(old max - new max). A NaN score makes the max NaN,
-// and with it P, the sum and O of the row (fmax_nan).
-template <int D>
-__device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                      float (&o)[D / 8][4]) {
+// scores in log2 units): the running row max and per-thread row sum are updated, s becomes P, and
+// alpha = exp2(old max - new max) is what the O accumulator must be scaled by (rescale_o). Apart
+// so that a kernel can compute P while the previous tile's P.V still accumulates into O. A NaN
+// score makes the max NaN, and with it P, the sum and O of the row (fmax_nan).
+__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                    float (&alpha)[2]) {
   float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n)
@@ -67,7 +67,7 @@ __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_ma
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
     const float m_new = fmax_nan(row_max[hh], mx[hh]);
     const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
-    const float alpha = exp2f(row_max[hh] - m_use);
+    alpha[hh] = exp2f(row_max[hh] - m_use);
     row_max[hh] = m_new;
     float sum = 0.f;
 #pragma unroll
@@ -76,13 +76,27 @@ __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_ma
       s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
       sum += s[n][2 * hh] + s[n][2 * hh + 1];
     }
-    row_sum[hh] = row_sum[hh] * alpha + sum;
-#pragma unroll
-    for (int d = 0; d < D / 8; ++d) {
-      o[d][2 * hh] *= alpha;
-      o[d][2 * hh + 1] *= alpha;
-    }
+    row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
   }
+}
+
+template <int D>
+__device__ inline void rescale_o(float (&o)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      o[d][2 * hh] *= alpha[hh];
+      o[d][2 * hh + 1] *= alpha[hh];
+    }
+}
+
+template <int D>
+__device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                      float (&o)[D / 8][4]) {
+  float alpha[2];
+  softmax_step(s, row_max, row_sum, alpha);
+  rescale_o<D>(o, alpha);
 }
 
 }  // namespace cuda

@@ -1,0 +1,81 @@
+// The forward's score stage on a warp's 16 x 64 S fragments, between S = Q K^T and the softmax:
+// scale (or softcap), bias, and which scores are dropped (keep tile, bounds and causality, or the
+// per-key rank rule). Shared by the forward kernels.
+#pragma once
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "smem_layout.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// Scores come out in log2 units (scale * log2 e folded in once), so the softmax needs one exp2
+// per element and no multiply. The scale and the softcap factor stay two constants, not
+// ScoreScale's selected `mul`: a select in front of every tile's multiply lengthens the
+// forward's per-element chain.
+struct FwdScoreConsts {
+  bool softcap_on;
+  float scale_l2, cap_l2, scale_over_cap;
+  __device__ inline explicit FwdScoreConsts(const FwdParams& p)
+      : softcap_on(p.softcap > 0.f),
+        scale_l2(p.softmax_scale * kLog2eF),
+        cap_l2(p.softcap * kLog2eF),
+        scale_over_cap(p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f) {}
+};
+
+// The rows of a warp's fragments (r0 = its first row in the 64-row tile, qc = lane % 4) in tile
+// tb. sb: the bias tile at row r0 (null: no bias), bias_row_step 0 where one row serves all
+// queries; keep: the tile's keep bytes (null: no mask). kTopk: the rank rule on the key slot
+// instead of bias and keep (apply_rank_keep). Each stage is one unrolled loop behind a
+// CTA-uniform branch: a per-element branch (softcap or not, full tile or not) compiled to a jump
+// per element.
+template <bool kTopk, typename T>
+__device__ inline void fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreConsts& sc, const TileBounds& tb,
+                                  const T* sb, int bias_row_step, const uint8_t* keep, const int32_t* key_slot,
+                                  const int (&thr)[2], const int (&lim)[2], int r0, int qc) {
+  if (sc.softcap_on) {
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = sc.cap_l2 * tanhf(s[n][e] * sc.scale_over_cap);
+  } else {
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= sc.scale_l2;
+  }
+  if constexpr (kTopk) {
+    apply_rank_keep(s, key_slot, thr, lim, qc);
+    return;
+  }
+  if (sb) {
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float2 bv = unpack2<T>(*reinterpret_cast<const uint32_t*>(sb + 8 * hh * bias_row_step + n * 8 + 2 * qc));
+        s[n][2 * hh] = fmaf(bv.x, kLog2eF, s[n][2 * hh]);
+        s[n][2 * hh + 1] = fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]);
+      }
+  }
+  if (keep) {
+    // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
+    if (tb.full)
+      apply_keep<false>(s, keep, r0, qc, tb);
+    else
+      apply_keep<true>(s, keep, r0, qc, tb);
+  } else if (!tb.full) {
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (!tb.ok(r0 + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma

@@ -1,0 +1,53 @@
+// The producer / consumer pipeline of the warp-specialized kernels (sm_90): shared-memory
+// mbarriers that hand a stage of tiles from the loading warpgroup to the computing ones and back,
+// named barriers for a subset of the CTA, and the register hand-over between warpgroups.
+#pragma once
+#include <cstdint>
+
+#include "mma_sm80.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// An mbarrier completes a phase when `count` arrivals have come; waiters name the phase by its
+// parity (phase k of stage use k: parity k & 1).
+__device__ inline void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes the initialised barriers visible to the other threads (before the barrier that follows).
+__device__ inline void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// Release semantics: this thread's earlier shared-memory writes are seen by a thread whose wait
+// returns for the phase this arrival completes.
+__device__ inline void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Blocks until the phase of the given parity has completed (acquire).
+__device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// A barrier among `threads` threads (whole warps) of the CTA; id 0 is __syncthreads'.
+__device__ inline void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Hands registers between warpgroups: the loading warpgroup needs few, the computing ones hold
+// the O accumulator and the scores. Every warp of the warpgroup executes it.
+template <int N>
+__device__ inline void regs_release() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ inline void regs_claim() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+}  // namespace cuda
+}  // namespace flexdma
