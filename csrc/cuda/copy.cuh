@@ -75,13 +75,13 @@ __device__ inline void cp_async4(void* dst, const void* src) {
 
 // The per-key forward's key tiles: list entries [n0, n0 + 64) of a query tile's key list
 // (FwdParams::tile_keys) name the K / V rows of tile n0. GatheredKeys reads an index from memory
-// in front of every copy, a dependent load per tile; here the loading warpgroup copies a tile's 64
-// indices into smem two tiles ahead (request), so its K / V copies issue after a shared-memory
+// in front of every copy, a dependent load per tile; here the loading warpgroup holds a tile's 64
+// indices in smem (idx) before it requests the tile, so its copies issue after a shared-memory
 // read. A stage's slot holds (int32 words) the tile's key indices [0, 64) (the causal test),
-// ranks [64, 128) and biases as float [128, 192). Threads 0..63 gather one key's operands each:
-// the rank by cp.async, the bias (16-bit, too narrow for cp.async) through a register that
-// stage() stores once the tile's copies have landed. 16-byte K / V copies only (the launcher
-// refuses unaligned q / k / v). Run by the kThreads threads of the loading warpgroup.
+// ranks [64, 128) and biases as float [128, 192). Threads 0..63 handle one key each: its index
+// (entry), rank (by cp.async) and bias (16-bit, too narrow for cp.async: loaded a tile ahead
+// into a register by the caller). 16-byte K / V copies only (the launcher refuses unaligned
+// q / k / v). Run by the kThreads threads of the loading warpgroup.
 template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
@@ -90,30 +90,31 @@ struct KeyList {
   const int32_t* keys;                           // the list's first key index
   int64_t n;                                     // its length
 
-  // Copies the indices of the tile at list entry n0 into idx[0, 64).
-  __device__ inline void request(int32_t* idx, int64_t n0) const {
-    if (threadIdx.x < 64 && n0 + threadIdx.x < n) cp_async4(idx + threadIdx.x, keys + n0 + threadIdx.x);
+  // This thread's (threadIdx.x < 64) key index of the tile at list entry n0; 0 past the list.
+  __device__ inline int32_t entry(int64_t n0) const {
+    return threadIdx.x < 64 && n0 + threadIdx.x < n ? keys[n0 + threadIdx.x] : 0;
   }
 
-  // Requests tile n0 (its indices in idx, landed) into `slot` / sk / sv: its K / V rows (zero
-  // rows past the list), its keys' indices and ranks; `bias` takes the bias of key threadIdx.x.
-  template <typename RankPlane, typename BiasPlane>
-  __device__ inline void issue(const int32_t* idx, int32_t* slot, T* sk, T* sv, const T* k, const T* v, int64_t k_rs,
-                               int64_t v_rs, int64_t n0, const RankPlane& ranks, const BiasPlane& biases,
-                               float& bias) const {
+  // Requests the K or V rows of tile n0 (indices in idx) into dst; zero rows past the list.
+  __device__ inline void issue_rows(const int32_t* idx, T* dst, const T* base, int64_t rs, int64_t n0) const {
     static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
     // Element offsets in 32 bits (seqlen_k x row stride < 2^31, checked at launch): a 64-bit
-    // offset costs a sign extension and a three-instruction multiply per copy, on the issue path
-    // of every warp.
-    const int32_t ks = (int32_t)k_rs, vs = (int32_t)v_rs;
+    // offset costs a sign extension and a three-instruction multiply per copy.
+    const int32_t rs32 = (int32_t)rs;
 #pragma unroll
     for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
       const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
       const bool ok = n0 + r < n;
       const int32_t j = ok ? idx[r] : 0;
-      cp_async16(sk + tile_index<D>(r, col), k + (j * ks + col), ok ? 16 : 0);
-      cp_async16(sv + tile_index<D>(r, col), v + (j * vs + col), ok ? 16 : 0);
+      cp_async16(dst + tile_index<D>(r, col), base + (j * rs32 + col), ok ? 16 : 0);
     }
+  }
+
+  // The rank rule's operands of tile n0 into `slot`: indices, ranks, and this thread's key's
+  // bias (loaded by the caller).
+  template <typename RankPlane>
+  __device__ inline void issue_slot(const int32_t* idx, int32_t* slot, int64_t n0, const RankPlane& ranks,
+                                    float bias) const {
     if (threadIdx.x < 64) {
       const bool ok = n0 + threadIdx.x < n;
       const int32_t j = idx[threadIdx.x];
@@ -122,12 +123,8 @@ struct KeyList {
         cp_async4(slot + 64 + threadIdx.x, ranks.at(0, j));
       else
         slot[64 + threadIdx.x] = kNever;
-      bias = ok ? to_float(*biases.at(0, j)) : 0.f;
+      reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias;
     }
-  }
-
-  __device__ inline void stage(int32_t* slot, float bias) const {
-    if (threadIdx.x < 64) reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias;
   }
 };
 

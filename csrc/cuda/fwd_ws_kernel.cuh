@@ -2,15 +2,18 @@
 // (128-row query tile, head, batch, key split), one CTA per SM.
 //   warpgroup 0 loads: K / V tiles (contiguous, or gathered through the query tile's key list on
 //     the per-key path), the bias tiles, the mask bytes (raw by cp.async, or built where a length
-//     or misalignment rules that out) into a ring of kStages stages, handed over by mbarriers;
-//   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile from the same stages: Q in
-//     registers, S = Q K^T and O += P V on wgmma, the online softmax in registers.
+//     or misalignment rules that out) into rings of K stages (with the mask / bias / rank
+//     operands) and V stages, handed over by mbarriers;
+//   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile from the same stages:
+//     S = Q K^T (Q loaded once into smem by warpgroup 0) and O += P V on wgmma, the online softmax
+//     in registers.
 // Why: in the one-warpgroup kernel (fwd_kernel.cuh) the threads that run the products also issue
 // every copy, compute its addresses and wait at a CTA barrier per tile, and each 64-row CTA reads
 // its own K / V. Here the copies and their integer work are off the computing warps' issue path,
-// a stage is released by the warps that used it instead of a CTA barrier, each K / V byte serves
-// 128 rows, and inside a computing warpgroup S of the next tile is in flight while P V of this one
-// runs (the softmax of tile t + 1 overlaps the tensor cores' P V of tile t).
+// a stage is released by the warps that used it instead of a CTA barrier (K as soon as S and the
+// softmax have read it, V after P V), each K / V byte serves 128 rows, and inside a computing
+// warpgroup S of the next tile is in flight while P V of this one runs (the softmax of tile t + 1
+// overlaps the tensor cores' P V of tile t).
 // kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are consecutive 64-entry pieces
 // of the query tile's key list (FwdParams::tile_keys, 128-row lists), and the mask is the rank rule
 // (apply_rank_keep) with the bias of each listed key.
@@ -34,34 +37,34 @@ namespace cuda {
 
 constexpr int kWsThreads = 3 * kThreads;
 constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
-// Registers per thread after the hand-over (setmaxnreg): 128 x 56 + 256 x 224 = 64512 of the
-// SM's 65536. The computing warps hold O (D / 2), S (32), P (16) and Q (D / 4) at D = 128.
-constexpr int kLoadRegs = 104, kComputeRegs = 200;
+// Registers per thread after the hand-over (setmaxnreg): 128 x 112 + 256 x 192 = 63488 of the
+// SM's 65536. The computing warps hold O (D / 2), S (32) and P (16); the loader's mask and bias
+// copies (two 64-row halves, 64-bit addresses) need about 100.
+constexpr int kLoadRegs = 112, kComputeRegs = 192;
 // Named barriers (0 is __syncthreads'): the loading warpgroup's, each computing warpgroup's.
 constexpr int kBarLoad = 1, kBarCompute = 2;
 
 template <typename T, int D>
 struct FwdWsSmem {
-  // A computing warpgroup holds stage i until it has S of tile i + 1 (issued before P V of tile
-  // i), and the loader publishes stage i + 1 after it has requested stage i + 2: with two stages
-  // each would wait for the other.
+  // K and V stages (a K stage with the tile's mask / bias / rank operands): as many as smem holds.
   static constexpr int kStages = D <= 64 ? 4 : 3;
-  static_assert(kStages >= 3, "the forward's pipeline needs three stages");
   static constexpr int kTileKV = tile_bytes<D>();
   // A stage's keep bytes for both 64-row halves, or (kTopk) the key list's slot.
   static constexpr int kKeepSlot = 2 * kBlockM * kLdKeep;
   static constexpr int kBiasSlot = kWsRows * kLdBias * 2;
-  static constexpr int kBars = 0;            // full[kStages], empty[kStages]
-  static constexpr int kIdx = 256;           // kTopk: key indices of 4 tiles (64 words each)
-  static constexpr int kQ = kIdx + 4 * 256;  // two 64-row Q tiles, padded rows (ldmatrix)
-  static constexpr int kK = (kQ + 2 * kBlockM * tile_ld(D) * 2 + 1023) / 1024 * 1024;
+  static constexpr int kBars = 0;    // full / empty barriers of the K and the V stages
+  static constexpr int kQBar = 224;  // Q's full barrier
+  static constexpr int kIdx = 256;   // kTopk: key indices of 4 tiles (64 words each)
+  static constexpr int kQ = 2048;    // two 64-row Q tiles, swizzled (read by wgmma)
+  static constexpr int kK = kQ + 2 * kTileKV;
   static constexpr int kV = kK + kStages * kTileKV;
   static constexpr int kKeep = kV + kStages * kTileKV;
   static constexpr int kBias = kKeep + kStages * kKeepSlot;
   static constexpr int kBytes = kBias + kStages * kBiasSlot + 1024;  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "warp-specialized forward smem layout too large");
   static_assert(KeyList<T, D>::kSlotWords * 4 <= kKeepSlot, "KeyList's slot must fit a keep slot");
-  static_assert(2 * kStages * 8 <= kIdx, "barriers must fit before the index ring");
+  static_assert(4 * kStages * 8 <= kQBar, "barriers must fit before Q's");
+  static_assert(kIdx + 4 * 256 <= kQ, "the index ring must fit before Q");
 };
 
 // What every warpgroup of a CTA derives alike: its tile, its key tiles [t_begin, n_end) (of the
@@ -78,23 +81,26 @@ struct FwdWsTile {
   __device__ inline int64_t next(ActiveTiles& a, int64_t t) const { return meta0 ? a.next(t, n_end) : t; }
 };
 
-// Warpgroup 0: fills stage i % kStages with key tile i of the CTA's sequence once the computing
-// warpgroups have released its previous use, and publishes it (full[stage]) when its copies have
-// landed. Each thread publishes a stage after requesting the next one (cp.async groups complete
-// in order), so two stages' copies are in flight per thread.
+// Warpgroup 0: requests key tile i's K (with its mask / bias / rank operands) into K stage
+// i % kStages and its V into V stage i % kStages, each once the computing warpgroups have released
+// that stage's previous use, in the order K(i + 1), V(i) (the products need K a tile before V).
+// A stage is published by arrivals that fire when the copies land (cp.async.mbarrier.arrive), plus
+// an ordinary arrival after the plain shared-memory stores of a K stage: the loader never waits for
+// its own copies, only for free stages.
 template <typename T, int D, bool kTopk>
 __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem) {
   using L = FwdWsSmem<T, D>;
   constexpr int S = L::kStages;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBars);
-  uint64_t* empty = full + S;
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
+  uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   uint8_t* sKeep = smem + L::kKeep;
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
   int32_t* ring = reinterpret_cast<int32_t*>(smem + L::kIdx);
+  // kTopk: tile t's key indices; those of t + 1 are stored while K(t) is requested, and V(t) is
+  // requested after K(t + 1), so three of the four entries are live.
   auto idx = [&](int64_t t) { return ring + (t & 3) * 64; };
-  auto slot = [&](int st) { return reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot); };
 
   const T* kp = static_cast<const T*>(p.k) + c.b * p.k_batch_stride + c.kvh * p.k_head_stride;
   const T* vp = static_cast<const T*>(p.v) + c.b * p.v_batch_stride + c.kvh * p.v_head_stride;
@@ -102,32 +108,54 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   const Plane<uint8_t> mask(p.mask, c.b, c.h);
   const Plane<int32_t> ranks(p.key_rank, c.b, c.h);
   const bool has_bias = !kTopk && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
+
+  // Q of both halves, once (rows past seqlen_q zero).
+  const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.h * p.q_head_stride;
+  for (int half = 0; half < (c.two ? 2 : 1); ++half) {
+    const int64_t mh = c.m0 + half * kBlockM;
+    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + half * L::kTileKV / 2, q + mh * p.q_row_stride,
+                     p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - mh), f.qkv_vec);
+  }
+  uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
+  mbar_arrive_copies(full_q);
+  mbar_arrive(full_q);
+
+  ActiveTiles active = c.active();
+  int64_t t = c.next(active, c.t_begin);
+  if (t >= c.n_end) {
+    cp_async_wait<0>();  // no copy may land in the smem of a later CTA
+    return;
+  }
   KeyList<T, D> kl{};
+  int32_t next_key = 0;  // kTopk: this thread's key of the tile after the one requested next
+  float key_bias = 0.f;  // and the bias of its key in the tile requested next
+  auto bias_of = [&](int32_t j, int64_t n0) {
+    return threadIdx.x < 64 && n0 + threadIdx.x < kl.n ? to_float(*bias.at(0, j)) : 0.f;
+  };
   if constexpr (kTopk) {
-    // Tile t's indices arrive two tiles ahead; the first two now.
     kl.keys = c.list + 1;
     kl.n = c.list[0];
-    kl.request(idx(c.t_begin), c.t_begin * kBlockN);
-    kl.request(idx(c.t_begin + 1), (c.t_begin + 1) * kBlockN);
-    cp_async_commit();
-    cp_async_wait<0>();
-    named_barrier(kBarLoad, kThreads);
+    const int32_t first = kl.entry(t * kBlockN);
+    if (threadIdx.x < 64) idx(t)[threadIdx.x] = first;
+    key_bias = bias_of(first, t * kBlockN);
+    next_key = kl.entry((t + 1) * kBlockN);
   }
-  float prev_bias = 0.f;  // kTopk: KeyList's bias of the tile requested one iteration ago
-  ActiveTiles active = c.active();
-  int i = 0, prev = 0;
-  for (int64_t t = c.next(active, c.t_begin); t < c.n_end; t = c.next(active, t + 1), ++i) {
+
+  auto load_k = [&](int i, int64_t t) {
     const int st = i % S;
-    if (i >= S) mbar_wait(&empty[st], ((i / S) & 1) ^ 1);
+    if (i >= S) mbar_wait(&empty_k[st], ((i / S) & 1) ^ 1);
     T* sk = sK + st * L::kTileKV / 2;
-    T* sv = sV + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
-    float key_bias = 0.f;
     if constexpr (kTopk) {
-      kl.issue(idx(t), slot(st), sk, sv, kp, vp, p.k_row_stride, p.v_row_stride, n0, ranks, bias, key_bias);
-      kl.request(idx(t + 2), n0 + 2 * kBlockN);
+      named_barrier(kBarLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
+      int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
+      kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
+      kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
+      if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
+      key_bias = bias_of(next_key, n0 + kBlockN);
+      next_key = kl.entry(n0 + 2 * kBlockN);
     } else {
-      issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, n0, sk, sv, f.qkv_vec);
+      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
       for (int half = 0; half < (c.two ? 2 : 1); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
         const TileBounds tb(p, mh, n0);
@@ -143,25 +171,30 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
         }
       }
     }
-    cp_async_commit();
-    if (i > 0) {
-      cp_async_wait<1>();
-      if constexpr (kTopk) kl.stage(slot(prev), prev_bias);
-      fence_proxy_async();  // the copies are read by wgmma, through the async proxy
-      mbar_arrive(&full[prev]);
-    }
-    // kTopk: the indices of tile t + 1 (requested with tile t - 1) are in every loader's view.
-    if constexpr (kTopk) named_barrier(kBarLoad, kThreads);
-    prev = st;
-    prev_bias = key_bias;
+    mbar_arrive_copies(&full_k[st]);
+    mbar_arrive(&full_k[st]);
+  };
+  auto load_v = [&](int i, int64_t t) {
+    const int st = i % S;
+    if (i >= S) mbar_wait(&empty_v[st], ((i / S) & 1) ^ 1);
+    T* sv = sV + st * L::kTileKV / 2;
+    const int64_t n0 = t * kBlockN;
+    if constexpr (kTopk)
+      kl.issue_rows(idx(t), sv, vp, p.v_row_stride, n0);
+    else
+      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
+    mbar_arrive_copies(&full_v[st]);
+  };
+
+  load_k(0, t);
+  for (int i = 0;; ++i) {
+    const int64_t tn = c.next(active, t + 1);
+    if (tn < c.n_end) load_k(i + 1, tn);
+    load_v(i, t);
+    if (tn >= c.n_end) break;
+    t = tn;
   }
-  if (i > 0) {
-    cp_async_wait<0>();
-    if constexpr (kTopk) kl.stage(slot(prev), prev_bias);
-    fence_proxy_async();
-    mbar_arrive(&full[prev]);
-  }
-  cp_async_wait<0>();  // the index requests past the list's end
+  cp_async_wait<0>();
 }
 
 // Warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every stage in
@@ -172,8 +205,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
                                       unsigned char* smem, int wg) {
   using L = FwdWsSmem<T, D>;
   constexpr int S = L::kStages;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBars);
-  uint64_t* empty = full + S;
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
+  uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S;
   const T* sK = reinterpret_cast<const T*>(smem + L::kK);
   const T* sV = reinterpret_cast<const T*>(smem + L::kV);
   const uint8_t* sKeep = smem + L::kKeep;
@@ -183,17 +216,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int64_t mc = c.m0 + wg * kBlockM;
   const bool idle = mc >= p.seqlen_q;
 
-  constexpr int kLd = tile_ld(D);
-  uint32_t qf[D / 16][4];
-  if (!idle) {
-    T* sQ = reinterpret_cast<T*>(smem + L::kQ) + wg * kBlockM * kLd;
-    const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.h * p.q_head_stride + mc * p.q_row_stride;
-    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - mc), f.qkv_vec, tid);
-    named_barrier(kBarCompute + wg, kThreads);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      ldmatrix_x4(qf[kk], sQ + (w * 16 + (lane & 15)) * kLd + kk * 16 + (lane >> 4) * 8);
-  }
+  const T* sQ = reinterpret_cast<const T*>(smem + L::kQ) + wg * L::kTileKV / 2;
 
   // The rank rule's per-row terms of this thread's rows g, g + 8: the largest kept rank (-1 past
   // seqlen_q: nothing kept) and the causal limit.
@@ -213,7 +236,6 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0;
   const int bias_row0 = p.bias.row_stride != 0 ? wg * kBlockM + w * 16 + g : 0;
   const FwdScoreConsts sc(p);
-  const uint32_t q_live = p.softcap < 0.f ? 1u : 0u;
 
   float o[D / 8][4];
 #pragma unroll
@@ -225,12 +247,17 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   uint32_t pa[kBlockN / 16][4];  // P as A fragments; read by the P.V wgmma until it is waited for
   float alpha[2];
 
-  auto wait_full = [&](int i) { mbar_wait(&full[i % S], (i / S) & 1); };
-  auto release = [&](int i) {
+  // A stage's K / V rows were written by cp.async (generic proxy) and are read by wgmma (async
+  // proxy): the fence orders the two for this thread once the barrier says they have landed.
+  auto wait = [&](uint64_t* full, int i) {
+    mbar_wait(&full[i % S], (i / S) & 1);
+    fence_proxy_async();
+  };
+  auto release = [&](uint64_t* empty, int i) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[i % S]);
   };
-  // S = Q K^T of stage st, issued and left in flight.
+  // S = Q K^T of stage st, both operands read from smem, issued and left in flight.
   auto gemm_s = [&](int st) {
     const T* sk = sK + st * L::kTileKV / 2;
 #pragma unroll
@@ -238,10 +265,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
     fence_regs(s);
-    fence_regs(qf);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) wgmma_rs<T, kBlockN, 0>(s, qf[kk], desc_k_major<kBlockN>(sk, kk), kk > 0);
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
     wgmma_commit();
   };
   // O += P V of stage st, issued and left in flight.
@@ -253,16 +280,6 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(o, pa[kk], sv, kk);
     wgmma_commit();
-  };
-  // Q's fragments are read only by the S wgmma; ptxas (CUDA 13.0) took them for dead after that
-  // read and gave their registers to P at D = 64. A real instruction that rewrites them keeps them
-  // live; q_live is 0 at run time (softcap >= 0 is checked before launch). Only where no S wgmma
-  // is in flight: a write to its input registers serialises every wgmma (C7513).
-  auto keep_q = [&] {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
   };
   // Scale, bias and drop rule on S of key tile t in stage st, then the softmax step.
   auto softmax_tile = [&](int64_t t, int st) {
@@ -278,43 +295,49 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   int i = 0;
   int64_t t = c.next(active, c.t_begin);
   if (t < own_end) {
-    wait_full(i);
+    mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
+    wait(full_k, i);
     gemm_s(i % S);
     wgmma_wait<0>();
     fence_regs(s);
     softmax_tile(t, i % S);  // O is still 0: no rescale
+    release(empty_k, i);
     c_to_a<T>(s, pa);
-    // Every wgmma issued in an iteration is waited for in it, and the loop exits before issuing:
-    // ptxas serialises all wgmmas where one may still be in flight across a branch (C7514 /
-    // C7515).
+    // Every wgmma issued in an iteration is waited for in it, and the loop exits before issuing;
+    // the stage waits come before the first issue: ptxas serialises all wgmmas where one may still
+    // be in flight across a branch (C7514 / C7515).
     for (;;) {
       const int64_t tn = c.next(active, t + 1);
       if (tn >= own_end) break;
-      wait_full(i + 1);
+      wait(full_k, i + 1);
+      wait(full_v, i);
       gemm_s((i + 1) % S);
       gemm_pv(i % S);
       wgmma_wait<1>();  // S of tile tn; P.V of tile t still runs
       fence_regs(s);
-      keep_q();
       softmax_tile(tn, (i + 1) % S);
+      release(empty_k, i + 1);
       wgmma_wait<0>();
       fence_regs(o);
-      release(i);
+      release(empty_v, i);
       rescale_o<D>(o, alpha);
       c_to_a<T>(s, pa);
       ++i;
       t = tn;
     }
+    wait(full_v, i);
     gemm_pv(i % S);
     wgmma_wait<0>();
     fence_regs(o);
-    release(i);
+    release(empty_v, i);
     ++i;
     t = c.next(active, t + 1);
   }
   for (; t < c.n_end; t = c.next(active, t + 1), ++i) {
-    wait_full(i);
-    release(i);
+    wait(full_k, i);
+    release(empty_k, i);
+    wait(full_v, i);
+    release(empty_v, i);
   }
   if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, c.h, mc, tid);
 }
@@ -355,12 +378,19 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   }
 
   if (threadIdx.x == 0) {
-    uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBars);
+    // full_k, empty_k, full_v, empty_v. A K stage is full after two arrivals of every loading
+    // thread (its copies landed; its plain stores done), a V stage after one; a stage is empty
+    // after one lane of each computing warp has arrived.
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
+    constexpr int S = L::kStages;
 #pragma unroll
-    for (int st = 0; st < L::kStages; ++st) {
-      mbar_init(&full[st], kThreads);                 // every loading thread, once its copies landed
-      mbar_init(&full[L::kStages + st], 2 * kWarps);  // (empty) one lane of each computing warp
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&bars[st], 2 * kThreads);
+      mbar_init(&bars[S + st], 2 * kWarps);
+      mbar_init(&bars[2 * S + st], kThreads);
+      mbar_init(&bars[3 * S + st], 2 * kWarps);
     }
+    mbar_init(reinterpret_cast<uint64_t*>(smem + L::kQBar), 2 * kThreads);
     mbar_init_fence();
   }
   __syncthreads();

@@ -21,6 +21,11 @@ __device__ inline void mbar_init_fence() { asm volatile("fence.mbarrier_init.rel
 __device__ inline void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// Arrives when every cp.async this thread has issued so far has landed, without waiting for them
+// (counts as one of the phase's arrivals).
+__device__ inline void mbar_arrive_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
 // Blocks until the phase of the given parity has completed (acquire).
 __device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
