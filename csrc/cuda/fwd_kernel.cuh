@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const bool has_mask = p.mask.ptr != nullptr;
   const FwdScoreConsts sc(p);
   const int no_rank[2] = {0, 0};  // the rank rule's row terms, unused here
+  const int64_t keys_full = full_keys(p, m0);
   auto issue_tile = [&](int64_t t, int buf) {
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
@@ -185,9 +186,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
 
       const uint8_t* keep = has_mask ? sKeep + cur * L::kKeepSlot : nullptr;
       const T* sb = has_bias ? sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias : nullptr;
-      fwd_scores<false, T>(s, sc, TileBounds(p, m0, t * kBlockN), sb, bias_row_step, keep, nullptr, no_rank, no_rank,
-                           w * 16 + g, qc);
-      online_softmax<D>(s, row_max, row_sum, o);
+      const float later = fwd_scores<false, T>(s, sc, p, m0, t * kBlockN, t * kBlockN + kBlockN <= keys_full, sb,
+                                               bias_row_step, keep, nullptr, no_rank, no_rank, w * 16 + g, qc);
+      online_softmax<D>(s, row_max, row_sum, o, later);
 
       // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
       c_to_a<T>(s, pa);

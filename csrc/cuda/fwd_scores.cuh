@@ -27,30 +27,35 @@ struct FwdScoreConsts {
         scale_over_cap(p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f) {}
 };
 
-// The rows of a warp's fragments (r0 = its first row in the 64-row tile, qc = lane % 4) in tile
-// tb. sb: the bias tile at row r0 (null: no bias), bias_row_step 0 where one row serves all
-// queries; keep: the tile's keep bytes (null: no mask). kTopk: the rank rule on the key slot
-// instead of bias and keep (apply_rank_keep). Each stage is one unrolled loop behind a
-// CTA-uniform branch: a per-element branch (softcap or not, full tile or not) compiled to a jump
-// per element.
+// The rows of a warp's fragments (r0 = its first row in the 64-row tile, qc = lane % 4) in the
+// tile at (m0, n0); `full`: the tile needs no bounds or causal check (TileBounds::full, known to
+// the caller without building the bounds). sb: the bias tile at row r0 (null: no bias),
+// bias_row_step 0 where one row serves all queries; keep: the tile's keep bytes (null: no mask).
+// kTopk: the rank rule on the key slot instead of bias and keep (apply_rank_keep). Each stage is
+// one unrolled loop behind a CTA-uniform branch: a per-element branch (softcap or not, full tile
+// or not) compiled to a jump per element. Returns the scale still to apply to s (softmax_step's):
+// without softcap and bias the scores stay unscaled and the softmax folds the scale in.
 template <bool kTopk, typename T>
-__device__ inline void fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreConsts& sc, const TileBounds& tb,
-                                  const T* sb, int bias_row_step, const uint8_t* keep, const int32_t* key_slot,
-                                  const int (&thr)[2], const int (&lim)[2], int r0, int qc) {
+__device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreConsts& sc, const FwdParams& p, int64_t m0,
+                                   int64_t n0, bool full, const T* sb, int bias_row_step, const uint8_t* keep,
+                                   const int32_t* key_slot, const int (&thr)[2], const int (&lim)[2], int r0, int qc) {
+  float later = 1.f;
   if (sc.softcap_on) {
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = sc.cap_l2 * tanhf(s[n][e] * sc.scale_over_cap);
-  } else {
+  } else if (kTopk || sb || !(sc.scale_l2 > 0.f)) {
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] *= sc.scale_l2;
+  } else {
+    later = sc.scale_l2;
   }
   if constexpr (kTopk) {
     apply_rank_keep(s, key_slot, thr, lim, qc);
-    return;
+    return later;
   }
   if (sb) {
 #pragma unroll
@@ -62,19 +67,30 @@ __device__ inline void fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCons
         s[n][2 * hh + 1] = fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]);
       }
   }
-  if (keep) {
-    // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
-    if (tb.full)
-      apply_keep<false>(s, keep, r0, qc, tb);
-    else
+  // Bounds and causality only matter on the few tiles a length or the diagonal cuts.
+  if (full) {
+    if (keep) apply_keep<false>(s, keep, r0, qc, TileBounds{});
+  } else {
+    const TileBounds tb(p, m0, n0);
+    if (keep) {
       apply_keep<true>(s, keep, r0, qc, tb);
-  } else if (!tb.full) {
+    } else {
 #pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n)
+      for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (!tb.ok(r0 + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
+        for (int e = 0; e < 4; ++e)
+          if (!tb.ok(r0 + 8 * (e / 2), n * 8 + 2 * qc + (e % 2))) s[n][e] = -CUDART_INF_F;
+    }
   }
+  return later;
+}
+
+// Key tiles at n0 with n0 + 64 <= full_keys(p, m0) need no bounds or causal check for the 64 rows
+// at m0 (TileBounds::full): all rows inside seqlen_q, all keys inside seqlen_k and at or before
+// the first row's causal limit.
+__device__ inline int64_t full_keys(const FwdParams& p, int64_t m0) {
+  if (m0 + kBlockM > p.seqlen_q) return 0;
+  return p.is_causal ? imin(p.seqlen_k, m0 + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
 }
 
 }  // namespace cuda

@@ -37,10 +37,11 @@ namespace cuda {
 
 constexpr int kWsThreads = 3 * kThreads;
 constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
-// Registers per thread after the hand-over (setmaxnreg): 128 x 112 + 256 x 192 = 63488 of the
-// SM's 65536. The computing warps hold O (D / 2), S (32) and P (16); the loader's mask and bias
-// copies (two 64-row halves, 64-bit addresses) need about 100.
-constexpr int kLoadRegs = 112, kComputeRegs = 192;
+// Registers per thread after the hand-over (setmaxnreg): 128 x 96 + 256 x 208 = 65536, the SM's
+// file. The computing warps hold O (D / 2), S (32) and P (16) with S of the next tile and P.V of
+// this one in flight; the loader's mask and bias copies (two 64-row halves, 64-bit addresses) need
+// about 90. Both bounds are the smallest that ptxas compiles without a spill.
+constexpr int kLoadRegs = 96, kComputeRegs = 208;
 // Named barriers (0 is __syncthreads'): the loading warpgroup's, each computing warpgroup's.
 constexpr int kBarLoad = 1, kBarCompute = 2;
 
@@ -141,9 +142,13 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     next_key = kl.entry((t + 1) * kBlockN);
   }
 
-  auto load_k = [&](int i, int64_t t) {
-    const int st = i % S;
-    if (i >= S) mbar_wait(&empty_k[st], ((i / S) & 1) ^ 1);
+  // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
+  // in the first round that is the phase before the barrier's first, which counts as complete.
+  RingPos<S> pk, pv;
+  auto load_k = [&](int64_t t) {
+    const int st = pk.stage;
+    mbar_wait(&empty_k[st], pk.phase ^ 1u);
+    pk.advance();
     T* sk = sK + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
     if constexpr (kTopk) {
@@ -174,9 +179,10 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     mbar_arrive_copies(&full_k[st]);
     mbar_arrive(&full_k[st]);
   };
-  auto load_v = [&](int i, int64_t t) {
-    const int st = i % S;
-    if (i >= S) mbar_wait(&empty_v[st], ((i / S) & 1) ^ 1);
+  auto load_v = [&](int64_t t) {
+    const int st = pv.stage;
+    mbar_wait(&empty_v[st], pv.phase ^ 1u);
+    pv.advance();
     T* sv = sV + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
     if constexpr (kTopk)
@@ -186,11 +192,11 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     mbar_arrive_copies(&full_v[st]);
   };
 
-  load_k(0, t);
-  for (int i = 0;; ++i) {
+  load_k(t);
+  for (;;) {
     const int64_t tn = c.next(active, t + 1);
-    if (tn < c.n_end) load_k(i + 1, tn);
-    load_v(i, t);
+    if (tn < c.n_end) load_k(tn);
+    load_v(t);
     if (tn >= c.n_end) break;
     t = tn;
   }
@@ -247,19 +253,22 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   uint32_t pa[kBlockN / 16][4];  // P as A fragments; read by the P.V wgmma until it is waited for
   float alpha[2];
 
-  // A stage's K / V rows were written by cp.async (generic proxy) and are read by wgmma (async
-  // proxy): the fence orders the two for this thread once the barrier says they have landed.
-  auto wait = [&](uint64_t* full, int i) {
-    mbar_wait(&full[i % S], (i / S) & 1);
-    fence_proxy_async();
-  };
-  auto release = [&](uint64_t* empty, int i) {
+  using Pos = RingPos<S>;
+  auto wait = [&](uint64_t* full, Pos at) { mbar_wait(&full[at.stage], at.phase); };
+  auto release = [&](uint64_t* empty, Pos at) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[i % S]);
+    if (lane == 0) mbar_arrive(&empty[at.stage]);
   };
+  // Descriptors built once and moved by constants (desc_advance): Q's, and stage 0's K and V.
+  const uint64_t dq = desc_k_major<kBlockM>(sQ, 0);
+  const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_mn_major<kBlockN>(sV, 0);
   // S = Q K^T of stage st, both operands read from smem, issued and left in flight.
   auto gemm_s = [&](int st) {
-    const T* sk = sK + st * L::kTileKV / 2;
+    const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
+    // Opaque here, so that Q's eight descriptors are built in the loop (eight adds) rather than
+    // hoisted out of it into sixteen registers the computing warps do not have.
+    uint64_t dqh = dq;
+    asm volatile("" : "+l"(dqh));
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
@@ -268,40 +277,47 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
+      wgmma_ss64<T>(s, desc_advance(dqh, k_major_offset<kBlockM>(kk)), desc_advance(dk, k_major_offset<kBlockN>(kk)),
+                    kk > 0);
     wgmma_commit();
   };
-  // O += P V of stage st, issued and left in flight.
+  // O += P V of stage st, issued and left in flight (one wgmma of width D per 16 keys).
+  static_assert(D <= 128, "P.V is one wgmma of width D");
   auto gemm_pv = [&](int st) {
-    const T* sv = sV + st * L::kTileKV / 2;
+    const uint64_t dv = desc_advance(dv0, st * L::kTileKV);
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(o, pa[kk], sv, kk);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_advance(dv, kk * kMnMajorStep), 1);
     wgmma_commit();
   };
   // Scale, bias and drop rule on S of key tile t in stage st, then the softmax step.
+  const int64_t keys_full = full_keys(p, mc);
   auto softmax_tile = [&](int64_t t, int st) {
     const uint8_t* keep = has_mask ? sKeep + st * L::kKeepSlot + wg * kBlockM * kLdKeep : nullptr;
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
-    fwd_scores<kTopk, T>(s, sc, TileBounds(p, mc, t * kBlockN), sb, bias_row_step, keep, slot, thr, lim, w * 16 + g,
-                         qc);
-    softmax_step(s, row_max, row_sum, alpha);
+    const int64_t n0 = t * kBlockN;
+    const float later = fwd_scores<kTopk, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep, slot,
+                                             thr, lim, w * 16 + g, qc);
+    softmax_step(s, row_max, row_sum, alpha, later);
   };
 
   ActiveTiles active = c.active();
-  int i = 0;
+  Pos at;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
   if (t < own_end) {
     mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
-    wait(full_k, i);
-    gemm_s(i % S);
+    wait(full_k, at);
+    // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
+    // proxy): the fence orders the two for this thread once the barriers say they have landed.
+    fence_proxy_async();
+    gemm_s(at.stage);
     wgmma_wait<0>();
     fence_regs(s);
-    softmax_tile(t, i % S);  // O is still 0: no rescale
-    release(empty_k, i);
+    softmax_tile(t, at.stage);  // O is still 0: no rescale
+    release(empty_k, at);
     c_to_a<T>(s, pa);
     // Every wgmma issued in an iteration is waited for in it, and the loop exits before issuing;
     // the stage waits come before the first issue: ptxas serialises all wgmmas where one may still
@@ -309,48 +325,46 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     for (;;) {
       const int64_t tn = c.next(active, t + 1);
       if (tn >= own_end) break;
-      wait(full_k, i + 1);
-      wait(full_v, i);
-      gemm_s((i + 1) % S);
-      gemm_pv(i % S);
+      const Pos an = at.next();
+      wait(full_k, an);
+      wait(full_v, at);
+      fence_proxy_async();
+      gemm_s(an.stage);
+      gemm_pv(at.stage);
       wgmma_wait<1>();  // S of tile tn; P.V of tile t still runs
       fence_regs(s);
-      softmax_tile(tn, (i + 1) % S);
-      release(empty_k, i + 1);
+      softmax_tile(tn, an.stage);
+      release(empty_k, an);
       wgmma_wait<0>();
       fence_regs(o);
-      release(empty_v, i);
+      release(empty_v, at);
       rescale_o<D>(o, alpha);
       c_to_a<T>(s, pa);
-      ++i;
+      at = an;
       t = tn;
     }
-    wait(full_v, i);
-    gemm_pv(i % S);
+    wait(full_v, at);
+    fence_proxy_async();
+    gemm_pv(at.stage);
     wgmma_wait<0>();
     fence_regs(o);
-    release(empty_v, i);
-    ++i;
+    release(empty_v, at);
+    at.advance();
     t = c.next(active, t + 1);
   }
-  for (; t < c.n_end; t = c.next(active, t + 1), ++i) {
-    wait(full_k, i);
-    release(empty_k, i);
-    wait(full_v, i);
-    release(empty_v, i);
+  for (; t < c.n_end; t = c.next(active, t + 1), at.advance()) {
+    wait(full_k, at);
+    release(empty_k, at);
+    wait(full_v, at);
+    release(empty_v, at);
   }
   if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, c.h, mc, tid);
 }
 
-template <typename T, int D, bool kTopk>
-__global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
-  static_assert(use_wgmma<D>() && !fwd_q_in_smem<D>(), "the warp-specialized forward is built for D = 64 / 128");
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
-  using L = FwdWsSmem<T, D>;
-
-  // Scheduling: the heaviest (last, under causal) query tiles of every head launch first, heads
-  // interleaved, so the long tiles of the last head do not form the tail.
+// This CTA's tile. Scheduling: the heaviest (last, under causal) query tiles of every head launch
+// first, heads interleaved, so the long tiles of the last head do not form the tail.
+template <bool kTopk>
+__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdSplit& sp) {
   FwdWsTile c;
   const int nh = (int)p.num_heads;
   c.h = (int)blockIdx.x % nh;
@@ -376,6 +390,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
     c.meta0 = meta.at(2 * m_tile, 0);
     if (c.two) c.meta1 = meta.at(2 * m_tile + 1, 0);
   }
+  return c;
+}
+
+template <typename T, int D, bool kTopk>
+__global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
+  static_assert(use_wgmma<D>() && !fwd_q_in_smem<D>(), "the warp-specialized forward is built for D = 64 / 128");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
+  using L = FwdWsSmem<T, D>;
 
   if (threadIdx.x == 0) {
     // full_k, empty_k, full_v, empty_v. A K stage is full after two arrivals of every loading
@@ -395,12 +418,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   }
   __syncthreads();
 
+  // The tile is derived after the register hand-over: values live across it travel through local
+  // memory.
   if (threadIdx.x < kThreads) {
     regs_release<kLoadRegs>();
-    fwd_ws_load<T, D, kTopk>(p, f, c, smem);
+    fwd_ws_load<T, D, kTopk>(p, f, fwd_ws_tile<kTopk>(p, sp), smem);
   } else {
     regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, kTopk>(p, f, sp, c, smem, threadIdx.x / kThreads - 1);
+    fwd_ws_compute<T, D, kTopk>(p, f, sp, fwd_ws_tile<kTopk>(p, sp), smem, threadIdx.x / kThreads - 1);
   }
 }
 

@@ -43,6 +43,8 @@ __device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
 struct TileBounds {
   bool full;
   int lim_r, lim_c, diag;  // kept iff r < lim_r && c < lim_c && c <= r + diag
+  // A tile that needs no check.
+  __device__ inline TileBounds() : full(true), lim_r(kBlockM), lim_c(kBlockN), diag(2 * kBlockN) {}
   __device__ inline TileBounds(const FwdParams& p, int64_t m0, int64_t n0) {
     const int64_t shift = p.seqlen_k - p.seqlen_q;
     lim_r = (int)imin(kBlockM, p.seqlen_q - m0);

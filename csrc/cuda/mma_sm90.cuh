@@ -42,16 +42,27 @@ __device__ inline uint64_t sw128_desc(const void* smem, uint32_t lbo_bytes, uint
 // rows: inside a 64-column block a k step moves 32 bytes (the hardware applies the XOR on the
 // address bits); 8-row groups are 1024 bytes apart (SBO); LBO is unused for this mode.
 template <int kRows>
+__host__ __device__ constexpr uint32_t k_major_offset(int kk) {
+  return (kk / 4) * kRows * 128 + (kk % 4) * 32;
+}
+template <int kRows>
 __device__ inline uint64_t desc_k_major(const void* tile, int kk) {
-  return sw128_desc(static_cast<const char*>(tile) + (kk / 4) * kRows * 128 + (kk % 4) * 32, 16, 1024);
+  return sw128_desc(static_cast<const char*>(tile) + k_major_offset<kRows>(kk), 16, 1024);
 }
 
 // B = tile for k step kk (16 rows): 16 rows of 128 bytes = 2048 bytes per step; the 64-column
 // blocks along N are kRows * 128 bytes apart (LBO), 8-row groups 1024 bytes (SBO).
+constexpr uint32_t kMnMajorStep = 2048;
 template <int kRows>
 __device__ inline uint64_t desc_mn_major(const void* tile, int kk) {
-  return sw128_desc(static_cast<const char*>(tile) + kk * 2048, kRows * 128, 1024);
+  return sw128_desc(static_cast<const char*>(tile) + kk * kMnMajorStep, kRows * 128, 1024);
 }
+
+// The descriptor of the same tile form `bytes` further on: the start address sits in the low
+// bits in 16-byte units, and shared-memory addresses (< 2^18) never carry out of its 14 bits. A
+// loop that builds its descriptors once and moves them by constants spends one add per wgmma
+// instead of the address masking and shifts of sw128_desc.
+__device__ inline uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 // Orders the warpgroup's register accesses before / after the async MMAs (wgmma.fence), closes a
 // group of them, and waits until at most N groups are pending.

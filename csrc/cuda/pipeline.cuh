@@ -38,6 +38,25 @@ __device__ inline void mbar_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Position in a ring of S stages: the stage and the parity of its current use (use i: stage i % S,
+// parity (i / S) & 1), advanced one use at a time instead of divided out of i.
+template <int S>
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ inline void advance() {
+    if (++stage == S) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+  __device__ inline RingPos next() const {
+    RingPos r = *this;
+    r.advance();
+    return r;
+  }
+};
+
 // A barrier among `threads` threads (whole warps) of the CTA; id 0 is __syncthreads'.
 __device__ inline void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

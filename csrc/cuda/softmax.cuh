@@ -49,13 +49,15 @@ __device__ inline float fmax_nan(float a, float b) {
 #endif
 }
 
-// One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread,
-// scores in log2 units): the running row max and per-thread row sum are updated, s becomes P, and
-// alpha = exp2(old max - new max) is what the O accumulator must be scaled by (rescale_o). Apart
-// so that a kernel can compute P while the previous tile's P.V still accumulates into O. A NaN
-// score makes the max NaN, and with it P, the sum and O of the row (fmax_nan).
+// One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread;
+// s times `scale` (> 0) is in log2 units): the running row max (log2 units) and per-thread row sum
+// are updated, s becomes P, and alpha = exp2(old max - new max) is what the O accumulator must be
+// scaled by (rescale_o). Apart so that a kernel can compute P while the previous tile's P.V still
+// accumulates into O. The scale rides in the exponent's FFMA (exp2(s * scale - max)) where the
+// scores need no other transform, instead of a multiply per score. A NaN score makes the max NaN,
+// and with it P, the sum and O of the row (fmax_nan).
 __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                    float (&alpha)[2]) {
+                                    float (&alpha)[2], float scale = 1.f) {
   float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n)
@@ -65,15 +67,15 @@ __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)
   for (int hh = 0; hh < 2; ++hh) {
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
-    const float m_new = fmax_nan(row_max[hh], mx[hh]);
+    const float m_new = fmax_nan(row_max[hh], mx[hh] * scale);
     const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
     alpha[hh] = exp2f(row_max[hh] - m_use);
     row_max[hh] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) {
-      s[n][2 * hh] = exp2f(s[n][2 * hh] - m_use);
-      s[n][2 * hh + 1] = exp2f(s[n][2 * hh + 1] - m_use);
+      s[n][2 * hh] = exp2f(fmaf(s[n][2 * hh], scale, -m_use));
+      s[n][2 * hh + 1] = exp2f(fmaf(s[n][2 * hh + 1], scale, -m_use));
       sum += s[n][2 * hh] + s[n][2 * hh + 1];
     }
     row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
@@ -93,9 +95,9 @@ __device__ inline void rescale_o(float (&o)[D / 8][4], const float (&alpha)[2]) 
 
 template <int D>
 __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
-                                      float (&o)[D / 8][4]) {
+                                      float (&o)[D / 8][4], float scale = 1.f) {
   float alpha[2];
-  softmax_step(s, row_max, row_sum, alpha);
+  softmax_step(s, row_max, row_sum, alpha, scale);
   rescale_o<D>(o, alpha);
 }
 
