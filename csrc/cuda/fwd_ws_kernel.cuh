@@ -37,11 +37,14 @@ namespace cuda {
 
 constexpr int kWsThreads = 3 * kThreads;
 constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
-// Registers per thread after the hand-over (setmaxnreg): 128 x 96 + 256 x 208 = 65536, the SM's
-// file. The computing warps hold O (D / 2), S (32) and P (16) with S of the next tile and P.V of
-// this one in flight; the loader's mask and bias copies (two 64-row halves, 64-bit addresses) need
-// about 90. Both bounds are the smallest that ptxas compiles without a spill.
-constexpr int kLoadRegs = 96, kComputeRegs = 208;
+// Registers per thread after the hand-over (setmaxnreg): it moves registers only within the CTA's
+// launch allocation, 384 x 168 = 64512 (__launch_bounds__), so 128 x 104 + 256 x 200 must not
+// exceed it (it is equal; asking more, the computing warps would wait for registers forever). The
+// computing warps hold O (D / 2), S (32) and P (16) with S of the next tile and P.V of this one in
+// flight; the loader's mask and bias copies (two 64-row halves, 64-bit addresses) need about 100.
+constexpr int kLoadRegs = 104, kComputeRegs = 200;
+static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
+              "setmaxnreg cannot hand out more registers than the CTA was launched with");
 // Named barriers (0 is __syncthreads'): the loading warpgroup's, each computing warpgroup's.
 constexpr int kBarLoad = 1, kBarCompute = 2;
 
