@@ -1,6 +1,9 @@
 """Quick timing of the CUDA kernels (torch.ops.flexdma.fwd / bwd) on the target shapes:
 B=1, H=2, KVH=1, D=128, bf16, causal, mask = top-W keys per row of the bias, 32K x 32K, with a
 per-row bias (1,1,Q,K) and a per-key bias (1,1,1,K); and causal without mask or bias at 16K.
+`model`: the model shapes B * L = 16K tokens, H=16, KVH=4 (L = 2K .. 16K; D=64 too at 8K), mask
+(B, KVH, L, L) = top-L/4 of a bias (B, KVH, 1, L) per row, against FlexAttention (compiled, the
+same mask and bias) and dense causal SDPA over all keys, in the same run.
 Median of triton.testing.do_bench. Usage: python3 benchmarks/cuda_dev.py [--out results.json]
 """
 
@@ -36,7 +39,7 @@ def main():
     ap.add_argument(
         "--parts",
         default="fwd,bwd,nomask,decode",
-        help="what to time, from fwd,bwd (the 32K rows), nomask, decode: a variant that changes "
+        help="what to time, from fwd,bwd (the 32K rows), nomask, decode, model: a variant that changes "
         "one kernel needs only its rows",
     )
     args = ap.parse_args()
@@ -104,10 +107,82 @@ def main():
         results[f"decode_{Kd}_dense_sdpa_ms"] = bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds)
         )
+    if "model" in parts:
+        for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):
+            try:
+                results.update(model_rows(L_m, D_m))
+            except Exception as e:  # one shape's failure must not cost the others' rows
+                results[f"model_{L_m}_d{D_m}_error"] = repr(e)[:300]
+            print({k_: v_ for k_, v_ in results.items() if k_.startswith(f"model_{L_m}_d{D_m}")}, flush=True)
     print(json.dumps(results, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def model_rows(L, D, H=16, KVH=4, tokens=16384):
+    """Forward and backward (fwd+bwd minus fwd) of flexdma's CUDA ops, FlexAttention and dense
+    SDPA at one model shape; ms, keys model_{L}_d{D}_{peer}_{fwd|bwd}_ms."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from benchmarks.peers import FLEX_BWD_KERNEL_OPTIONS, _compiled_flex
+
+    B, W, dev, dt = tokens // L, L // 4, "cuda", torch.bfloat16
+    scale = 1.0 / math.sqrt(D)
+    torch.manual_seed(0)
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    dout = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    bias = torch.randn(B, KVH, 1, L, device=dev, dtype=dt)
+    mask = flexdma.create_mask(bias, W, is_causal=True, query_len=L)
+    G, key = H // KVH, f"model_{L}_d{D}"
+    rows = {}
+
+    def both(name, run):
+        rows[f"{key}_{name}_fwd_ms"] = bench(lambda: run(False))
+        rows[f"{key}_{name}_bwd_ms"] = bench(lambda: run(True)) - rows[f"{key}_{name}_fwd_ms"]
+
+    meta = torch.ops.flexdma.tile_meta(mask, L, L, True)
+    out, lse = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+    rows[f"{key}_flexdma_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
+    rows[f"{key}_flexdma_bwd_ms"] = bench(
+        lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta)
+    )
+
+    qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+
+    def sdpa(backward):
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        if backward:
+            o.backward(dout.transpose(1, 2))
+
+    both("sdpa", sdpa)
+    flex = _compiled_flex()
+    block_mask = create_block_mask(
+        lambda b, h, qi, ki: mask[b, h // G, qi, ki], B, H, L, L, device=dev, BLOCK_SIZE=128, _compile=True
+    )
+
+    def flex_run(backward):
+        o = flex(
+            qs,
+            ks,
+            vs,
+            score_mod=lambda sc, b, h, qi, ki: sc + bias[b, h // G, 0, ki],
+            block_mask=block_mask,
+            enable_gqa=True,
+            kernel_options=FLEX_BWD_KERNEL_OPTIONS if backward else None,
+        )
+        if backward:
+            o.backward(dout.transpose(1, 2))
+
+    try:
+        both("flexattn", flex_run)
+    except Exception as e:  # a FlexAttention failure must not cost the other rows
+        rows[f"{key}_flexattn_error"] = repr(e)[:300]
+    del q, k, v, mask, bias, out, lse, meta
+    torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":
