@@ -131,27 +131,18 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     return;
   }
   KeyList<T, D> kl{};
-  // kTopk: this thread's key of tiles t + 1 .. t + 4 and its key's bias in tiles t, t + 1, where t
-  // is the tile requested next. Each global load is used two or more tiles after it was issued:
-  // with one tile between a key's load and the store (or the bias gather) that needs it, the loader
-  // waited a memory latency per tile and the per-key forward ran at half the dense one's rate.
-  int32_t key1 = 0, key2 = 0, key3 = 0, key4 = 0;
-  float bias0 = 0.f, bias1 = 0.f;
+  int32_t next_key = 0;  // kTopk: this thread's key of the tile after the one requested next
+  float key_bias = 0.f;  // and the bias of its key in the tile requested next
   auto bias_of = [&](int32_t j, int64_t n0) {
     return threadIdx.x < 64 && n0 + threadIdx.x < kl.n ? to_float(*bias.at(0, j)) : 0.f;
   };
   if constexpr (kTopk) {
     kl.keys = c.list + 1;
     kl.n = c.list[0];
-    const int64_t n0 = t * kBlockN;
-    const int32_t first = kl.entry(n0);
-    key1 = kl.entry(n0 + kBlockN);
-    key2 = kl.entry(n0 + 2 * kBlockN);
-    key3 = kl.entry(n0 + 3 * kBlockN);
-    key4 = kl.entry(n0 + 4 * kBlockN);
+    const int32_t first = kl.entry(t * kBlockN);
     if (threadIdx.x < 64) idx(t)[threadIdx.x] = first;
-    bias0 = bias_of(first, n0);
-    bias1 = bias_of(key1, n0 + kBlockN);
+    key_bias = bias_of(first, t * kBlockN);
+    next_key = kl.entry((t + 1) * kBlockN);
   }
 
   // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
@@ -167,14 +158,10 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
       named_barrier(kBarLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
       int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
       kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
-      kl.issue_slot(idx(t), slot, n0, ranks, bias0);
-      if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = key1;
-      bias0 = bias1;
-      bias1 = bias_of(key2, n0 + 2 * kBlockN);
-      key1 = key2;
-      key2 = key3;
-      key3 = key4;
-      key4 = kl.entry(n0 + 5 * kBlockN);
+      kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
+      if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
+      key_bias = bias_of(next_key, n0 + kBlockN);
+      next_key = kl.entry(n0 + 2 * kBlockN);
     } else {
       issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
       for (int half = 0; half < (c.two ? 2 : 1); ++half) {
