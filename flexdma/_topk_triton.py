@@ -57,10 +57,13 @@ SM90_TILE_ROWS = _C.TOPK_TILE_ROWS
 
 
 # A dict, not functools.lru_cache: torch.compile traces sm90_forward (through topk.tile_rows_for)
-# and warns about an lru_cache wrapper; a module dict is read as a constant.
+# and warns about an lru_cache wrapper. assume_constant_result: torch.compile runs the function
+# at trace time and keeps its result; traced, the dict's first fill became a guard on the empty
+# dict, and the second call of a compiled model compiled it again.
 _CAPABILITY: dict = {}
 
 
+@torch.compiler.assume_constant_result
 def _capability(index: int):
     if index not in _CAPABILITY:
         _CAPABILITY[index] = torch.cuda.get_device_capability(index)
