@@ -286,6 +286,64 @@ def load_results(results_dir: str) -> List[dict]:
     return sorted(merged, key=lambda d: (d.get("gpu_short") or "", order.get(d.get("subcommand"), 99)))
 
 
+def cuda_dev_section(results_dir: str) -> List[str]:
+    """The newest `benchmarks/cuda_dev.py` run with model-shape rows: the dense-mask kernels
+    (torch.ops.flexdma.fwd / bwd, tile activity bits inside the forward) against FlexAttention and
+    dense SDPA in the same run, and that run's 32K, no-mask and decode rows."""
+    paths = sorted(glob.glob(os.path.join(results_dir, "*_cuda_dev.json")))
+    runs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if any(k.startswith("model_") for k in doc):
+            runs.append((os.path.basename(path), doc))
+    if not runs:
+        return []
+    name, doc = runs[-1]
+    ms = lambda k: f"{doc[k]:.3f}" if isinstance(doc.get(k), (int, float)) and doc[k] > 0 else "–"  # noqa: E731
+    shapes = sorted({k.split("_")[1] + "_" + k.split("_")[2] for k in doc if k.startswith("model_")})
+    body = []
+    for shape in sorted(shapes, key=lambda x: (x.split("_")[1], int(x.split("_")[0]))):
+        L, d = shape.split("_")
+        pre = f"model_{shape}_"
+        row = [f"B={16384 // int(L)} L={L} {d.replace('d', 'D=')}"]
+        for peer in ("flexdma", "flexattn", "sdpa"):
+            row.append(f"{ms(pre + peer + '_fwd_ms')} / {ms(pre + peer + '_bwd_ms')}")
+        body.append(row)
+    out = [
+        f"## dense-mask kernels at model shapes (h100, `{name}`)",
+        "",
+        "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model`: B x L = 16K tokens, H=16, "
+        "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
+        "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
+        "dense SDPA over all keys; bwd = fwd+bwd minus fwd (flexdma: the backward op alone); flexdma and "
+        "FlexAttention compute the bias gradient. A negative or missing time is shown as –.",
+        "",
+        _table(["shape", "flexdma fwd / bwd ms", "FlexAttention fwd / bwd ms", "dense SDPA fwd / bwd ms"], body),
+        "",
+        _table(
+            ["same run, B=1 H=2 KVH=1 D=128", "ms"],
+            [
+                ["32K, per-row bias, mask W=1024: fwd / bwd", f"{ms('per_row_fwd_ms')} / {ms('per_row_bwd_ms')}"],
+                ["32K, per-key bias, mask W=1024: fwd / bwd", f"{ms('per_key_fwd_ms')} / {ms('per_key_bwd_ms')}"],
+                [
+                    "16K causal, no mask: flexdma / dense SDPA",
+                    f"{ms('nomask_causal_16k_fwd_ms')} / {ms('sdpa_causal_16k_fwd_ms')}",
+                ],
+                [
+                    "decode Q=1 K=512K: flexdma / dense SDPA",
+                    f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}",
+                ],
+            ],
+        ),
+        "",
+    ]
+    return out
+
+
 def write_results_md(results_dir: str, md_path: str) -> str:
     docs = load_results(results_dir)
     out = [
@@ -322,6 +380,7 @@ def write_results_md(results_dir: str, md_path: str) -> str:
     from . import topk
 
     out += topk.section(results_dir)
+    out += cuda_dev_section(results_dir)
     with open(md_path, "w") as f:
         f.write("\n".join(out).rstrip() + "\n")
     return md_path
