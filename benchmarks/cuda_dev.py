@@ -108,6 +108,7 @@ def main():
             lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds)
         )
     if "model" in parts:
+        results["model_flex_bias_grad"] = True  # what report.cuda_dev_section describes
         for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):
             try:
                 results.update(model_rows(L_m, D_m))

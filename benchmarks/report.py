@@ -303,6 +303,13 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     if not runs:
         return []
     name, doc = runs[-1]
+    flex_note = (
+        "FlexAttention computes the bias gradient too."
+        if doc.get("model_flex_bias_grad")
+        else "In this run FlexAttention's bias did not require grad (no bias gradient) while its backward "
+        "ran with the small-block config a bias gradient needs: its bwd times are not comparable to "
+        "flexdma's."
+    )
     ms = lambda k: f"{doc[k]:.3f}" if isinstance(doc.get(k), (int, float)) and doc[k] > 0 else "–"  # noqa: E731
     shapes = sorted({k.split("_")[1] + "_" + k.split("_")[2] for k in doc if k.startswith("model_")})
     body = []
@@ -319,8 +326,8 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
-        "dense SDPA over all keys; bwd = fwd+bwd minus fwd (flexdma: the backward op alone); flexdma and "
-        "FlexAttention compute the bias gradient. A negative or missing time is shown as –.",
+        "dense SDPA over all keys; bwd = fwd+bwd minus fwd (flexdma: the backward op alone, with the bias "
+        f"gradient). {flex_note} A negative or missing time is shown as –.",
         "",
         _table(["shape", "flexdma fwd / bwd ms", "FlexAttention fwd / bwd ms", "dense SDPA fwd / bwd ms"], body),
         "",
