@@ -115,3 +115,31 @@ def test_aoti_package_runs(exported, tmp_path):
         tokens = torch.randint(VOCAB, (2, seqlen), device=device)
         with torch.no_grad():
             torch.testing.assert_close(runner(tokens), model(tokens), atol=_tol(device), rtol=_tol(device))
+
+
+def test_capability_lookup_compiles_once(monkeypatch):
+    """The per-key plan asks for the GPU's capability inside the traced model (sm90_forward); a
+    lookup that fills its cache while traced leaves a guard on the empty cache, and the second call
+    compiles again (the CUDA fullgraph test above saw two graphs). Simulated on CPU: an sm_90
+    build and device."""
+    pytest.importorskip("triton")
+    from torch._dynamo.testing import CompileCounter
+
+    from flexdma import _build_info, _topk_triton
+
+    monkeypatch.setattr(_build_info, "CUDA_HEAD_DIMS", [64, 128])
+    monkeypatch.setattr(_build_info, "CUDA_ARCHS", ["90"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(_topk_triton, "_CAPABILITY", {})
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    dev = torch.device("cuda", 0)
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(x):
+        return x * (2 if _topk_triton.sm90_forward(64, torch.bfloat16, dev) else 3)
+
+    for _ in range(3):
+        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
