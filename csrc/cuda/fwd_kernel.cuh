@@ -100,12 +100,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   };
 
   const uint32_t q_live = p.softcap < 0.f ? 1u : 0u;
-  float o[D / 8][4];
-#pragma unroll
-  for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8; sum per thread
+  float o[D / 8][4], row_max[2], row_sum[2];
+  softmax_init<D>(o, row_max, row_sum);
 
   // Tile t's K / V / bias copies (and the raw mask bytes of t + 1) have landed in every thread's
   // view, and in the async proxy's that wgmma reads through. Block-uniform.

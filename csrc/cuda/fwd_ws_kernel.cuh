@@ -148,10 +148,15 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
   // in the first round that is the phase before the barrier's first, which counts as complete.
   RingPos<S> pk, pv;
+  // The next stage of a ring, once free.
+  auto acquire = [&](uint64_t* empty, RingPos<S>& pos) {
+    const int st = pos.stage;
+    mbar_wait(&empty[st], pos.phase ^ 1u);
+    pos.advance();
+    return st;
+  };
   auto load_k = [&](int64_t t) {
-    const int st = pk.stage;
-    mbar_wait(&empty_k[st], pk.phase ^ 1u);
-    pk.advance();
+    const int st = acquire(empty_k, pk);
     T* sk = sK + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
     if constexpr (kTopk) {
@@ -183,9 +188,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     mbar_arrive(&full_k[st]);
   };
   auto load_v = [&](int64_t t) {
-    const int st = pv.stage;
-    mbar_wait(&empty_v[st], pv.phase ^ 1u);
-    pv.advance();
+    const int st = acquire(empty_v, pv);
     T* sv = sV + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
     if constexpr (kTopk)
@@ -246,12 +249,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int bias_row0 = p.bias.row_stride != 0 ? wg * kBlockM + w * 16 + g : 0;
   const FwdScoreConsts sc(p);
 
-  float o[D / 8][4];
-#pragma unroll
-  for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
-  float row_max[2] = {-CUDART_INF_F, -CUDART_INF_F}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8; sum per thread
+  float o[D / 8][4], row_max[2], row_sum[2];
+  softmax_init<D>(o, row_max, row_sum);
   float s[kBlockN / 8][4];
   uint32_t pa[kBlockN / 16][4];  // P as A fragments; read by the P.V wgmma until it is waited for
   float alpha[2];

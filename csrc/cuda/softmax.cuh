@@ -49,6 +49,21 @@ __device__ inline float fmax_nan(float a, float b) {
 #endif
 }
 
+// The forward's accumulators before the first key tile: O = 0, and for rows g, g + 8 of the thread
+// the running max (-inf: nothing seen) and the per-thread row sum.
+template <int D>
+__device__ inline void softmax_init(float (&o)[D / 8][4], float (&row_max)[2], float (&row_sum)[2]) {
+#pragma unroll
+  for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_max[hh] = -CUDART_INF_F;
+    row_sum[hh] = 0.f;
+  }
+}
+
 // One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread;
 // s times `scale` (> 0) is in log2 units): the running row max (log2 units) and per-thread row sum
 // are updated, s becomes P, and alpha = exp2(old max - new max) is what the O accumulator must be
