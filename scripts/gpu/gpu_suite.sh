@@ -3,6 +3,7 @@
 #   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
 #   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
 #                                                 # FlexAttention)
+#   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's and the non-finite inputs' GPU tests (~3 min)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
@@ -10,7 +11,7 @@
 #   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, sanitizer, cudadev, tests2, flexcheck, bench, aoti
+#                                                 # tests, topk, sanitizer, cudadev, tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
 # runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
@@ -58,6 +59,11 @@ if has tests; then
     tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
     --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests" $?
+fi
+if has topk; then
+  timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
+    -k "not cpu" --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests (per-key, non-finite)" $?
 fi
 if has sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
