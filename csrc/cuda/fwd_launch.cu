@@ -13,7 +13,7 @@ namespace cuda {
 // others the one-warpgroup kernel (64-row CTAs, two or three per SM).
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  constexpr bool kWs = use_wgmma<D>() && !fwd_q_in_smem<D>();
+  constexpr bool kWs = fwd_warp_specialized<D>();
   void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
   int smem = 0, threads = kThreads, rows = kBlockM, per_sm = 2;
   if constexpr (kWs) {

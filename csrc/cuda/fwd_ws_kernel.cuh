@@ -397,7 +397,7 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdSplit& sp) 
 
 template <typename T, int D, bool kTopk>
 __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
-  static_assert(use_wgmma<D>() && !fwd_q_in_smem<D>(), "the warp-specialized forward is built for D = 64 / 128");
+  static_assert(fwd_warp_specialized<D>(), "the warp-specialized forward is built for D = 64 / 128");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
   using L = FwdWsSmem<T, D>;

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include "../flash_dma_params.h"
+#include "head_dims.h"
+#include "smem_layout.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -11,13 +13,12 @@ namespace cuda {
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream);
 
-// Head dims of the per-key (top-W rank rule) forward: the wgmma dims that keep Q in registers.
+// Whether head dim d's forward (a runtime value: the params') is the warp-specialized kernel, the
+// one that runs the per-key rule (fwd_warp_specialized).
 constexpr bool topk_head_dim(int64_t d) {
-#ifdef FLEXDMA_SM90A
-  return d == 64 || d == 128;
-#else
-  return false;
-#endif
+#define FLEXDMA_WS_DIM(D) (d == D && fwd_warp_specialized<D>()) ||
+  return FLEXDMA_ALL_HEAD_DIMS(FLEXDMA_WS_DIM) false;
+#undef FLEXDMA_WS_DIM
 }
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream);

@@ -75,6 +75,13 @@ constexpr bool fwd_q_in_smem() {
   return D > 128;
 }
 
+// Head dims whose forward is the warp-specialized kernel (fwd_ws_kernel.cuh): wgmma, with Q read
+// from smem and P.V one instruction wide. Only that kernel runs the per-key rule.
+template <int D>
+constexpr bool fwd_warp_specialized() {
+  return use_wgmma<D>() && !fwd_q_in_smem<D>();
+}
+
 template <typename T, int D>
 struct FwdSmem {
   static constexpr int kTileKV = tile_bytes<D>();
