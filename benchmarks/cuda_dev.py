@@ -59,7 +59,7 @@ def main():
             break
         bias = torch.randn(bshape, device=dev, dtype=dt)
         mask = top_w_mask(bias, L, L, W)
-        out, lse = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+        out, lse, resid = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
         # The forward as the API runs it: tile activity bits computed from the mask (inside the op
         # when not given), then the kernel; the backward reuses the forward's bits.
         meta = torch.ops.flexdma.tile_meta(mask, L, L, True)
@@ -67,15 +67,17 @@ def main():
         if "fwd" in parts:
             results[f"{name}_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
         if "bwd" in parts:
-            results[f"{name}_bwd_ms"] = bench(
-                lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta)
-            )
+            # The API's default (dQ added in arrival order) and the deterministic mode.
+            for suffix, det in (("", False), ("_det", True)):
+                results[f"{name}_bwd{suffix}_ms"] = bench(
+                    lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, det, meta, resid)
+                )
         print(name, {k_: v_ for k_, v_ in results.items() if k_.startswith(name) and k_.endswith("_ms")}, flush=True)
-        # Per-kernel split (dq vs dkv vs the op's torch glue) of one forward + backward.
+        # Per-kernel split (forward, the backward's pre / main / post kernels, the op's torch glue).
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                o2, l2 = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
-                bwd(dout, q, k, v, mask, bias, o2, l2, scale, True, 0.0, True, True)
+                o2, l2, r2 = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+                bwd(dout, q, k, v, mask, bias, o2, l2, scale, True, 0.0, True, False, out_resid=r2)
                 torch.cuda.synchronize()
             results[f"{name}_kernels_ms"] = {
                 e.key[:60]: e.device_time_total / 1e3 for e in prof.key_averages() if e.device_time_total > 0
@@ -83,7 +85,7 @@ def main():
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=8), flush=True)
         except Exception as e:  # a profiler problem must not cost the timings
             print("profiler failed:", e, flush=True)
-        del bias, mask, out, lse
+        del bias, mask, out, lse, resid
         torch.cuda.empty_cache()
 
     L2 = 16384
@@ -147,10 +149,10 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
         rows[f"{key}_{name}_bwd_ms"] = bench(lambda: run(True)) - rows[f"{key}_{name}_fwd_ms"]
 
     meta = torch.ops.flexdma.tile_meta(mask, L, L, True)
-    out, lse = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+    out, lse, resid = fwd(q, k, v, mask, bias, scale, True, 0.0, True)
     rows[f"{key}_flexdma_fwd_ms"] = bench(lambda: fwd(q, k, v, mask, bias, scale, True, 0.0, True))
     rows[f"{key}_flexdma_bwd_ms"] = bench(
-        lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, meta)
+        lambda: bwd(dout, q, k, v, mask, bias, out, lse, scale, True, 0.0, True, False, meta, resid)
     )
 
     qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))

@@ -116,7 +116,7 @@ struct BwdParams : FwdParams {
   // float buffer (4 GiB at 32K x 32K) and no cast pass. The caller sets it only when nothing is
   // left to sum afterwards (accumulator dims = the bias's, bias broadcast over neither rows nor
   // keys), and only for kernels that sum every head of a plane per tile in float before one
-  // store (the CUDA dkv kernel). The buffer then comes uninitialised, dense in the bias's own
+  // store (the CUDA backward). The buffer then comes uninitialised, dense in the bias's own
   // shape: the kernels write every element themselves, zeros included for the tiles no work
   // item keeps. Kernels that add per head (the CPU one) are never given it.
   bool dbias_in_dtype = false;
@@ -125,6 +125,10 @@ struct BwdParams : FwdParams {
   // Kernels write delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out) from an
   // out rounded to bf16/fp16 is too coarse for a broadcast dbias), and read it back.
   void* softmax_d = nullptr;
+
+  // dq's reduction order. The CUDA backward adds each key tile's dQ contribution into a float
+  // buffer: in arrival order by default, in key-tile order (bitwise reproducible) when set.
+  bool deterministic = false;
 };
 
 }  // namespace flexdma

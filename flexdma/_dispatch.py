@@ -129,7 +129,9 @@ def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
     # The CPU kernel needs none.
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
     meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal) if mask is not None and q.is_cuda and train else None
-    return _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
+    # out_resid stays with autograd, which hands it to the backward.
+    out, lse, _ = _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
+    return out, lse
 
 
 def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, need_lse=True):

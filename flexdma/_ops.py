@@ -29,12 +29,18 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _keeps_residual(q) -> bool:
+    # The CUDA kernels return out rounded and its rounding error (see the schemas' comments).
+    return q.device.type == "cuda"
+
+
 @torch.library.register_fake("flexdma::fwd")
 def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta=None):
     B, Q, H, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype))
-    return out, lse
+    resid = q.new_empty(q.shape) if _keeps_residual(q) else q.new_empty((0,))
+    return out, lse, resid
 
 
 @torch.library.register_fake("flexdma::bwd")
@@ -53,6 +59,7 @@ def _bwd_fake(
     bias_requires_grad,
     deterministic,
     tile_meta=None,
+    out_resid=None,
 ):
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
@@ -86,19 +93,20 @@ def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
 
 def _setup_context(ctx, inputs, output):
     q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta = inputs
-    out, lse = output
+    out, lse, resid = output
     # The forward's tile activity bits serve the backward too: one pass over the mask per step.
-    ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse, tile_meta)
+    ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse, tile_meta, resid)
     ctx.softmax_scale = softmax_scale
     ctx.is_causal = is_causal
     ctx.softcap = softcap
     ctx.deterministic = deterministic
-    # LSE is an output for inspection (and for merging partial results), not a differentiable one.
-    ctx.mark_non_differentiable(lse)
+    # LSE is an output for inspection (and for merging partial results), not a differentiable one;
+    # out_resid only feeds the backward's row sums.
+    ctx.mark_non_differentiable(lse, resid)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, attn_mask, attn_bias, out, lse, tile_meta = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_lse, grad_resid):
+    q, k, v, attn_mask, attn_bias, out, lse, tile_meta, resid = ctx.saved_tensors
     bias_grad = attn_bias is not None and ctx.needs_input_grad[4]
     if grad_out.stride(-1) != 1:
         # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
@@ -119,6 +127,7 @@ def _backward(ctx, grad_out, grad_lse):
         bias_grad,
         ctx.deterministic,
         tile_meta,
+        resid,
     )
     return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None
 
@@ -135,11 +144,6 @@ torch.library.register_autograd("flexdma::bwd", _no_double_backward, setup_conte
 
 
 # ---- topk_fwd / topk_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
-
-
-def _keeps_residual(q) -> bool:
-    # The CUDA kernels return out rounded and its rounding error (see the schema's comment).
-    return q.device.type == "cuda"
 
 
 @torch.library.register_fake("flexdma::topk_fwd")

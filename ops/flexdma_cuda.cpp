@@ -34,30 +34,50 @@ c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const 
   return tile_meta_cuda(*mask, q.size(1), k.size(1), is_causal);
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                            const c10::optional<at::Tensor>& mask,
-                                            const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
-                                            double softcap, bool /*deterministic*/,
-                                            const c10::optional<at::Tensor>& tile_meta) {
+// out_resid is always written: the backward's rowsum(dout * out) needs out in float.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        const c10::optional<at::Tensor>& mask,
+                                                        const c10::optional<at::Tensor>& bias, double softmax_scale,
+                                                        bool is_causal, double softcap, bool /*deterministic*/,
+                                                        const c10::optional<at::Tensor>& tile_meta) {
   c10::cuda::CUDAGuard guard(q.device());
-  return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, meta_for(mask, tile_meta, q, k, is_causal),
-                  [](const FwdParams& p) {
-                    check_supported(p);
-                    cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
-                    C10_CUDA_KERNEL_LAUNCH_CHECK();
-                  });
+  at::Tensor resid = at::empty(q.sizes(), q.options());  // same layout as fwd_impl's out
+  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap,
+                             meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
+                               FwdParams p = given;
+                               p.out_resid = resid.data_ptr();
+                               check_supported(p);
+                               cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+                               C10_CUDA_KERNEL_LAUNCH_CHECK();
+                             });
+  return {out, lse, resid};
 }
 
+// Without out_resid (or with an empty one) the kernel's row sums use out alone.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& out_resid) {
   c10::cuda::CUDAGuard guard(q.device());
+  void* resid = nullptr;
+  if (out_resid.has_value() && out_resid->defined() && out_resid->numel() > 0) {
+    // The kernel indexes it with out's strides.
+    TORCH_CHECK_VALUE(out_resid->sizes() == out.sizes() && out_resid->strides() == out.strides() &&
+                          out_resid->scalar_type() == out.scalar_type(),
+                      "flexdma::bwd: out_resid must have out's shape, strides and dtype (", out.sizes(), ", ",
+                      out.strides(), ", ", out.scalar_type(), "), got ", out_resid->sizes(), ", ", out_resid->strides(),
+                      ", ", out_resid->scalar_type());
+    TORCH_CHECK_VALUE(out_resid->device() == out.device(), "flexdma::bwd: out_resid must be on out's device (",
+                      out.device(), "), got ", out_resid->device());
+    resid = const_cast<void*>(out_resid->const_data_ptr());
+  }
   return bwd_impl(
       dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
       meta_for(mask, tile_meta, q, k, is_causal),
-      [](const BwdParams& p) {
+      [resid](const BwdParams& given) {
+        BwdParams p = given;
+        p.out_resid = resid;
         check_supported(p);
         cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
         C10_CUDA_KERNEL_LAUNCH_CHECK();

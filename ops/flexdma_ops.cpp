@@ -36,20 +36,23 @@ const cpu::ParallelFor kAtenParallelFor = [](int64_t n, const std::function<void
 
 // The CPU kernel finds empty tiles itself (it reads each mask tile once per pass anyway), so it
 // checks a given tile_meta but does not read it.
-std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias,
-                                           double softmax_scale, bool is_causal, double softcap,
-                                           bool /*deterministic: read by the backward*/,
-                                           const c10::optional<at::Tensor>& tile_meta) {
-  return fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta,
-                  [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
+// Its out_resid is empty: the CPU backward computes its row sums from P and dP itself.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const c10::optional<at::Tensor>& mask,
+                                                       const c10::optional<at::Tensor>& bias, double softmax_scale,
+                                                       bool is_causal, double softcap,
+                                                       bool /*deterministic: read by the backward*/,
+                                                       const c10::optional<at::Tensor>& tile_meta) {
+  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta,
+                             [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
+  return {out, lse, at::empty({0}, q.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const c10::optional<at::Tensor>& tile_meta) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& /*out_resid*/) {
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
                   deterministic, tile_meta,
                   [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
@@ -136,14 +139,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor&
 }  // namespace
 
 TORCH_LIBRARY(flexdma, m) {
+  // Dense attention under attn_mask / attn_bias. out_resid is out's rounding error (the float
+  // result minus out, in out's dtype and layout) where a kernel keeps out in float but returns it
+  // rounded (the CUDA one, which writes it): its backward computes delta = rowsum(dout * out) in a
+  // pass before its main kernel, and a bf16-rounded out is too coarse for a dbias summed over rows
+  // or keys. Empty on CPU, whose backward computes the row sums itself. bwd given none (or an
+  // empty one) uses out alone.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? attn_bias, float softmax_scale, "
-      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None) -> (Tensor out, Tensor lse)",
+      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None) "
+      "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? attn_bias, Tensor out, "
       "Tensor lse, float softmax_scale, bool is_causal, float softcap, bool bias_requires_grad, "
-      "bool deterministic, Tensor? tile_meta=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+      "bool deterministic, Tensor? tile_meta=None, Tensor? out_resid=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   // Which 64 x 64 (query, key) tiles of attn_mask keep anything (bounds and causality applied):
   // computed once per mask and handed to fwd and bwd, whose CUDA kernels then skip empty tiles

@@ -28,9 +28,8 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool /*deterministic: every kernel's backward is*/, const c10::optional<at::Tensor>& tile_meta,
-    const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false,
-    const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const std::function<void(const BwdParams&)>& run,
+    bool device_stores_dbias_dtype = false, const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
@@ -44,9 +43,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   } else if (want_dbias) {
     accum = alloc_dbias_accum(q, k, *bias);
   }
-  // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q). The kernels fill it
-  // themselves as rowsum(P * dP) in float: rowsum(dout * out) from a bf16-rounded out is too
-  // coarse for a broadcast dbias, so computing it here would be a wasted pass.
+  // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q), in the accumulation
+  // dtype. The kernels fill it themselves: the CUDA one as rowsum(dout * (out + out_resid)) in a
+  // pass before its main kernel (out alone, rounded to bf16, is too coarse for a dbias summed over
+  // rows or keys), the CPU one as rowsum(P * dP).
   at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
@@ -54,6 +54,7 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   p.key_rank = key_rank;
   p.row_thr = row_thr;
   p.dbias_in_dtype = dbias_direct;
+  p.deterministic = deterministic;
   if (q.numel() > 0 && k.numel() > 0) {
     run(p);
   } else {

@@ -266,7 +266,7 @@ def test_everything_masked_and_no_keys():
 
 def test_zero_length_keys_through_op():
     q, k, v = make_qkv(1, 4, 0, 2, 1, 16)
-    out, lse = torch.ops.flexdma.fwd(q, k, v, None, None, 0.25, False, 0.0, False)
+    out, lse, _ = torch.ops.flexdma.fwd(q, k, v, None, None, 0.25, False, 0.0, False)
     assert (out == 0).all() and torch.isneginf(lse).all()
 
 
@@ -284,7 +284,7 @@ def test_strided_inputs_and_strided_mask_columns(dtype):
     bias = bias_full[..., ::3]
     assert mask.stride(-1) == 2 and bias.stride(-1) == 3 and q.stride(2) == 2 * (D + 8)
     scale = D**-0.5
-    out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, False)
+    out, lse, _ = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, False)
     ref = reference_with_grads(
         q,
         k,
@@ -327,14 +327,14 @@ def test_low_precision_conversions_are_exact(dtype):
     n = vals.numel() // D
     v = vals[: n * D].reshape(1, 1, n, D)
     q = torch.ones(1, 1, n, D, dtype=dtype)
-    out, _ = torch.ops.flexdma.fwd(q, torch.ones_like(v), v, None, None, 1e-3, False, 0.0, False)
+    out, _, _ = torch.ops.flexdma.fwd(q, torch.ones_like(v), v, None, None, 1e-3, False, 0.0, False)
     _assert_same_bits(out, v)
     # Two keys with equal scores: out = (v1 + v2) / 2 in float, rounded once to the dtype
     # (round to nearest even, subnormals and overflow to inf included).
     v2 = vals[torch.randperm(vals.numel())][: n * D].reshape(1, 1, n, D)
     vv = torch.cat([v, v2], dim=1)
     kk = torch.ones_like(vv)
-    out, _ = torch.ops.flexdma.fwd(torch.ones(1, 1, n, D, dtype=dtype), kk, vv, None, None, 1e-3, False, 0.0, False)
+    out, _, _ = torch.ops.flexdma.fwd(torch.ones(1, 1, n, D, dtype=dtype), kk, vv, None, None, 1e-3, False, 0.0, False)
     expected = ((v.float() + v2.float()) * 0.5).to(dtype)
     _assert_same_bits(out, expected)
 

@@ -83,8 +83,10 @@ def _run_case(dtype, D, H, KVH, case, B=2):
     mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=DEV, empty_rows=empty)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
     scale = 1.0 / math.sqrt(D)
-    _poison(((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
-    out, lse = fwd(q, k, v, mask, bias, scale, causal, softcap, True)
+    # Two blocks of out's size: out and out_resid.
+    _poison(((B, Q, H, D), dtype), ((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
+    out, lse, resid = fwd(q, k, v, mask, bias, scale, causal, softcap, True)
+    assert resid.shape == out.shape and resid.dtype == dtype and torch.isfinite(resid).all()
     # dbias too: where the kernel stores it in the bias dtype the buffer comes unfilled.
     _poison(
         ((B, Q, H, D), dtype),
@@ -92,7 +94,9 @@ def _run_case(dtype, D, H, KVH, case, B=2):
         ((B, K, KVH, D), dtype),
         *([(tuple(bias.shape), dtype)] if bias is not None else []),
     )
-    dq, dk, dv, db = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
+    dq, dk, dv, db = bwd(
+        dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True, out_resid=resid
+    )
     r64 = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, torch.float64)
     rlo = _ref(q, k, v, mask, bias, dout, causal, scale, softcap, dtype)
     factor = 3.0 if softcap > 0 else 2.0
@@ -103,7 +107,7 @@ def _run_case(dtype, D, H, KVH, case, B=2):
     if bias is not None:
         assert db.shape == bias.shape
         assert_close_to_ref(db, r64[5], rlo[5], "dbias", factor=factor)
-    return q, k, v, mask, bias, dout, out, lse, scale, causal, softcap
+    return q, k, v, mask, bias, dout, out, lse, scale, causal, softcap, resid
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,8 +129,8 @@ def test_block_sparse_mask_skips_tiles_correctly():
     )
     bias = torch.randn(1, 1, Q, K, device=DEV).to(dtype)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
-    out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
-    dq, dk, dv, db = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
+    out, lse, resid = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    dq, dk, dv, db = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True, out_resid=resid)
     r64 = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, torch.float64)
     rlo = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, dtype)
     assert_close_to_ref(out, r64[0], rlo[0], "out")
@@ -163,19 +167,19 @@ def test_kernels_skip_tiles_by_the_given_tile_meta():
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
     mask = torch.rand(1, 1, Q, K, device=DEV) < 0.3
     meta = torch.ops.flexdma.tile_meta(mask, Q, K, False)
-    out, lse = fwd(q, k, v, mask, None, 0.1, False, 0.0, True, meta)
-    out2, lse2 = fwd(q, k, v, mask, None, 0.1, False, 0.0, True)
-    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    out, lse, resid = fwd(q, k, v, mask, None, 0.1, False, 0.0, True, meta)
+    out2, lse2, resid2 = fwd(q, k, v, mask, None, 0.1, False, 0.0, True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(resid, resid2)
     cut = meta.clone()
     cut[..., 0] &= ~1  # key tile 0 "empty" for every query tile
-    out3, _ = fwd(q, k, v, mask, None, 0.1, False, 0.0, True, cut)
+    out3, _, _ = fwd(q, k, v, mask, None, 0.1, False, 0.0, True, cut)
     keep = mask.clone()
     keep[..., :64] = False
-    out4, _ = fwd(q, k, v, keep, None, 0.1, False, 0.0, True)
+    out4, _, _ = fwd(q, k, v, keep, None, 0.1, False, 0.0, True)
     assert torch.equal(out3, out4) and not torch.equal(out3, out)
     dout = torch.randn_like(out)
-    g_meta = bwd(dout, q, k, v, mask, None, out, lse, 0.1, False, 0.0, False, True, meta)
-    g_none = bwd(dout, q, k, v, mask, None, out, lse, 0.1, False, 0.0, False, True)
+    g_meta = bwd(dout, q, k, v, mask, None, out, lse, 0.1, False, 0.0, False, True, meta, out_resid=resid)
+    g_none = bwd(dout, q, k, v, mask, None, out, lse, 0.1, False, 0.0, False, True, out_resid=resid)
     for a, b in zip(g_meta[:3], g_none[:3]):
         assert torch.equal(a, b)
 
@@ -192,8 +196,8 @@ def test_decode_with_sparse_broadcast_mask(Q, K):
     mask = torch.zeros(1, 1, 1, K, dtype=torch.bool, device=DEV)
     mask[..., torch.randperm(K, device=DEV)[: max(1, K // 100)]] = True
     mask[..., -1] = True  # the tail tile
-    _poison(((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
-    out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    _poison(((B, Q, H, D), dtype), ((B, Q, H, D), dtype), ((B, H, Q), torch.float32))
+    out, lse, _ = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
     r64 = _ref(q, k, v, mask, bias, torch.randn_like(out), True, 0.1, 0.0, torch.float64)
     rlo = _ref(q, k, v, mask, bias, torch.randn_like(out), True, 0.1, 0.0, dtype)
     assert_close_to_ref(out, r64[0], rlo[0], "out")
@@ -204,10 +208,11 @@ def test_decode_with_sparse_broadcast_mask(Q, K):
 @pytest.mark.parametrize("D", _head_dims(128, 256))  # 256: dK and dV in two passes
 def test_backward_is_bitwise_deterministic(case, D):
     args = _run_case(torch.bfloat16, D, 4, 1, case)
-    q, k, v, mask, bias, dout, out, lse, scale, causal, softcap = args
-    first = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
+    q, k, v, mask, bias, dout, out, lse, scale, causal, softcap, resid = args
+    bias_grad = bias is not None
+    first = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias_grad, True, out_resid=resid)
     for _ in range(3):
-        again = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias is not None, True)
+        again = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias_grad, True, out_resid=resid)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
 
@@ -237,15 +242,15 @@ def test_dbias_in_bias_dtype_sums_query_heads(heads, K):
     mask[0, 1, 7] = False
     bias = torch.randn(1, 1 if KVH == 1 else KVH, Q, K, device=DEV).to(dtype)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
-    out, lse = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
+    out, lse, resid = fwd(q, k, v, mask, bias, 0.1, True, 0.0, True)
     _poison(((B, Q, H, D), dtype), ((B, K, KVH, D), dtype), ((B, K, KVH, D), dtype), (tuple(bias.shape), dtype))
-    first = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
+    first = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True, out_resid=resid)
     assert first[3].dtype == dtype and first[3].shape == bias.shape
     r64 = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, torch.float64)
     rlo = _ref(q, k, v, mask, bias, dout, True, 0.1, 0.0, dtype)
     for name, got, i in (("dq", first[0], 2), ("dk", first[1], 3), ("dv", first[2], 4), ("dbias", first[3], 5)):
         assert_close_to_ref(got, r64[i], rlo[i], name)
     for _ in range(2):
-        again = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True)
+        again = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True, out_resid=resid)
         for a, b in zip(first, again):
             assert torch.equal(a, b)

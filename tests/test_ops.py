@@ -60,18 +60,33 @@ def test_opcheck_bwd(with_mask, with_bias, bias_requires_grad):
     # The backward op has no derivative of its own (no double backward), so its inputs do not
     # require grad here.
     q, k, v, mask, bias = _inputs(with_mask, with_bias, requires_grad=False, bias_requires_grad=False)
-    out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    out, lse, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(bwd, (grad_out, q, k, v, mask, bias, out, lse, 0.25, True, 0.0, bias_requires_grad, False))
 
 
 def test_bwd_returns_empty_dbias_when_not_requested():
     q, k, v, mask, bias = _inputs(True, True, requires_grad=False)
-    out, lse = fwd(q, k, v, mask, bias, 0.25, False, 0.0, False)
+    out, lse, _ = fwd(q, k, v, mask, bias, 0.25, False, 0.0, False)
     *_, dbias = bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, False, 0.0, False, False)
     assert dbias.shape == (0,)
     *_, dbias = bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, False, 0.0, True, False)
     assert dbias.shape == bias.shape
+
+
+def test_cpu_fwd_returns_no_out_resid_and_bwd_needs_none():
+    # out_resid serves the CUDA backward's row sums; the CPU backward computes its own, so the CPU
+    # forward returns it empty and the backward gives the same bits with or without one.
+    q, k, v, mask, bias = _inputs(True, True, requires_grad=False, bias_requires_grad=False)
+    out, lse, resid = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    assert resid.shape == (0,) and resid.dtype == q.dtype
+    args = (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, True)
+    plain = bwd(*args)
+    for given in (None, resid, q.new_empty((0,))):
+        got = bwd(*args, out_resid=given)
+        for a, b, name in zip(plain, got, ("dq", "dk", "dv", "dbias")):
+            assert torch.equal(a, b), f"{name} differs with out_resid={given}"
+    torch.library.opcheck(bwd, args + (None, resid))
 
 
 GRADCHECK_CASES = [
@@ -101,7 +116,7 @@ def test_gradcheck_fp64(case):
     inputs = (q, k, v) + ((bias,) if bias is not None else ())
 
     def f(q, k, v, *b):
-        out, _ = fwd(q, k, v, mask, b[0] if b else None, 0.375, is_causal, softcap, False)
+        out, _, _ = fwd(q, k, v, mask, b[0] if b else None, 0.375, is_causal, softcap, False)
         return out
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -131,8 +146,8 @@ def test_gradcheck_fp64_several_tiles():
 
 
 def _backward_once(q, k, v, mask, bias, grad_out, is_causal, softcap):
-    out, lse = fwd(q, k, v, mask, bias, 0.2, is_causal, softcap, True)
-    return bwd(grad_out, q, k, v, mask, bias, out, lse, 0.2, is_causal, softcap, True, True)
+    out, lse, resid = fwd(q, k, v, mask, bias, 0.2, is_causal, softcap, True)
+    return bwd(grad_out, q, k, v, mask, bias, out, lse, 0.2, is_causal, softcap, True, True, out_resid=resid)
 
 
 @pytest.mark.parametrize(
@@ -245,8 +260,8 @@ def test_opcheck_tile_meta_and_fwd_bwd_with_it():
     torch.library.opcheck(torch.ops.flexdma.tile_meta, (mask, 70, 90, True))
     meta = torch.ops.flexdma.tile_meta(mask, 70, 90, True)
     torch.library.opcheck(fwd, (q, k, v, mask, bias, 0.25, True, 0.0, False, meta))
-    out, lse = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
-    out0, lse0 = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    out, lse, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
+    out0, lse0, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
     assert torch.equal(out, out0) and torch.equal(lse, lse0)
     torch.library.opcheck(
         bwd, (torch.randn_like(out), q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, False, meta)
@@ -277,11 +292,11 @@ def test_autograd_hands_the_forward_tile_meta_to_the_backward(monkeypatch):
     real_bwd = _ops.bwd
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[13])  # tile_meta (out_resid follows it)
         return real_bwd(*args)
 
     monkeypatch.setattr(_ops, "bwd", spy)
-    out, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
+    out, _, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
     out.sum().backward()
     assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], meta)
     grads = [t.grad.clone() for t in (q, k, v, bias)]
@@ -309,7 +324,7 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16):
         q, k, v = make_qkv(2, 70, 131, 4, 2, 40, dtype=dtype, requires_grad=True)
         mask, bias = make_mask_bias(("B", "1", "Q", "K"), ("1", "KVH", "1", "K"), B=2, H=4, KVH=2, Q=70, K=131,
                                     dtype=dtype, bias_requires_grad=True, empty_rows=True)
-        out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, 0.25, causal, softcap, False)
+        out, lse, _ = torch.ops.flexdma.fwd(q, k, v, mask, bias, 0.25, causal, softcap, False)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, (q, k, v, bias), grad_out)
         runs.append(dict(inputs=[t.detach() for t in (q, k, v)] + [mask, bias.detach(), grad_out], causal=causal,
@@ -360,7 +375,7 @@ def test_baseline_copy_matches_reference(tmp_path):
                 t, ref[name], None if low is None else low[name], name, factor=3.0 if run["softcap"] else 2.0
             )
         if q.dtype == torch.float32:
-            out, _ = fwd(q, k, v, mask, bias, 0.25, run["causal"], run["softcap"], False)
+            out, _, _ = fwd(q, k, v, mask, bias, 0.25, run["causal"], run["softcap"], False)
             differs |= not torch.equal(out, run["got"]["out"])
     if _cpu_has_avx2_fma():
         # This process runs the AVX2 copy (other rounding: fused multiply-adds): the variable took effect.

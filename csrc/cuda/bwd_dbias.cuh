@@ -1,6 +1,6 @@
-// dbias of the backward: where a dk/dv work item adds dS, the zeroing of the tiles no work item
-// keeps (run by the dq kernel), and the in-order sum of per-key-tile slices (a bias broadcast
-// over keys).
+// dbias of the backward: where a work item of the main pass adds dS, the zeroing of the tiles no
+// work item keeps (run by bwd_pre_kernel), and the in-order sum of per-key-tile slices (a bias
+// broadcast over keys).
 #pragma once
 #include <cstdint>
 
@@ -12,11 +12,11 @@
 namespace flexdma {
 namespace cuda {
 
-// Where a dkv work item adds dS. With the bias broadcast over keys and several key tiles, each
+// Where a work item of the main pass adds dS. With the bias broadcast over keys and several key tiles, each
 // key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
-// the buffer comes unfilled, and the dq kernel zeroes the tiles no head of a plane keeps (the dkv
-// kernel never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
+// the buffer comes unfilled, and bwd_pre_kernel zeroes the tiles no head of a plane keeps (the
+// main pass never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
 // full tile is stored (and an unkept one zeroed) 8 elements a store.
 struct BwdDbias {
   void* ptr = nullptr;
@@ -26,13 +26,11 @@ struct BwdDbias {
   bool vec = false;
 };
 
-// A dbias stored in the bias dtype comes uninitialised, and the dkv kernel writes only the tiles
-// some query head of a plane keeps. The dq kernel's CTA of a plane's first head zeroes the others
-// of one query tile (bounds and causality as the dkv kernel's find_next, the heads' activity bits
-// ORed) after its own work: plain stores that drain while the SM's other CTA computes, instead
-// of a fill of the whole buffer that runs alone before the backward. The CTA zeroes the mirrored query tile, not its
-// own: CTAs run heaviest (last under causal) tiles first and the first query tiles have the most unkept tiles, so the
-// stores go to the long-running CTAs instead of the light tail (docs/kernels.md has the measured cost).
+// A dbias stored in the bias dtype comes uninitialised, and the main pass writes only the tiles
+// some query head of a plane keeps. The CTA of a plane's first head zeroes the others of its query
+// tile (bounds and causality as the main pass's find_next, the heads' activity bits ORed): only
+// the unkept tiles are written, where a fill of the whole buffer first would write every byte
+// twice.
 template <typename T>
 __device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
                                           int64_t m_tile) {
@@ -82,7 +80,7 @@ __device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db
   }
 }
 
-// The dk/dv kernel's dbias epilogue for one (query tile m0, key tile n0) of a dbias plane, once
+// The main pass's dbias epilogue for one (query tile m0, key tile n0) of a dbias plane, once
 // the heads of the plane are summed in sDB (float [key][query], db_idx): stored as final values
 // (per-element dbias) or, for a bias broadcast over rows / keys, summed over them in index order
 // and added. Block-uniform; sL2 (64 floats) is free scratch here.
@@ -117,8 +115,8 @@ __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB,
       }
     }
     // One write per element: this CTA owns the tile (its plane's heads are all summed);
-    // tiles no item writes are zero (the caller's float buffer; in the bias dtype, the
-    // dq kernel's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
+    // tiles no item writes are zero (the caller's float buffer; in the bias dtype,
+    // bwd_pre_kernel's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
     constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
     const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
     const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;

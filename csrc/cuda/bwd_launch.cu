@@ -1,10 +1,11 @@
-// Grids and launches of the backward: dQ (one CTA per query tile and head, heavy tiles first;
-// it also writes the float delta into softmax_d), then dK/dV/dbias (one CTA per key tile, kv
-// head, batch); a bias broadcast over keys gets per-key-tile dbias slices summed in tile order
-// afterwards, so no two CTAs ever write the same element.
+// Grids and launches of the backward: delta and the dbias zeros (one CTA per query tile, head,
+// batch), the main pass (one CTA per key tile, kv head, batch; dK / dV / dbias written, dQ added
+// into a float workspace), dq from that workspace; a bias broadcast over keys gets
+// per-key-tile dbias slices summed in tile order afterwards, so no two CTAs ever write the same
+// dbias element.
 #include "bwd_dbias.cuh"
-#include "bwd_dkv_kernel.cuh"
-#include "bwd_dq_kernel.cuh"
+#include "bwd_kernel.cuh"
+#include "bwd_prepost.cuh"
 #include "head_dims.h"
 #include "launch.h"
 
@@ -13,13 +14,11 @@ namespace cuda {
 
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
-  constexpr int kSmemQ = BwdDqSmem<T, D>::kBytes, kSmemKV = BwdDkvSmem<T, D>::kBytes;
-  // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dbias) pass above.
+  constexpr int kSmem = BwdSmem<T, D>::kBytes;
+  // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dQ, dbias) pass above.
   constexpr bool kSplit = D > 128;
-  cudaFuncSetAttribute(bwd_dq_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemQ);
-  cudaFuncSetAttribute(bwd_dkv_kernel < T, D, kSplit ? 1 : 0 >, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
-  if constexpr (kSplit)
-    cudaFuncSetAttribute(bwd_dkv_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemKV);
+  cudaFuncSetAttribute(bwd_kernel < T, D, kSplit ? 1 : 0 >, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if constexpr (kSplit) cudaFuncSetAttribute(bwd_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   BwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -28,7 +27,24 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   f.mask_vec = mask_rows_aligned(p);
   f.bias_vec = p.bias.ptr && p.bias.col_stride == 1 &&
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
-  const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN);
+  PreFlags pf;
+  pf.vec = aligned16(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride) &&
+           aligned16(p.dout, p.do_batch_stride, p.do_row_stride, p.do_head_stride) &&
+           reinterpret_cast<uintptr_t>(p.out_resid) % 16 == 0;
+  const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN), m_tiles = ceil_div(p.seqlen_q, kBlockM);
+
+  // One workspace: the float dQ accumulator, then (deterministic) the per-tile turns; zeroed.
+  DqAccum dqa;
+  dqa.m_tiles = (int)m_tiles;
+  dqa.num_heads = (int)p.num_heads;
+  const int64_t n_q_tiles = p.batch * p.num_heads * m_tiles;
+  const size_t acc_bytes = size_t(n_q_tiles) * kBlockM * D * sizeof(float);
+  const size_t ws_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
+  char* ws = nullptr;
+  cudaMallocAsync(reinterpret_cast<void**>(&ws), ws_bytes, stream);
+  cudaMemsetAsync(ws, 0, ws_bytes, stream);
+  dqa.ptr = reinterpret_cast<float*>(ws);
+  if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + acc_bytes);
 
   BwdDbias dbias;
   float* scratch = nullptr;
@@ -49,12 +65,13 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
       dbias.tile_stride = span;
     }
   }
-  // dq first: it writes softmax_d with the float delta that the dkv kernel reads.
-  dim3 grid_q((unsigned)(ceil_div(p.seqlen_q, kBlockM) * p.num_heads), (unsigned)p.batch);
-  bwd_dq_kernel<T, D><<<grid_q, kThreads, kSmemQ, stream>>>(p, f, dbias);
-  dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
-  bwd_dkv_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
-  if constexpr (kSplit) bwd_dkv_kernel<T, D, 2><<<grid_kv, kThreads, kSmemKV, stream>>>(p, dbias, f);
+  const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
+  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dbias, pf);
+  const dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
+  bwd_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
+  if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
+  bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
+  cudaFreeAsync(ws, stream);
   if (scratch) {
     const int blocks = (int)imin(1024, ceil_div(span, 256));
     bwd_reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),

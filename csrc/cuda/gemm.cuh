@@ -1,6 +1,6 @@
 // Tile products of the backward on either MMA path, in the per-warp C / A register layout that
-// mma.sync m16n8k16 and wgmma share (mma_sm80.cuh, mma_sm90.cuh): S / dP = A B^T (gemm_nt,
-// gemm_nt2), O += P B (gemm_pv), and the store of a float accumulator.
+// mma.sync m16n8k16 and wgmma share (mma_sm80.cuh, mma_sm90.cuh): S / dP = A B^T (gemm_nt),
+// O += P B (gemm_pv), and the store of a float accumulator.
 #pragma once
 #include "constants.cuh"
 #include "mma_sm80.cuh"
@@ -15,57 +15,10 @@ namespace cuda {
 // for the products of two smem tiles), which is what the mma.sync versions spent their
 // ldmatrix traffic and most of their instructions on. The C / A register layouts are the same.
 
-// C[16 x 64] += A[16 rows of sA] * B[64 rows of sB]^T over D (the "QK^T" pattern): A fragments
-// by ldmatrix from rows a_row0.., B by non-transposed ldmatrix. Two products share the k loop
-// (S and dP have the same shape) so their fragment loads interleave; on wgmma they are one
-// group (the whole 64-row tiles, a_row0 unused).
-template <typename T, int D, int kUnroll>
-__device__ inline void gemm_nt2(float (&c0)[kBlockN / 8][4], const T* a0, const T* b0, float (&c1)[kBlockN / 8][4],
-                                const T* a1, const T* b1, int a_row0) {
-  constexpr int kLd = tile_ld(D);
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c0[n][e] = c1[n][e] = 0.f;
-  if constexpr (use_wgmma<D>()) {
-    fence_regs(c0);
-    fence_regs(c1);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(c1, desc_k_major<64>(a1, kk), desc_k_major<kBlockN>(b1, kk), kk > 0);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_regs(c0);
-    fence_regs(c1);
-    return;
-  }
-  const int aoff = (a_row0 + (lane & 15)) * kLd + (lane >> 4) * 8;
-  const int boff = ((lane & 7) + ((lane >> 4) << 3)) * kLd + ((lane >> 3) & 1) * 8;
-#pragma unroll kUnroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t fa0[4], fa1[4];
-    ldmatrix_x4(fa0, a0 + aoff + kk * 16);
-    ldmatrix_x4(fa1, a1 + aoff + kk * 16);
-#pragma unroll
-    for (int np = 0; np < kBlockN / 16; ++np) {
-      uint32_t kb[4], vb[4];
-      ldmatrix_x4(kb, b0 + boff + np * 16 * kLd + kk * 16);
-      ldmatrix_x4(vb, b1 + boff + np * 16 * kLd + kk * 16);
-      mma_16816<T>(c0[2 * np], fa0, kb[0], kb[1]);
-      mma_16816<T>(c0[2 * np + 1], fa0, kb[2], kb[3]);
-      mma_16816<T>(c1[2 * np], fa1, vb[0], vb[1]);
-      mma_16816<T>(c1[2 * np + 1], fa1, vb[2], vb[3]);
-    }
-  }
-}
-
-// One product of the same pattern, for the dkv kernel: there S^T and dP^T are computed one
-// after the other (dV's GEMM in between), so that they are never both live next to dK and dV.
+// C[16 x 64] = A[16 rows of sA] * B[64 rows of sB]^T over D (the "QK^T" pattern): A fragments
+// by ldmatrix from rows a_row0.., B by non-transposed ldmatrix; on wgmma the whole 64-row tiles
+// in one group (a_row0 unused). The backward computes S^T and dP^T one after the other (dV's
+// GEMM in between), so that they are never both live next to dK and dV.
 // kWait = false (wgmma) leaves the product in flight; the caller waits (wgmma_wait<0>, then
 // fence_regs(c0)) before reading c0.
 template <typename T, int D, bool kWait = true>

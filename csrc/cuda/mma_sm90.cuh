@@ -157,23 +157,23 @@ __device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4],
   }
 }
 
-// One wgmma of width 64 with both operands in shared memory, both K-major (the backward's
-// S = Q K^T and dP = dO V^T, and their transposes): A is a 64-row tile read through the same
-// descriptor form as B.
-template <typename T>
+// One wgmma of width 64 with both operands in shared memory, read through the same descriptor
+// form (A a 64-row tile): K-major by default (the backward's S^T = K Q^T and dP^T = V dO^T);
+// kTrans = 1 reads both MN-major (its dQ = dS K, dS staged [key][query]).
+template <typename T, int kTrans = 0>
 __device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, %35, %35;\n}\n"
         : FLEXDMA_ACC_N64
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
   else
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, %35, %35;\n}\n"
         : FLEXDMA_ACC_N64
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
 }
 #undef FLEXDMA_WGMMA_RS
 #undef FLEXDMA_SETP_N64

@@ -20,7 +20,7 @@ __host__ __device__ constexpr int align128(int bytes) { return (bytes + 127) / 1
 constexpr int kLdKeep = kBlockN + 16;
 // Bias tiles (16-bit): 144-byte rows, for the same reason.
 constexpr int kLdBias = kBlockN + 8;
-// Float [key][query] tile of the dk/dv kernel: first the additive term of each score, then dS.
+// Float [key][query] tile of the backward: first the additive term of each score, then dS.
 // 72-word rows: a warp's float2 fragment accesses (rows g, columns 2 * (lane % 4)) cover the banks once.
 constexpr int kLdDS = kBlockN + 8;
 
@@ -82,6 +82,23 @@ constexpr bool fwd_warp_specialized() {
   return use_wgmma<D>() && !fwd_q_in_smem<D>();
 }
 
+// [key][query] 16-bit dS tile. On wgmma it is a 64-row tile in the 128-byte swizzle, read as the
+// MN-major A operand (no A registers next to dK / dV); on mma.sync 144-byte rows, so the
+// transposed ldmatrix row reads and the fragment stores each cover the banks once. The fragment
+// stores (rows g, 16-byte chunk n) are conflict-free in the swizzle too.
+constexpr int kLdDst = kBlockM + 8;
+template <int D>
+constexpr int dst_bytes() {
+  return use_wgmma<D>() ? kBlockN * kBlockM * 2 : kBlockN * kLdDst * 2;
+}
+template <int D>
+__device__ inline int dst_index(int key, int q) {
+  if constexpr (use_wgmma<D>())
+    return sw128_offset(kBlockN, key, q) / 2;
+  else
+    return key * kLdDst + q;
+}
+
 template <typename T, int D>
 struct FwdSmem {
   static constexpr int kTileKV = tile_bytes<D>();
@@ -101,30 +118,17 @@ struct FwdSmem {
   static_assert(kBytes <= kMaxSmemPerBlock, "forward smem layout too large");
 };
 
-// K and the bias tile are double buffered (kK2, a second bias slot: the next tile's copies fly
-// during this one's products), V is not; 109 KiB at D = 128, still two CTAs per SM.
-template <typename T, int D>
-struct BwdDqSmem {
-  static constexpr int kTile = align128(tile_bytes<D>());
-  static constexpr int kQ = 0, kDO = kTile, kK = 2 * kTile, kV = 3 * kTile, kK2 = 4 * kTile;
-  static constexpr int kBias = 5 * kTile;
-  static constexpr int kBiasSlot = align128(kBlockM * kLdBias * 2);
-  static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
-  static constexpr int kKeep = kBias + 2 * kBiasSlot;  // two slots
-  static constexpr int kBytes =
-      kKeep + 2 * kKeepSlot + (use_wgmma<D>() ? 1024 : 0);  // + room to align the base to 1024
-  static_assert(kBytes <= kMaxSmemPerBlock, "dq smem layout too large");
-};
-
-// The dkv kernel must stay <= ~113 KiB at D = 128 for 2 CTAs per SM, and the head-summed dbias
+// The backward kernel must stay <= ~113 KiB at D = 128 for 2 CTAs per SM, and the head-summed dbias
 // tile (kDB) needs 16 KiB more: the bias tile, read only by the gather that fills sDS, lives in
 // sDS's upper half (rows 32..63, exactly its size), and kDB is unpadded (swizzled, db_idx).
 template <typename T, int D>
-struct BwdDkvSmem {
+struct BwdSmem {
   static constexpr int kTile = align128(tile_bytes<D>());
   static constexpr int kK = 0, kV = kTile, kQ = 2 * kTile, kDO = 3 * kTile;
   static constexpr int kKeepSlot = align128(kBlockM * kLdKeep);
-  static constexpr int kKeep = 4 * kTile;  // two slots
+  // dO's slot also takes the dS tile of the dQ product once dP is computed (bwd_dq_accum.cuh).
+  static constexpr int kDsTile = align128(cmax(kTile, dst_bytes<D>()));
+  static constexpr int kKeep = kDO + kDsTile;  // two slots
   static constexpr int kL2 = kKeep + 2 * kKeepSlot;
   static constexpr int kDelta = kL2 + align128(kBlockM * 4);
   static constexpr int kDS = kDelta + align128(kBlockM * 4);
@@ -135,7 +139,7 @@ struct BwdDkvSmem {
   static constexpr int kMetaItems = kThreads * 32;
   static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
   static constexpr int kBytes = kMeta + kThreads * 4 + (use_wgmma<D>() ? 1024 : 0);
-  static_assert(kBytes <= kMaxSmemPerBlock, "dk/dv smem layout too large");
+  static_assert(kBytes <= kMaxSmemPerBlock, "backward smem layout too large");
   static_assert(kBlockM * kLdBias * 2 <= kBlockN / 2 * kLdDS * 4, "bias tile must fit in sDS's upper half");
 };
 

@@ -49,9 +49,11 @@ def main(case, D):
         mask = top_w_mask(bias, L, L, 1024 if L > 1024 else L // 3)
     scale = 1.0 / math.sqrt(D)
     for _ in range(2):
-        out, lse = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
+        out, lse, resid = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
         if case in ("bwd8k", "small", "smallkey"):
-            torch.ops.flexdma.bwd(torch.randn_like(out), q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True)
+            torch.ops.flexdma.bwd(
+                torch.randn_like(out), q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, out_resid=resid
+            )
     torch.cuda.synchronize()
 
 

@@ -1,17 +1,25 @@
-// Backward, second kernel: one CTA per (key tile, kv head, batch), warp w owns keys
-// [16w, 16w + 16); it walks the query tiles and, inside each, the query heads of its kv head in a
-// fixed order, with S^T = K Q^T and dP^T = V dO^T, dV += P^T dO, dK += dS^T Q in registers. dS of
-// the heads that share a dbias plane is summed in a float smem tile and written once per query
-// tile (fixed order, so bitwise reproducible; bwd_dbias.cuh): a float read-modify-write per head
-// would dominate the dbias traffic, and a tile written once can go straight to the bias dtype
+// Backward, one pass (FlashAttention-3's structure on FlashAttention-2's register tiles): one CTA
+// per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16); it walks the query tiles and,
+// inside each, the query heads of its kv head in a fixed order, with S^T = K Q^T and dP^T = V dO^T,
+// dV += P^T dO, dK += dS^T Q in registers, and dQ += dS K added into a float buffer per query tile
+// (bwd_dq_accum.cuh; bwd_post_kernel converts it). delta (softmax_d) comes from bwd_pre_kernel.
+// dS of the heads that share a dbias plane is summed in a float smem tile and written once per
+// query tile (fixed order, so bitwise reproducible; bwd_dbias.cuh): a float read-modify-write per
+// head would dominate the dbias traffic, and a tile written once can go straight to the bias dtype
 // (16-byte stores). Heads that read one bias / mask plane share one copy and gather of it per
-// query tile. Register layouts, tile layouts and the keep tiles as in the dq kernel
-// (bwd_dq_kernel.cuh); mask / bias are resolved once per work item (Plane, 32-bit head division).
+// query tile. Q, dO, K, V tiles sit in smem, 128-byte swizzled and read by wgmma (sm_90a, head
+// dims 64 / 128 / 192 / 256) or padded to D + 8 and read by ldmatrix (head dims 32 / 96); S, dP
+// and dS live in C fragments (wgmma's or mma.sync's, the same per-warp layout). An all-false keep
+// tile (mask & causal & bounds) is skipped by the tile activity bits before any of its operand
+// bytes are requested; the next kept item is found (its keep tile requested or built) while the
+// current item's copies fly. Mask / bias are resolved once per work item (Plane, 32-bit head
+// division).
 #pragma once
 #include <math_constants.h>
 
 #include "../flash_dma_params.h"
 #include "bwd_dbias.cuh"
+#include "bwd_dq_accum.cuh"
 #include "constants.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -24,18 +32,18 @@
 namespace flexdma {
 namespace cuda {
 
-// kPart 0: dK, dV and dbias in one pass. Wider heads than 128 cannot hold both accumulators
+// kPart 0: dK, dV, dQ and dbias in one pass. Wider heads than 128 cannot hold both accumulators
 // (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
-// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK and dbias.
+// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK, dQ and dbias.
 template <typename T, int D, int kPart>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
-    bwd_dkv_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f) {
+    bwd_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f, const DqAccum dqa) {
   constexpr bool kDv = kPart != 2, kDk = kPart != 1;
   static_assert(kPart == 0 || D > 128, "narrow heads take both accumulators in one pass");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   constexpr bool kWg = use_wgmma<D>();
   unsigned char* smem = smem_raw + smem_align_pad<kWg>(smem_raw);
-  using L = BwdDkvSmem<T, D>;
+  using L = BwdSmem<T, D>;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   T* sQ = reinterpret_cast<T*>(smem + L::kQ);
@@ -47,14 +55,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   float* sDS = reinterpret_cast<float*>(smem + L::kDS);
   float* sDB = reinterpret_cast<float*>(smem + L::kDB);
 
-  const int64_t n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int64_t n0 = n_tile * kBlockN;
-  const int64_t ratio = p.num_heads / p.num_heads_k;
+  const int n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int n0 = n_tile * kBlockN;
+  const int ratio = (int)(p.num_heads / p.num_heads_k);
   const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
   issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
                    ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
   if constexpr (kDk)
@@ -79,9 +85,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // Causal: the first query row that sees key n0 is n0 - (K - Q).
   int64_t m_first = 0;
   if (p.is_causal) m_first = imax(0, n0 - (p.seqlen_k - p.seqlen_q));
-  const int64_t m_tiles = ceil_div(p.seqlen_q, kBlockM);
+  const int m_tiles = (int)ceil_div(p.seqlen_q, kBlockM);
   const Broadcast4d& DL = dbias.layout;
-  const int64_t mt_begin = m_first / kBlockM;
+  const int mt_begin = (int)(m_first / kBlockM);
   // Work items (query tile mt, query head gq) in a fixed order, heads inner: the heads sharing a
   // dbias plane follow each other, so their dS sums in smem. find_next advances to the first
   // kept one at or after (mt, gq), its keep tile built into `slot`; false when none is left.
@@ -91,10 +97,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // a global round trip. Block-uniform.
   uint32_t* sMeta = reinterpret_cast<uint32_t*>(smem + L::kMeta);
   int meta_base = -1;
-  auto item_active = [&](int64_t mt, int64_t gq) -> bool {
+  auto item_active = [&](int mt, int gq) -> bool {
     // 32-bit item arithmetic: a 64-bit division compiles to a call, and this kernel is at its
     // register limit.
-    const int item = (int)(mt - mt_begin) * (int)ratio + (int)gq, base = item & ~(L::kMetaItems - 1);
+    const int item = (mt - mt_begin) * ratio + gq, base = item & ~(L::kMetaItems - 1);
     if (base != meta_base) {
       __syncthreads();  // the previous chunk is no longer read
       meta_base = base;
@@ -103,8 +109,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       uint32_t bits = 0;
 #pragma unroll 4
       for (int i = 0; i < 32; ++i) {
-        const int it = base + (int)threadIdx.x * 32 + i, mt_i = (int)mt_begin + it / (int)ratio;
-        const int h_i = (int)kvh * (int)ratio + it % (int)ratio;
+        const int it = base + (int)threadIdx.x * 32 + i, mt_i = mt_begin + it / ratio;
+        const int h_i = kvh * ratio + it % ratio;
         if (mt_i < m_tiles)
           bits |=
               ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
@@ -128,18 +134,20 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
            (!p.mask.ptr || p.mask.head_stride == 0 || p.mask.head_ratio % ratio == 0);
   };
   int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
-  auto find_next = [&](int64_t& mt, int64_t& gq, uint8_t* slot) -> bool {
+  auto find_next = [&](int& mt, int& gq, uint8_t* slot) -> bool {
 #pragma unroll 1
     for (; mt < m_tiles; ++mt, gq = 0) {
       const TileBounds tb(p, mt * kBlockM, n0);
       if (!tb.any()) continue;
 #pragma unroll 1
       for (; gq < ratio; ++gq) {
-        if ((int)mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
+        if (mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
         if (has_mask) {
           if (!item_active(mt, gq)) continue;
           const Plane<uint8_t, int> mask(p.mask, b, kvh * ratio + gq);
-          if (tb.full && f.mask_vec) {  // as in the dq kernel: the bit says it keeps something
+          // A full tile whose activity bit is set keeps something: its raw mask bytes are its keep
+          // tile, copied asynchronously (the wait before the item covers them).
+          if (tb.full && f.mask_vec) {
             issue_mask_raw(mask, slot, mt * kBlockM, n0);
             cp_async_commit();
             return true;
@@ -154,18 +162,33 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     return false;
   };
   // dbias plane of query head gq (heads of one plane are consecutive in gq).
-  auto db_plane = [&](int64_t gq_) -> int {
+  auto db_plane = [&](int gq_) -> int {
     return DL.head_stride == 0 ? 0 : (int)(kvh * ratio + gq_) / (int)DL.head_ratio;
   };
-  int64_t gq = 0, mt = mt_begin;
+  int gq = 0, mt = mt_begin;
   int slot = 0;
   bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
   bool have = find_next(mt, gq, sKeep);
+  // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from
+  // (pass_mt, pass_gq) up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
+  const bool det = kDk && p.deterministic;
+  int pass_mt = mt_begin, pass_gq = 0;
+  auto pass_until = [&](int mt_e, int gq_e) {
+    if (threadIdx.x != 0) return;
+#pragma unroll 1
+    while (pass_mt < mt_e || (pass_mt == mt_e && pass_gq < gq_e)) {
+      int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pass_gq, pass_mt);
+      dq_wait_turn(turn, n_tile);
+      dq_pass_turn(turn, n_tile + 1);
+      if (++pass_gq == ratio) pass_gq = 0, ++pass_mt;
+    }
+  };
+  if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
   bool reuse = false;  // this item takes the previous item's sDS
 #pragma unroll 1
   while (have) {
     {
-      const int64_t h = kvh * ratio + gq;
+      const int h = kvh * ratio + gq;
       const Plane<T, int> bias(p.bias, b, h);
       const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
       const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
@@ -185,8 +208,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       }
     }
     // The next kept item is found (its mask bytes read) while this item's copies fly.
-    int64_t gq_n = gq + 1, mt_n = mt;
-    reuse_mt = group_shares() ? (int)mt : -1;  // this item's sDS (gathered or reused) serves the next
+    int gq_n = gq + 1, mt_n = mt;
+    reuse_mt = group_shares() ? mt : -1;  // this item's sDS (gathered or reused) serves the next
     const bool have_n = find_next(mt_n, gq_n, sKeep + (slot ^ 1) * L::kKeepSlot);
     // Last head of this plane in this query tile: the summed tile goes out now.
     const bool flush = !have_n || mt_n != mt || db_plane(gq_n) != db_plane(gq);
@@ -194,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
     {
-      const int64_t h = kvh * ratio + gq;
+      const int h = kvh * ratio + gq;
       const int64_t m0 = mt * kBlockM;
       const TileBounds tb(p, m0, n0);
       const int vr = tb.lim_r;
@@ -294,12 +317,29 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
             dp[n][2 * hh + 1] = ds1 * der.y;
           }
         }
+        // dS goes to smem for dQ = dS K, over the dO tile, which dP^T above read last (every
+        // warp's reads end at the barrier).
+        T* sDst = sDO;
+        __syncthreads();
+        stage_ds<T, D>(sDst, dp, w * 16);
         gemm_pv<T, D>(dk, dp, sQ);
+        if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(b, h, mt), n_tile);
+        __syncthreads();
+        add_dq_tile<T, D>(dqa.ptr + dqa.tile(b, h, mt) * (kBlockM * D), sDst, sK);
 
         if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, b, h, n_tile, m0, n0, vr, tb.lim_c);
       }
     }
     __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
+    if (det) {
+      if (threadIdx.x == 0) {
+        __threadfence();  // the CTA's dQ additions (ordered before this by the barrier) go first
+        dq_pass_turn(dqa.turn + dqa.tile(b, kvh * ratio + gq, mt), n_tile + 1);
+        pass_mt = gq + 1 == ratio ? mt + 1 : mt;
+        pass_gq = gq + 1 == ratio ? 0 : gq + 1;
+      }
+      pass_until(have_n ? mt_n : m_tiles, have_n ? gq_n : 0);
+    }
     reuse = have_n && mt_n == mt && group_shares();
     first = flush;
     gq = gq_n;
@@ -308,6 +348,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     slot ^= 1;
   }
   cp_async_wait<0>();
+  // Output pointers formed here, not at the start: live across the loop they took registers.
+  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
   if constexpr (kDk) store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
   if constexpr (kDv) store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
 }

@@ -1,0 +1,86 @@
+// The kernels around the backward's main pass (bwd_kernel.cuh), one CTA per (query tile, head,
+// batch) each:
+// - before: delta = rowsum(dout * out) per row into softmax_d, the row term of dS = P (dP -
+//   delta), with out taken as out + out_resid (the forward's float output, split in two of out's
+//   dtype) where the forward kept it: a bf16-rounded out alone leaves an error per row that a
+//   dbias summed over the row's keys (a bias broadcast over keys, whose exact gradient is 0)
+//   returns whole. It also zeroes the dbias tiles the main pass never writes (a dbias stored in
+//   the bias dtype comes unfilled).
+// - after: dq = softmax_scale * the float dQ accumulator (bwd_dq_accum.cuh's fragment order).
+#pragma once
+#include <cstdint>
+
+#include "../flash_dma_params.h"
+#include "bwd_dbias.cuh"
+#include "bwd_dq_accum.cuh"
+#include "constants.cuh"
+#include "mma_sm80.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+// Rows of out / out_resid / dout whose 8-element groups are 16-byte aligned.
+struct PreFlags {
+  bool vec;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const BwdDbias dbias, const PreFlags f) {
+  const int nh = (int)p.num_heads;
+  const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const int64_t m0 = m_tile * kBlockM;
+  // Two threads a row, D / 2 columns each.
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+  float acc = 0.f;
+  if (m0 + r < p.seqlen_q) {
+    const int64_t o_off = b * p.o_batch_stride + h * p.o_head_stride + (m0 + r) * p.o_row_stride + half * (D / 2);
+    const T* o = static_cast<const T*>(p.out) + o_off;
+    const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + o_off : nullptr;
+    const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
+                 (m0 + r) * p.do_row_stride + half * (D / 2);
+    if (f.vec && D % 16 == 0) {
+#pragma unroll
+      for (int c = 0; c < D / 2; c += 8) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + c), dv = *reinterpret_cast<const uint4*>(d + c);
+        const uint4 rv = res ? *reinterpret_cast<const uint4*>(res + c) : make_uint4(0u, 0u, 0u, 0u);
+        const uint32_t ow[4] = {ov.x, ov.y, ov.z, ov.w}, dw[4] = {dv.x, dv.y, dv.z, dv.w},
+                       rw[4] = {rv.x, rv.y, rv.z, rv.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 o2 = unpack2<T>(ow[j]), d2 = unpack2<T>(dw[j]), r2 = unpack2<T>(rw[j]);
+          acc = fmaf(d2.x, o2.x + r2.x, acc);
+          acc = fmaf(d2.y, o2.y + r2.y, acc);
+        }
+      }
+    } else {
+#pragma unroll 8
+      for (int c = 0; c < D / 2; ++c) acc = fmaf(to_float(d[c]), to_float(o[c]) + (res ? to_float(res[c]) : 0.f), acc);
+    }
+  }
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  if (half == 0 && m0 + r < p.seqlen_q)
+    static_cast<float*>(p.softmax_d)[(b * p.num_heads + h) * p.seqlen_q + m0 + r] = acc;
+  if (dbias.in_dtype) zero_skipped_dbias<T>(p, dbias, b, h, m_tile);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) bwd_post_kernel(const BwdParams p, const DqAccum dqa) {
+  const int nh = (int)p.num_heads;
+  const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const int64_t m0 = m_tile * kBlockM;
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
+  const float* acc = dqa.ptr + dqa.tile(b, h, m_tile) * (kBlockM * D);
+  T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
+  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
+  const float s = p.softmax_scale;
+#pragma unroll 4
+  for (int d8 = 0; d8 < D / 8; ++d8) {
+    const float4 v = *reinterpret_cast<const float4*>(acc + ((w * (D / 8) + d8) * 32 + lane) * 4);
+    const int r = w * 16 + g, c = d8 * 8 + 2 * qc;
+    if (r < vr) *reinterpret_cast<uint32_t*>(dq + r * p.dq_row_stride + c) = pack2<T>(v.x * s, v.y * s);
+    if (r + 8 < vr) *reinterpret_cast<uint32_t*>(dq + (r + 8) * p.dq_row_stride + c) = pack2<T>(v.z * s, v.w * s);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma
