@@ -40,9 +40,10 @@ def flash_dma_attention(
         return_lse: also return the log-sum-exp (batch, num_heads, seqlen_q), float32
             (float64 for float64 inputs); -inf for rows that attend to nothing (their output is 0).
         backend: "auto", "cuda", "flex", "cpu" or "reference" (see available_backends()).
-        deterministic: bitwise reproducible gradients. The dense-mask kernels are deterministic
-            either way; the per-key CUDA backward (keep_window_size) sums dk / dv / dbias with
-            atomics unless this is set, and then in a fixed order, at a cost in time.
+        deterministic: bitwise reproducible gradients, at a cost in time. Without it the CUDA
+            backward adds dq's per-key-tile parts with float atomics (and, on the per-key path,
+            keep_window_size, dk / dv / dbias too); with it they are summed in a fixed order.
+            The CPU kernel is deterministic either way.
         keep_window_size: each query row keeps the `keep_window_size` keys with the highest
             attn_bias among the keys it may see (causal cut, attn_mask), ties to the lower key
             index: the mask `create_mask(attn_bias, keep_window_size, ...)` would build, without

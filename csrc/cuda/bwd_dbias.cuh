@@ -1,6 +1,5 @@
-// dbias of the backward: where a work item of the main pass adds dS, the zeroing of the tiles no
-// work item keeps (run by bwd_pre_kernel), and the in-order sum of per-key-tile slices (a bias
-// broadcast over keys).
+// dbias of the backward: where a work item of the main pass adds dS, and the zeroing of the tiles
+// no work item keeps (run by bwd_pre_kernel).
 #pragma once
 #include <cstdint>
 
@@ -12,8 +11,8 @@
 namespace flexdma {
 namespace cuda {
 
-// Where a work item of the main pass adds dS. With the bias broadcast over keys and several key tiles, each
-// key tile gets its own slice (tile_stride elements apart) that launch_bwd sums in order.
+// Where a work item of the main pass adds dS: a bias that varies along the keys (a bias constant
+// along them has a zero gradient, launch_bwd passes none).
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
 // the buffer comes unfilled, and bwd_pre_kernel zeroes the tiles no head of a plane keeps (the
 // main pass never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
@@ -21,7 +20,6 @@ namespace cuda {
 struct BwdDbias {
   void* ptr = nullptr;
   Broadcast4d layout;
-  int64_t tile_stride = 0;
   bool in_dtype = false;
   bool vec = false;
 };
@@ -82,18 +80,17 @@ __device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db
 
 // The main pass's dbias epilogue for one (query tile m0, key tile n0) of a dbias plane, once
 // the heads of the plane are summed in sDB (float [key][query], db_idx): stored as final values
-// (per-element dbias) or, for a bias broadcast over rows / keys, summed over them in index order
-// and added. Block-uniform; sL2 (64 floats) is free scratch here.
+// (per-element dbias) or, for a bias broadcast over rows, summed over them in index order and
+// added. Block-uniform; sL2 (64 floats) is free scratch here.
 template <typename T>
 __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB, float* sL2, int64_t b, int64_t h,
                                         int64_t n_tile, int64_t m0, int64_t n0, int vr, int lc) {
   const Broadcast4d& DL = dbias.layout;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();
-  // Fixed order: the heads were summed in sDB in head order; broadcast rows / keys are
-  // summed here in index order.
-  const int64_t db_off =
-      n_tile * dbias.tile_stride + b * DL.batch_stride + (int)h / (int)DL.head_ratio * DL.head_stride;
+  // Fixed order: the heads were summed in sDB in head order; broadcast rows are summed here in
+  // index order.
+  const int64_t db_off = b * DL.batch_stride + (int)h / (int)DL.head_ratio * DL.head_stride;
   float* dbf = static_cast<float*>(dbias.ptr) + db_off;
   if (DL.row_stride != 0 && DL.col_stride != 0) {
     const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;
@@ -133,7 +130,7 @@ __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB,
           if (r0 + kRowStep * u < vr) dbf[off + u * step] = sDB[db_idx(col, r0 + kRowStep * u)];
       }
     }
-  } else if (DL.col_stride != 0) {  // per-key bias: sum over the tile's rows
+  } else {  // per-key bias: sum over the tile's rows
     if (vr == kBlockM) {
       // All four warps: thread sums 32 rows of key tid % 64 (four chains, not one dependent
       // chain over 64 rows), the upper half hands its sum over in sL2 (read by nobody until the
@@ -152,27 +149,6 @@ __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB,
       for (int r = 0; r < vr; ++r) acc += sDB[db_idx(col, r)];
       dbf[(n0 + col) * DL.col_stride] += acc;
     }
-  } else if (DL.row_stride != 0) {  // bias broadcast over keys: sum over the tile's keys
-    if (threadIdx.x < vr) {
-      const int r = threadIdx.x;
-      float acc = 0.f;
-      for (int col = 0; col < lc; ++col) acc += sDB[db_idx(col, r)];
-      dbf[(m0 + r) * DL.row_stride] += acc;
-    }
-  } else if (threadIdx.x == 0) {
-    float acc = 0.f;
-    for (int r = 0; r < vr; ++r)
-      for (int col = 0; col < lc; ++col) acc += sDB[db_idx(col, r)];
-    dbf[0] += acc;
-  }
-}
-
-// Sums the per-key-tile dbias slices into the accumulator in tile order.
-__global__ void bwd_reduce_dbias_tiles(float* accum, const float* scratch, int64_t span, int64_t tiles) {
-  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < span; e += (int64_t)gridDim.x * blockDim.x) {
-    float s = accum[e];
-    for (int64_t t = 0; t < tiles; ++t) s += scratch[t * span + e];
-    accum[e] = s;
   }
 }
 

@@ -170,18 +170,21 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
   bool have = find_next(mt, gq, sKeep);
   // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from
-  // (pass_mt, pass_gq) up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
+  // its position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
   const bool det = kDk && p.deterministic;
-  int pass_mt = mt_begin, pass_gq = 0;
+  int* pass = reinterpret_cast<int*>(smem + L::kPass);  // (query tile, head in group), thread 0's
+  if (det && threadIdx.x == 0) pass[0] = mt_begin, pass[1] = 0;
   auto pass_until = [&](int mt_e, int gq_e) {
     if (threadIdx.x != 0) return;
+    int pmt = pass[0], pgq = pass[1];
 #pragma unroll 1
-    while (pass_mt < mt_e || (pass_mt == mt_e && pass_gq < gq_e)) {
-      int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pass_gq, pass_mt);
+    while (pmt < mt_e || (pmt == mt_e && pgq < gq_e)) {
+      int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pgq, pmt);
       dq_wait_turn(turn, n_tile);
       dq_pass_turn(turn, n_tile + 1);
-      if (++pass_gq == ratio) pass_gq = 0, ++pass_mt;
+      if (++pgq == ratio) pgq = 0, ++pmt;
     }
+    pass[0] = pmt, pass[1] = pgq;
   };
   if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
   bool reuse = false;  // this item takes the previous item's sDS
@@ -335,8 +338,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (threadIdx.x == 0) {
         __threadfence();  // the CTA's dQ additions (ordered before this by the barrier) go first
         dq_pass_turn(dqa.turn + dqa.tile(b, kvh * ratio + gq, mt), n_tile + 1);
-        pass_mt = gq + 1 == ratio ? mt + 1 : mt;
-        pass_gq = gq + 1 == ratio ? 0 : gq + 1;
+        pass[0] = gq + 1 == ratio ? mt + 1 : mt;
+        pass[1] = gq + 1 == ratio ? 0 : gq + 1;
       }
       pass_until(have_n ? mt_n : m_tiles, have_n ? gq_n : 0);
     }

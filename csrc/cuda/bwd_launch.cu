@@ -1,8 +1,6 @@
 // Grids and launches of the backward: delta and the dbias zeros (one CTA per query tile, head,
 // batch), the main pass (one CTA per key tile, kv head, batch; dK / dV / dbias written, dQ added
-// into a float workspace), dq from that workspace; a bias broadcast over keys gets
-// per-key-tile dbias slices summed in tile order afterwards, so no two CTAs ever write the same
-// dbias element.
+// into a float workspace), dq from that workspace. No two CTAs write the same dbias element.
 #include "bwd_dbias.cuh"
 #include "bwd_kernel.cuh"
 #include "bwd_prepost.cuh"
@@ -46,24 +44,17 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   dqa.ptr = reinterpret_cast<float*>(ws);
   if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + acc_bytes);
 
+  // A bias constant along the keys (per row, head, batch or scalar) adds the same number to every
+  // score of a row, which the softmax ignores: its gradient is exactly zero, and the caller's
+  // accumulator comes zero-filled. Summing dS over a row's keys instead would return the
+  // rounding of delta (rowsum(dout * out), from the forward's float output), not zero.
   BwdDbias dbias;
-  float* scratch = nullptr;
-  int64_t span = 0;
-  if (p.dbias_accum.ptr) {
+  if (p.dbias_accum.ptr && p.bias.col_stride != 0 && p.seqlen_k > 1) {
     dbias.ptr = const_cast<void*>(p.dbias_accum.ptr);
     dbias.layout = p.dbias_accum;
     dbias.in_dtype = p.dbias_in_dtype;
     const Broadcast4d& a = p.dbias_accum;
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
-    if (!p.dbias_in_dtype && a.col_stride == 0 && n_tiles > 1) {
-      const int64_t heads = a.head_stride ? p.num_heads / a.head_ratio : 1;
-      span = (a.batch_stride ? (p.batch - 1) * a.batch_stride : 0) + (heads - 1) * a.head_stride +
-             (a.row_stride ? (p.seqlen_q - 1) * a.row_stride : 0) + 1;
-      cudaMallocAsync(reinterpret_cast<void**>(&scratch), n_tiles * span * sizeof(float), stream);
-      cudaMemsetAsync(scratch, 0, n_tiles * span * sizeof(float), stream);
-      dbias.ptr = scratch;
-      dbias.tile_stride = span;
-    }
   }
   const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
   bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dbias, pf);
@@ -72,12 +63,6 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
   cudaFreeAsync(ws, stream);
-  if (scratch) {
-    const int blocks = (int)imin(1024, ceil_div(span, 256));
-    bwd_reduce_dbias_tiles<<<blocks, 256, 0, stream>>>(static_cast<float*>(const_cast<void*>(p.dbias_accum.ptr)),
-                                                       scratch, span, n_tiles);
-    cudaFreeAsync(scratch, stream);
-  }
 }
 
 #define FLEXDMA_INSTANTIATE_BWD(D)                                     \

@@ -169,7 +169,9 @@ __device__ inline void issue_rows(T* dst, const T* src, int64_t rs, int valid, b
     }
     return;
   }
-  // Strided or unaligned rows, any D: element by element.
+  // Strided or unaligned rows, any D: element by element (a cold path; not unrolled, so its
+  // addresses are not hoisted into registers the callers' loops need).
+#pragma unroll 1
   for (int c = threadIdx.x; c < 64 * D; c += kThreads) {
     const int r = c / D, col = c % D;
     dst[tile_index<D>(r, col)] = r < valid ? src[r * rs + col] : from_float<T>(0.f);

@@ -138,7 +138,10 @@ struct BwdSmem {
   // fit an SM at D = 128).
   static constexpr int kMetaItems = kThreads * 32;
   static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
-  static constexpr int kBytes = kMeta + kThreads * 4 + (use_wgmma<D>() ? 1024 : 0);
+  // Thread 0's position in the deterministic mode's turns (bwd_kernel.cuh): in registers it would
+  // hold two of every thread's.
+  static constexpr int kPass = kMeta + kThreads * 4;
+  static constexpr int kBytes = kPass + 16 + (use_wgmma<D>() ? 1024 : 0);
   static_assert(kBytes <= kMaxSmemPerBlock, "backward smem layout too large");
   static_assert(kBlockM * kLdBias * 2 <= kBlockN / 2 * kLdDS * 4, "bias tile must fit in sDS's upper half");
 };
