@@ -2,7 +2,8 @@
 attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
 nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode|topk|topkdecode (small / smallkey: 333
 queries x 333 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer;
-topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
+model: issue 19's model shape (B=2, L=8K, H=16, KVH=4, top-2048 of a bias per kv head and key), forward and
+backward; topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
 list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
@@ -30,14 +31,19 @@ def main(case, D):
         "topk": 333,
         "topkdecode": 5000,
         "topk32k": 32768,
+        "model": 8192,
     }[case]
     if case.startswith("topk"):
         return topk_case(case, L, D)
-    q = torch.randn(1, L, 2, D, device=dev, dtype=dt)
-    k = torch.randn(1, L, 1, D, device=dev, dtype=dt)
-    v = torch.randn(1, L, 1, D, device=dev, dtype=dt)
+    B, H, KVH = (2, 16, 4) if case == "model" else (1, 2, 1)
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
+    v = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
     mask = bias = None
-    if case in ("perrow32k", "bwd8k", "small"):
+    if case == "model":  # issue 19's model shape: bias per kv head and key, top-L/4 per row
+        bias = torch.randn(B, KVH, 1, L, device=dev, dtype=dt)
+        mask = flexdma.create_mask(bias, L // 4, is_causal=True, query_len=L)
+    elif case in ("perrow32k", "bwd8k", "small"):
         bias = torch.randn(1, 1, L, L, device=dev, dtype=dt)
         mask = top_w_mask(bias, L, L, 1024 if L > 1024 else L // 3)
     elif case == "decode":  # one query: key splits and the empty-tile scan
@@ -48,11 +54,26 @@ def main(case, D):
         bias = torch.randn(1, 1, 1, L, device=dev, dtype=dt)
         mask = top_w_mask(bias, L, L, 1024 if L > 1024 else L // 3)
     scale = 1.0 / math.sqrt(D)
-    for _ in range(2):
+    # The backward runs deterministic first (its turn counters under compute-sanitizer), then in
+    # the default mode (the call a profiler attaches to).
+    for deterministic in (True, False):
         out, lse, resid = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
-        if case in ("bwd8k", "small", "smallkey"):
+        if case in ("bwd8k", "small", "smallkey", "model"):
             torch.ops.flexdma.bwd(
-                torch.randn_like(out), q, k, v, mask, bias, out, lse, scale, True, 0.0, True, True, out_resid=resid
+                torch.randn_like(out),
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                scale,
+                True,
+                0.0,
+                True,
+                deterministic,
+                out_resid=resid,
             )
     torch.cuda.synchronize()
 
