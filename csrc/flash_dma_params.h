@@ -121,9 +121,10 @@ struct BwdParams : FwdParams {
   // item keeps. Kernels that add per head (the CPU one) are never given it.
   bool dbias_in_dtype = false;
 
-  // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised.
-  // Kernels write delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out) from an
-  // out rounded to bf16/fp16 is too coarse for a broadcast dbias), and read it back.
+  // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised, for the
+  // CPU kernel: it writes delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out)
+  // from an out rounded to bf16/fp16 is too coarse for a broadcast dbias), and reads it back. The
+  // CUDA backward computes delta from out + out_resid into its own workspace (null here).
   void* softmax_d = nullptr;
 
   // dq's reduction order. The CUDA backward adds each key tile's dQ contribution into a float

@@ -44,10 +44,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     accum = alloc_dbias_accum(q, k, *bias);
   }
   // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q), in the accumulation
-  // dtype. The kernels fill it themselves: the CUDA one as rowsum(dout * (out + out_resid)) in a
-  // pass before its main kernel (out alone, rounded to bf16, is too coarse for a dbias summed over
-  // rows or keys), the CPU one as rowsum(P * dP).
-  at::Tensor softmax_d = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
+  // dtype, for the CPU kernel, which fills it with rowsum(P * dP). The CUDA one keeps its delta,
+  // rowsum(dout * (out + out_resid)) from a pass before its main kernel, in its own workspace
+  // (out alone, rounded to bf16, is too coarse for a dbias summed over rows or keys).
+  const auto acc_opts = q.options().dtype(acc_type(q.scalar_type()));
+  at::Tensor softmax_d =
+      q.is_cuda() ? at::empty({0}, acc_opts) : at::empty({q.size(0), q.size(2), q.size(1)}, acc_opts);
   BwdParams p;
   fill_bwd_params(p, dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, dq, dk, dv, accum,
                   softmax_d, tile_meta);

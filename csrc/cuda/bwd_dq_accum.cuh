@@ -27,9 +27,16 @@
 namespace flexdma {
 namespace cuda {
 
+// The backward's workspace, indexed by (batch, head, query tile): the dQ accumulator, the
+// deterministic mode's turns, and the per-row terms bwd_pre_kernel computes for the main pass,
+// 64 rows a tile (rows past seqlen_q padded: lse2 +inf, delta 0, so they contribute nothing), so
+// the main pass copies a tile's 64 + 64 floats with 16-byte cp.async and no bounds checks or
+// conversions on its critical path.
 struct DqAccum {
-  float* ptr = nullptr;  // (B, H, query tiles, 64 * D), fragment order
-  int* turn = nullptr;   // (B, H, query tiles), deterministic mode only
+  float* ptr = nullptr;    // (B, H, query tiles, 64 * D), fragment order
+  int* turn = nullptr;     // (B, H, query tiles), deterministic mode only
+  float* lse2 = nullptr;   // (B, H, query tiles, 64): lse in log2 units, +inf where -inf (lse_log2)
+  float* delta = nullptr;  // (B, H, query tiles, 64): rowsum(dout * out)
   int m_tiles = 0;
   int num_heads = 0;
   __device__ int64_t tile(int64_t b, int64_t h, int64_t mt) const { return (b * num_heads + h) * m_tiles + mt; }

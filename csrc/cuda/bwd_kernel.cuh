@@ -187,28 +187,30 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     pass[0] = pmt, pass[1] = pgq;
   };
   if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
-  bool reuse = false;  // this item takes the previous item's sDS
+  bool reuse = false;    // this item takes the previous item's sDS
+  bool q_ready = false;  // this item's Q tile was requested during the previous item
+  // The Q tile of item (mt_, gq_).
+  auto issue_q = [&](int mt_, int gq_) {
+    const int64_t m0 = mt_ * kBlockM;
+    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + (kvh * ratio + gq_) * p.q_head_stride;
+    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+  };
 #pragma unroll 1
   while (have) {
     {
       const int h = kvh * ratio + gq;
       const Plane<T, int> bias(p.bias, b, h);
-      const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
       const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
-      const float* lse = static_cast<const float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
-      const float* dlt = static_cast<const float*>(p.softmax_d) + (b * p.num_heads + h) * p.seqlen_q;
       const int64_t m0 = mt * kBlockM;
       const TileBounds tb(p, m0, n0);
-      const int vr = tb.lim_r;
-      issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, vr, f.qkv_vec);
-      issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, vr, f.qkv_vec);
+      if (!q_ready) issue_q(mt, gq);
+      issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, tb.lim_r, f.qkv_vec);
       if (has_bias && !reuse) issue_bias<false>(tb, bias, sB, f.bias_vec, m0, n0);
-      cp_async_commit();
-      if (threadIdx.x < kBlockM) {
-        const int r = threadIdx.x;
-        sL2[r] = r < vr ? lse_log2(lse[m0 + r]) : CUDART_INF_F;
-        sDelta[r] = r < vr ? dlt[m0 + r] : 0.f;
+      if (threadIdx.x < 2 * kBlockM / 4) {  // lse2 and delta, 16 bytes a thread
+        const int half = threadIdx.x / (kBlockM / 4), c = threadIdx.x % (kBlockM / 4);
+        cp_async16((half ? sDelta : sL2) + 4 * c, (half ? dqa.delta : dqa.lse2) + dqa.tile(b, h, mt) * kBlockM + 4 * c);
       }
+      cp_async_commit();
     }
     // The next kept item is found (its mask bytes read) while this item's copies fly.
     int gq_n = gq + 1, mt_n = mt;
@@ -328,6 +330,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         gemm_pv<T, D>(dk, dp, sQ);
         if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(b, h, mt), n_tile);
         __syncthreads();
+        // Every warp's dK product has read Q: the next item's Q tile is requested now, its copy
+        // flying during dQ and the dbias flush instead of on the next item's critical path.
+        if (have_n) {
+          issue_q(mt_n, gq_n);
+          cp_async_commit();
+        }
         add_dq_tile<T, D>(dqa.ptr + dqa.tile(b, h, mt) * (kBlockM * D), sDst, sK);
 
         if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, b, h, n_tile, m0, n0, vr, tb.lim_c);
@@ -344,6 +352,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       pass_until(have_n ? mt_n : m_tiles, have_n ? gq_n : 0);
     }
     reuse = have_n && mt_n == mt && group_shares();
+    q_ready = kDk && have_n;
     first = flush;
     gq = gq_n;
     mt = mt_n;

@@ -31,18 +31,22 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
            reinterpret_cast<uintptr_t>(p.out_resid) % 16 == 0;
   const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN), m_tiles = ceil_div(p.seqlen_q, kBlockM);
 
-  // One workspace: the float dQ accumulator, then (deterministic) the per-tile turns; zeroed.
+  // One workspace: the per-row lse2 and delta (written by the pre kernel), the float dQ
+  // accumulator and (deterministic) the per-tile turns, these two zeroed.
   DqAccum dqa;
   dqa.m_tiles = (int)m_tiles;
   dqa.num_heads = (int)p.num_heads;
   const int64_t n_q_tiles = p.batch * p.num_heads * m_tiles;
+  const size_t row_bytes = size_t(n_q_tiles) * kBlockM * sizeof(float);
   const size_t acc_bytes = size_t(n_q_tiles) * kBlockM * D * sizeof(float);
-  const size_t ws_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
+  const size_t zero_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
   char* ws = nullptr;
-  cudaMallocAsync(reinterpret_cast<void**>(&ws), ws_bytes, stream);
-  cudaMemsetAsync(ws, 0, ws_bytes, stream);
-  dqa.ptr = reinterpret_cast<float*>(ws);
-  if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + acc_bytes);
+  cudaMallocAsync(reinterpret_cast<void**>(&ws), 2 * row_bytes + zero_bytes, stream);
+  cudaMemsetAsync(ws + 2 * row_bytes, 0, zero_bytes, stream);
+  dqa.lse2 = reinterpret_cast<float*>(ws);
+  dqa.delta = reinterpret_cast<float*>(ws + row_bytes);
+  dqa.ptr = reinterpret_cast<float*>(ws + 2 * row_bytes);
+  if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + 2 * row_bytes + acc_bytes);
 
   // A bias constant along the keys (per row, head, batch or scalar) adds the same number to every
   // score of a row, which the softmax ignores: its gradient is exactly zero, and the caller's
@@ -57,7 +61,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
   }
   const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
-  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dbias, pf);
+  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dbias, dqa, pf);
   const dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
   bwd_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
