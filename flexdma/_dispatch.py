@@ -121,14 +121,19 @@ def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires
 
 
 def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
-    from . import _ops
+    from . import _ops, masks
 
     # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
     # handed to the forward and kept by autograd for the backward. Without a backward to share
     # them with (inference, decoding) the op computes them itself: one Python op call less a step.
     # The CPU kernel needs none.
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal) if mask is not None and q.is_cuda and train else None
+    meta = None
+    if mask is not None and q.is_cuda:
+        # A mask create_mask built from a per-key selection: its bits come from the selection.
+        meta = masks.selection_tile_meta(mask, q.shape[1], k.shape[1], is_causal)
+        if meta is None and train:
+            meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal)
     # out_resid stays with autograd, which hands it to the backward.
     out, lse, _ = _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
     return out, lse

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .reference import causal_mask
 
@@ -175,13 +177,71 @@ def _per_key_mask(
     rank = sel.key_rank.expand(out_shape[0], out_shape[1], K)[:, :, None, :]
     thr = sel.row_thr.expand(out_shape[0], out_shape[1], rows)[:, :, :, None]
     if not is_causal:
-        return (rank <= thr).expand(out_shape).contiguous()
-    result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
-    step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
-    j = torch.arange(K, device=attn_bias.device)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        i = torch.arange(r0, r1, device=attn_bias.device)[:, None]
-        # Rows chunked so the temporaries stay near _CHUNK_ELEMS; the bottom-right causal cut.
-        result[:, :, r0:r1] = (rank <= thr[:, :, r0:r1]) & (j <= i + (K - rows))
+        result = (rank <= thr).expand(out_shape).contiguous()
+    else:
+        result = torch.empty(out_shape, dtype=torch.bool, device=attn_bias.device)
+        step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
+        j = torch.arange(K, device=attn_bias.device)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            i = torch.arange(r0, r1, device=attn_bias.device)[:, None]
+            # Rows chunked so the temporaries stay near _CHUNK_ELEMS; the bottom-right causal cut.
+            result[:, :, r0:r1] = (rank <= thr[:, :, r0:r1]) & (j <= i + (K - rows))
+    _remember_tiles(result, sel.key_rank, sel.row_thr, is_causal)
     return result
+
+
+# What the per-key selection says about the tiles of the masks create_mask builds from it, keyed by
+# the mask tensor (weakly: an entry goes with its mask). The CUDA kernels skip the 64 x 64 tiles
+# that keep nothing by flexdma::tile_meta's bits, which read the mask to find them; for these masks
+# the selection already knows: a tile keeps something iff its key tile's best rank is within its
+# query tile's widest threshold (the causal cut aside). Holding the per-tile minimum rank and
+# maximum threshold, the bits cost O(tiles) instead of a pass over the mask.
+_SELECTION_TILES = WeakIdKeyDictionary()
+_INT32_MAX = 2**31 - 1
+
+
+def _remember_tiles(mask: torch.Tensor, key_rank: torch.Tensor, row_thr: torch.Tensor, is_causal: bool) -> None:
+    from . import _C
+
+    T = _C.TILE_SIZE
+    K, Q = key_rank.shape[-1], row_thr.shape[-1]
+    kt, qt = -(-K // T), -(-Q // T)
+    rank_min = F.pad(key_rank, (0, kt * T - K), value=_INT32_MAX).view(*key_rank.shape[:2], kt, T).amin(-1)
+    thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
+    _SELECTION_TILES[mask] = (mask._version, rank_min, thr_max, is_causal)
+
+
+def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> Optional[torch.Tensor]:
+    """flexdma::tile_meta(mask, seqlen_q, seqlen_k, is_causal) for a mask create_mask built from a
+    per-key selection and nobody modified since, from the selection instead of the mask's bytes;
+    None for any other mask (and under torch.compile / torch.export, which trace the op).
+
+    Tiles wholly on one side of the causal diagonal get the exact bit; a tile the diagonal crosses
+    gets its rank test without the cut, which may set a bit the mask does not: the kernels build
+    such a tile's keep tile from the mask bytes and skip it when that is empty."""
+    if torch.compiler.is_compiling():
+        return None
+    entry = _SELECTION_TILES.get(mask)
+    if entry is None:
+        return None
+    version, rank_min, thr_max, mask_causal = entry
+    if mask._version != version or mask.shape[2] not in (1, seqlen_q) or mask.shape[3] != seqlen_k:
+        return None
+    from . import _C
+
+    T, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
+    qt, kt = -(-seqlen_q // T), rank_min.shape[-1]
+    # A mask with a query dim of 1 (not causal) has one threshold for every row.
+    thr_max = thr_max.expand(*thr_max.shape[:2], qt) if mask.shape[2] == 1 else thr_max
+    active = rank_min[:, :, None, :] <= thr_max[:, :, :, None]
+    if mask_causal or is_causal:
+        # Some key of tile kt is visible from the tile's last row: kt * T <= last row + K - Q.
+        dev = active.device
+        last_row = torch.clamp((torch.arange(qt, device=dev) + 1) * T, max=seqlen_q) - 1
+        active = active & (torch.arange(kt, device=dev)[None, :] * T <= (last_row + seqlen_k - seqlen_q)[:, None])
+    words = -(-kt // per_word)
+    active = F.pad(active, (0, words * per_word - kt)).view(*active.shape[:3], words, per_word)
+    bits = (active.to(torch.int64) << torch.arange(per_word, device=active.device)).sum(-1)
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # bit 31 as int32's sign
+    return bits.expand(mask.shape[0], mask.shape[1], qt, words).contiguous()

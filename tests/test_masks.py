@@ -125,3 +125,81 @@ def test_create_mask_under_compile_and_export():
     for K in (12, 30, 41):
         b, p = torch.randn(2, 2, 1, K), torch.rand(2, K) < 0.8
         assert torch.equal(ep.module()(b, p), old_create_mask(b, 5, attn_mask=p, is_causal=True, query_len=K))
+
+
+def _tile_flags(bits: torch.Tensor, key_tiles: int) -> torch.Tensor:
+    """flexdma::tile_meta's int32 words as one bool per key tile."""
+    words = bits.to(torch.int64) & 0xFFFFFFFF
+    return ((words[..., None] >> torch.arange(32)) & 1).flatten(-2)[..., :key_tiles].bool()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_selection_tile_meta_matches_the_mask(seed):
+    # The bits of a per-key create_mask mask, from its selection, against flexdma::tile_meta's pass
+    # over the mask: every tile that keeps something has its bit, and off the causal diagonal the
+    # bits are equal (a tile the cut crosses may keep its bit without keeping a key).
+    from flexdma import masks
+
+    g = torch.Generator().manual_seed(seed)
+    T = flexdma._C.TILE_SIZE
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    for _ in range(8):
+        B, H, Q, K = r(1, 2), r(1, 3), r(1, 700), r(2, 700)
+        bias = torch.randn(B, H, 1, K, generator=g)
+        pad = torch.rand(B, K, generator=g) < 0.8 if r(0, 1) else None
+        mask_causal = bool(r(0, 1))
+        attn_causal = mask_causal or bool(r(0, 1))
+        mask = flexdma.create_mask(bias, r(1, K // 8 + 1), attn_mask=pad, is_causal=mask_causal, query_len=Q)
+        got = masks.selection_tile_meta(mask, Q, K, attn_causal)
+        want = torch.ops.flexdma.tile_meta(mask, Q, K, attn_causal)
+        assert got is not None and got.dtype == torch.int32 and got.is_contiguous() and got.shape == want.shape
+        qt, kt = -(-Q // T), -(-K // T)
+        have, need = _tile_flags(got, kt), _tile_flags(want, kt)
+        assert not (need & ~have).any(), (B, H, Q, K, mask_causal, attn_causal)
+        crossed = torch.zeros(qt, kt, dtype=torch.bool)
+        if attn_causal:
+            rows, keys = torch.arange(qt) * T, torch.arange(kt) * T
+            first_seen = rows + K - Q  # the last key the tile's first row sees
+            last_seen = torch.clamp(rows + T, max=Q) - 1 + K - Q
+            crossed = (keys[None, :] <= last_seen[:, None]) & (
+                torch.clamp(keys + T, max=K)[None, :] - 1 > first_seen[:, None]
+            )
+        assert torch.equal(have & ~crossed, need & ~crossed), (B, H, Q, K, mask_causal, attn_causal)
+
+
+def test_selection_tile_meta_only_for_the_mask_it_describes():
+    from flexdma import masks
+
+    bias = torch.randn(1, 2, 1, 300)
+    mask = flexdma.create_mask(bias, 20, is_causal=True, query_len=200)
+    assert masks.selection_tile_meta(mask, 200, 300, True) is not None
+    assert masks.selection_tile_meta(mask.clone(), 200, 300, True) is None  # not create_mask's tensor
+    assert masks.selection_tile_meta(mask, 100, 300, True) is None  # other lengths
+    mask[0, 0, 5, 7] = True  # changed after create_mask: its selection no longer describes it
+    assert masks.selection_tile_meta(mask, 200, 300, True) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_selection_tile_meta_changes_nothing_on_cuda():
+    # The API hands the selection's bits to the kernels for a create_mask mask and computes them
+    # from the bytes for a copy of it: same outputs and (deterministic) gradients, bit for bit.
+    if "cuda" not in flexdma.available_backends():
+        pytest.skip("flexdma CUDA kernels not built")
+    torch.manual_seed(0)
+    B, L, H, KVH, D = 1, 1000, 4, 2, 64
+    q, k, v = (torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, KVH, KVH))
+    bias = torch.randn(B, KVH, 1, L, device="cuda", dtype=torch.bfloat16)
+    mask = flexdma.create_mask(bias, 100, is_causal=True, query_len=L)
+    from flexdma import masks
+
+    assert masks.selection_tile_meta(mask, L, L, True) is not None
+    runs = []
+    for m in (mask, mask.clone()):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = flexdma.flash_dma_attention(
+            *leaves[:3], attn_mask=m, attn_bias=leaves[3], is_causal=True, backend="cuda", deterministic=True
+        )
+        out.backward(torch.ones_like(out))
+        runs.append([out] + [t.grad for t in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
