@@ -180,16 +180,20 @@ def test_selection_tile_meta_only_for_the_mask_it_describes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_selection_tile_meta_changes_nothing_on_cuda():
+@pytest.mark.parametrize("bias_rows", [1, 1000], ids=["bias_per_key", "bias_per_row"])
+def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows):
     # The API hands the selection's bits to the kernels for a create_mask mask and computes them
-    # from the bytes for a copy of it: same outputs and (deterministic) gradients, bit for bit.
+    # from the bytes for a copy of it: same outputs and (deterministic) gradients, bit for bit. A
+    # full bias takes the backward's dbias in the bias dtype, whose tiles nobody keeps (the ones a
+    # set bit on the causal diagonal leaves unkept too) are zeroed by the kernel.
     if "cuda" not in flexdma.available_backends():
         pytest.skip("flexdma CUDA kernels not built")
     torch.manual_seed(0)
     B, L, H, KVH, D = 1, 1000, 4, 2, 64
     q, k, v = (torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, KVH, KVH))
-    bias = torch.randn(B, KVH, 1, L, device="cuda", dtype=torch.bfloat16)
-    mask = flexdma.create_mask(bias, 100, is_causal=True, query_len=L)
+    scores = torch.randn(B, KVH, 1, L, device="cuda", dtype=torch.bfloat16)
+    mask = flexdma.create_mask(scores, 100, is_causal=True, query_len=L)
+    bias = scores if bias_rows == 1 else torch.randn(B, KVH, L, L, device="cuda", dtype=torch.bfloat16)
     from flexdma import masks
 
     assert masks.selection_tile_meta(mask, L, L, True) is not None
@@ -203,3 +207,5 @@ def test_selection_tile_meta_changes_nothing_on_cuda():
         runs.append([out] + [t.grad for t in leaves])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+    if bias_rows > 1:  # no gradient where the mask keeps nothing: every unkept element written, as 0
+        assert not runs[0][4].masked_select(~mask).any()

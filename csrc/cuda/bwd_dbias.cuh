@@ -1,5 +1,5 @@
 // dbias of the backward: where a work item of the main pass adds dS, and the zeroing of the tiles
-// no work item keeps (run by bwd_pre_kernel).
+// no work item keeps.
 #pragma once
 #include <cstdint>
 
@@ -14,9 +14,8 @@ namespace cuda {
 // Where a work item of the main pass adds dS: a bias that varies along the keys (a bias constant
 // along them has a zero gradient, launch_bwd passes none).
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
-// the buffer comes unfilled, and bwd_pre_kernel zeroes the tiles no head of a plane keeps (the
-// main pass never writes them). vec (in_dtype only): contiguous keys and 16-byte aligned rows, so a
-// full tile is stored (and an unkept one zeroed) 8 elements a store.
+// the buffer comes unfilled, and the main pass zeroes the tiles no head of a plane keeps. vec (in_dtype only):
+// contiguous keys and 16-byte aligned rows, so a full tile is stored (and an unkept one zeroed) 8 elements a store.
 struct BwdDbias {
   void* ptr = nullptr;
   Broadcast4d layout;
@@ -24,56 +23,24 @@ struct BwdDbias {
   bool vec = false;
 };
 
-// A dbias stored in the bias dtype comes uninitialised, and the main pass writes only the tiles
-// some query head of a plane keeps. The CTA of a plane's first head zeroes the others of its query
-// tile (bounds and causality as the main pass's find_next, the heads' activity bits ORed): only
-// the unkept tiles are written, where a fill of the whole buffer first would write every byte
-// twice.
+// Zeroes one (query tile, key tile) tile of a dbias stored in the bias dtype, `vr` rows and `lc`
+// keys from `tile`. Block-uniform. The buffer comes unfilled and the main pass flushes only the
+// tiles some query head of a plane keeps; its CTAs zero the rest of their own key column as they
+// pass them (bwd_kernel.cuh): stores that drain while the SM's other CTA computes, where a fill of
+// the whole buffer first would write every byte twice and run alone.
 template <typename T>
-__device__ inline void zero_skipped_dbias(const BwdParams& p, const BwdDbias& db, int64_t b, int64_t h,
-                                          int64_t m_tile) {
+__device__ inline void zero_dbias_tile(const BwdDbias& db, T* tile, int vr, int lc) {
   const Broadcast4d& DL = db.layout;
-  const int nh = (int)DL.head_ratio;  // query heads of a dbias plane
-  if ((int)h % nh != 0) return;
-  const int64_t m0 = m_tile * kBlockM, nk = ceil_div(p.seqlen_k, kBlockN);
-  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
-  T* base = static_cast<T*>(db.ptr) + b * DL.batch_stride + (int)h / nh * DL.head_stride + m0 * DL.row_stride;
-  const uint32_t* meta = p.mask.ptr ? static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride +
-                                          m_tile * p.tile_meta.row_stride
-                                    : nullptr;
-#pragma unroll 1
-  for (int64_t t0 = 0; t0 < nk; t0 += 32) {
-    uint32_t live = 0;
-#pragma unroll 1
-    for (int i = 0; i < 32 && t0 + i < nk; ++i) live |= uint32_t(TileBounds(p, m0, (t0 + i) * kBlockN).any()) << i;
-    if (meta) {
-      uint32_t kept = 0;
-#pragma unroll 1
-      for (int j = 0; j < nh; ++j)
-        kept |= meta[(int)(h + j) / (int)p.tile_meta.head_ratio * p.tile_meta.head_stride + t0 / 32];
-      live &= kept;
-    }
-    const uint32_t valid = nk - t0 >= 32 ? 0xffffffffu : (1u << (nk - t0)) - 1u;
-    uint32_t dead = valid & ~live;
-#pragma unroll 1
-    while (dead) {
-      const int i = __ffs(dead) - 1;
-      dead &= dead - 1;
-      const int64_t n0 = (t0 + i) * kBlockN;
-      const int lc = (int)imin(kBlockN, p.seqlen_k - n0);
-      T* tile = base + n0 * DL.col_stride;
-      // Thread c: row c / 8, 8-key chunk c % 8 (a warp writes four 128-byte row segments).
+  // Thread c: row c / 8, 8-key chunk c % 8 (a warp writes four 128-byte row segments).
 #pragma unroll
-      for (int u = 0; u < kBlockM * kBlockN / 8 / kThreads; ++u) {
-        const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 8), col0 = (c % (kBlockN / 8)) * 8;
-        if (r >= vr || col0 >= lc) continue;
-        T* dst = tile + r * DL.row_stride + col0 * DL.col_stride;
-        if (db.vec && col0 + 8 <= lc) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-        } else {
-          for (int e = 0; e < 8 && col0 + e < lc; ++e) dst[e * DL.col_stride] = from_float<T>(0.f);
-        }
-      }
+  for (int u = 0; u < kBlockM * kBlockN / 8 / kThreads; ++u) {
+    const int c = threadIdx.x + u * kThreads, r = c / (kBlockN / 8), col0 = (c % (kBlockN / 8)) * 8;
+    if (r >= vr || col0 >= lc) continue;
+    T* dst = tile + r * DL.row_stride + col0 * DL.col_stride;
+    if (db.vec && col0 + 8 <= lc) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+      for (int e = 0; e < 8 && col0 + e < lc; ++e) dst[e * DL.col_stride] = from_float<T>(0.f);
     }
   }
 }
@@ -112,8 +79,8 @@ __device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB,
       }
     }
     // One write per element: this CTA owns the tile (its plane's heads are all summed);
-    // tiles no item writes are zero (the caller's float buffer; in the bias dtype,
-    // bwd_pre_kernel's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
+    // tiles no item writes are zero (the caller's float buffer; in the bias dtype, the
+    // main pass's zeroing). Thread owns key column tid % 64 of rows tid / 64 + 2u.
     constexpr int kRowStep = kThreads / kBlockN, kPer = kBlockM / kRowStep;
     const int col = threadIdx.x % kBlockN, r0 = threadIdx.x / kBlockN;
     const int64_t off = (m0 + r0) * DL.row_stride + (n0 + col) * DL.col_stride;

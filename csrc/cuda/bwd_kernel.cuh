@@ -174,6 +174,26 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const bool det = kDk && p.deterministic;
   int* pass = reinterpret_cast<int*>(smem + L::kPass);  // (query tile, head in group), thread 0's
   if (det && threadIdx.x == 0) pass[0] = mt_begin, pass[1] = 0;
+  // A dbias in the bias dtype comes unfilled: the tiles of this key column that no processed item
+  // flushes are zeroed as the walk passes them, (query tile, dbias plane of the group) in order
+  // from (0, 0) (the causally unseen query tiles first); the position is in pass[2..3], moved
+  // by thread 0 (after a barrier that ends every thread's read of it).
+  if (kDk && dbias.in_dtype && threadIdx.x == 0) pass[2] = 0, pass[3] = 0;
+  auto group_plane = [&](int gq_) { return DL.head_stride == 0 ? 0 : gq_ / (int)DL.head_ratio; };
+  auto group_planes = [&] { return DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio); };
+  auto zero_until = [&](int mt_e, int pl_e) {
+    int zmt = pass[2], zpl = pass[3];
+#pragma unroll 1
+    while (zmt < mt_e || (zmt == mt_e && zpl < pl_e)) {
+      const int64_t m0z = (int64_t)zmt * kBlockM;
+      const int plane = DL.head_stride == 0 ? 0 : kvh * ratio / (int)DL.head_ratio + zpl;
+      zero_dbias_tile<T>(dbias,
+                         static_cast<T*>(dbias.ptr) + b * DL.batch_stride + plane * DL.head_stride +
+                             m0z * DL.row_stride + (int64_t)n0 * DL.col_stride,
+                         (int)imin(kBlockM, p.seqlen_q - m0z), vc);
+      if (++zpl == group_planes()) zpl = 0, ++zmt;
+    }
+  };
   auto pass_until = [&](int mt_e, int gq_e) {
     if (threadIdx.x != 0) return;
     int pmt = pass[0], pgq = pass[1];
@@ -221,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     cp_async_wait<0>();
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
+    if (kDk && dbias.in_dtype) zero_until(mt, group_plane(gq));
     {
       const int h = kvh * ratio + gq;
       const int64_t m0 = mt * kBlockM;
@@ -326,6 +347,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         // warp's reads end at the barrier).
         T* sDst = sDO;
         __syncthreads();
+        if (dbias.in_dtype && threadIdx.x == 0) {  // past this item's plane tile, which it flushes
+          const int pl = group_plane(gq);
+          pass[2] = pl + 1 == group_planes() ? mt + 1 : mt;
+          pass[3] = pl + 1 == group_planes() ? 0 : pl + 1;
+        }
         stage_ds<T, D>(sDst, dp, w * 16);
         gemm_pv<T, D>(dk, dp, sQ);
         if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(b, h, mt), n_tile);
@@ -358,6 +384,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     mt = mt_n;
     have = have_n;
     slot ^= 1;
+  }
+  if (kDk && dbias.in_dtype) {
+    __syncthreads();  // the last item's move of the position (or its start) is seen
+    zero_until(m_tiles, 0);
   }
   cp_async_wait<0>();
   // Output pointers formed here, not at the start: live across the loop they took registers.

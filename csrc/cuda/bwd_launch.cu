@@ -1,6 +1,6 @@
-// Grids and launches of the backward: delta and the dbias zeros (one CTA per query tile, head,
-// batch), the main pass (one CTA per key tile, kv head, batch; dK / dV / dbias written, dQ added
-// into a float workspace), dq from that workspace. No two CTAs write the same dbias element.
+// Grids and launches of the backward: delta and lse (one CTA per query tile, head, batch), the main pass (one CTA per
+// key tile, kv head, batch; dK / dV / dbias written, dQ added into a float workspace), dq from that workspace. No two
+// CTAs write the same dbias element.
 #include "bwd_dbias.cuh"
 #include "bwd_kernel.cuh"
 #include "bwd_prepost.cuh"
@@ -61,7 +61,7 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
   }
   const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
-  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dbias, dqa, pf);
+  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa, pf);
   const dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
   bwd_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);

@@ -1,16 +1,14 @@
 // The kernels around the backward's main pass (bwd_kernel.cuh), one CTA per (query tile, head,
 // batch) each:
 // - before: delta = rowsum(dout * out) per row, the row term of dS = P (dP - delta), and lse in
-//   log2 units, both into the workspace (DqAccum), with out taken as out + out_resid (the forward's float output, split
-//   in two of out's dtype) where the forward kept it: a bf16-rounded out alone leaves an error per row that a dbias
-//   summed over the row's keys (a bias broadcast over keys, whose exact gradient is 0) returns whole. It also zeroes
-//   the dbias tiles the main pass never writes (a dbias stored in the bias dtype comes unfilled).
+//   log2 units, both into the workspace (DqAccum), with out taken as out + out_resid (the
+//   forward's float output, split in two of out's dtype) where the forward kept it: a bf16-rounded
+//   out alone leaves an error per row that a dbias summed over rows or heads accumulates.
 // - after: dq = softmax_scale * the float dQ accumulator (bwd_dq_accum.cuh's fragment order).
 #pragma once
 #include <cstdint>
 
 #include "../flash_dma_params.h"
-#include "bwd_dbias.cuh"
 #include "bwd_dq_accum.cuh"
 #include "constants.cuh"
 #include "mma_sm80.cuh"
@@ -25,8 +23,7 @@ struct PreFlags {
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
-    bwd_pre_kernel(const BwdParams p, const BwdDbias dbias, const DqAccum ws, const PreFlags f) {
+__global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const DqAccum ws, const PreFlags f) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
   const int64_t m0 = m_tile * kBlockM;
@@ -66,7 +63,6 @@ __global__ void __launch_bounds__(kThreads)
                        ? lse_log2(static_cast<const float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + m0 + r])
                        : CUDART_INF_F;
   }
-  if (dbias.in_dtype) zero_skipped_dbias<T>(p, dbias, b, h, m_tile);
 }
 
 template <typename T, int D>

@@ -138,8 +138,8 @@ struct BwdSmem {
   // fit an SM at D = 128).
   static constexpr int kMetaItems = kThreads * 32;
   static constexpr int kMeta = kDB + kBlockN * kBlockM * 4;
-  // Thread 0's position in the deterministic mode's turns (bwd_kernel.cuh): in registers it would
-  // hold two of every thread's.
+  // Positions of the item walk (bwd_kernel.cuh): the deterministic mode's turns, the dbias
+  // zeroing. In registers they would hold four of every thread's.
   static constexpr int kPass = kMeta + kThreads * 4;
   static constexpr int kBytes = kPass + 16 + (use_wgmma<D>() ? 1024 : 0);
   static_assert(kBytes <= kMaxSmemPerBlock, "backward smem layout too large");
