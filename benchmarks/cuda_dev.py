@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import torch
 import triton.testing
@@ -39,8 +40,8 @@ def main():
     ap.add_argument(
         "--parts",
         default="fwd,bwd,nomask,decode",
-        help="what to time, from fwd,bwd (the 32K rows), nomask, decode, model: a variant that changes "
-        "one kernel needs only its rows",
+        help="what to time, from fwd,bwd (the 32K rows), nomask, decode, model, maskbits: a variant that "
+        "changes one kernel needs only its rows",
     )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -52,7 +53,12 @@ def main():
     k = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
     v = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
     dout = torch.randn(B, L, H, D, device=dev, dtype=dt)
-    results = {"device": torch.cuda.get_device_name(), "seqlen": L, "window": W}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "seqlen": L,
+        "window": W,
+        "run_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
     for name, bshape in (("per_row", (1, 1, L, L)), ("per_key", (1, 1, 1, L))):
         if not parts & {"fwd", "bwd"}:
@@ -109,6 +115,16 @@ def main():
         results[f"decode_{Kd}_dense_sdpa_ms"] = bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds)
         )
+    if "maskbits" in parts:
+        # The API's forward with a per-key create_mask mask, whose tile activity bits come from its
+        # selection, and with a copy of it, whose bits the op computes from the mask's bytes.
+        bias = torch.randn(1, 1, 1, L, device=dev, dtype=dt)
+        mask = flexdma.create_mask(bias, W, is_causal=True, query_len=L)
+        for name, m in (("selection", mask), ("copy", mask.clone())):
+            results[f"maskbits_{name}_fwd_ms"] = bench(
+                lambda: flexdma.flash_dma_attention(q, k, v, attn_mask=m, attn_bias=bias, is_causal=True)
+            )
+        del bias, mask
     if "model" in parts:
         results["model_flex_bias_grad"] = True  # what report.cuda_dev_section describes
         for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):

@@ -299,10 +299,10 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         except (OSError, ValueError):
             continue
         if any(k.startswith("model_") for k in doc):
-            runs.append((os.path.basename(path), doc))
+            runs.append((doc.get("run_at", ""), os.path.basename(path), doc))
     if not runs:
         return []
-    name, doc = runs[-1]
+    _, name, doc = max(runs, key=lambda r: r[:2])  # the newest run (by its time, then name)
     flex_note = (
         "FlexAttention computes the bias gradient too."
         if doc.get("model_flex_bias_grad")
@@ -335,6 +335,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
             ["same run, B=1 H=2 KVH=1 D=128", "ms"],
             [
                 ["32K, per-row bias, mask W=1024: fwd / bwd", f"{ms('per_row_fwd_ms')} / {ms('per_row_bwd_ms')}"],
+                ["32K, per-row bias: bwd, deterministic", ms("per_row_bwd_det_ms")],
                 ["32K, per-key bias, mask W=1024: fwd / bwd", f"{ms('per_key_fwd_ms')} / {ms('per_key_bwd_ms')}"],
                 [
                     "16K causal, no mask: flexdma / dense SDPA",
