@@ -209,7 +209,7 @@ def _remember_tiles(mask: torch.Tensor, key_rank: torch.Tensor, row_thr: torch.T
     kt, qt = -(-K // T), -(-Q // T)
     rank_min = F.pad(key_rank, (0, kt * T - K), value=_INT32_MAX).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
-    _SELECTION_TILES[mask] = (mask._version, rank_min, thr_max, is_causal)
+    _SELECTION_TILES[mask] = (mask._version, rank_min, thr_max, is_causal, {})
 
 
 def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> Optional[torch.Tensor]:
@@ -225,9 +225,18 @@ def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_cau
     entry = _SELECTION_TILES.get(mask)
     if entry is None:
         return None
-    version, rank_min, thr_max, mask_causal = entry
+    version, rank_min, thr_max, mask_causal, done = entry
     if mask._version != version or mask.shape[2] not in (1, seqlen_q) or mask.shape[3] != seqlen_k:
         return None
+    # Kept per call signature: a model's layers share one mask, and the bits are a dozen small
+    # kernels whose launches would cost about what the pass over the mask does.
+    key = (seqlen_q, seqlen_k, bool(is_causal))
+    if key not in done:
+        done[key] = _selection_bits(mask, rank_min, thr_max, mask_causal or is_causal, seqlen_q, seqlen_k)
+    return done[key]
+
+
+def _selection_bits(mask, rank_min, thr_max, causal, seqlen_q, seqlen_k) -> torch.Tensor:
     from . import _C
 
     T, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
@@ -235,7 +244,7 @@ def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_cau
     # A mask with a query dim of 1 (not causal) has one threshold for every row.
     thr_max = thr_max.expand(*thr_max.shape[:2], qt) if mask.shape[2] == 1 else thr_max
     active = rank_min[:, :, None, :] <= thr_max[:, :, :, None]
-    if mask_causal or is_causal:
+    if causal:
         # Some key of tile kt is visible from the tile's last row: kt * T <= last row + K - Q.
         dev = active.device
         last_row = torch.clamp((torch.arange(qt, device=dev) + 1) * T, max=seqlen_q) - 1

@@ -172,7 +172,8 @@ def test_selection_tile_meta_only_for_the_mask_it_describes():
 
     bias = torch.randn(1, 2, 1, 300)
     mask = flexdma.create_mask(bias, 20, is_causal=True, query_len=200)
-    assert masks.selection_tile_meta(mask, 200, 300, True) is not None
+    bits = masks.selection_tile_meta(mask, 200, 300, True)
+    assert bits is not None and masks.selection_tile_meta(mask, 200, 300, True) is bits  # computed once
     assert masks.selection_tile_meta(mask.clone(), 200, 300, True) is None  # not create_mask's tensor
     assert masks.selection_tile_meta(mask, 100, 300, True) is None  # other lengths
     mask[0, 0, 5, 7] = True  # changed after create_mask: its selection no longer describes it
