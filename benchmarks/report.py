@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 from .configs import FLEXDMA_PEERS, PEERS, Case
@@ -311,7 +312,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "flexdma's."
     )
     ms = lambda k: f"{doc[k]:.3f}" if isinstance(doc.get(k), (int, float)) and doc[k] > 0 else "–"  # noqa: E731
-    shapes = sorted({k.split("_")[1] + "_" + k.split("_")[2] for k in doc if k.startswith("model_")})
+    shapes = sorted({m.group(1) for k in doc if (m := re.match(r"model_(\d+_d\d+)_", k))})
     body = []
     for shape in sorted(shapes, key=lambda x: (x.split("_")[1], int(x.split("_")[0]))):
         L, d = shape.split("_")
@@ -326,8 +327,9 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
-        "dense SDPA over all keys; bwd = fwd+bwd minus fwd (flexdma: the backward op alone, with the bias "
-        f"gradient). {flex_note} A negative or missing time is shown as –.",
+        "dense SDPA over all keys; flexdma fwd = the forward op as inference runs it (no out_resid: a "
+        "training forward also stores out's rounding error); bwd = fwd+bwd minus fwd (flexdma: the backward "
+        f"op alone, with the bias gradient). {flex_note} A negative or missing time is shown as –.",
         "",
         _table(["shape", "flexdma fwd / bwd ms", "FlexAttention fwd / bwd ms", "dense SDPA fwd / bwd ms"], body),
         "",

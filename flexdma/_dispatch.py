@@ -134,8 +134,8 @@ def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
         meta = masks.selection_tile_meta(mask, q.shape[1], k.shape[1], is_causal)
         if meta is None and train:
             meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal)
-    # out_resid stays with autograd, which hands it to the backward.
-    out, lse, _ = _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta)
+    # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
+    out, lse, _ = _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta, train)
     return out, lse
 
 

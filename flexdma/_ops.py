@@ -35,11 +35,13 @@ def _keeps_residual(q) -> bool:
 
 
 @torch.library.register_fake("flexdma::fwd")
-def _fwd_fake(q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta=None):
+def _fwd_fake(
+    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta=None, keep_resid=True
+):
     B, Q, H, _ = q.shape
     out = q.new_empty(q.shape)
     lse = q.new_empty((B, H, Q), dtype=_acc_dtype(q.dtype))
-    resid = q.new_empty(q.shape) if _keeps_residual(q) else q.new_empty((0,))
+    resid = q.new_empty(q.shape) if keep_resid and _keeps_residual(q) else q.new_empty((0,))
     return out, lse, resid
 
 
@@ -92,7 +94,7 @@ def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta = inputs
+    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta, _ = inputs
     out, lse, resid = output
     # The forward's tile activity bits serve the backward too: one pass over the mask per step.
     ctx.save_for_backward(q, k, v, attn_mask, attn_bias, out, lse, tile_meta, resid)
@@ -129,7 +131,7 @@ def _backward(ctx, grad_out, grad_lse, grad_resid):
         tile_meta,
         resid,
     )
-    return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None
+    return dq, dk, dv, None, (dbias if bias_grad else None), None, None, None, None, None, None
 
 
 torch.library.register_autograd("flexdma::fwd", _backward, setup_context=_setup_context)

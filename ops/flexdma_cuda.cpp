@@ -34,18 +34,20 @@ c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const 
   return tile_meta_cuda(*mask, q.size(1), k.size(1), is_causal);
 }
 
-// out_resid is always written: the backward's rowsum(dout * out) needs out in float.
+// out_resid is written where keep_resid says a backward will follow: its rowsum(dout * out) needs
+// out in float. An inference call skips the store (one more out-sized write).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                         const c10::optional<at::Tensor>& mask,
                                                         const c10::optional<at::Tensor>& bias, double softmax_scale,
                                                         bool is_causal, double softcap, bool /*deterministic*/,
-                                                        const c10::optional<at::Tensor>& tile_meta) {
+                                                        const c10::optional<at::Tensor>& tile_meta, bool keep_resid) {
   c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor resid = at::empty(q.sizes(), q.options());  // same layout as fwd_impl's out
+  // Same layout as fwd_impl's out.
+  at::Tensor resid = keep_resid ? at::empty(q.sizes(), q.options()) : at::empty({0}, q.options());
   auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap,
                              meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
                                FwdParams p = given;
-                               p.out_resid = resid.data_ptr();
+                               p.out_resid = keep_resid ? resid.data_ptr() : nullptr;
                                check_supported(p);
                                cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
                                C10_CUDA_KERNEL_LAUNCH_CHECK();

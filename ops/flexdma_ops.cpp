@@ -42,7 +42,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, cons
                                                        const c10::optional<at::Tensor>& bias, double softmax_scale,
                                                        bool is_causal, double softcap,
                                                        bool /*deterministic: read by the backward*/,
-                                                       const c10::optional<at::Tensor>& tile_meta) {
+                                                       const c10::optional<at::Tensor>& tile_meta,
+                                                       bool /*keep_resid: never kept here*/) {
   auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta,
                              [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
   return {out, lse, at::empty({0}, q.options())};
@@ -143,11 +144,12 @@ TORCH_LIBRARY(flexdma, m) {
   // result minus out, in out's dtype and layout) where a kernel keeps out in float but returns it
   // rounded (the CUDA one, which writes it): its backward computes delta = rowsum(dout * out) in a
   // pass before its main kernel, and a bf16-rounded out is too coarse for a dbias summed over rows
-  // or keys. Empty on CPU, whose backward computes the row sums itself. bwd given none (or an
-  // empty one) uses out alone.
+  // or keys. Empty on CPU, whose backward computes the row sums itself, and where keep_resid is
+  // false (no backward will follow: the API passes whether one can). bwd given none (or an empty
+  // one) uses out alone.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? attn_bias, float softmax_scale, "
-      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None) "
+      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None, bool keep_resid=True) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
   m.def(

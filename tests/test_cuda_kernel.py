@@ -217,6 +217,17 @@ def test_backward_is_bitwise_deterministic(case, D):
             assert torch.equal(a, b)
 
 
+def test_forward_without_resid_for_inference():
+    # keep_resid=False (no backward will follow) skips out's rounding error and nothing else.
+    q, k, v = make_qkv(1, 200, 200, 2, 1, 64, dtype=torch.bfloat16, device=DEV)
+    out, lse, resid = fwd(q, k, v, None, None, 0.125, True, 0.0, False)
+    out2, lse2, resid2 = fwd(q, k, v, None, None, 0.125, True, 0.0, False, keep_resid=False)
+    assert resid.shape == out.shape and resid2.numel() == 0
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    # The residual is out's rounding error: |resid| <= half an ulp of out.
+    assert (resid.float().abs() <= out.float().abs() * 2.0**-8 + 1e-30).all()
+
+
 @pytest.mark.parametrize("dtype,D", [(torch.float32, 64), (torch.bfloat16, 80)])
 def test_unsupported_calls_raise(dtype, D):
     q, k, v = make_qkv(1, 8, 8, 2, 1, D, dtype=dtype, device=DEV)
