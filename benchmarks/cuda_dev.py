@@ -59,6 +59,7 @@ def main():
         "seqlen": L,
         "window": W,
         "run_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "fwd_inference": True,  # forwards timed with keep_resid=False (what report.cuda_dev_section says)
     }
 
     for name, bshape in (("per_row", (1, 1, L, L)), ("per_key", (1, 1, 1, L))):

@@ -311,6 +311,12 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "ran with the small-block config a bias gradient needs: its bwd times are not comparable to "
         "flexdma's."
     )
+    fwd_note = (
+        "flexdma fwd = the forward op as inference runs it (a training forward also stores out's rounding "
+        "error, out_resid)"
+        if doc.get("fwd_inference")
+        else "flexdma fwd = the forward op storing out_resid too (as training runs it)"
+    )
     ms = lambda k: f"{doc[k]:.3f}" if isinstance(doc.get(k), (int, float)) and doc[k] > 0 else "–"  # noqa: E731
     shapes = sorted({m.group(1) for k in doc if (m := re.match(r"model_(\d+_d\d+)_", k))})
     body = []
@@ -327,8 +333,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
-        "dense SDPA over all keys; flexdma fwd = the forward op as inference runs it (no out_resid: a "
-        "training forward also stores out's rounding error); bwd = fwd+bwd minus fwd (flexdma: the backward "
+        f"dense SDPA over all keys; {fwd_note}; bwd = fwd+bwd minus fwd (flexdma: the backward "
         f"op alone, with the bias gradient). {flex_note} A negative or missing time is shown as –.",
         "",
         _table(["shape", "flexdma fwd / bwd ms", "FlexAttention fwd / bwd ms", "dense SDPA fwd / bwd ms"], body),
