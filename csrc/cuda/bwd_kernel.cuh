@@ -2,7 +2,7 @@
 // per (key tile, kv head, batch), warp w owns keys [16w, 16w + 16); it walks the query tiles and,
 // inside each, the query heads of its kv head in a fixed order, with S^T = K Q^T and dP^T = V dO^T,
 // dV += P^T dO, dK += dS^T Q in registers, and dQ += dS K added into a float buffer per query tile
-// (bwd_dq_accum.cuh; bwd_post_kernel converts it). delta (softmax_d) comes from bwd_pre_kernel.
+// (bwd_dq_accum.cuh; bwd_post_kernel converts it); each row's delta and lse come from bwd_pre_kernel.
 // dS of the heads that share a dbias plane is summed in a float smem tile and written once per
 // query tile (fixed order, so bitwise reproducible; bwd_dbias.cuh): a float read-modify-write per
 // head would dominate the dbias traffic, and a tile written once can go straight to the bias dtype
@@ -169,10 +169,10 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   int slot = 0;
   bool first = true;  // first head of this (query tile, dbias plane): sDB starts from its dS
   bool have = find_next(mt, gq, sKeep);
-  // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from
-  // its position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
+  // Positions of the walk kept in smem by thread 0: pass[0..1] the deterministic mode's
+  // (query tile, head in group), pass[2..3] the dbias zeroing's (query tile, plane in group).
   const bool det = kDk && p.deterministic;
-  int* pass = reinterpret_cast<int*>(smem + L::kPass);  // (query tile, head in group), thread 0's
+  int* pass = reinterpret_cast<int*>(smem + L::kPass);
   if (det && threadIdx.x == 0) pass[0] = mt_begin, pass[1] = 0;
   // A dbias in the bias dtype comes unfilled: the tiles of this key column that no processed item
   // flushes are zeroed as the walk passes them, (query tile, dbias plane of the group) in order
@@ -194,6 +194,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       if (++zpl == group_planes()) zpl = 0, ++zmt;
     }
   };
+  // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from its
+  // position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
   auto pass_until = [&](int mt_e, int gq_e) {
     if (threadIdx.x != 0) return;
     int pmt = pass[0], pgq = pass[1];
