@@ -87,6 +87,10 @@ def test_cpu_fwd_returns_no_out_resid_and_bwd_needs_none():
         for a, b, name in zip(plain, got, ("dq", "dk", "dv", "dbias")):
             assert torch.equal(a, b), f"{name} differs with out_resid={given}"
     torch.library.opcheck(bwd, args + (None, resid))
+    # keep_resid=False (no backward will follow) changes nothing else.
+    out2, lse2, resid2 = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, keep_resid=False)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and resid2.shape == (0,)
+    torch.library.opcheck(fwd, (q, k, v, mask, bias, 0.25, True, 0.0, False, None, False))
 
 
 GRADCHECK_CASES = [
