@@ -108,8 +108,9 @@ struct BwdParams : FwdParams {
   // different (batch, kv head) work items never share an element: such a dim is broadcast
   // (stride 0) only if one work item covers all of it (the query heads of one kv head); the
   // caller sums the leftover dims (batch; kv heads) in a fixed order and casts. Query rows and
-  // keys keep the bias's own extent: a bias broadcast over rows (per-key) or over keys leaves
-  // the kernel to sum over them, in a fixed order (no atomics).
+  // keys keep the bias's own extent: a bias broadcast over rows (per-key) leaves the kernel to
+  // sum over them, in a fixed order (no atomics). A bias broadcast over keys gets no accumulator
+  // (null): its gradient is exactly zero, written by the caller.
   Broadcast4d dbias_accum;
 
   // When true, dbias_accum has the bias dtype (not float) and receives the final gradient: no

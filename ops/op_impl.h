@@ -34,13 +34,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());
   const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
+  // A bias constant along the keys (key dim 1) adds one number to every score of a row, which the
+  // softmax ignores: its gradient is exactly zero on every device, and no kernel sums it (summed
+  // from dS it would return the rounding of delta, the CUDA kernels' rowsum(dout * out)).
+  const bool dbias_zero = want_dbias && bias->dim() == 4 && bias->size(3) == 1;
   // device_stores_dbias_dtype: the device's kernel honours BwdParams::dbias_in_dtype, and with
   // it writes every element of dbias (zeros too), so the buffer is not filled here first.
   const bool dbias_direct = want_dbias && device_stores_dbias_dtype && dbias_needs_no_finish(q, k, *bias);
   c10::optional<at::Tensor> accum;
   if (dbias_direct) {
     accum = at::empty(bias->sizes(), q.options().dtype(bias->scalar_type()));
-  } else if (want_dbias) {
+  } else if (want_dbias && !dbias_zero) {
     accum = alloc_dbias_accum(q, k, *bias);
   }
   // Scratch for delta_i, the row term of dS = P * (dP - delta), (B, H, Q), in the accumulation
@@ -65,7 +69,10 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     dv.zero_();
     if (dbias_direct) accum->zero_();  // e.g. batch 0 with a (1, H, Q, K) bias: no kernel wrote it
   }
-  at::Tensor dbias = !want_dbias ? at::empty({0}, q.options()) : dbias_direct ? *accum : finish_dbias(*accum, *bias);
+  at::Tensor dbias = !want_dbias    ? at::empty({0}, q.options())
+                     : dbias_zero   ? at::zeros(bias->sizes(), bias->options())
+                     : dbias_direct ? *accum
+                                    : finish_dbias(*accum, *bias);
   return {dq, dk, dv, dbias};
 }
 

@@ -384,3 +384,19 @@ def test_baseline_copy_matches_reference(tmp_path):
     if _cpu_has_avx2_fma():
         # This process runs the AVX2 copy (other rounding: fused multiply-adds): the variable took effect.
         assert differs, "FLEXDMA_CPU_NO_AVX2=1 gave the AVX2 copy's bits"
+
+
+def test_bias_constant_along_keys_has_zero_gradient():
+    # Softmax ignores a per-row shift: the op returns that gradient as exact zeros in the bias's
+    # shape and dtype (summed from dS it would be rounding noise), and the other gradients are
+    # those of the same call without the bias.
+    q, k, v, mask, _ = _inputs(True, False, requires_grad=False, bias_requires_grad=False)
+    bias = torch.randn(q.shape[0], q.shape[2], q.shape[1], 1, dtype=q.dtype)
+    out, lse, resid = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False)
+    dout = torch.randn_like(out)
+    dq, dk, dv, dbias = bwd(dout, q, k, v, mask, bias, out, lse, 0.25, True, 0.0, True, False)
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype and not dbias.any()
+    out0, lse0, _ = fwd(q, k, v, mask, None, 0.25, True, 0.0, False)
+    ref = bwd(dout, q, k, v, mask, None, out0, lse0, 0.25, True, 0.0, False, False)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), ref[:3]):
+        torch.testing.assert_close(a, b, msg=name)

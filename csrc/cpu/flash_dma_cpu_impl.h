@@ -518,7 +518,7 @@ template <class T>
 void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename Elem<T>::acc* lse_row,
                        const typename Elem<T>::acc* delta_row, typename Elem<T>::acc* s,
                        const typename Elem<T>::acc* th, const typename Elem<T>::acc* dp, typename Elem<T>::acc* pbuf,
-                       typename Elem<T>::acc* ds, typename Elem<T>::acc* p_sum = nullptr) {
+                       typename Elem<T>::acc* ds) {
   using A = typename Elem<T>::acc;
   for (int64_t r = 0; r < m; ++r) {
     A* __restrict srow = s + r * kBlockN;
@@ -533,8 +533,7 @@ void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename El
       continue;
     }
     const A dl = delta_row[r];
-    const A z = exp_sub_sum(srow, l, prow, n);
-    if (p_sum) p_sum[r] += z;
+    exp_sub_sum(srow, l, prow, n);
     for (int64_t c = 0; c < n; ++c) dsrow[c] = prow[c] * (dprow[c] - dl);
     if (cx.cap > 0) {
       const A* trow = th + r * kBlockN;
@@ -571,17 +570,14 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
   // accumulator it points to here is a writable buffer owned by the caller.
   A* dbias = static_cast<A*>(const_cast<void*>(p.dbias_accum.ptr));
   const Broadcast4d& db = p.dbias_accum;
-  // A bias broadcast over keys (col stride 0) is a per-row shift, which softmax cancels: its
-  // gradient is sum_j dS_ij = delta_i * (1 - sum_j P_ij), 0 up to rounding. Pass 1 (or the fused
-  // item) sees whole rows, so it writes that per (b, h, row) into row_dbias, reduced in a fixed
-  // order afterwards; key tiles (separate work items of pass 2) never share an accumulator element.
-  const bool dbias_by_row = dbias && db.col_stride == 0;
-  std::vector<A> row_dbias;
+  // A bias broadcast over keys gets no accumulator (its gradient is zero, BwdParams): key tiles
+  // would share its elements.
   if (dbias) {
     if ((db.batch_stride == 0 && cx.B > 1) || (db.head_stride == 0 && cx.KVH > 1) ||
         (db.head_stride != 0 && cx.group % db.head_ratio != 0 && db.head_ratio % cx.group != 0))
       throw std::invalid_argument("flexdma cpu: dbias accumulator shared across (batch, kv head) work items");
-    if (dbias_by_row) row_dbias.assign(static_cast<size_t>(cx.B * H * Q), A(0));
+    if (db.col_stride == 0 && cx.K > 1)
+      throw std::invalid_argument("flexdma cpu: dbias accumulator broadcast over keys (its gradient is zero)");
   }
 
   const KeySide<T> keys(cx, /*with_vt=*/true, parallel_for);
@@ -598,7 +594,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
   const auto pass1 = [&](int64_t begin, int64_t end) {
     std::vector<A> qf(kBlockM * D), dof(kBlockM * D);
     std::vector<A> s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN), pb(kBlockM * kBlockN),
-        ds(kBlockM * kBlockN), dq_acc(kBlockM * D), pdp_sum(kBlockM), p_sum(kBlockM);
+        ds(kBlockM * kBlockN), dq_acc(kBlockM * D), pdp_sum(kBlockM);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t qt = item % cx.n_qt, h = (item / cx.n_qt) % H, b = item / (cx.n_qt * H);
       const int64_t kvh = h / cx.group;
@@ -606,7 +602,6 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
       const int64_t lrow = (b * H + h) * Q + i0;
       std::fill(dq_acc.begin(), dq_acc.begin() + m * D, A(0));
       std::fill(pdp_sum.begin(), pdp_sum.end(), A(0));
-      std::fill(p_sum.begin(), p_sum.end(), A(0));
       load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D, qf.data());
       load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
                 dof.data());
@@ -615,8 +610,8 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
         const T* orows = out + b * p.o_batch_stride + h * p.o_head_stride + i0 * p.o_row_stride;
         for (int64_t r = 0; r < m; ++r) delta[lrow + r] = dot(dof.data() + r * D, orows + r * p.o_row_stride, D);
       }
-      // Sweep 0 (bf16 / fp16 only): delta_i = sum_j P_ij dP_ij and sum_j P_ij. Sweep 1: dS and
-      // dq (and sum_j P_ij when sweep 0 did not run). With one key tile sweep 1 reuses sweep 0's tiles.
+      // Sweep 0 (bf16 / fp16 only): delta_i = sum_j P_ij dP_ij. Sweep 1: dS and dq. With one key
+      // tile sweep 1 reuses sweep 0's tiles.
       for (int sweep = kDeltaFromOut ? 1 : 0; sweep < 2; ++sweep) {
         for (int64_t ktile = 0; ktile < kt_end; ++ktile) {
           const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
@@ -631,24 +626,17 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
               const A l = lse[lrow + r];
               if (l == -std::numeric_limits<A>::infinity()) continue;
               A* prow = pb.data() + r * kBlockN;
-              p_sum[r] += exp_sub_sum(s.data() + r * kBlockN, l, prow, n);
+              exp_sub_sum(s.data() + r * kBlockN, l, prow, n);
               pdp_sum[r] += dot(prow, dp.data() + r * kBlockN, n);
             }
             continue;
           }
-          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(), ds.data(),
-                            kDeltaFromOut && dbias_by_row ? p_sum.data() : nullptr);
+          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(), ds.data());
           gemm_acc(m, D, n, s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_acc.data(), D);
         }
-        if (sweep == 0) {
-          for (int64_t r = 0; r < m; ++r) {
-            delta[lrow + r] = pdp_sum[r];
-            if (dbias_by_row) row_dbias[lrow + r] = pdp_sum[r] * (A(1) - p_sum[r]);
-          }
-        }
+        if (sweep == 0)
+          for (int64_t r = 0; r < m; ++r) delta[lrow + r] = pdp_sum[r];
       }
-      if (kDeltaFromOut && dbias_by_row)
-        for (int64_t r = 0; r < m; ++r) row_dbias[lrow + r] = delta[lrow + r] * (A(1) - p_sum[r]);
       store_rows(dq_acc.data(), m, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride + i0 * p.dq_row_stride,
                  p.dq_row_stride);
     }
@@ -657,9 +645,8 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
 
   // Pass 2 (split) or the whole backward (fused): dk, dv and dbias of key tile `ktile` of
   // (b, kvh), over the query heads of kvh and every query tile. In the fused backward also that
-  // tile's share of dq (dq_rows: [group][Q][D] of this (b, kvh)) and of sum_j P_ij (p_rows:
-  // [group][Q], for a bias broadcast over keys); the products and their order are those of
-  // pass 1, so both schedules give the same bits.
+  // tile's share of dq (dq_rows: [group][Q][D] of this (b, kvh)); the products and their order
+  // are those of pass 1, so both schedules give the same bits.
   struct Scratch {
     std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
     explicit Scratch(int64_t D)
@@ -674,7 +661,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
           dk_acc(kBlockN * D),
           dv_acc(kBlockN * D) {}
   };
-  auto key_tile = [&](Scratch& w, int64_t b, int64_t kvh, int64_t ktile, A* dq_rows, A* p_rows) {
+  auto key_tile = [&](Scratch& w, int64_t b, int64_t kvh, int64_t ktile, A* dq_rows) {
     const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
     std::fill(w.dk_acc.begin(), w.dk_acc.begin() + n * D, A(0));
     std::fill(w.dv_acc.begin(), w.dv_acc.begin() + n * D, A(0));
@@ -693,14 +680,14 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
         gemm_set_padded(m, n, D, w.dof.data(), D, vtile_t, keys.ld_t, w.dp.data(), kBlockN);
         const int64_t lrow = (b * H + h) * Q + i0;
         softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, w.s.data(), w.th.data(), w.dp.data(), w.pb.data(),
-                          w.ds.data(), p_rows ? p_rows + hh * Q + i0 : nullptr);
+                          w.ds.data());
         // dV += P^T dO, dK += dS_raw^T Q (transposed tiles in tt, [kBlockN][kBlockM]).
         transpose(w.pb.data(), kBlockN, m, n, w.tt.data(), kBlockM);
         gemm_acc(n, D, m, w.tt.data(), kBlockM, w.dof.data(), D, w.dv_acc.data(), D);
         transpose(w.s.data(), kBlockN, m, n, w.tt.data(), kBlockM);
         gemm_acc(n, D, m, w.tt.data(), kBlockM, w.qf.data(), D, w.dk_acc.data(), D);
         if (dq_rows) gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_rows + (hh * Q + i0) * D, D);
-        if (dbias && !dbias_by_row) {
+        if (dbias) {
           for (int64_t r = 0; r < m; ++r) {
             A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
             const A* dsrow = w.ds.data() + r * kBlockN;
@@ -721,7 +708,7 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
       Scratch w(D);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
-        key_tile(w, b, kvh, ktile, nullptr, nullptr);
+        key_tile(w, b, kvh, ktile, nullptr);
       }
     });
   } else if constexpr (kDeltaFromOut) {
@@ -729,11 +716,10 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
     // float over them as pass 1 would.
     parallel_for(cx.B * cx.KVH, [&](int64_t begin, int64_t end) {
       Scratch w(D);
-      std::vector<A> dq_rows(static_cast<size_t>(cx.group * Q * D)), p_rows(static_cast<size_t>(cx.group * Q));
+      std::vector<A> dq_rows(static_cast<size_t>(cx.group * Q * D));
       for (int64_t item = begin; item < end; ++item) {
         const int64_t kvh = item % cx.KVH, b = item / cx.KVH;
         std::fill(dq_rows.begin(), dq_rows.end(), A(0));
-        std::fill(p_rows.begin(), p_rows.end(), A(0));
         for (int64_t hh = 0; hh < cx.group; ++hh) {
           const int64_t h = kvh * cx.group + hh;
           for (int64_t i = 0; i < Q; ++i) {
@@ -742,27 +728,12 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
                 dot(w.dof.data(), out + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride, D);
           }
         }
-        for (int64_t ktile = 0; ktile < cx.n_kt; ++ktile)
-          key_tile(w, b, kvh, ktile, dq_rows.data(), dbias_by_row ? p_rows.data() : nullptr);
+        for (int64_t ktile = 0; ktile < cx.n_kt; ++ktile) key_tile(w, b, kvh, ktile, dq_rows.data());
         for (int64_t hh = 0; hh < cx.group; ++hh) {
           const int64_t h = kvh * cx.group + hh;
           store_rows(dq_rows.data() + hh * Q * D, Q, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride,
                      p.dq_row_stride);
-          if (dbias_by_row)
-            for (int64_t i = 0; i < Q; ++i)
-              row_dbias[(b * H + h) * Q + i] = delta[(b * H + h) * Q + i] * (A(1) - p_rows[hh * Q + i]);
         }
-      }
-    });
-  }
-
-  if (dbias_by_row) {
-    // Per (batch, kv head): its query heads and rows in ascending order, a fixed order.
-    parallel_for(cx.B * cx.KVH, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t kvh = item % cx.KVH, b = item / cx.KVH;
-        for (int64_t h = kvh * cx.group; h < (kvh + 1) * cx.group; ++h)
-          for (int64_t i = 0; i < Q; ++i) dbias[Ctx<T>::offset(db, b, h, i)] += row_dbias[(b * H + h) * Q + i];
       }
     });
   }

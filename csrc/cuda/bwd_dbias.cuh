@@ -11,8 +11,8 @@
 namespace flexdma {
 namespace cuda {
 
-// Where a work item of the main pass adds dS: a bias that varies along the keys (a bias constant
-// along them has a zero gradient, launch_bwd passes none).
+// Where a work item of the main pass adds dS: a bias that varies along the keys (the caller passes
+// no accumulator for one constant along them, whose gradient is zero).
 // in_dtype: ptr holds T and the full (per-row / per-element) tiles are stored as final values;
 // the buffer comes unfilled, and the main pass zeroes the tiles no head of a plane keeps. vec (in_dtype only):
 // contiguous keys and 16-byte aligned rows, so a full tile is stored (and an unkept one zeroed) 8 elements a store.

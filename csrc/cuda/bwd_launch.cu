@@ -48,12 +48,8 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   dqa.ptr = reinterpret_cast<float*>(ws + 2 * row_bytes);
   if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + 2 * row_bytes + acc_bytes);
 
-  // A bias constant along the keys (per row, head, batch or scalar) adds the same number to every
-  // score of a row, which the softmax ignores: its gradient is exactly zero, and the caller's
-  // accumulator comes zero-filled. Summing dS over a row's keys instead would return the
-  // rounding of delta (rowsum(dout * out), from the forward's float output), not zero.
   BwdDbias dbias;
-  if (p.dbias_accum.ptr && p.bias.col_stride != 0 && p.seqlen_k > 1) {
+  if (p.dbias_accum.ptr) {
     dbias.ptr = const_cast<void*>(p.dbias_accum.ptr);
     dbias.layout = p.dbias_accum;
     dbias.in_dtype = p.dbias_in_dtype;
