@@ -27,7 +27,7 @@ import triton.language as tl
 
 from . import _C, topk
 
-NEVER = 2147483647  # key_rank of a key no row keeps
+NEVER = topk.NEVER  # key_rank of a key no row keeps
 LOG2E = 1.4426950408889634
 # The same, as the compile-time constants kernels may read.
 _NEVER = tl.constexpr(NEVER)

@@ -198,16 +198,15 @@ def _per_key_mask(
 # query tile's widest threshold (the causal cut aside). Holding the per-tile minimum rank and
 # maximum threshold, the bits cost O(tiles) instead of a pass over the mask.
 _SELECTION_TILES = WeakIdKeyDictionary()
-_INT32_MAX = 2**31 - 1
 
 
 def _remember_tiles(mask: torch.Tensor, key_rank: torch.Tensor, row_thr: torch.Tensor, is_causal: bool) -> None:
-    from . import _C
+    from . import _C, topk
 
     T = _C.TILE_SIZE
     K, Q = key_rank.shape[-1], row_thr.shape[-1]
     kt, qt = -(-K // T), -(-Q // T)
-    rank_min = F.pad(key_rank, (0, kt * T - K), value=_INT32_MAX).view(*key_rank.shape[:2], kt, T).amin(-1)
+    rank_min = F.pad(key_rank, (0, kt * T - K), value=topk.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
     _SELECTION_TILES[mask] = (mask._version, rank_min, thr_max, is_causal, {})
 

@@ -42,8 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, con
                                                         bool is_causal, double softcap, bool /*deterministic*/,
                                                         const c10::optional<at::Tensor>& tile_meta, bool keep_resid) {
   c10::cuda::CUDAGuard guard(q.device());
-  // Same layout as fwd_impl's out.
-  at::Tensor resid = keep_resid ? at::empty(q.sizes(), q.options()) : at::empty({0}, q.options());
+  at::Tensor resid = keep_resid ? alloc_out(q) : at::empty({0}, q.options());
   auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap,
                              meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
                                FwdParams p = given;
@@ -97,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   check_qkv(q, k, v);
   const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  at::Tensor resid = at::empty(q.sizes(), q.options());  // same layout as fwd_impl's out
+  at::Tensor resid = alloc_out(q);
   auto [out, lse] =
       topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, [&](const FwdParams& rule) {
         FwdParams p = rule;

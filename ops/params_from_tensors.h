@@ -220,8 +220,11 @@ inline Broadcast4d tile_keys_operand(const at::Tensor& x, const at::Tensor& key_
   return b;
 }
 
+// out, and out's rounding error (FwdParams::out_resid), which the kernels index with out's strides.
+inline at::Tensor alloc_out(const at::Tensor& q) { return at::empty(q.sizes(), q.options()); }
+
 inline std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& q) {
-  auto out = at::empty(q.sizes(), q.options());
+  auto out = alloc_out(q);
   auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_type(q.scalar_type())));
   return {out, lse};
 }
