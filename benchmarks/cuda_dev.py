@@ -124,15 +124,18 @@ def main():
             lambda: torch.nn.functional.scaled_dot_product_attention(qd.transpose(1, 2), kds, vds)
         )
     if "maskbits" in parts:
-        # The API's forward with a per-key create_mask mask, whose tile activity bits come from its
-        # selection, and with a copy of it, whose bits the op computes from the mask's bytes.
-        bias = torch.randn(1, 1, 1, L, device=dev, dtype=dt)
-        mask = flexdma.create_mask(bias, W, is_causal=True, query_len=L)
-        for name, m in (("selection", mask), ("copy", mask.clone())):
-            results[f"maskbits_{name}_fwd_ms"] = bench(
-                lambda: flexdma.flash_dma_attention(q, k, v, attn_mask=m, attn_bias=bias, is_causal=True)
-            )
-        del bias, mask
+        # The API's forward with a create_mask mask, whose tile activity bits come from what
+        # create_mask knew (a per-key selection; a row-wise top-k's chunks), and with a copy of it,
+        # whose bits the op computes from the mask's bytes. Keys maskbits[_per_row]_{selection|copy}.
+        for tag, rows_b in (("", 1), ("_per_row", L)):
+            bias = torch.randn(1, 1, rows_b, L, device=dev, dtype=dt)
+            mask = flexdma.create_mask(bias, W, is_causal=True, query_len=L)
+            for name, m in (("selection", mask), ("copy", mask.clone())):
+                results[f"maskbits{tag}_{name}_fwd_ms"] = bench(
+                    lambda: flexdma.flash_dma_attention(q, k, v, attn_mask=m, attn_bias=bias, is_causal=True)
+                )
+            del bias, mask
+            torch.cuda.empty_cache()
     if "model" in parts:
         results["model_flex_bias_grad"] = True  # what report.cuda_dev_section describes
         for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):

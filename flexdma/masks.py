@@ -123,9 +123,16 @@ def create_mask(
     step = max(1, _CHUNK_ELEMS // max(1, out_shape[0] * out_shape[1] * K))
     # Under torch.compile/export the row count may be symbolic: one chunk, no data-dependent loop.
     if torch.compiler.is_compiling():
-        bounds = [(0, rows)]
+        bounds, tiles = [(0, rows)], None
     else:
+        # Chunks of whole query tiles, each tile's activity taken while its chunk is at hand (not
+        # where the extension, which defines the tiles, did not load: nothing would read them).
+        T = _tile_size()
+        if T is not None and step >= T:
+            step -= step % T
         bounds = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
+        aligned = T is not None and (step % T == 0 or rows <= step)
+        tiles = _ChunkTiles(out_shape, T, attn_bias.device) if aligned else None
     for r0, r1 in bounds:
         b = attn_bias[:, :, r0:r1] if Qb > 1 else attn_bias
         a = None
@@ -147,7 +154,39 @@ def create_mask(
         # A row with fewer than window_size visible keys "selects" some -inf entries; drop them.
         keep &= scores != float("-inf")
         result[:, :, r0:r1] = keep
+        if tiles is not None:
+            tiles.add(r0, keep)
+    if tiles is not None:
+        _remember_tiles(result, tiles.active, False)
     return result
+
+
+def _tile_size() -> Optional[int]:
+    from ._dispatch import _ops_load_error
+
+    if _ops_load_error() is not None:
+        return None
+    from . import _C
+
+    return _C.TILE_SIZE
+
+
+class _ChunkTiles:
+    """Which 64 x 64 tiles of a mask keep anything, gathered from the row chunks create_mask writes
+    (each a whole number of query tiles but the last): one more pass over a chunk it has just built,
+    instead of flexdma::tile_meta's over the whole mask at every attention call."""
+
+    def __init__(self, shape, T: int, device: torch.device):
+        B, H, Q, K = shape
+        self.T, self.kt = T, -(-K // T)
+        self.active = torch.zeros(B, H, -(-Q // T), self.kt, dtype=torch.bool, device=device)
+
+    def add(self, r0: int, keep: torch.Tensor) -> None:
+        T, kt = self.T, self.kt
+        B, H, n, K = keep.shape
+        nt = -(-n // T)
+        padded = F.pad(keep.view(torch.uint8), (0, kt * T - K, 0, nt * T - n))
+        self.active[:, :, r0 // T : r0 // T + nt] = padded.view(B, H, nt, T, kt, T).amax(dim=(3, 5)).bool()
 
 
 def _per_key_ok(device: torch.device) -> bool:
@@ -187,62 +226,70 @@ def _per_key_mask(
             i = torch.arange(r0, r1, device=attn_bias.device)[:, None]
             # Rows chunked so the temporaries stay near _CHUNK_ELEMS; the bottom-right causal cut.
             result[:, :, r0:r1] = (rank <= thr[:, :, r0:r1]) & (j <= i + (K - rows))
-    _remember_tiles(result, sel.key_rank, sel.row_thr, is_causal)
+    _remember_tiles(result, _rank_tiles(sel.key_rank, sel.row_thr), is_causal)
     return result
 
 
-# What the per-key selection says about the tiles of the masks create_mask builds from it, keyed by
-# the mask tensor (weakly: an entry goes with its mask). The CUDA kernels skip the 64 x 64 tiles
-# that keep nothing by flexdma::tile_meta's bits, which read the mask to find them; for these masks
-# the selection already knows: a tile keeps something iff its key tile's best rank is within its
-# query tile's widest threshold (the causal cut aside). Holding the per-tile minimum rank and
-# maximum threshold, the bits cost O(tiles) instead of a pass over the mask.
+# Which 64 x 64 tiles of the masks create_mask builds keep anything, known while it selects, keyed
+# by the mask tensor (weakly: an entry goes with its mask). The CUDA kernels skip the tiles that keep
+# nothing by flexdma::tile_meta's bits, which read the whole mask to find them at every call; for
+# these masks the bits cost O(tiles) instead. Per-key selections: a tile keeps something iff its
+# key tile's best rank is within its query tile's widest threshold (the causal cut aside). Row-wise
+# top-k: the tiles of each row chunk as it is written.
 _SELECTION_TILES = WeakIdKeyDictionary()
 
 
-def _remember_tiles(mask: torch.Tensor, key_rank: torch.Tensor, row_thr: torch.Tensor, is_causal: bool) -> None:
-    from . import _C, topk
+def _rank_tiles(key_rank: torch.Tensor, row_thr: torch.Tensor) -> torch.Tensor:
+    """(B, H, query tiles, key tiles) bool: some row of the query tile keeps some key of the key
+    tile by the rank rule, without the causal cut."""
+    from . import topk
 
-    T = _C.TILE_SIZE
+    T = _tile_size()
     K, Q = key_rank.shape[-1], row_thr.shape[-1]
     kt, qt = -(-K // T), -(-Q // T)
     rank_min = F.pad(key_rank, (0, kt * T - K), value=topk.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
-    _SELECTION_TILES[mask] = (mask._version, rank_min, thr_max, is_causal, {})
+    return rank_min[:, :, None, :] <= thr_max[:, :, :, None]
+
+
+def _remember_tiles(mask: torch.Tensor, active: torch.Tensor, causal: bool) -> None:
+    # active: (B | 1, H | 1, query tiles of the mask's rows, key tiles); causal: the cut is still
+    # to apply (by tile, exact off the diagonal).
+    _SELECTION_TILES[mask] = (mask._version, active, causal, {})
 
 
 def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> Optional[torch.Tensor]:
-    """flexdma::tile_meta(mask, seqlen_q, seqlen_k, is_causal) for a mask create_mask built from a
-    per-key selection and nobody modified since, from the selection instead of the mask's bytes;
-    None for any other mask (and under torch.compile / torch.export, which trace the op).
+    """flexdma::tile_meta(mask, seqlen_q, seqlen_k, is_causal) for a mask create_mask built and
+    nobody modified since, from what create_mask knew instead of the mask's bytes; None for any
+    other mask (and under torch.compile / torch.export, which trace the op).
 
     Tiles wholly on one side of the causal diagonal get the exact bit; a tile the diagonal crosses
-    gets its rank test without the cut, which may set a bit the mask does not: the kernels build
-    such a tile's keep tile from the mask bytes and skip it when that is empty."""
+    may get a bit the mask does not (a per-key selection's rank test without the cut, or a mask
+    built without the call's causality): the kernels build such a tile's keep tile from the mask
+    bytes and skip it when that is empty."""
     if torch.compiler.is_compiling():
         return None
     entry = _SELECTION_TILES.get(mask)
     if entry is None:
         return None
-    version, rank_min, thr_max, mask_causal, done = entry
+    version, active, mask_causal, done = entry
     if mask._version != version or mask.shape[2] not in (1, seqlen_q) or mask.shape[3] != seqlen_k:
         return None
     # Kept per call signature: a model's layers share one mask, and the bits are a dozen small
     # kernels whose launches would cost about what the pass over the mask does.
     key = (seqlen_q, seqlen_k, bool(is_causal))
     if key not in done:
-        done[key] = _selection_bits(mask, rank_min, thr_max, mask_causal or is_causal, seqlen_q, seqlen_k)
+        done[key] = _selection_bits(mask, active, mask_causal or is_causal, seqlen_q, seqlen_k)
     return done[key]
 
 
-def _selection_bits(mask, rank_min, thr_max, causal, seqlen_q, seqlen_k) -> torch.Tensor:
+def _selection_bits(mask, active, causal, seqlen_q, seqlen_k) -> torch.Tensor:
     from . import _C
 
     T, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
-    qt, kt = -(-seqlen_q // T), rank_min.shape[-1]
-    # A mask with a query dim of 1 (not causal) has one threshold for every row.
-    thr_max = thr_max.expand(*thr_max.shape[:2], qt) if mask.shape[2] == 1 else thr_max
-    active = rank_min[:, :, None, :] <= thr_max[:, :, :, None]
+    qt, kt = -(-seqlen_q // T), active.shape[-1]
+    # A mask with a query dim of 1 (not causal) is one row for every query.
+    active = active.expand(*active.shape[:2], qt, kt) if mask.shape[2] == 1 else active
     if causal:
         # Some key of tile kt is visible from the tile's last row: kt * T <= last row + K - Q.
         dev = active.device

@@ -78,7 +78,7 @@ def _lse_check(lse, lse64, lse_lowp, name):
 
 
 def _run_case(dtype, D, H, KVH, case, B=2):
-    Q, K, causal, mp, bp, softcap, empty = CASES[case]
+    Q, K, causal, mp, bp, softcap, empty = case
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
     mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=DEV, empty_rows=empty)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)
@@ -115,7 +115,28 @@ def _run_case(dtype, D, H, KVH, case, B=2):
 @pytest.mark.parametrize("D", _head_dims(32, 64, 96, 128, 192, 256))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fwd_bwd_vs_reference(dtype, D, heads, case):
-    _run_case(dtype, D, heads[0], heads[1], case)
+    _run_case(dtype, D, heads[0], heads[1], CASES[case])
+
+
+# The warp-specialized forward (D = 64 / 128) gives a CTA 64 rows of two query heads where both
+# read one kv head and every operand is broadcast over them (heads per kv head even; mask, bias and
+# tile bits each broadcast over an even number of query heads). Pairs across a group of 4, groups of
+# 3 (never paired), pairs of one kv head each, and a mask shared but a bias per query head (not
+# paired); the split-keys and one-query cases walk few rows of many keys.
+PAIR_CASES = {
+    "model_like": (200, 230, True, ("B", "KVH", "Q", "K"), ("B", "KVH", "1", "K"), 0.0, False),
+    "kv_heads_softcap": CASES["kv_heads_softcap"],
+    "per_head_bias": CASES["per_head_bias"],
+    "split_keys": CASES["split_keys"],
+    "one_query": CASES["one_query"],
+}
+
+
+@pytest.mark.parametrize("case", list(PAIR_CASES))
+@pytest.mark.parametrize("heads", [(8, 2), (6, 2), (6, 3)], ids=["g4", "g3", "g2x3"])
+@pytest.mark.parametrize("D", _head_dims(64, 128))
+def test_gqa_head_pairs(D, heads, case):
+    _run_case(torch.bfloat16, D, heads[0], heads[1], PAIR_CASES[case])
 
 
 def test_block_sparse_mask_skips_tiles_correctly():
@@ -207,7 +228,7 @@ def test_decode_with_sparse_broadcast_mask(Q, K):
 @pytest.mark.parametrize("case", ["per_key_causal", "per_row_causal_q_gt_k", "bias_over_keys"])
 @pytest.mark.parametrize("D", _head_dims(128, 256))  # 256: dK and dV in two passes
 def test_backward_is_bitwise_deterministic(case, D):
-    args = _run_case(torch.bfloat16, D, 4, 1, case)
+    args = _run_case(torch.bfloat16, D, 4, 1, CASES[case])
     q, k, v, mask, bias, dout, out, lse, scale, causal, softcap, resid = args
     bias_grad = bias is not None
     first = bwd(dout, q, k, v, mask, bias, out, lse, scale, causal, softcap, bias_grad, True, out_resid=resid)

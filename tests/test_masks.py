@@ -167,6 +167,40 @@ def test_selection_tile_meta_matches_the_mask(seed):
         assert torch.equal(have & ~crossed, need & ~crossed), (B, H, Q, K, mask_causal, attn_causal)
 
 
+@pytest.mark.parametrize("chunk", [None, 64 * 64 * 6, 1000], ids=["one_chunk", "tile_chunks", "row_chunks"])
+def test_row_topk_create_mask_tile_meta_matches_the_mask(chunk, monkeypatch):
+    # create_mask's row-wise top-k (a bias with a query dim, or block_size) gathers the tiles of each
+    # row chunk it writes: against flexdma::tile_meta's pass over the mask, equal where the call's
+    # causality is the mask's, a superset on the diagonal tiles where only the call is causal.
+    # Chunks smaller than a query tile do not align with the tiles: no bits (the op's pass then).
+    from flexdma import masks
+
+    if chunk is not None:
+        monkeypatch.setattr(masks, "_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(7)
+    T = flexdma._C.TILE_SIZE
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    for i in range(8):
+        B, H, Q, K = r(1, 2), r(1, 3), r(1, 400), r(2, 400)
+        bias = torch.randn(B, H, Q if i % 4 else 1, K, generator=g)
+        mask_causal = bool(i % 2)
+        attn_causal = mask_causal or bool(r(0, 1))
+        mask = flexdma.create_mask(
+            bias, r(1, K // 4 + 1), is_causal=mask_causal, query_len=Q, block_size=None if i % 4 else 16
+        )
+        got = masks.selection_tile_meta(mask, Q, K, attn_causal)
+        step = (chunk or masks._CHUNK_ELEMS) // (mask.shape[0] * mask.shape[1] * K)
+        if step < T and mask.shape[2] > step:
+            assert got is None
+            continue
+        want = torch.ops.flexdma.tile_meta(mask, Q, K, attn_causal)
+        assert got is not None and got.dtype == torch.int32 and got.is_contiguous() and got.shape == want.shape
+        have, need = _tile_flags(got, -(-K // T)), _tile_flags(want, -(-K // T))
+        assert not (need & ~have).any(), (B, H, Q, K, mask_causal, attn_causal)
+        if attn_causal == mask_causal:
+            assert torch.equal(have, need), (B, H, Q, K, mask_causal)
+
+
 def test_selection_tile_meta_only_for_the_mask_it_describes():
     from flexdma import masks
 
@@ -181,10 +215,11 @@ def test_selection_tile_meta_only_for_the_mask_it_describes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scores_rows", [1, 1000], ids=["scores_per_key", "scores_per_row"])
 @pytest.mark.parametrize("bias_rows", [1, 1000], ids=["bias_per_key", "bias_per_row"])
-def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows):
-    # The API hands the selection's bits to the kernels for a create_mask mask and computes them
-    # from the bytes for a copy of it: same outputs and (deterministic) gradients, bit for bit. A
+def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows, scores_rows):
+    # The API hands create_mask's bits (a per-key selection's, or a row-wise top-k's) to the
+    # kernels for its mask and computes them from the bytes for a copy of it: same outputs and (deterministic) gradients, bit for bit. A
     # full bias takes the backward's dbias in the bias dtype, whose tiles nobody keeps (the ones a
     # set bit on the causal diagonal leaves unkept too) are zeroed by the kernel.
     if "cuda" not in flexdma.available_backends():
@@ -192,9 +227,11 @@ def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows):
     torch.manual_seed(0)
     B, L, H, KVH, D = 1, 1000, 4, 2, 64
     q, k, v = (torch.randn(B, L, h, D, device="cuda", dtype=torch.bfloat16) for h in (H, KVH, KVH))
-    scores = torch.randn(B, KVH, 1, L, device="cuda", dtype=torch.bfloat16)
+    scores = torch.randn(B, KVH, scores_rows, L, device="cuda", dtype=torch.bfloat16)
     mask = flexdma.create_mask(scores, 100, is_causal=True, query_len=L)
-    bias = scores if bias_rows == 1 else torch.randn(B, KVH, L, L, device="cuda", dtype=torch.bfloat16)
+    bias = (
+        scores if bias_rows == scores_rows else torch.randn(B, KVH, bias_rows, L, device="cuda", dtype=torch.bfloat16)
+    )
     from flexdma import masks
 
     assert masks.selection_tile_meta(mask, L, L, True) is not None

@@ -26,6 +26,9 @@ __device__ inline void cp_async_wait() {
 // Launch-time facts about operand alignment (16-byte cp.async / vector loads allowed or not).
 struct FwdFlags {
   bool qkv_vec, mask_vec, bias_vec, out_vec;
+  // The warp-specialized forward's CTA takes 64 rows of two query heads that share every operand
+  // (fwd_ws_tile); set by the launcher.
+  bool pair = false;
 };
 struct BwdFlags {
   bool qkv_vec, mask_vec, bias_vec;

@@ -16,19 +16,24 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kWs = fwd_warp_specialized<D>();
   void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
   int smem = 0, threads = kThreads, rows = kBlockM, per_sm = 2;
+  FwdFlags f;
+  // Two consecutive query heads share their operands when they share a kv head and every
+  // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even.
+  const auto shared = [](const Broadcast4d& t) { return !t.ptr || t.head_ratio % 2 == 0; };
+  f.pair = kWs && !p.tile_keys.ptr && (p.num_heads / p.num_heads_k) % 2 == 0 && shared(p.mask) && shared(p.bias) &&
+           shared(p.tile_meta);
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
     kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
     smem = FwdWsSmem<T, D>::kBytes;
     threads = kWsThreads;
-    rows = kWsRows;
+    rows = f.pair ? kBlockM : kWsRows;
     per_sm = 1;
   } else {
     kernel = fwd_kernel<T, D>;
     smem = FwdSmem<T, D>::kBytes;
   }
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  FwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
               aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -37,7 +42,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
-  const int64_t ctas = ceil_div(p.seqlen_q, rows) * p.num_heads * p.batch;
+  // Grid x: query tiles x heads (head pairs when paired), heads fastest.
+  const int64_t units = f.pair ? p.num_heads / 2 : p.num_heads;
+  const int64_t ctas = ceil_div(p.seqlen_q, rows) * units * p.batch;
   FwdSplit sp;
   int dev = 0, sms = 1;
   cudaGetDevice(&dev);
@@ -54,7 +61,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows_all * (D + 1) * sizeof(float), stream);
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, rows) * p.num_heads), (unsigned)p.batch, (unsigned)sp.n);
+  dim3 grid((unsigned)(ceil_div(p.seqlen_q, rows) * units), (unsigned)p.batch, (unsigned)sp.n);
   kernel<<<grid, threads, smem, stream>>>(p, f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;

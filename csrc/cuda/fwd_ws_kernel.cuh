@@ -1,12 +1,13 @@
 // Forward kernel, warp-specialized (sm_90a, head dims 64 / 128): one CTA of three warpgroups per
-// (128-row query tile, head, batch, key split), one CTA per SM.
+// (128-row query tile, head, batch, key split), or per (64-row query tile, head pair, batch, key
+// split) where two query heads share every operand (FwdFlags::pair), one CTA per SM.
 //   warpgroup 0 loads: K / V tiles (contiguous, or gathered through the query tile's key list on
 //     the per-key path), the bias tiles, the mask bytes (raw by cp.async, or built where a length
 //     or misalignment rules that out) into rings of K stages (with the mask / bias / rank
 //     operands) and V stages, handed over by mbarriers;
-//   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile from the same stages:
-//     S = Q K^T (Q loaded once into smem by warpgroup 0) and O += P V on wgmma, the online softmax
-//     in registers.
+//   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile (paired: the same 64 rows of
+//     head h and h + 1) from the same stages: S = Q K^T (Q loaded once into smem by warpgroup 0)
+//     and O += P V on wgmma, the online softmax in registers.
 // Why: in the one-warpgroup kernel (fwd_kernel.cuh) the threads that run the products also issue
 // every copy, compute its addresses and wait at a CTA barrier per tile, and each 64-row CTA reads
 // its own K / V. Here the copies and their integer work are off the computing warps' issue path,
@@ -14,6 +15,12 @@
 // softmax have read it, V after P V), each K / V byte serves 128 rows, and inside a computing
 // warpgroup S of the next tile is in flight while P V of this one runs (the softmax of tile t + 1
 // overlaps the tensor cores' P V of tile t).
+// Paired (GQA: consecutive query heads over one kv head, with mask, bias and tile bits broadcast
+// over both): the loader copies one 64-row mask / bias tile for both warpgroups, half the bytes and
+// copy work of two query tiles of one head, and the warpgroups walk the same key tiles, which lets
+// their products alternate (FA3's ping-pong): a warpgroup issues its S / P.V once the other has
+// issued its own, so one's softmax runs under the other's products instead of both contending for
+// the tensor cores and then both computing exponentials.
 // kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are consecutive 64-entry pieces
 // of the query tile's key list (FwdParams::tile_keys, 128-row lists), and the mask is the rank rule
 // (apply_rank_keep) with the bias of each listed key.
@@ -45,8 +52,9 @@ constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
 constexpr int kLoadRegs = 104, kComputeRegs = 200;
 static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the CTA was launched with");
-// Named barriers (0 is __syncthreads'): the loading warpgroup's, each computing warpgroup's.
-constexpr int kBarLoad = 1, kBarCompute = 2;
+// Named barriers (0 is __syncthreads'): the loading warpgroup's; kBarTurn + wg: computing warpgroup
+// wg's turn to issue its products (paired CTAs).
+constexpr int kBarLoad = 1, kBarTurn = 2;
 
 template <typename T, int D>
 struct FwdWsSmem {
@@ -75,7 +83,12 @@ struct FwdWsSmem {
 // sequence, or of the key list), and the tile activity rows that say which of them to visit.
 struct FwdWsTile {
   int64_t b, h, kvh, m0;
-  bool two;  // rows [64, 128) exist
+  bool two;   // the second warpgroup has rows
+  bool pair;  // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
+  // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
+  __device__ inline int64_t head(int wg) const { return pair ? h + wg : h; }
+  __device__ inline int64_t rows(int wg) const { return pair ? m0 : m0 + wg * kBlockM; }
+  __device__ inline int halves() const { return two && !pair ? 2 : 1; }
   int64_t t_begin, n_end;
   const uint32_t* meta0;  // tile activity row of rows [0, 64); null without a mask
   const uint32_t* meta1;  // and of rows [64, 128) where they exist
@@ -113,12 +126,12 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   const Plane<int32_t> ranks(p.key_rank, c.b, c.h);
   const bool has_bias = !kTopk && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
 
-  // Q of both halves, once (rows past seqlen_q zero).
-  const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.h * p.q_head_stride;
-  for (int half = 0; half < (c.two ? 2 : 1); ++half) {
-    const int64_t mh = c.m0 + half * kBlockM;
-    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + half * L::kTileKV / 2, q + mh * p.q_row_stride,
-                     p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - mh), f.qkv_vec);
+  // Q of both warpgroups, once (rows past seqlen_q zero).
+  for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
+    const int64_t mh = c.rows(wg);
+    const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.head(wg) * p.q_head_stride;
+    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
+                     (int)imin(kBlockM, p.seqlen_q - mh), f.qkv_vec);
   }
   uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
   mbar_arrive_copies(full_q);
@@ -169,7 +182,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
       next_key = kl.entry(n0 + 2 * kBlockN);
     } else {
       issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
-      for (int half = 0; half < (c.two ? 2 : 1); ++half) {
+      for (int half = 0; half < c.halves(); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
         const TileBounds tb(p, mh, n0);
         // A bias broadcast over queries is read from the first half's row 0 by both halves.
@@ -225,7 +238,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const T* sB = reinterpret_cast<const T*>(smem + L::kBias);
   const int tid = threadIdx.x - kThreads * (1 + wg);
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
-  const int64_t mc = c.m0 + wg * kBlockM;
+  const int64_t mc = c.rows(wg), head = c.head(wg);
+  const int half = c.pair ? 0 : wg;  // of the stages' mask / bias tiles
   const bool idle = mc >= p.seqlen_q;
 
   const T* sQ = reinterpret_cast<const T*>(smem + L::kQ) + wg * L::kTileKV / 2;
@@ -234,7 +248,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // seqlen_q: nothing kept) and the causal limit.
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   if constexpr (kTopk) {
-    const Plane<int32_t> thr_plane(p.row_thr, c.b, c.h);
+    const Plane<int32_t> thr_plane(p.row_thr, c.b, head);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int64_t r = mc + w * 16 + g + 8 * hh;
@@ -246,7 +260,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int64_t own_end = idle ? c.t_begin : kTopk ? c.n_end : imin(c.n_end, key_tile_end(p, mc));
   const bool has_bias = !kTopk && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0;
-  const int bias_row0 = p.bias.row_stride != 0 ? wg * kBlockM + w * 16 + g : 0;
+  const int bias_row0 = p.bias.row_stride != 0 ? half * kBlockM + w * 16 + g : 0;
   const FwdScoreConsts sc(p);
 
   float o[D / 8][4], row_max[2], row_sum[2];
@@ -297,13 +311,22 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // Scale, bias and drop rule on S of key tile t in stage st, then the softmax step.
   const int64_t keys_full = full_keys(p, mc);
   auto softmax_tile = [&](int64_t t, int st) {
-    const uint8_t* keep = has_mask ? sKeep + st * L::kKeepSlot + wg * kBlockM * kLdKeep : nullptr;
+    const uint8_t* keep = has_mask ? sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep : nullptr;
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
     const float later = fwd_scores<kTopk, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep, slot,
                                              thr, lim, w * 16 + g, qc);
     softmax_step(s, row_max, row_sum, alpha, later);
+  };
+
+  // Paired, the warpgroups take turns to issue (ping-pong), warpgroup 0 first. Both walk the same
+  // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
+  // warpgroup 0 does not wait before its first issue, warpgroup 1 hands nothing on after its last.
+  const bool turns = c.pair;
+  auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), kBarTurn + wg, 2 * kThreads); };
+  auto pass_turn = [&](bool last) {
+    named_barrier_arrive_if(turns && !(last && wg == 1), kBarTurn + 1 - wg, 2 * kThreads);
   };
 
   ActiveTiles active = c.active();
@@ -315,7 +338,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
     // proxy): the fence orders the two for this thread once the barriers say they have landed.
     fence_proxy_async();
+    my_turn(true);
     gemm_s(at.stage);
+    pass_turn(false);
     wgmma_wait<0>();
     fence_regs(s);
     softmax_tile(t, at.stage);  // O is still 0: no rescale
@@ -331,8 +356,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       wait(full_k, an);
       wait(full_v, at);
       fence_proxy_async();
+      my_turn(false);
       gemm_s(an.stage);
       gemm_pv(at.stage);
+      pass_turn(false);
       wgmma_wait<1>();  // S of tile tn; P.V of tile t still runs
       fence_regs(s);
       softmax_tile(tn, an.stage);
@@ -347,7 +374,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     }
     wait(full_v, at);
     fence_proxy_async();
+    my_turn(false);
     gemm_pv(at.stage);
+    pass_turn(true);
     wgmma_wait<0>();
     fence_regs(o);
     release(empty_v, at);
@@ -360,28 +389,30 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wait(full_v, at);
     release(empty_v, at);
   }
-  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, c.h, mc, tid);
+  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, head, mc, tid);
 }
 
 // This CTA's tile. Scheduling: the heaviest (last, under causal) query tiles of every head launch
 // first, heads interleaved, so the long tiles of the last head do not form the tail.
 template <bool kTopk>
-__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdSplit& sp) {
+__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
   FwdWsTile c;
-  const int nh = (int)p.num_heads;
-  c.h = (int)blockIdx.x % nh;
+  c.pair = !kTopk && f.pair;
+  // Units of the grid's x: head pairs when paired (then 64-row query tiles), else heads.
+  const int nh = (int)p.num_heads >> (c.pair ? 1 : 0);
+  c.h = ((int)blockIdx.x % nh) << (c.pair ? 1 : 0);
   c.b = blockIdx.y;
   const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
-  c.m0 = m_tile * kWsRows;
-  c.two = c.m0 + kBlockM < p.seqlen_q;
+  c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
+  c.two = c.pair || c.m0 + kBlockM < p.seqlen_q;
   int64_t n_all;
   c.list = nullptr;
   if constexpr (kTopk) {
     c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.m0 / p.topk_tile_rows, 0);
     n_all = ceil_div(c.list[0], kBlockN);
   } else {
-    n_all = key_tile_end(p, c.two ? c.m0 + kBlockM : c.m0);
+    n_all = key_tile_end(p, c.rows(c.two ? 1 : 0));
   }
   const int64_t per_split = ceil_div(n_all, sp.n);
   c.t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
@@ -389,8 +420,8 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdSplit& sp) 
   c.meta0 = c.meta1 = nullptr;
   if (!kTopk && p.mask.ptr) {
     const Plane<uint32_t> meta(p.tile_meta, c.b, c.h);
-    c.meta0 = meta.at(2 * m_tile, 0);
-    if (c.two) c.meta1 = meta.at(2 * m_tile + 1, 0);
+    c.meta0 = meta.at(c.m0 / kBlockM, 0);
+    if (c.halves() == 2) c.meta1 = meta.at(c.m0 / kBlockM + 1, 0);
   }
   return c;
 }
@@ -424,10 +455,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   // memory.
   if (threadIdx.x < kThreads) {
     regs_release<kLoadRegs>();
-    fwd_ws_load<T, D, kTopk>(p, f, fwd_ws_tile<kTopk>(p, sp), smem);
+    fwd_ws_load<T, D, kTopk>(p, f, fwd_ws_tile<kTopk>(p, f, sp), smem);
   } else {
     regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, kTopk>(p, f, sp, fwd_ws_tile<kTopk>(p, sp), smem, threadIdx.x / kThreads - 1);
+    fwd_ws_compute<T, D, kTopk>(p, f, sp, fwd_ws_tile<kTopk>(p, f, sp), smem, threadIdx.x / kThreads - 1);
   }
 }
 

@@ -61,6 +61,18 @@ struct RingPos {
 __device__ inline void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same, taken or arrived at only where `on` holds: predicated, not branched around, so that
+// wgmmas in flight across it are not serialised by ptxas (a branch between a wgmma and its wait
+// is). An arrival does not wait; `threads` counts the syncing and the arriving threads together.
+__device__ inline void named_barrier_if(bool on, int id, int threads) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.sync %0, %1;\n}\n" ::"r"(id), "r"(threads), "r"((int)on)
+               : "memory");
+}
+__device__ inline void named_barrier_arrive_if(bool on, int id, int threads) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" ::"r"(id), "r"(threads),
+               "r"((int)on)
+               : "memory");
+}
 
 // Hands registers between warpgroups: the loading warpgroup needs few, the computing ones hold
 // the O accumulator and the scores. Every warp of the warpgroup executes it.
