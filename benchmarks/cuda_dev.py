@@ -41,7 +41,7 @@ def main():
     ap.add_argument(
         "--parts",
         default="fwd,bwd,nomask,decode",
-        help="what to time, from fwd,bwd (the 32K rows), nomask, decode, model, maskbits: a variant that "
+        help="what to time, from fwd,bwd (the 32K rows), nomask, decode, model, modelfwd, maskbits: a variant that "
         "changes one kernel needs only its rows",
     )
     args = ap.parse_args()
@@ -136,6 +136,18 @@ def main():
                 )
             del bias, mask
             torch.cuda.empty_cache()
+    if "modelfwd" in parts:
+        # flexdma's forward alone at the model shapes (no peers: a quick same-run comparison of builds).
+        for L_m, D_m in ((2048, 128), (8192, 128), (8192, 64)):
+            B_m, H_m, KVH_m = 16384 // L_m, 16, 4
+            qm = torch.randn(B_m, L_m, H_m, D_m, device=dev, dtype=dt)
+            km, vm = (torch.randn(B_m, L_m, KVH_m, D_m, device=dev, dtype=dt) for _ in range(2))
+            bm = torch.randn(B_m, KVH_m, 1, L_m, device=dev, dtype=dt)
+            mm = flexdma.create_mask(bm, L_m // 4, is_causal=True, query_len=L_m)
+            results[f"model_{L_m}_d{D_m}_flexdma_fwd_ms"] = bench(
+                lambda: fwd(qm, km, vm, mm, bm, 1.0 / math.sqrt(D_m), True, 0.0, True, keep_resid=False)
+            )
+            del qm, km, vm, bm, mm
     if "model" in parts:
         results["model_flex_bias_grad"] = True  # what report.cuda_dev_section describes
         for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):

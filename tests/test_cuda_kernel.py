@@ -119,15 +119,16 @@ def test_fwd_bwd_vs_reference(dtype, D, heads, case):
 
 
 # The warp-specialized forward (D = 64 / 128) gives a CTA 64 rows of two query heads where both
-# read one kv head and every operand is broadcast over them (heads per kv head even; mask, bias and
-# tile bits each broadcast over an even number of query heads). Pairs across a group of 4, groups of
-# 3 (never paired), pairs of one kv head each, and a mask shared but a bias per query head (not
-# paired); the split-keys and one-query cases walk few rows of many keys.
+# read one kv head, every operand is broadcast over them (heads per kv head even; mask, bias and
+# tile bits each broadcast over an even number of query heads) and 128-row tiles of one head would
+# fill the GPU (9 query tiles x 6 or 8 heads x B=3 >= 132 SMs). Pairs across groups of 4 and of 2,
+# groups of 3 (never paired), a bias per query head (not paired), and one query (keys split over
+# CTAs: not paired).
 PAIR_CASES = {
-    "model_like": (200, 230, True, ("B", "KVH", "Q", "K"), ("B", "KVH", "1", "K"), 0.0, False),
-    "kv_heads_softcap": CASES["kv_heads_softcap"],
-    "per_head_bias": CASES["per_head_bias"],
-    "split_keys": CASES["split_keys"],
+    "model_like": (1100, 1100, True, ("B", "KVH", "Q", "K"), ("B", "KVH", "1", "K"), 0.0, False),
+    "kv_heads_softcap": (1100, 1130, True, ("B", "KVH", "Q", "K"), ("1", "KVH", "Q", "K"), 5.0, False),
+    "no_mask": (1100, 1100, True, None, None, 0.0, False),
+    "per_head_bias": (1100, 1000, True, ("1", "1", "Q", "K"), ("B", "H", "Q", "K"), 0.0, False),
     "one_query": CASES["one_query"],
 }
 
@@ -136,7 +137,7 @@ PAIR_CASES = {
 @pytest.mark.parametrize("heads", [(8, 2), (6, 2), (6, 3)], ids=["g4", "g3", "g2x3"])
 @pytest.mark.parametrize("D", _head_dims(64, 128))
 def test_gqa_head_pairs(D, heads, case):
-    _run_case(torch.bfloat16, D, heads[0], heads[1], PAIR_CASES[case])
+    _run_case(torch.bfloat16, D, heads[0], heads[1], PAIR_CASES[case], B=3)
 
 
 def test_block_sparse_mask_skips_tiles_correctly():

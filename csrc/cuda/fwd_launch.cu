@@ -16,12 +16,17 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kWs = fwd_warp_specialized<D>();
   void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
   int smem = 0, threads = kThreads, rows = kBlockM, per_sm = 2;
+  int dev = 0, sms = 1;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   FwdFlags f;
   // Two consecutive query heads share their operands when they share a kv head and every
-  // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even.
+  // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even. Paired
+  // only where 128-row tiles of one head fill the GPU: with the keys split over CTAs (decoding)
+  // the paired kernel is the slower one (perf log).
   const auto shared = [](const Broadcast4d& t) { return !t.ptr || t.head_ratio % 2 == 0; };
   f.pair = kWs && !p.tile_keys.ptr && (p.num_heads / p.num_heads_k) % 2 == 0 && shared(p.mask) && shared(p.bias) &&
-           shared(p.tile_meta);
+           shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
     kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
@@ -46,9 +51,6 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t units = f.pair ? p.num_heads / 2 : p.num_heads;
   const int64_t ctas = ceil_div(p.seqlen_q, rows) * units * p.batch;
   FwdSplit sp;
-  int dev = 0, sms = 1;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   if (ctas < sms) {
     // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
     // every SM runs per_sm CTAs, each over at least 4 key tiles.

@@ -17,10 +17,12 @@
 // overlaps the tensor cores' P V of tile t).
 // Paired (GQA: consecutive query heads over one kv head, with mask, bias and tile bits broadcast
 // over both): the loader copies one 64-row mask / bias tile for both warpgroups, half the bytes and
-// copy work of two query tiles of one head, and the warpgroups walk the same key tiles, which lets
-// their products alternate (FA3's ping-pong): a warpgroup issues its S / P.V once the other has
+// copy work of two query tiles of one head, and the warpgroups walk the same key tiles. That lets
+// their products alternate (FA3's ping-pong: a warpgroup issues its S / P.V once the other has
 // issued its own, so one's softmax runs under the other's products instead of both contending for
-// the tensor cores and then both computing exponentials.
+// the tensor cores and then both computing exponentials). It does so without mask and bias only:
+// with them the per-element work makes the warpgroups' softmax phases long and uneven, and a fixed
+// alternation makes the quicker one wait instead of overlapping anything (slower, in the perf log).
 // kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are consecutive 64-entry pieces
 // of the query tile's key list (FwdParams::tile_keys, 128-row lists), and the mask is the rank rule
 // (apply_rank_keep) with the bias of each listed key.
@@ -323,7 +325,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // Paired, the warpgroups take turns to issue (ping-pong), warpgroup 0 first. Both walk the same
   // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
   // warpgroup 0 does not wait before its first issue, warpgroup 1 hands nothing on after its last.
-  const bool turns = c.pair;
+  const bool turns = c.pair && !has_mask && !has_bias;
   auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), kBarTurn + wg, 2 * kThreads); };
   auto pass_turn = [&](bool last) {
     named_barrier_arrive_if(turns && !(last && wg == 1), kBarTurn + 1 - wg, 2 * kThreads);

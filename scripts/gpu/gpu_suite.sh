@@ -69,10 +69,11 @@ if has sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
   for tool in memcheck racecheck; do
     # One process for every case: forward + backward at the wgmma head dims and both dbias paths
-    # (the wide ones on their two-pass dk/dv path), and the split-key decode forward.
-    timeout 200 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
-      small 256 smallkey 192 decode 128 topk 64 topk 128 topkdecode 128 > "$out/san.tmp" 2>&1
-    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, decode 128, topk 64/128, topkdecode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+    # (the wide ones on their two-pass dk/dv path), the forward with head pairs, and the split-key
+    # decode forward.
+    timeout 240 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
+      small 256 smallkey 192 pairs 128 pairs 64 decode 128 topk 64 topk 128 topkdecode 128 > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, pairs 128/64, decode 128, topk 64/128, topkdecode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
   done
   rm -f "$out/san.tmp"
 fi

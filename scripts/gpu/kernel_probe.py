@@ -1,9 +1,10 @@
 """Runs the flexdma CUDA op calls of named cases, each twice (warm-up, then the call a profiler
 attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CASE one of
-nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|decode|topk|topkdecode (small / smallkey: 333
+nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|pairs|decode|topk|topkdecode (small / smallkey: 333
 queries x 333 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer;
 model: issue 19's model shape (B=2, L=8K, H=16, KVH=4, top-2048 of a bias per kv head and key), forward and
-backward; topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
+backward; pairs: B=4, L=333, H=16, KVH=4 (enough 128-row tiles for the forward to pair heads), mask and
+bias per kv head, forward and backward, then a forward without either (the paired warpgroups' turns); topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
 list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
@@ -27,6 +28,7 @@ def main(case, D):
         "bwd8k": 8192,
         "small": 333,
         "smallkey": 333,
+        "pairs": 333,
         "decode": 5000,
         "topk": 333,
         "topkdecode": 5000,
@@ -35,12 +37,12 @@ def main(case, D):
     }[case]
     if case.startswith("topk"):
         return topk_case(case, L, D)
-    B, H, KVH = (2, 16, 4) if case == "model" else (1, 2, 1)
+    B, H, KVH = {"model": (2, 16, 4), "pairs": (4, 16, 4)}.get(case, (1, 2, 1))
     q = torch.randn(B, L, H, D, device=dev, dtype=dt)
     k = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
     v = torch.randn(B, L, KVH, D, device=dev, dtype=dt)
     mask = bias = None
-    if case == "model":  # issue 19's model shape: bias per kv head and key, top-L/4 per row
+    if case in ("model", "pairs"):  # issue 19's model shape: bias per kv head and key, top-L/4 per row
         bias = torch.randn(B, KVH, 1, L, device=dev, dtype=dt)
         mask = flexdma.create_mask(bias, L // 4, is_causal=True, query_len=L)
     elif case in ("perrow32k", "bwd8k", "small"):
@@ -58,7 +60,7 @@ def main(case, D):
     # the default mode (the call a profiler attaches to).
     for deterministic in (True, False):
         out, lse, resid = torch.ops.flexdma.fwd(q, k, v, mask, bias, scale, True, 0.0, True)
-        if case in ("bwd8k", "small", "smallkey", "model"):
+        if case in ("bwd8k", "small", "smallkey", "model", "pairs"):
             torch.ops.flexdma.bwd(
                 torch.randn_like(out),
                 q,
@@ -75,6 +77,8 @@ def main(case, D):
                 deterministic,
                 out_resid=resid,
             )
+    if case == "pairs":
+        torch.ops.flexdma.fwd(q, k, v, None, None, scale, True, 0.0, False)
     torch.cuda.synchronize()
 
 
