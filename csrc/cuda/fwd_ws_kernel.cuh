@@ -273,10 +273,11 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 
   using Pos = RingPos<S>;
   auto wait = [&](uint64_t* full, Pos at) { mbar_wait(&full[at.stage], at.phase); };
-  auto release = [&](uint64_t* empty, Pos at) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[at.stage]);
-  };
+  // Every thread arrives for its own reads of the stage (its release orders them before the
+  // loader's next writes there), rather than one lane per warp after a __syncwarp: the loader
+  // stores cut tiles' keep and bias bytes with plain stores, and compute-sanitizer's racecheck
+  // counts a read of another lane as unordered with them.
+  auto release = [&](uint64_t* empty, Pos at) { mbar_arrive(&empty[at.stage]); };
   // Descriptors built once and moved by constants (desc_advance): Q's, and stage 0's K and V.
   const uint64_t dq = desc_k_major<kBlockM>(sQ, 0);
   const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_mn_major<kBlockN>(sV, 0);
@@ -438,15 +439,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   if (threadIdx.x == 0) {
     // full_k, empty_k, full_v, empty_v. A K stage is full after two arrivals of every loading
     // thread (its copies landed; its plain stores done), a V stage after one; a stage is empty
-    // after one lane of each computing warp has arrived.
+    // after every computing thread has arrived.
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
     constexpr int S = L::kStages;
 #pragma unroll
     for (int st = 0; st < S; ++st) {
       mbar_init(&bars[st], 2 * kThreads);
-      mbar_init(&bars[S + st], 2 * kWarps);
+      mbar_init(&bars[S + st], 2 * kThreads);
       mbar_init(&bars[2 * S + st], kThreads);
-      mbar_init(&bars[3 * S + st], 2 * kWarps);
+      mbar_init(&bars[3 * S + st], 2 * kThreads);
     }
     mbar_init(reinterpret_cast<uint64_t*>(smem + L::kQBar), 2 * kThreads);
     mbar_init_fence();
