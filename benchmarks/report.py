@@ -330,7 +330,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     out = [
         f"## dense-mask kernels at model shapes (h100, `{name}`)",
         "",
-        "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model`: B x L = 16K tokens, H=16, "
+        "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
         f"dense SDPA over all keys; {fwd_note}; bwd = fwd+bwd minus fwd (flexdma: the backward "
@@ -352,6 +352,16 @@ def cuda_dev_section(results_dir: str) -> List[str]:
                     "decode Q=1 K=512K: flexdma / dense SDPA",
                     f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}",
                 ],
+            ]
+            + [
+                # Part maskbits: the API's forward with a create_mask mask, its tile bits from what
+                # create_mask knew, against a copy whose bits the op computes from the mask.
+                [
+                    f"32K API forward, {kind} create_mask mask: bits from create_mask / from the mask",
+                    f"{ms(f'maskbits{tag}_selection_fwd_ms')} / {ms(f'maskbits{tag}_copy_fwd_ms')}",
+                ]
+                for kind, tag in (("per-key", ""), ("row-wise", "_per_row"))
+                if f"maskbits{tag}_selection_fwd_ms" in doc
             ],
         ),
         "",
