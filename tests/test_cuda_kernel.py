@@ -77,8 +77,8 @@ def _lse_check(lse, lse64, lse_lowp, name):
     assert err <= 2 * ref_err + 1e-3, f"{name}: lse error {err:.3e} > 2 * {ref_err:.3e} + 1e-3"
 
 
-def _run_case(dtype, D, H, KVH, case, B=2):
-    Q, K, causal, mp, bp, softcap, empty = case
+def _run_case(dtype, D, H, KVH, spec, B=2):
+    Q, K, causal, mp, bp, softcap, empty = spec
     q, k, v = make_qkv(B, Q, K, H, KVH, D, dtype=dtype, device=DEV)
     mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=DEV, empty_rows=empty)
     dout = torch.randn(B, Q, H, D, device=DEV).to(dtype)

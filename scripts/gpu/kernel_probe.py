@@ -3,8 +3,9 @@ attaches to): `python3 scripts/gpu/kernel_probe.py CASE [D] [CASE [D] ...]`, CAS
 nomask16k|perrow32k|perkey32k|bwd8k|small|smallkey|pairs|decode|topk|topkdecode (small / smallkey: 333
 queries x 333 keys with a per-row / per-key bias, forward and backward, for compute-sanitizer;
 model: issue 19's model shape (B=2, L=8K, H=16, KVH=4, top-2048 of a bias per kv head and key), forward and
-backward; pairs: B=4, L=333, H=16, KVH=4 (enough 128-row tiles for the forward to pair heads), mask and
-bias per kv head, forward and backward, then a forward without either (the paired warpgroups' turns); topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
+backward; pairs: B=4, L=333, H=16, KVH=4 (enough 128-row tiles for the forward to pair heads), mask
+and bias per kv head, forward and backward, then a forward without either (the paired warpgroups'
+turns); topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
 list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
