@@ -139,11 +139,7 @@ def main():
     if "modelfwd" in parts:
         # flexdma's forward alone at the model shapes (no peers: a quick same-run comparison of builds).
         for L_m, D_m in ((2048, 128), (8192, 128), (8192, 64)):
-            B_m, H_m, KVH_m = 16384 // L_m, 16, 4
-            qm = torch.randn(B_m, L_m, H_m, D_m, device=dev, dtype=dt)
-            km, vm = (torch.randn(B_m, L_m, KVH_m, D_m, device=dev, dtype=dt) for _ in range(2))
-            bm = torch.randn(B_m, KVH_m, 1, L_m, device=dev, dtype=dt)
-            mm = flexdma.create_mask(bm, L_m // 4, is_causal=True, query_len=L_m)
+            qm, km, vm, _, bm, mm = model_inputs(L_m, D_m)
             results[f"model_{L_m}_d{D_m}_flexdma_fwd_ms"] = bench(
                 lambda: fwd(qm, km, vm, mm, bm, 1.0 / math.sqrt(D_m), True, 0.0, True, keep_resid=False)
             )
@@ -162,6 +158,20 @@ def main():
             json.dump(results, f, indent=1)
 
 
+def model_inputs(L, D, H=16, KVH=4, tokens=16384):
+    """q, k, v (requiring grad), dout, bias (B, KVH, 1, L) and mask (top-L/4 of the bias per row,
+    causal) at one model shape, B = tokens // L."""
+    B, dev, dt = tokens // L, "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.randn(B, L, H, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
+    dout = torch.randn(B, L, H, D, device=dev, dtype=dt)
+    bias = torch.randn(B, KVH, 1, L, device=dev, dtype=dt)
+    mask = flexdma.create_mask(bias, L // 4, is_causal=True, query_len=L)
+    return q, k, v, dout, bias, mask
+
+
 def model_rows(L, D, H=16, KVH=4, tokens=16384):
     """Forward and backward (fwd+bwd minus fwd) of flexdma's CUDA ops, FlexAttention and dense
     SDPA at one model shape; ms, keys model_{L}_d{D}_{peer}_{fwd|bwd}_ms."""
@@ -169,15 +179,9 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
 
     from benchmarks.peers import FLEX_BWD_KERNEL_OPTIONS, _compiled_flex
 
-    B, W, dev, dt = tokens // L, L // 4, "cuda", torch.bfloat16
+    B, dev = tokens // L, "cuda"
     scale = 1.0 / math.sqrt(D)
-    torch.manual_seed(0)
-    q = torch.randn(B, L, H, D, device=dev, dtype=dt, requires_grad=True)
-    k = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
-    v = torch.randn(B, L, KVH, D, device=dev, dtype=dt, requires_grad=True)
-    dout = torch.randn(B, L, H, D, device=dev, dtype=dt)
-    bias = torch.randn(B, KVH, 1, L, device=dev, dtype=dt)
-    mask = flexdma.create_mask(bias, W, is_causal=True, query_len=L)
+    q, k, v, dout, bias, mask = model_inputs(L, D, H, KVH, tokens)
     G, key = H // KVH, f"model_{L}_d{D}"
     rows = {}
 
