@@ -31,7 +31,21 @@ case "${1:-}" in
   test)
     install "[test]"
     shift
+    if [ $# -eq 0 ] && [ "${FLEXDMA_SKIP_OLDEST_HF:-0}" != 1 ]; then
+      # The Hugging Face tests also against the oldest transformers the project claims
+      # (pyproject.toml's lower bound, its newest patch release), installed beside the newest
+      # one in a folder of its own; the full suite below runs with the newest.
+      oldest=$(sed -n 's/.*"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml | head -1)
+      dir=build/transformers-$oldest
+      if ! PYTHONPATH=$dir "$PY" -c "import transformers, sys; sys.exit(not transformers.__version__.startswith('$oldest.'))" 2>/dev/null; then
+        rm -rf "$dir"
+        "$PY" -m pip install -q --target "$dir" "transformers==$oldest.*"
+      fi
+      echo "Hugging Face tests with transformers $(PYTHONPATH=$dir "$PY" -c 'import transformers; print(transformers.__version__)')"
+      PYTHONPATH=$dir "$PY" -m pytest -q -ra tests/test_doge.py tests/test_hf.py tests/test_compat.py
+    fi
     set +e
+    echo "The whole suite with transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
     "$PY" -m pytest -q -ra "$@"
     rc=$?
     # pytest exits 5 when nothing was collected: that is a failure of the suite, not a pass.

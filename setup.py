@@ -55,36 +55,80 @@ def _want_cuda():
     return torch.version.cuda is not None and CUDA_HOME is not None and shutil.which("nvcc") is not None
 
 
-def _static_libstdcxx():
-    """True when the C++ compiler has no shared libstdc++ to link, so the extension gets a private
-    static copy. Then a C++ exception thrown in the extension (every failed input check) meets
-    torch's own runtime on its way out and the process dies with SIGSEGV instead of raising: seen
-    with a GCC build that shipped only libstdc++.a. Naming -lstdc++ does not help, there is no
-    shared library to find; the fix is CXX=<a compiler with libstdc++.so>."""
-    if not sys.platform.startswith("linux"):
-        return False
+def _has_shared_libstdcxx(cxx):
+    """Whether compiler `cxx` links a shared libstdc++. Without one the extension gets a private
+    static copy, and a C++ exception thrown in it (every failed input check) meets torch's own
+    runtime on its way out: the process dies with SIGSEGV instead of raising (seen with a GCC build
+    that shipped only libstdc++.a). Naming -lstdc++ does not help: there is no shared library to
+    find. None when `cxx` does not run or is not GCC-like (then it is not second-guessed)."""
     import subprocess
 
-    cxx = os.environ.get("CXX") or "c++"
     try:
         found = subprocess.run(
             [cxx, "-print-file-name=libstdc++.so"], capture_output=True, text=True, timeout=30
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return False
+        return None
     # GCC prints the bare name back when it does not find the file.
-    return not os.path.isabs(found)
+    return os.path.isabs(found) if found else None
 
 
-def _write_build_info(with_cuda, head_dims, archs):
-    static = _static_libstdcxx()
-    if static:
-        print(
-            f"WARNING: {os.environ.get('CXX') or 'c++'} has no shared libstdc++; flexdma._C links it "
-            "statically and any C++ error raised inside it will crash the process. Set CXX to a "
-            "compiler that has libstdc++.so.",
-            file=sys.stderr,
-        )
+def _gxx_on_path():
+    """Every g++ on PATH, in PATH order (a machine may have several toolchains)."""
+    seen, found = set(), []
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        c = os.path.join(d, "g++")
+        real = os.path.realpath(c)
+        if os.access(c, os.X_OK) and real not in seen:
+            seen.add(real)
+            found.append(c)
+    return found
+
+
+def _pick_cxx():
+    """Choose the host C++ compiler before anything is compiled; returns whether the extension
+    links libstdc++ statically after all. A CXX the user set is kept (with a warning if it has no
+    shared libstdc++). Otherwise, where the default `c++` has none but a g++ on PATH has, CXX and CC
+    are set to that g++ for the whole build (CC too: setuptools links with it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    fix = (
+        "set CXX (and CC) to a compiler that has a shared libstdc++ (`CXX -print-file-name=libstdc++.so` "
+        "prints an absolute path), or install one (Debian / Ubuntu: g++)"
+    )
+    user = os.environ.get("CXX")
+    if user:
+        if _has_shared_libstdcxx(user) is False:
+            print(
+                f"WARNING: CXX={user} has no shared libstdc++: flexdma._C links it statically and any "
+                f"C++ error raised inside it will crash the process; {fix}.",
+                file=sys.stderr,
+            )
+            return True
+        return False
+    if _has_shared_libstdcxx("c++") is not False:
+        return False
+    for cxx in _gxx_on_path():
+        if _has_shared_libstdcxx(cxx):
+            cc = cxx[: -len("g++")] + "gcc"
+            os.environ["CXX"] = cxx
+            if os.access(cc, os.X_OK):
+                os.environ["CC"] = cc
+            print(
+                f"flexdma: the default c++ has no shared libstdc++; building with CXX={cxx}"
+                f"{' CC=' + cc if os.access(cc, os.X_OK) else ''}",
+                file=sys.stderr,
+            )
+            return False
+    print(
+        f"WARNING: no C++ compiler with a shared libstdc++ found (c++ and every g++ on PATH link it "
+        f"statically): flexdma._C will crash the process on any C++ error instead of raising; {fix}.",
+        file=sys.stderr,
+    )
+    return True
+
+
+def _write_build_info(with_cuda, head_dims, archs, static):
     text = (
         "# Written by setup.py at build time.\n"
         f"STATIC_LIBSTDCXX = {static!r}\n"
@@ -117,7 +161,7 @@ def _extensions():
                 file=sys.stderr,
             )
         head_dims = tuple(d for d in head_dims if d not in WGMMA_ONLY_HEAD_DIMS)
-    _write_build_info(with_cuda, head_dims, archs)
+    _write_build_info(with_cuda, head_dims, archs, _pick_cxx())
     if not with_cuda:
         return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=openmp)]
 
@@ -165,8 +209,10 @@ def _cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
-setup(
-    packages=find_packages(include=["flexdma", "flexdma.*"]),
-    ext_modules=_extensions(),
-    cmdclass=_cmdclass(),
-)
+# pip and setuptools run this file as __main__; tests load its functions under another name.
+if __name__ == "__main__":
+    setup(
+        packages=find_packages(include=["flexdma", "flexdma.*"]),
+        ext_modules=_extensions(),
+        cmdclass=_cmdclass(),
+    )

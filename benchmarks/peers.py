@@ -17,11 +17,13 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from flexdma.flex import SMALL_BLOCKS
+
 from .configs import FLEXDMA_PEERS, KVH, Case, H
 
-# FlexAttention's default backward config needs more shared memory than an H100 has once a
-# captured bias requires grad; this one fits (and is what the peer baselines used).
-FLEX_BWD_KERNEL_OPTIONS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
+# FlexAttention runs at its best options: each timing tries its defaults and flexdma's small blocks
+# (they fit every head dim with a captured bias that needs a gradient) and keeps the faster.
+FLEX_OPTION_SETS = {"defaults": None, "small": SMALL_BLOCKS}
 
 
 class Unavailable(Exception):
@@ -100,7 +102,7 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flexattn_peer(case: Case, t: SimpleNamespace, *, backward: bool):
+def _flexattn_peer(case: Case, t: SimpleNamespace, *, options: Optional[str]):
     if t.q.device.type != "cuda":
         raise Unavailable("compiled FlexAttention is benchmarked on CUDA only")
     try:
@@ -127,7 +129,7 @@ def _flexattn_peer(case: Case, t: SimpleNamespace, *, backward: bool):
     block_mask = create_block_mask(
         mask_mod, None, None, case.Q, case.K, device=t.q.device, BLOCK_SIZE=128, _compile=True
     )
-    opts = FLEX_BWD_KERNEL_OPTIONS if backward else None
+    opts = FLEX_OPTION_SETS[options or "defaults"]
 
     def fn():
         out = flex(
@@ -172,7 +174,14 @@ def _flash_dmattn_peer(case: Case, t: SimpleNamespace):
     return fn, [t.q, t.k, t.v, t.bias]
 
 
-def prepare(peer: str, case: Case, t: SimpleNamespace, *, backward: bool) -> Tuple[Callable, List[torch.Tensor]]:
+def option_sets(peer: str) -> List[Optional[str]]:
+    """The option sets a peer is timed with (the best one is reported); [None]: its only one."""
+    return list(FLEX_OPTION_SETS) if peer == "flexattn" else [None]
+
+
+def prepare(
+    peer: str, case: Case, t: SimpleNamespace, *, backward: bool, options: Optional[str] = None
+) -> Tuple[Callable, List[torch.Tensor]]:
     if peer.startswith("flexdma-"):
         return _flexdma_peer(peer[len("flexdma-") :], case, t)
     if peer == "sdpa":
@@ -180,7 +189,7 @@ def prepare(peer: str, case: Case, t: SimpleNamespace, *, backward: bool) -> Tup
     if peer == "dense":
         return _dense_peer(case, t)
     if peer == "flexattn":
-        return _flexattn_peer(case, t, backward=backward)
+        return _flexattn_peer(case, t, options=options)
     if peer == "flash_dmattn":
         return _flash_dmattn_peer(case, t)
     raise ValueError(f"unknown peer {peer!r}")

@@ -84,6 +84,11 @@ struct FwdParams {
   float softmax_scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool is_causal = false;
+
+  // Device scratch of the CUDA kernels (split forward's partial rows, the backward's dQ accumulator
+  // and row terms), allocated by the caller at the size the kernels ask for
+  // (cuda::fwd_workspace_bytes / bwd_workspace_bytes); unused by the CPU kernel.
+  void* workspace = nullptr;
 };
 
 struct BwdParams : FwdParams {

@@ -6,27 +6,14 @@ reference last. On CPU the C++ kernel of the op family. Each fallback is warned 
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ._warnings import warn_once as _warn_once
 from .reference import attention_ref
 
 BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
-
-_warned: set = set()
-
-
-# Under torch.compile this runs once, when the call is traced (dynamo calls a function marked
-# assume_constant_result eagerly instead of tracing it), so a fullgraph model still gets the
-# warning and no graph break.
-@torch._dynamo.assume_constant_result
-def _warn_once(msg: str) -> bool:
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, stacklevel=5)
-    return True
 
 
 # Cached by hand, not with functools.lru_cache: torch.compile traces these on every call of the

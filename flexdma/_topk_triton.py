@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import _C, topk
+from ._device import device_capability
 
 NEVER = topk.NEVER  # key_rank of a key no row keeps
 LOG2E = 1.4426950408889634
@@ -38,6 +39,22 @@ BLOCK_M = 128
 # Launch configurations (module level so benchmarks/topk_dev.py can sweep them).
 FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
 BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
+# Head dims above WIDE_FROM: half the rows per program, fewer keys a step and fewer stages, so that
+# q / dO, the dQ accumulator and the K / V stages fit one SM (128-row tiles at head dim 256 asked
+# for 321 KiB of shared memory, an H100 has 227).
+WIDE_FROM = 128
+WIDE_BLOCK_M = 64
+WIDE_FWD_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
+WIDE_BWD_CONFIG = dict(BN=32, num_warps=4, num_stages=2)
+
+
+def block_m(head_dim: int) -> int:
+    return WIDE_BLOCK_M if head_dim > WIDE_FROM else BLOCK_M
+
+
+def configs(head_dim: int) -> tuple:
+    """(forward, backward) launch configuration for this head dim."""
+    return (WIDE_FWD_CONFIG, WIDE_BWD_CONFIG) if head_dim > WIDE_FROM else (FWD_CONFIG, BWD_CONFIG)
 
 
 def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
@@ -56,20 +73,6 @@ def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
 SM90_TILE_ROWS = _C.TOPK_TILE_ROWS
 
 
-# A dict, not functools.lru_cache: torch.compile traces sm90_forward (through topk.tile_rows_for)
-# and warns about an lru_cache wrapper. assume_constant_result: torch.compile runs the function
-# at trace time and keeps its result; traced, the dict's first fill became a guard on the empty
-# dict, and the second call of a compiled model compiled it again.
-_CAPABILITY: dict = {}
-
-
-@torch.compiler.assume_constant_result
-def _capability(index: int):
-    if index not in _CAPABILITY:
-        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return _CAPABILITY[index]
-
-
 def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether topk_fwd on `device` runs the C++ sm_90a kernel for this head dim and dtype (what
     the selection's tile rows depend on; operand alignment is checked per call)."""
@@ -79,17 +82,18 @@ def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> boo
         return False
     if tuple(_build_info.CUDA_ARCHS) != ("90",) or dtype not in (torch.float16, torch.bfloat16):
         return False
-    return device.type == "cuda" and _capability(device.index if device.index is not None else 0) == (9, 0)
+    return device.type == "cuda" and device_capability(device) == (9, 0)
 
 
 def plan(num_heads: int, num_kv_heads: int, plane_heads: int, head_dim: int, dtype, device) -> tuple:
-    """(pack, tile_rows): the query heads a Triton program serves (its BLOCK_M rows are `pack`
+    """(pack, tile_rows): the query heads a Triton program serves (its block_m rows are `pack`
     heads x tile_rows) and the rows of a selection tile. The C++ forward's 128-row tiles need
     lists of at least 128 rows, so with it a program serves one head."""
-    pack = pack_size(num_heads, num_kv_heads, plane_heads)
+    rows = block_m(head_dim)
+    pack = min(pack_size(num_heads, num_kv_heads, plane_heads), rows // 16)
     if sm90_forward(head_dim, dtype, device):
-        pack = min(pack, BLOCK_M // SM90_TILE_ROWS)
-    return pack, BLOCK_M // pack
+        pack = min(pack, rows // SM90_TILE_ROWS)
+    return pack, rows // pack
 
 
 def tile_rows_for(q: torch.Tensor, k: torch.Tensor, plane_heads: int) -> int:
@@ -735,7 +739,7 @@ def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, s
         **g["meta"],
         CAUSAL=bool(is_causal),
         SOFTCAP=softcap > 0,
-        **FWD_CONFIG,
+        **configs(D)[0],
     )
     return out, lse, resid
 
@@ -832,7 +836,7 @@ def bwd(
                 SOFTCAP=softcap > 0,
                 DBIAS=bool(bias_requires_grad),
                 PARTIAL=partial,
-                **BWD_CONFIG,
+                **configs(D)[1],
             )
 
         if not deterministic:

@@ -23,6 +23,9 @@ from typing import Optional, Tuple
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
+from ._device import device_capability
+from ._warnings import warn_once
+
 try:
     from . import _block_tiles
 except ImportError:  # no triton: the torch tile reduction below
@@ -33,14 +36,40 @@ BLOCK = 128
 __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
-def _kernel_options(device: torch.device, training: bool) -> Optional[dict]:
-    if device.type != "cuda" or not training:
+# FlexAttention's kernel options, chosen per (compute capability, head dim, dtype, training) by
+# measurement (benchmarks/flex_options.py; its numbers are in the performance log):
+# - None: FlexAttention's own defaults.
+# - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a
+#   captured bias that needs a gradient, and one pipeline stage in both directions.
+# - ONE_STAGE: the defaults, but one forward pipeline stage.
+# Where nothing was measured a training call takes SMALL_BLOCKS (they always fit) and an inference
+# call the defaults; defaults whose forward raises a resource error are remembered and replaced.
+SMALL_BLOCKS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
+ONE_STAGE = {"fwd_num_stages": 1}
+MEASURED_OPTIONS: dict = {}
+_DEFAULTS_FAILED: set = set()
+
+
+def kernel_options(device: torch.device, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[dict]:
+    if device.type != "cuda":
         return None
-    # The default backward tiles exceed H100 shared memory once a captured bias needs a gradient
-    # (measured with torch 2.11); these fit for every head_dim up to 256. The BLOCK_*1/*2 names
-    # only exist in the backward; the stage count is prefixed so the forward keeps its default
-    # pipelining (one stage there made the training forward 5.3 ms vs 2.7 ms at 32K).
-    return {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "bwd_num_stages": 1}
+    key = (device_capability(device), head_dim, dtype, training)
+    if key in MEASURED_OPTIONS:
+        chosen = MEASURED_OPTIONS[key]
+    else:
+        chosen = SMALL_BLOCKS if training else None
+    if chosen is None and key in _DEFAULTS_FAILED:
+        return SMALL_BLOCKS if training else ONE_STAGE
+    return chosen
+
+
+def _is_resource_error(e: BaseException) -> bool:
+    """Triton's OutOfResources (shared memory, registers), however Inductor wraps it."""
+    while e is not None:
+        if type(e).__name__ == "OutOfResources" or "OutOfResources" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def unsupported_reason(query, key, value, attn_mask, attn_bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
@@ -334,7 +363,7 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     # Built outside the compiled region, so that the graph holds flex_attention alone; the q side
     # is only read by the backward.
     tensors = _block_tensors(mask, Q, K, H, is_causal, need_q=training, device=q.device, no_full=keep is not None)
-    opts = _kernel_options(q.device, training)
+    opts = kernel_options(q.device, D, q.dtype, training)
     # Inductor's CPU FlexAttention is inference-only and returns no LSE: on CPU, compile only
     # when no LSE is needed, else run FlexAttention unfused (_traced_unfused).
     compile_ok = q.device.type == "cuda" or not need_lse
@@ -344,8 +373,19 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
     else:
         # One compiled graph per shape family, all of them code of _attend: dynamo's default
         # limit of 8 would make the 9th shape a hard error under fullgraph.
+        run = _compiled() if compile_ok else _traced_unfused()
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            out, lse = (_compiled() if compile_ok else _traced_unfused())(*args)
+            try:
+                out, lse = run(*args)
+            except Exception as e:
+                if opts is not None or not _is_resource_error(e):
+                    raise
+                # FlexAttention's defaults do not fit this device at this head dim / dtype: remembered,
+                # and this call (and every later one) runs with options that do.
+                _DEFAULTS_FAILED.add((device_capability(q.device), D, q.dtype, training))
+                warn_once(f"FlexAttention's default kernel options do not fit this GPU at head_dim {D}, {q.dtype}")
+                opts = kernel_options(q.device, D, q.dtype, training)
+                out, lse = run(*args[:11], opts, *args[12:])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = out.transpose(1, 2)
     if lse is None:

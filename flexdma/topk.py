@@ -95,14 +95,15 @@ def check_window(keep_window_size) -> int:
     return keep_window_size
 
 
-def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor]) -> None:
-    """The per-key path's limits on the (already broadcast-checked, 4-D) mask and bias."""
+def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor], seqlen_k: int) -> None:
+    """The per-key path's limits on the (already broadcast-checked, 4-D) mask and bias. With one key
+    (a one-token prompt, a cache's first step) a key dim of 1 is the per-key shape."""
     if attn_bias is None:
         raise ValueError(
             "keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias of shape "
             "({1|B}, {1|KVH|H}, 1, K)"
         )
-    if attn_bias.shape[2] != 1 or attn_bias.shape[3] == 1:
+    if attn_bias.shape[2] != 1 or (attn_bias.shape[3] == 1 and seqlen_k > 1):
         raise ValueError(
             f"keep_window_size needs a per-key attn_bias ({{1|B}}, {{1|KVH|H}}, 1, K) (one score per "
             f"key, shared by every query row), got shape {tuple(attn_bias.shape)}; for a bias that "
@@ -148,8 +149,8 @@ def attention(
     validated by flexdma.api. No Q x K tensor on the cuda, cpu and flex backends."""
     from . import _dispatch
 
-    check_operands(attn_mask, attn_bias)
     Q, K, H = query.shape[1], key.shape[1], query.shape[2]
+    check_operands(attn_mask, attn_bias, K)
     name = _select_backend(backend, query, key, value, attn_bias, is_causal, softcap, _dispatch)
     scores = selection_scores(attn_bias.detach(), attn_mask, H)
     sel = select(scores, window, Q, is_causal, tile_rows_for(query, key, scores.shape[1]))

@@ -25,6 +25,27 @@ at::Tensor tile_meta_cuda(const at::Tensor& mask, int64_t seqlen_q, int64_t seql
   return meta;
 }
 
+// The kernels' scratch comes from PyTorch's caching allocator (as FlashAttention's does): a failure
+// is torch.OutOfMemoryError before any launch, and the bytes show in torch.cuda's statistics. The
+// tensor is released when this returns; the allocator hands the block to later work on the same
+// stream only, which runs after these kernels.
+void launch_fwd(FwdParams p, const at::Tensor& like) {
+  check_supported(p);
+  const int64_t bytes = cuda::fwd_workspace_bytes(p);
+  at::Tensor ws = bytes > 0 ? at::empty({bytes}, like.options().dtype(at::kByte)) : at::Tensor();
+  p.workspace = bytes > 0 ? ws.data_ptr() : nullptr;
+  cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_bwd(BwdParams p, const at::Tensor& like) {
+  check_supported(p);
+  at::Tensor ws = at::empty({cuda::bwd_workspace_bytes(p)}, like.options().dtype(at::kByte));
+  p.workspace = ws.data_ptr();
+  cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The kernels read the tile activity of every mask they get; a caller that did not pass it (a
 // direct op call) pays for one pass over the mask here.
 c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& tile_meta,
@@ -47,9 +68,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, con
                              meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
                                FwdParams p = given;
                                p.out_resid = keep_resid ? resid.data_ptr() : nullptr;
-                               check_supported(p);
-                               cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
-                               C10_CUDA_KERNEL_LAUNCH_CHECK();
+                               launch_fwd(p, q);
                              });
   return {out, lse, resid};
 }
@@ -76,12 +95,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   return bwd_impl(
       dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
       meta_for(mask, tile_meta, q, k, is_causal),
-      [resid](const BwdParams& given) {
+      [resid, &q](const BwdParams& given) {
         BwdParams p = given;
         p.out_resid = resid;
-        check_supported(p);
-        cuda::run_bwd(p, at::cuda::getCurrentCUDAStream().stream());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_bwd(p, q);
       },
       /*device_stores_dbias_dtype=*/true);
 }
@@ -103,9 +120,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
         p.tile_keys = keys;
         p.topk_tile_rows = tile_rows;
         p.out_resid = resid.data_ptr();
-        check_supported(p);
-        cuda::run_fwd(p, at::cuda::getCurrentCUDAStream().stream());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_fwd(p, q);
       });
   return {out, lse, resid};
 }

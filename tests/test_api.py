@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexdma
-from flexdma import _dispatch
+from flexdma import _dispatch, _warnings
 from flexdma.compat import create_mask as seed_create_mask
 from flexdma.compat import flash_dmattn_func, flash_dmattn_func_auto, get_available_backends
 
@@ -168,7 +168,7 @@ def test_auto_on_cpu_uses_the_cpu_op(monkeypatch):
 
 def test_auto_fallback_warns_once_with_reason(monkeypatch):
     q, k, v = qkv()
-    monkeypatch.setattr(_dispatch, "_warned", set())
+    monkeypatch.setattr(_warnings, "_warned", set())
     monkeypatch.setattr(_dispatch, "_ops_load_error", lambda: "pretend the extension is missing")
     kw = dict(is_causal=False, softcap=0.0, requires_grad=False)
     with pytest.warns(UserWarning, match="falls back from 'cpu' to 'reference': pretend the extension is missing"):
@@ -336,7 +336,7 @@ operator.getitem""",
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_warned", set())
+    monkeypatch.setattr(_warnings, "_warned", set())
     # FlexAttention takes head_dim 16 and 40 keys; the CUDA kernels implement 32, 64, 96, 128, 192, 256 only.
     q, k, v = qkv(Q=24, K=40, D=16, dtype=torch.bfloat16, device="cuda")
     with pytest.warns(UserWarning, match=r"falls back from 'cuda' to 'flex': .*head_dim 16"):

@@ -125,12 +125,12 @@ def test_capability_lookup_compiles_once(monkeypatch):
     pytest.importorskip("triton")
     from torch._dynamo.testing import CompileCounter
 
-    from flexdma import _build_info, _topk_triton
+    from flexdma import _build_info, _device, _topk_triton
 
     monkeypatch.setattr(_build_info, "CUDA_HEAD_DIMS", [64, 128])
     monkeypatch.setattr(_build_info, "CUDA_ARCHS", ["90"])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.setattr(_topk_triton, "_CAPABILITY", {})
+    monkeypatch.setattr(_device, "_CAPABILITY", {})
     torch._dynamo.reset()
     counter = CompileCounter()
     dev = torch.device("cuda", 0)

@@ -287,3 +287,53 @@ def test_dbias_in_bias_dtype_sums_query_heads(heads, K):
         again = bwd(dout, q, k, v, mask, bias, out, lse, 0.1, True, 0.0, True, True, out_resid=resid)
         for a, b in zip(first, again):
             assert torch.equal(a, b)
+
+
+def _peak_over(fn):
+    """(result, bytes the call's peak allocation reached above what was allocated before it)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.parametrize("D", _head_dims(128))
+def test_workspaces_come_from_torchs_allocator(D):
+    # The backward's float dQ accumulator (Q x H x D floats) and the split forward's partial rows
+    # are tensors of the caching allocator: they show in its peak, and running out of memory for
+    # them is torch.OutOfMemoryError, not an illegal address.
+    B, Q, K, H = 1, 4096, 4096, 2
+    q, k, v = (torch.randn(B, n, H, D, device=DEV, dtype=torch.bfloat16) for n in (Q, K, K))
+    scale = D**-0.5
+    (out, lse, resid), _ = _peak_over(lambda: fwd(q, k, v, None, None, scale, True, 0.0, False))
+    dout = torch.randn_like(out)
+    grads, peak = _peak_over(
+        lambda: bwd(dout, q, k, v, None, None, out, lse, scale, True, 0.0, False, False, None, resid)
+    )
+    outputs = sum(g.numel() * g.element_size() for g in grads)
+    acc = B * H * Q * D * 4
+    assert peak >= outputs + acc, (peak, outputs, acc)
+    del grads
+    # Decode: one query row over many keys splits the keys; the partial rows are the workspace.
+    q1 = q[:, :1]
+    _, peak = _peak_over(lambda: fwd(q1, k, v, None, None, scale, True, 0.0, False, None, False))
+    assert peak >= 2 * B * H * (D + 1) * 4, peak  # two splits at least
+    # A limit below the dQ accumulator: the allocation fails in torch, before any kernel runs.
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # The allocator's limit counts reserved memory: room for the outputs, not for the accumulator.
+    room = torch.cuda.memory_reserved() + outputs + acc // 4
+    torch.cuda.set_per_process_memory_fraction(room / total)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            bwd(dout, q, k, v, None, None, out, lse, scale, True, 0.0, False, False, None, resid)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    # And the op still works afterwards (no sticky CUDA error).
+    torch.cuda.synchronize()
+    fwd(q, k, v, None, None, scale, True, 0.0, False)
+    torch.cuda.synchronize()

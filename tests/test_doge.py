@@ -129,3 +129,57 @@ def test_patch_doge_rejects():
                 )
             )
         )
+
+
+def test_one_token_prompt_generates_as_eager():
+    # A prompt of one token (a BOS alone): the first step's bias has one key.
+    eager, patched = _models(torch.float32, layers=3)
+    for m in (eager, patched):
+        m.model.layers[0].self_attn.keep_window_size = 10_000  # generated tokens repeat (see above)
+    ids = _ids(2, 1)
+    seqs = [m.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0) for m in (eager, patched)]
+    assert seqs[0].shape == (2, 9)
+    assert torch.equal(seqs[1], seqs[0])
+
+
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_patched_layer_reads_the_cache_under_either_name(name):
+    # transformers <= 5.23 hands the layer its cache as past_key_values, 5.24 on as cache: a step
+    # against a filled cache equals the last row of the full sequence, whichever name carries it.
+    _, patched = _models(torch.float64, layers=1)
+    layer, rotary = patched.model.layers[0].self_attn, patched.model.rotary_emb
+    S = 9  # above keep_window_size: the step selects among the cached keys
+    hidden = torch.randn(1, S, 32, dtype=torch.float64)
+    cos, sin = rotary(hidden, torch.arange(S)[None])
+    full, _ = layer(hidden, (cos, sin), None)
+    cache = transformers.DynamicCache()
+    layer(hidden[:, :-1], (cos[:, :-1], sin[:, :-1]), None, **{name: cache})
+    step, _ = layer(hidden[:, -1:], (cos[:, -1:], sin[:, -1:]), None, **{name: cache})
+    assert cache.get_seq_length() == S
+    torch.testing.assert_close(step, full[:, -1:], atol=1e-10, rtol=1e-10)
+
+
+def test_patched_layer_rejects_what_it_does_not_understand():
+    _, patched = _models(torch.float32, layers=1)
+    layer, rotary = patched.model.layers[0].self_attn, patched.model.rotary_emb
+    hidden = torch.randn(1, 4, 32)
+    pe = rotary(hidden, torch.arange(4)[None])
+    with pytest.raises(TypeError, match="new_flag"):
+        layer(hidden, pe, None, new_flag=True)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="packed sequences"):
+        layer(hidden, pe, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    with pytest.raises(ValueError, match="two different caches"):
+        layer(hidden, pe, None, past_key_values=transformers.DynamicCache(), cache=transformers.DynamicCache())
+
+
+def test_patch_doge_checks_the_forward_it_replaces(monkeypatch):
+    from transformers.models.doge.modeling_doge import DogeAttention
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, new_arg=None, **kwargs):
+        raise AssertionError("never called")
+
+    eager, _ = _models(torch.float32, layers=1)
+    monkeypatch.setattr(DogeAttention, "forward", forward)
+    with pytest.raises(TypeError, match="unknown: \\('new_arg',\\)"):
+        fx.patch_doge(eager)

@@ -326,3 +326,38 @@ def test_gpu_forward_backward(case, dtype):
         # The LSE is accumulated in float32 either way: held to the float32 tolerance.
         lowp = None if name == "lse" else low[name]
         assert_close_to_ref(x, ref[name], lowp, name, factor=factor)
+
+
+def test_kernel_options_follow_the_measurements(monkeypatch):
+    # Where a (capability, head dim, dtype, training) was measured, its choice; elsewhere the small
+    # blocks for training (they fit every head dim) and the defaults for inference; defaults whose
+    # forward raised a resource error give way to options that fit.
+    from flexdma import flex
+
+    monkeypatch.setattr(flex, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(flex, "MEASURED_OPTIONS", {((9, 0), 128, torch.bfloat16, True): None})
+    monkeypatch.setattr(flex, "_DEFAULTS_FAILED", set())
+    cuda = torch.device("cuda", 0)
+    assert flex.kernel_options(torch.device("cpu"), 128, torch.bfloat16, True) is None
+    assert flex.kernel_options(cuda, 128, torch.bfloat16, True) is None
+    assert flex.kernel_options(cuda, 64, torch.bfloat16, True) == flex.SMALL_BLOCKS
+    assert flex.kernel_options(cuda, 64, torch.bfloat16, False) is None
+    flex._DEFAULTS_FAILED.update({((9, 0), 128, torch.bfloat16, True), ((9, 0), 64, torch.bfloat16, False)})
+    assert flex.kernel_options(cuda, 128, torch.bfloat16, True) == flex.SMALL_BLOCKS
+    assert flex.kernel_options(cuda, 64, torch.bfloat16, False) == flex.ONE_STAGE
+
+
+def test_resource_errors_are_recognised_through_wrappers():
+    from flexdma import flex
+
+    class OutOfResources(Exception):
+        pass
+
+    try:
+        try:
+            raise OutOfResources("shared memory, Required: 328704, Hardware limit: 232448")
+        except OutOfResources as inner:
+            raise RuntimeError("Inductor: kernel launch failed") from inner
+    except RuntimeError as e:
+        assert flex._is_resource_error(e)
+    assert not flex._is_resource_error(ValueError("something else"))

@@ -29,6 +29,10 @@ CASES = [
     (1, 64, 64, 2, 2, 5, False, "H", True, False),
     (2, 40, 40, 8, 2, 9, True, "KVH", True, True),  # a batch with every key padded
     (1, 129, 129, 2, 1, 30, True, "1", False, False),
+    # One key: a one-token prompt, a cache's first step (bias key dim 1 is the per-key shape).
+    (1, 1, 1, 2, 1, 4, True, "KVH", False, False),
+    (2, 3, 1, 4, 2, 1, True, "H", True, False),  # Q > K = 1: only the last row sees the key
+    (2, 1, 1, 2, 2, 2, False, "1", False, False),
 ]
 
 
@@ -92,7 +96,30 @@ def test_cuda_head_dims_match_reference(case, D):
     _check_case("cuda", case, dtype, D=D, softcap=softcap, sm90=True)
 
 
-def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False):
+# Every head dim the README lists, through backend="auto": the per-key CUDA kernels where they take
+# the head dim (wide ones with their smaller tiles), else the fallback with its one-time warning.
+# GQA groups of 4 with a per-kv-head bias pack several query heads into one program.
+HEAD_DIM_CASES = [CASES[1], CASES[3], CASES[7], (2, 300, 300, 8, 2, 40, True, "KVH", True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("case", HEAD_DIM_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_cuda_every_listed_head_dim(case, D):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    softcap = 5.0 if HEAD_DIM_CASES.index(case) == 2 else 0.0
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _check_case("cuda", case, torch.bfloat16, D=D, softcap=softcap, backends=["auto"])
+    fallbacks = [str(w.message) for w in seen if "falls back" in str(w.message)]
+    if topk.cuda_unsupported_reason(torch.empty(1, 1, 1, D, dtype=torch.bfloat16, device="cuda")) is None:
+        assert not fallbacks, fallbacks
+
+
+def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False, backends=None):
     B, Q, K, H, KVH, W, causal, *_ = case
     q, k, v, bias, pad = _inputs(case, device, dtype, D=D)
     mask = _dense(bias, pad, W, Q, causal)
@@ -103,7 +130,8 @@ def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False):
         o, lse = attention_ref(ins[0], ins[1], ins[2], mask, ins[3], is_causal=causal, softcap=softcap)
         gs = torch.autograd.grad(o, ins, grad.to(prec))
         ref[prec] = (o, lse) + gs
-    backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] and not sm90 else [])
+    if backends is None:
+        backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] and not sm90 else [])
     for backend in backends:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
         if sm90:

@@ -10,6 +10,26 @@
 namespace flexdma {
 namespace cuda {
 
+// The backward's one workspace: the per-row lse2 and delta (written by the pre kernel), the float dQ
+// accumulator and (deterministic) the per-tile turns, these two zeroed by the launch.
+template <int D>
+struct BwdWorkspace {
+  size_t row_bytes, acc_bytes, zero_bytes;
+  explicit BwdWorkspace(const BwdParams& p) {
+    const int64_t n_q_tiles = p.batch * p.num_heads * ceil_div(p.seqlen_q, kBlockM);
+    row_bytes = size_t(n_q_tiles) * kBlockM * sizeof(float);
+    acc_bytes = size_t(n_q_tiles) * kBlockM * D * sizeof(float);
+    zero_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
+  }
+  size_t bytes() const { return 2 * row_bytes + zero_bytes; }
+};
+
+template <typename T, int D>
+int64_t bwd_workspace_bytes(const BwdParams& p) {
+  return (int64_t)BwdWorkspace<D>(p).bytes();
+}
+
+// p.workspace holds bwd_workspace_bytes(p) bytes (the caller's allocation).
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int kSmem = BwdSmem<T, D>::kBytes;
@@ -31,22 +51,16 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
            reinterpret_cast<uintptr_t>(p.out_resid) % 16 == 0;
   const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN), m_tiles = ceil_div(p.seqlen_q, kBlockM);
 
-  // One workspace: the per-row lse2 and delta (written by the pre kernel), the float dQ
-  // accumulator and (deterministic) the per-tile turns, these two zeroed.
   DqAccum dqa;
   dqa.m_tiles = (int)m_tiles;
   dqa.num_heads = (int)p.num_heads;
-  const int64_t n_q_tiles = p.batch * p.num_heads * m_tiles;
-  const size_t row_bytes = size_t(n_q_tiles) * kBlockM * sizeof(float);
-  const size_t acc_bytes = size_t(n_q_tiles) * kBlockM * D * sizeof(float);
-  const size_t zero_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
-  char* ws = nullptr;
-  cudaMallocAsync(reinterpret_cast<void**>(&ws), 2 * row_bytes + zero_bytes, stream);
-  cudaMemsetAsync(ws + 2 * row_bytes, 0, zero_bytes, stream);
+  const BwdWorkspace<D> w(p);
+  char* ws = static_cast<char*>(p.workspace);
+  cudaMemsetAsync(ws + 2 * w.row_bytes, 0, w.zero_bytes, stream);
   dqa.lse2 = reinterpret_cast<float*>(ws);
-  dqa.delta = reinterpret_cast<float*>(ws + row_bytes);
-  dqa.ptr = reinterpret_cast<float*>(ws + 2 * row_bytes);
-  if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + 2 * row_bytes + acc_bytes);
+  dqa.delta = reinterpret_cast<float*>(ws + w.row_bytes);
+  dqa.ptr = reinterpret_cast<float*>(ws + 2 * w.row_bytes);
+  if (p.deterministic) dqa.turn = reinterpret_cast<int*>(ws + 2 * w.row_bytes + w.acc_bytes);
 
   BwdDbias dbias;
   if (p.dbias_accum.ptr) {
@@ -62,12 +76,13 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   bwd_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
-  cudaFreeAsync(ws, stream);
 }
 
-#define FLEXDMA_INSTANTIATE_BWD(D)                                     \
-  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t); \
-  template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t);
+#define FLEXDMA_INSTANTIATE_BWD(D)                                            \
+  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t);        \
+  template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t); \
+  template int64_t bwd_workspace_bytes<__half, D>(const BwdParams&);          \
+  template int64_t bwd_workspace_bytes<__nv_bfloat16, D>(const BwdParams&);
 FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_BWD)
 #undef FLEXDMA_INSTANTIATE_BWD
 

@@ -62,6 +62,18 @@ const char* unsupported_reason(const FwdParams& p) {
   return nullptr;
 }
 
+int64_t fwd_workspace_bytes(const FwdParams& p) {
+  int64_t bytes = 0;
+  dispatch(p, [&](auto t, auto d) { bytes = fwd_workspace_bytes<decltype(t), decltype(d)::value>(p); });
+  return bytes;
+}
+
+int64_t bwd_workspace_bytes(const BwdParams& p) {
+  int64_t bytes = 0;
+  dispatch(p, [&](auto t, auto d) { bytes = bwd_workspace_bytes<decltype(t), decltype(d)::value>(p); });
+  return bytes;
+}
+
 void run_fwd(const FwdParams& p, void* stream) {
   dispatch(p,
            [&](auto t, auto d) { launch_fwd<decltype(t), decltype(d)::value>(p, static_cast<cudaStream_t>(stream)); });

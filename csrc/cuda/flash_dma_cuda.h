@@ -10,6 +10,13 @@ namespace cuda {
 // the same checks in Python to pick a backend.
 const char* unsupported_reason(const FwdParams& params);
 
+// Bytes of device scratch a launch with these params needs (0: none). The caller allocates them,
+// through its own allocator (so that a failure is its out-of-memory error and the memory counts in
+// its statistics), and passes them as params.workspace; they may be freed once the launch's stream
+// has passed it.
+int64_t fwd_workspace_bytes(const FwdParams& params);
+int64_t bwd_workspace_bytes(const BwdParams& params);
+
 // stream is a cudaStream_t passed as void* so that this header needs no CUDA headers.
 void run_fwd(const FwdParams& params, void* stream);
 void run_bwd(const BwdParams& params, void* stream);

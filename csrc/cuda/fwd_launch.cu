@@ -9,17 +9,34 @@
 namespace flexdma {
 namespace cuda {
 
+// What a forward launch does for these params: the kernel and its CTA shape, the operand flags and
+// the key splits. Planned once for fwd_workspace_bytes (the caller's allocation) and again for the
+// launch, from the same params and device: the two agree.
+template <typename T, int D>
+struct FwdPlan {
+  void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
+  int smem = 0, threads = kThreads, rows = kBlockM;
+  int64_t units = 0;  // grid x per query tile: heads, or head pairs
+  FwdFlags f;
+  int splits = 1;
+
+  // Float scratch of a split launch: every split's O rows, then its lse rows.
+  int64_t workspace_bytes(const FwdParams& p) const {
+    return splits > 1 ? int64_t(splits) * p.batch * p.num_heads * p.seqlen_q * (D + 1) * int64_t(sizeof(float)) : 0;
+  }
+};
+
 // Head dims 64 / 128 on sm_90a run the warp-specialized kernel (one 128-row CTA per SM), the
 // others the one-warpgroup kernel (64-row CTAs, two or three per SM).
 template <typename T, int D>
-void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   constexpr bool kWs = fwd_warp_specialized<D>();
-  void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
-  int smem = 0, threads = kThreads, rows = kBlockM, per_sm = 2;
+  FwdPlan<T, D> plan;
+  int per_sm = 2;
   int dev = 0, sms = 1;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  FwdFlags f;
+  FwdFlags& f = plan.f;
   // Two consecutive query heads share their operands when they share a kv head and every
   // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even. Paired
   // only where 128-row tiles of one head fill the GPU: with the keys split over CTAs (decoding)
@@ -29,16 +46,15 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-    kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
-    smem = FwdWsSmem<T, D>::kBytes;
-    threads = kWsThreads;
-    rows = f.pair ? kBlockM : kWsRows;
+    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
+    plan.smem = FwdWsSmem<T, D>::kBytes;
+    plan.threads = kWsThreads;
+    plan.rows = f.pair ? kBlockM : kWsRows;
     per_sm = 1;
   } else {
-    kernel = fwd_kernel<T, D>;
-    smem = FwdSmem<T, D>::kBytes;
+    plan.kernel = fwd_kernel<T, D>;
+    plan.smem = FwdSmem<T, D>::kBytes;
   }
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
               aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -48,33 +64,48 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
   // Grid x: query tiles x heads (head pairs when paired), heads fastest.
-  const int64_t units = f.pair ? p.num_heads / 2 : p.num_heads;
-  const int64_t ctas = ceil_div(p.seqlen_q, rows) * units * p.batch;
-  FwdSplit sp;
+  plan.units = f.pair ? p.num_heads / 2 : p.num_heads;
+  const int64_t ctas = ceil_div(p.seqlen_q, plan.rows) * plan.units * p.batch;
   if (ctas < sms) {
     // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
     // every SM runs per_sm CTAs, each over at least 4 key tiles.
     // A per-key query tile walks its list (at most the list capacity), not the sequence.
     const int64_t keys = p.tile_keys.ptr ? imin(p.seqlen_k, p.tile_keys.row_stride - 1) : p.seqlen_k;
-    sp.n = (int)imax(1, imin(ceil_div(per_sm * sms, ctas), ceil_div(keys, 4 * kBlockN)));
+    plan.splits = (int)imax(1, imin(ceil_div(per_sm * sms, ctas), ceil_div(keys, 4 * kBlockN)));
   }
+  return plan;
+}
+
+template <typename T, int D>
+int64_t fwd_workspace_bytes(const FwdParams& p) {
+  return plan_fwd<T, D>(p).workspace_bytes(p);
+}
+
+// p.workspace holds fwd_workspace_bytes(p) bytes (the caller's allocation).
+template <typename T, int D>
+void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  const FwdPlan<T, D> plan = plan_fwd<T, D>(p);
+  cudaFuncSetAttribute(plan.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, plan.smem);
+  FwdSplit sp;
+  sp.n = plan.splits;
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
-    cudaMallocAsync(reinterpret_cast<void**>(&sp.o_part), sp.n * rows_all * (D + 1) * sizeof(float), stream);
+    sp.o_part = static_cast<float*>(p.workspace);
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, rows) * units), (unsigned)p.batch, (unsigned)sp.n);
-  kernel<<<grid, threads, smem, stream>>>(p, f, sp);
+  dim3 grid((unsigned)(ceil_div(p.seqlen_q, plan.rows) * plan.units), (unsigned)p.batch, (unsigned)sp.n);
+  plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p, plan.f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
     combine_splits<T, D><<<(unsigned)ceil_div(rows_all, 4), 128, 0, stream>>>(p, sp);
-    cudaFreeAsync(sp.o_part, stream);
   }
 }
 
-#define FLEXDMA_INSTANTIATE_FWD(D)                                     \
-  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t); \
-  template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t);
+#define FLEXDMA_INSTANTIATE_FWD(D)                                            \
+  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);        \
+  template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t); \
+  template int64_t fwd_workspace_bytes<__half, D>(const FwdParams&);          \
+  template int64_t fwd_workspace_bytes<__nv_bfloat16, D>(const FwdParams&);
 FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)
 #undef FLEXDMA_INSTANTIATE_FWD
 

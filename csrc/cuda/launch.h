@@ -12,6 +12,8 @@ namespace cuda {
 
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream);
+template <typename T, int D>
+int64_t fwd_workspace_bytes(const FwdParams& p);
 
 // Whether head dim d's forward (a runtime value: the params') is the warp-specialized kernel, the
 // one that runs the per-key rule (fwd_warp_specialized).
@@ -22,6 +24,8 @@ constexpr bool topk_head_dim(int64_t d) {
 }
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream);
+template <typename T, int D>
+int64_t bwd_workspace_bytes(const BwdParams& p);
 
 // 16-byte tile loads need 16-byte aligned bases and strides that are multiples of 8 elements.
 inline bool aligned16(const void* ptr, int64_t s0, int64_t s1, int64_t s2) {

@@ -90,16 +90,20 @@ DOGE_NAME = "flexdma_doge"
 
 def _doge_padding_mask(
     batch_size: int,
-    q_length: int,
-    kv_length: int,
+    q_length: Optional[int] = None,
+    kv_length: int = 0,
     q_offset: int = 0,
     kv_offset: int = 0,
     mask_function=None,
     attention_mask: Optional[torch.Tensor] = None,
+    cache_position: Optional[torch.Tensor] = None,
     **kwargs,
 ):
     """AttentionMaskInterface function of patch_doge: the (B, K) bool padding mask (True = real
-    token) or None -- never a (B, 1, Q, K) mask; the causal cut is flexdma's is_causal."""
+    token) or None -- never a (B, 1, Q, K) mask; the causal cut is flexdma's is_causal. Only the key
+    length matters: older transformers pass the query rows as cache_position, newer ones as
+    q_length / q_offset; the other keyword arguments choose a mask format this function does not
+    build."""
     from transformers.masking_utils import causal_mask_function
 
     if mask_function is not causal_mask_function:
@@ -114,12 +118,46 @@ def _doge_padding_mask(
     return attention_mask[:, -kv_length:].bool()
 
 
+# The parameters of transformers' DogeAttention.forward that the patched forward understands. The
+# cache arrives as `past_key_values` (transformers <= 5.23) or `cache` (5.24 on); `cache_position`
+# (<= 5.0) only addresses static caches, which patch_doge rejects through the mask check below.
+_DOGE_PARAMS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache", "cache_position")
+# Keyword arguments the decoder layer passes on that do not change attention: ignored.
+_DOGE_IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states"})
+# FlashAttention-style packed-sequence arguments (DataCollatorWithFlattening): not taken yet.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _check_doge_signature(forward) -> None:
+    """Raise unless `forward` (the DogeAttention.forward patch_doge replaces) takes only parameters
+    the patched forward understands: a new one would otherwise be dropped without a word."""
+    import inspect
+
+    params = inspect.signature(forward).parameters
+    named = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"]
+    unknown = [n for n in named if n not in _DOGE_PARAMS]
+    missing = [n for n in ("hidden_states", "position_embeddings", "attention_mask") if n not in named]
+    no_cache = "past_key_values" not in named and "cache" not in named
+    if unknown or missing or no_cache:
+        import transformers
+
+        raise TypeError(
+            f"patch_doge: DogeAttention.forward of transformers {transformers.__version__} takes "
+            f"{tuple(named)}; the patch understands {_DOGE_PARAMS} (with the cache as past_key_values or "
+            f"cache){'; unknown: ' + str(tuple(unknown)) if unknown else ''}"
+            f"{'; missing: ' + str(tuple(missing)) if missing else ''}. This transformers release is not "
+            "supported by this flexdma (see README for the tested versions)"
+        )
+
+
 def _doge_attention_forward(
     self,
     hidden_states: torch.Tensor,
     position_embeddings: Tuple[torch.Tensor, torch.Tensor],
     attention_mask: Optional[torch.Tensor] = None,
     past_key_values=None,
+    cache=None,
+    cache_position=None,
     **kwargs,
 ):
     """DogeAttention.forward with the dynamic mask as flexdma's keep_window_size selection: the same
@@ -127,8 +165,20 @@ def _doge_attention_forward(
     flash_dma_attention call with the per-key dt_states as the bias; no (B, H, Q, K) tensor."""
     from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
 
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("patch_doge: got two different caches (past_key_values and cache)")
+    cache = cache if cache is not None else past_key_values
     if kwargs.get("output_attentions"):
         raise ValueError("patch_doge: attention weights are never materialised (output_attentions=True)")
+    packed = [n for n in _PACKED_KWARGS if kwargs.get(n) is not None]
+    if packed:
+        raise ValueError(
+            f"patch_doge: packed sequences ({', '.join(packed)}) are not supported; pass padded batches "
+            "with an attention_mask"
+        )
+    unknown = sorted(set(kwargs) - _DOGE_IGNORED_KWARGS - {"output_attentions", *_PACKED_KWARGS})
+    if unknown:
+        raise TypeError(f"patch_doge: DogeAttention got keyword arguments it does not understand: {unknown}")
     if self.training and self.attention_dropout:
         raise ValueError(f"patch_doge: flexdma attention has no dropout; attention_dropout={self.attention_dropout}")
     input_shape = hidden_states.shape[:-1]
@@ -139,8 +189,8 @@ def _doge_attention_forward(
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
     # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
     dt_states = self.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
@@ -186,6 +236,7 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
         raise ImportError("patch_doge needs a transformers with the Doge model: pip install 'flexdma[hf]'") from e
     import types
 
+    _check_doge_signature(DogeAttention.forward)
     config = model.config
     if getattr(config, "sliding_window", None) is not None:
         raise ValueError("patch_doge: a sliding window varies the visible keys by row; set config.sliding_window=None")
