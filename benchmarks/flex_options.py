@@ -46,7 +46,7 @@ def measure(D, dtype, B, L, H, KVH, W):
     for training in (False, True):
         for name, opts in SETS.items():
             key = f"{'train' if training else 'fwd'}_{name}"
-            flex.MEASURED_OPTIONS[(cap, D, dtype, training)] = opts
+            flex.MEASURED_OPTIONS[(cap, D, dtype.itemsize, training)] = opts
             try:
                 t0 = time.perf_counter()
                 if training:
@@ -70,7 +70,7 @@ def measure(D, dtype, B, L, H, KVH, W):
                 rows[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
             print(D, key, rows.get(f"{key}_ms", rows.get(f"{key}_error")), flush=True)
             torch.cuda.empty_cache()
-        flex.MEASURED_OPTIONS.pop((cap, D, dtype, training), None)
+        flex.MEASURED_OPTIONS.pop((cap, D, dtype.itemsize, training), None)
     if "defaults" in dbias:
         ref = dbias["defaults"]
         for name, g in dbias.items():

@@ -17,13 +17,14 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from flexdma.flex import SMALL_BLOCKS
+from flexdma.flex import ONE_STAGE, SMALL_BLOCKS
 
 from .configs import FLEXDMA_PEERS, KVH, Case, H
 
-# FlexAttention runs at its best options: each timing tries its defaults and flexdma's small blocks
-# (they fit every head dim with a captured bias that needs a gradient) and keeps the faster.
-FLEX_OPTION_SETS = {"defaults": None, "small": SMALL_BLOCKS}
+# FlexAttention runs at its best options: each timing tries its defaults, flexdma's small blocks
+# (they fit every head dim with a captured bias that needs a gradient) and one forward stage, and
+# keeps the fastest.
+FLEX_OPTION_SETS = {"defaults": None, "small": SMALL_BLOCKS, "one_stage": ONE_STAGE}
 
 
 class Unavailable(Exception):

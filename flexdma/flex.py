@@ -36,24 +36,38 @@ BLOCK = 128
 __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
-# FlexAttention's kernel options, chosen per (compute capability, head dim, dtype, training) by
-# measurement (benchmarks/flex_options.py; its numbers are in the performance log):
+# FlexAttention's kernel options, chosen per (compute capability, head dim, element size, training)
+# by measurement (benchmarks/flex_options.py at B=2 L=8K H=16 KVH=4, a top-2048 general mask and a
+# per-key bias that needs a gradient; the numbers are in the performance log):
 # - None: FlexAttention's own defaults.
 # - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a
 #   captured bias that needs a gradient, and one pipeline stage in both directions.
-# - ONE_STAGE: the defaults, but one forward pipeline stage.
+# - ONE_STAGE: the defaults with one forward pipeline stage (at head dim 64 the default forward
+#   pipelining ran 4.5x slower than one stage).
 # Where nothing was measured a training call takes SMALL_BLOCKS (they always fit) and an inference
 # call the defaults; defaults whose forward raises a resource error are remembered and replaced.
+# Keyed by element size, not dtype: bfloat16 was measured, float16 has the same tiles.
 SMALL_BLOCKS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
 ONE_STAGE = {"fwd_num_stages": 1}
-MEASURED_OPTIONS: dict = {}
+MEASURED_OPTIONS: dict = {
+    ((9, 0), 64, 2, False): ONE_STAGE,
+    ((9, 0), 64, 2, True): ONE_STAGE,
+    ((9, 0), 128, 2, False): None,
+    ((9, 0), 128, 2, True): None,
+    ((9, 0), 256, 2, False): None,
+    ((9, 0), 256, 2, True): None,
+}
 _DEFAULTS_FAILED: set = set()
+
+
+def _options_key(device: torch.device, head_dim: int, dtype: torch.dtype, training: bool) -> tuple:
+    return (device_capability(device), head_dim, dtype.itemsize, training)
 
 
 def kernel_options(device: torch.device, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[dict]:
     if device.type != "cuda":
         return None
-    key = (device_capability(device), head_dim, dtype, training)
+    key = _options_key(device, head_dim, dtype, training)
     if key in MEASURED_OPTIONS:
         chosen = MEASURED_OPTIONS[key]
     else:
@@ -382,7 +396,7 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
                     raise
                 # FlexAttention's defaults do not fit this device at this head dim / dtype: remembered,
                 # and this call (and every later one) runs with options that do.
-                _DEFAULTS_FAILED.add((device_capability(q.device), D, q.dtype, training))
+                _DEFAULTS_FAILED.add(_options_key(q.device, D, q.dtype, training))
                 warn_once(f"FlexAttention's default kernel options do not fit this GPU at head_dim {D}, {q.dtype}")
                 opts = kernel_options(q.device, D, q.dtype, training)
                 out, lse = run(*args[:11], opts, *args[12:])

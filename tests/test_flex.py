@@ -335,14 +335,15 @@ def test_kernel_options_follow_the_measurements(monkeypatch):
     from flexdma import flex
 
     monkeypatch.setattr(flex, "device_capability", lambda device: (9, 0))
-    monkeypatch.setattr(flex, "MEASURED_OPTIONS", {((9, 0), 128, torch.bfloat16, True): None})
+    monkeypatch.setattr(flex, "MEASURED_OPTIONS", {((9, 0), 128, 2, True): None})
     monkeypatch.setattr(flex, "_DEFAULTS_FAILED", set())
     cuda = torch.device("cuda", 0)
     assert flex.kernel_options(torch.device("cpu"), 128, torch.bfloat16, True) is None
     assert flex.kernel_options(cuda, 128, torch.bfloat16, True) is None
     assert flex.kernel_options(cuda, 64, torch.bfloat16, True) == flex.SMALL_BLOCKS
     assert flex.kernel_options(cuda, 64, torch.bfloat16, False) is None
-    flex._DEFAULTS_FAILED.update({((9, 0), 128, torch.bfloat16, True), ((9, 0), 64, torch.bfloat16, False)})
+    flex._DEFAULTS_FAILED.update({((9, 0), 128, 2, True), ((9, 0), 64, 2, False)})
+    assert flex.kernel_options(cuda, 128, torch.float16, False) is None  # unmeasured inference: defaults
     assert flex.kernel_options(cuda, 128, torch.bfloat16, True) == flex.SMALL_BLOCKS
     assert flex.kernel_options(cuda, 64, torch.bfloat16, False) == flex.ONE_STAGE
 
