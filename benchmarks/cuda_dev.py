@@ -19,6 +19,7 @@ import torch
 import triton.testing
 
 import flexdma
+from benchmarks.peers import FLEX_OPTION_SETS, _compiled_flex
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
@@ -146,6 +147,7 @@ def main():
             del qm, km, vm, bm, mm
     if "model" in parts:
         results["model_flex_bias_grad"] = True  # what report.cuda_dev_section describes
+        results["model_flex_option_sets"] = list(FLEX_OPTION_SETS)
         for L_m, D_m in ((2048, 128), (4096, 128), (8192, 128), (16384, 128), (8192, 64)):
             try:
                 results.update(model_rows(L_m, D_m))
@@ -177,7 +179,6 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
     SDPA at one model shape; ms, keys model_{L}_d{D}_{peer}_{fwd|bwd}_ms."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from benchmarks.peers import FLEX_OPTION_SETS, _compiled_flex
 
     B, dev = tokens // L, "cuda"
     scale = 1.0 / math.sqrt(D)

@@ -304,8 +304,14 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     if not runs:
         return []
     _, name, doc = max(runs, key=lambda r: r[:2])  # the newest run (by its time, then name)
+    sets = doc.get("model_flex_option_sets")
     flex_note = (
-        "FlexAttention computes the bias gradient too."
+        "FlexAttention computes the bias gradient too"
+        + (
+            f", timed with each kernel option set ({', '.join(sets)}) and shown at its fastest per direction."
+            if sets
+            else ", with the small-block backward config only (not its fastest)."
+        )
         if doc.get("model_flex_bias_grad")
         else "In this run FlexAttention's bias did not require grad (no bias gradient) while its backward "
         "ran with the small-block config a bias gradient needs: its bwd times are not comparable to "
@@ -327,6 +333,24 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         for peer in ("flexdma", "flexattn", "sdpa"):
             row.append(f"{ms(pre + peer + '_fwd_ms')} / {ms(pre + peer + '_bwd_ms')}")
         body.append(row)
+    same_run = [
+        ["32K, per-row bias, mask W=1024: fwd / bwd", f"{ms('per_row_fwd_ms')} / {ms('per_row_bwd_ms')}"],
+        ["32K, per-row bias: bwd, deterministic", ms("per_row_bwd_det_ms")],
+        ["32K, per-key bias, mask W=1024: fwd / bwd", f"{ms('per_key_fwd_ms')} / {ms('per_key_bwd_ms')}"],
+        ["16K causal, no mask: flexdma / dense SDPA", f"{ms('nomask_causal_16k_fwd_ms')} / {ms('sdpa_causal_16k_fwd_ms')}"],
+        ["decode Q=1 K=512K: flexdma / dense SDPA", f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}"],
+    ] + [
+        # Part maskbits: the API's forward with a create_mask mask, its tile bits from what
+        # create_mask knew, against a copy whose bits the op computes from the mask.
+        [
+            f"32K API forward, {kind} create_mask mask: bits from create_mask / from the mask",
+            f"{ms(f'maskbits{tag}_selection_fwd_ms')} / {ms(f'maskbits{tag}_copy_fwd_ms')}",
+        ]
+        for kind, tag in (("per-key", ""), ("row-wise", "_per_row"))
+        if f"maskbits{tag}_selection_fwd_ms" in doc
+    ]
+    # A run of the model part alone has none of these: no empty table.
+    same_run = [r for r in same_run if set(r[1].replace("/", " ").split()) != {"–"}]
     out = [
         f"## dense-mask kernels at model shapes (h100, `{name}`)",
         "",
@@ -338,34 +362,9 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "",
         _table(["shape", "flexdma fwd / bwd ms", "FlexAttention fwd / bwd ms", "dense SDPA fwd / bwd ms"], body),
         "",
-        _table(
-            ["same run, B=1 H=2 KVH=1 D=128", "ms"],
-            [
-                ["32K, per-row bias, mask W=1024: fwd / bwd", f"{ms('per_row_fwd_ms')} / {ms('per_row_bwd_ms')}"],
-                ["32K, per-row bias: bwd, deterministic", ms("per_row_bwd_det_ms")],
-                ["32K, per-key bias, mask W=1024: fwd / bwd", f"{ms('per_key_fwd_ms')} / {ms('per_key_bwd_ms')}"],
-                [
-                    "16K causal, no mask: flexdma / dense SDPA",
-                    f"{ms('nomask_causal_16k_fwd_ms')} / {ms('sdpa_causal_16k_fwd_ms')}",
-                ],
-                [
-                    "decode Q=1 K=512K: flexdma / dense SDPA",
-                    f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}",
-                ],
-            ]
-            + [
-                # Part maskbits: the API's forward with a create_mask mask, its tile bits from what
-                # create_mask knew, against a copy whose bits the op computes from the mask.
-                [
-                    f"32K API forward, {kind} create_mask mask: bits from create_mask / from the mask",
-                    f"{ms(f'maskbits{tag}_selection_fwd_ms')} / {ms(f'maskbits{tag}_copy_fwd_ms')}",
-                ]
-                for kind, tag in (("per-key", ""), ("row-wise", "_per_row"))
-                if f"maskbits{tag}_selection_fwd_ms" in doc
-            ],
-        ),
-        "",
     ]
+    if same_run:
+        out += [_table(["same run, B=1 H=2 KVH=1 D=128", "ms"], same_run), ""]
     return out
 
 
