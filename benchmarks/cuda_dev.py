@@ -179,7 +179,6 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
     SDPA at one model shape; ms, keys model_{L}_d{D}_{peer}_{fwd|bwd}_ms."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-
     B, dev = tokens // L, "cuda"
     scale = 1.0 / math.sqrt(D)
     q, k, v, dout, bias, mask = model_inputs(L, D, H, KVH, tokens)

@@ -337,8 +337,14 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         ["32K, per-row bias, mask W=1024: fwd / bwd", f"{ms('per_row_fwd_ms')} / {ms('per_row_bwd_ms')}"],
         ["32K, per-row bias: bwd, deterministic", ms("per_row_bwd_det_ms")],
         ["32K, per-key bias, mask W=1024: fwd / bwd", f"{ms('per_key_fwd_ms')} / {ms('per_key_bwd_ms')}"],
-        ["16K causal, no mask: flexdma / dense SDPA", f"{ms('nomask_causal_16k_fwd_ms')} / {ms('sdpa_causal_16k_fwd_ms')}"],
-        ["decode Q=1 K=512K: flexdma / dense SDPA", f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}"],
+        [
+            "16K causal, no mask: flexdma / dense SDPA",
+            f"{ms('nomask_causal_16k_fwd_ms')} / {ms('sdpa_causal_16k_fwd_ms')}",
+        ],
+        [
+            "decode Q=1 K=512K: flexdma / dense SDPA",
+            f"{ms('decode_524288_fwd_ms')} / {ms('decode_524288_dense_sdpa_ms')}",
+        ],
     ] + [
         # Part maskbits: the API's forward with a create_mask mask, its tile bits from what
         # create_mask knew, against a copy whose bits the op computes from the mask.
