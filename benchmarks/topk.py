@@ -297,11 +297,12 @@ def runs(results_dir: str) -> List[dict]:
 
 
 def section(results_dir: str) -> List[str]:
+    """The newest run only: RESULTS.md holds the current tables (earlier runs stay in results/ and
+    the performance log)."""
     out = []
-    for i, doc in enumerate(runs(results_dir)):
-        title = "per-key top-W" if i == 0 else "per-key top-W, earlier run"
+    for doc in runs(results_dir)[:1]:
         out += [
-            f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})",
+            f"## per-key top-W ({doc.get('gpu_short')}, commit {doc.get('commit')})",
             "",
             "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
             "peak = the call's memory above its inputs.",
