@@ -163,6 +163,17 @@ def header(doc: dict) -> str:
             "`sdpa` times include folding the mask into the bias (`bias.masked_fill(~mask, -inf)`), "
             "which a caller holding a mask and a bias pays on every call; `dense` has no mask or bias."
         )
+    flex_bwd = [
+        r["results"]["flexattn"]
+        for r in doc.get("rows", [])
+        if r.get("dir") == "bwd" and r.get("results", {}).get("flexattn", {}).get("status") == "ok"
+    ]
+    if flex_bwd and not any("best_options" in r for r in flex_bwd):
+        lines.append(
+            "- `flexattn` backward here ran with the small-block backward tiles only, before its option "
+            "sets were timed per run: not its fastest (its defaults trained 2.4x faster at D=128, "
+            "`docs/perf-log.md`)."
+        )
     for p, why in doc.get("peer_notes", {}).items():
         lines.append(f"- `{p}` not run: {why}")
     if doc.get("not_run"):
