@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _ext, _ops, masks
 from ._warnings import warn_once as _warn_once
 from .reference import attention_ref
 
@@ -19,29 +20,16 @@ BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
 # Cached by hand, not with functools.lru_cache: torch.compile traces these on every call of the
 # API and warns about (and ignores) an lru_cache wrapper; a plain module global is read as a constant.
 _UNSET = object()
-_ops_state = _UNSET
 _flex_state = _UNSET
 
 
 def _ops_load_error() -> Optional[str]:
     """None when the C++ op family loaded, else why not."""
-    global _ops_state
-    if _ops_state is _UNSET:
-        try:
-            from . import _ops  # noqa: F401
-        except Exception as e:  # pragma: no cover - only without a built extension
-            _ops_state = f"the C++ extension flexdma._C did not load ({e})"
-        else:
-            _ops_state = None
-    return _ops_state
+    return _ext.LOAD_ERROR
 
 
 def _build_info():
-    try:
-        from . import _build_info as info
-    except ImportError:  # pragma: no cover
-        return None
-    return info
+    return _ext.BUILD_INFO
 
 
 def _flex_module():
@@ -91,8 +79,7 @@ def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optio
             f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
             f"FLEXDMA_HEAD_DIMS picks them at build time)"
         )
-    from ._C import MAX_GRID_DIM
-
+    MAX_GRID_DIM = _ext.MAX_GRID_DIM
     if q.shape[0] > MAX_GRID_DIM or q.shape[2] > MAX_GRID_DIM:
         return f"batch and num_heads must be <= {MAX_GRID_DIM} (CUDA grid limits)"
     return None
@@ -108,8 +95,6 @@ def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires
 
 
 def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
-    from . import _ops, masks
-
     # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
     # handed to the forward and kept by autograd for the backward. Without a backward to share
     # them with (inference, decoding) the op computes them itself: one Python op call less a step.

@@ -7,6 +7,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _checks, _dispatch
+from .perkey import attention as perkey_attention
+from .perkey import contract as perkey
 
 
 def flash_dma_attention(
@@ -49,7 +51,7 @@ def flash_dma_attention(
             index: the mask `create_mask(attn_bias, keep_window_size, ...)` would build, without
             building it. Needs a per-key attn_bias ({1|B}, {1|KVH|H}, 1, K); attn_mask may only drop
             keys for every row ((B, K) or a query dim of 1). Memory O(Q + K) per bias plane, and
-            the CUDA kernels visit only the kept keys (flexdma/topk.py).
+            the CUDA kernels visit only the kept keys (flexdma/perkey/).
     """
     _checks.check_qkv(query, key, value)
     attn_mask = _checks.check_mask(attn_mask, query, key)
@@ -59,15 +61,13 @@ def flash_dma_attention(
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     query, key, value = (_checks.last_dim_contiguous(t) for t in (query, key, value))
     if keep_window_size is not None:
-        from . import topk
-
-        out, lse = topk.attention(
+        out, lse = perkey_attention.attention(
             query,
             key,
             value,
             attn_mask,
             attn_bias,
-            topk.check_window(keep_window_size),
+            perkey.check_window(keep_window_size),
             scale=scale,
             is_causal=is_causal,
             softcap=softcap,

@@ -486,7 +486,7 @@ def flex_topk_attention(
     softcap: float,
     need_lse: bool = True,
 ):
-    """The per-key top-W path through FlexAttention: the selection (flexdma/topk.py) read by the
+    """The per-key top-W path through FlexAttention: the selection (flexdma/perkey/contract.py) read by the
     mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping)."""
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
     keep = (key_rank[:, :, None, :], row_thr[:, :, :, None])

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _ext
+from .perkey import contract as perkey
 from .reference import causal_mask
 
 # Rows are processed in chunks so the int32 tie-break scratch stays near this many elements.
@@ -114,7 +116,7 @@ def create_mask(
         and not torch.compiler.is_compiling()
         and _per_key_ok(attn_bias.device)
     ):
-        # One score per key: the selection is flexdma.topk's (ranks + one threshold per row, O(Q + K)),
+        # One score per key: the selection is flexdma.perkey's (ranks + one threshold per row, O(Q + K)),
         # and the dense mask is a comparison against the thresholds -- bound by writing the mask.
         return _per_key_mask(attn_bias, pad, window_size, out_shape, is_causal)
 
@@ -162,13 +164,7 @@ def create_mask(
 
 
 def _tile_size() -> Optional[int]:
-    from ._dispatch import _ops_load_error
-
-    if _ops_load_error() is not None:
-        return None
-    from . import _C
-
-    return _C.TILE_SIZE
+    return _ext.TILE_SIZE
 
 
 class _ChunkTiles:
@@ -191,14 +187,10 @@ class _ChunkTiles:
 
 def _per_key_ok(device: torch.device) -> bool:
     # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
-    from ._dispatch import _ops_load_error
-
-    if _ops_load_error() is not None:
+    if _ext.LOAD_ERROR is not None:
         return False
     if device.type == "cuda":
-        from . import _ops
-
-        return _ops.HAVE_TRITON
+        return _ext.HAVE_TRITON
     return device.type == "cpu"
 
 
@@ -208,11 +200,9 @@ def _per_key_mask(
     """create_mask for a per-key bias (query dim 1) and a mask without a query dim: key j is kept by
     row i iff key_rank[j] <= row_thr[i] (and j is causally visible), which is the top-k of the dense
     path entry for entry (same float32 scores, same (score desc, index asc) order)."""
-    from . import topk
-
-    scores = topk.selection_scores(attn_bias, pad, out_shape[1])
+    scores = perkey.selection_scores(attn_bias, pad, out_shape[1])
     rows, K = out_shape[2], out_shape[3]
-    sel = topk.select(scores, window_size, rows, is_causal, topk.CPU_TILE_ROWS)
+    sel = perkey.select(scores, window_size, rows, is_causal, perkey.CPU_TILE_ROWS)
     rank = sel.key_rank.expand(out_shape[0], out_shape[1], K)[:, :, None, :]
     thr = sel.row_thr.expand(out_shape[0], out_shape[1], rows)[:, :, :, None]
     if not is_causal:
@@ -242,12 +232,10 @@ _SELECTION_TILES = WeakIdKeyDictionary()
 def _rank_tiles(key_rank: torch.Tensor, row_thr: torch.Tensor) -> torch.Tensor:
     """(B, H, query tiles, key tiles) bool: some row of the query tile keeps some key of the key
     tile by the rank rule, without the causal cut."""
-    from . import topk
-
     T = _tile_size()
     K, Q = key_rank.shape[-1], row_thr.shape[-1]
     kt, qt = -(-K // T), -(-Q // T)
-    rank_min = F.pad(key_rank, (0, kt * T - K), value=topk.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
+    rank_min = F.pad(key_rank, (0, kt * T - K), value=perkey.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
     return rank_min[:, :, None, :] <= thr_max[:, :, :, None]
 
@@ -284,9 +272,7 @@ def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_cau
 
 
 def _selection_bits(mask, active, causal, seqlen_q, seqlen_k) -> torch.Tensor:
-    from . import _C
-
-    T, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
+    T, per_word = _ext.TILE_SIZE, _ext.TILES_PER_WORD
     qt, kt = -(-seqlen_q // T), active.shape[-1]
     # A mask with a query dim of 1 (not causal) is one row for every query.
     active = active.expand(*active.shape[:2], qt, kt) if mask.shape[2] == 1 else active
