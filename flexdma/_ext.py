@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import torch  # noqa: F401  (first: it loads libc10 / libtorch, which flexdma._C links against)
+
 try:
     from . import _C as C
 except Exception as e:  # pragma: no cover - only without a built extension

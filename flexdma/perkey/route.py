@@ -93,15 +93,17 @@ def tile_rows_for(device: torch.device, num_heads, num_kv_heads, plane_heads_, h
     return CPU_TILE_ROWS
 
 
-def cuda_unsupported_reason(q: torch.Tensor) -> Optional[str]:
-    """Why the per-key CUDA kernels cannot take a call on q (None: they can)."""
-    if q.device.type != "cuda":
-        return f"inputs are on {q.device.type}, not cuda"
+def cuda_unsupported_reason(call) -> Optional[str]:
+    """Why the per-key CUDA kernels cannot take a call (None: they can): a flexdma._dispatch.Call,
+    or a query tensor."""
+    head_dim = call.head_dim if hasattr(call, "head_dim") else call.shape[-1]
+    if call.device.type != "cuda":
+        return f"inputs are on {call.device.type}, not cuda"
     if not _ext.HAVE_TRITON:  # pragma: no cover - a torch without triton
         return "triton is unavailable (the per-key CUDA kernels are Triton)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (the per-key CUDA kernels take float16 and bfloat16)"
-    d = q.shape[-1]
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {call.dtype} (the per-key CUDA kernels take float16 and bfloat16)"
+    d = head_dim
     if d < 16 or d > 256 or d & (d - 1):
         return f"head_dim {d} (the per-key CUDA kernels take powers of two from 16 to 256)"
     return None
@@ -117,13 +119,14 @@ class Route(NamedTuple):
 _BACKWARD = {"sm90": "triton", "triton": "triton", "cpu": "cpu", "flex": "flex", "reference": "reference"}
 
 
-def decide(backend: str, query: torch.Tensor, key: torch.Tensor, bias_heads: int, mask_heads: int) -> Route:
-    """The route of a call the dispatcher gave `backend`."""
-    B, Q, H, D = query.shape
-    ph = plane_heads(H, bias_heads, mask_heads)
-    tile_rows = tile_rows_for(query.device, H, key.shape[2], ph, D, query.dtype)
+def decide(backend: str, call) -> Route:
+    """The route of a call (a flexdma._dispatch.Call) the dispatcher gave `backend`. "sm90": the
+    C++ forward where the operands are aligned for it (cuda_fwd checks them), else Triton."""
+    mask_heads = 1 if call.mask_shape is None else call.mask_shape[1]
+    ph = plane_heads(call.num_heads, call.bias_shape[1], mask_heads)
+    tile_rows = tile_rows_for(call.device, call.num_heads, call.num_kv_heads, ph, call.head_dim, call.dtype)
     if backend == "cuda":
-        forward = "sm90" if sm90_forward(D, query.dtype, query.device) else "triton"
+        forward = "sm90" if sm90_forward(call.head_dim, call.dtype, call.device) else "triton"
     else:
         forward = backend
     return Route(backend, forward, _BACKWARD[forward], tile_rows)
