@@ -19,6 +19,7 @@ import torch
 import triton.testing
 
 import flexdma
+from benchmarks.peers import FLEX_OPTION_SETS, _compiled_flex
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
@@ -176,8 +177,6 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
     """Forward and backward (fwd+bwd minus fwd) of flexdma's CUDA ops, FlexAttention and dense
     SDPA at one model shape; ms, keys model_{L}_d{D}_{peer}_{fwd|bwd}_ms."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    from benchmarks.peers import FLEX_OPTION_SETS, _compiled_flex
 
     B, dev = tokens // L, "cuda"
     scale = 1.0 / math.sqrt(D)

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ._device import device_capability
 from ._warnings import warn_once
+from .reference import expand_heads
 
 try:
     from . import _block_tiles
@@ -417,8 +418,6 @@ def _add_row_bias(out, lse, row_bias, H):
     """Apply a bias constant along keys, ({1|B}, {1|KVH|H}, {1|Q}, 1), after the attention: it
     moves the LSE of rows with visible keys; as in the reference a NaN / +inf one makes the row
     NaN and a -inf one empties it."""
-    from .reference import expand_heads
-
     rb = expand_heads(row_bias, H)[..., 0].to(lse.dtype)  # ({1|B}, {1|H}, {1|Q})
     visible = lse != float("-inf")
     # Rows with nothing visible stay -inf; they contribute no gradient: torch.where.
