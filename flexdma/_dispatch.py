@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _ext, _ops, masks
+from . import _ext, _ops, _tilebits
 from ._warnings import warn_once as _warn_once
 from .perkey import attention as perkey_attention
 from .perkey import route as perkey_route
@@ -211,8 +211,8 @@ def _dense_op(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
     # The CPU kernel needs none.
     meta = None
     if mask is not None and call.device.type == "cuda":
-        # A mask create_mask built from a per-key selection: its bits come from the selection.
-        meta = masks.selection_tile_meta(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
+        # A mask create_mask built carries its tiles' activity (mask.flexdma_tiles): the bits from it.
+        meta = _tilebits.tile_meta_of(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
         if meta is None and call.requires_grad:
             meta = _ops.tile_meta(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
     # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
