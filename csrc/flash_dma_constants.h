@@ -1,6 +1,6 @@
 // Constants shared by the kernels (csrc/cuda, csrc/cpu), the dispatcher binding (ops/) and Python
 // (flexdma._C exports them: TILE_SIZE, TOPK_TILE_ROWS, TOPK_CPU_TILE_ROWS, NEVER_KEPT, TILES_PER_WORD,
-// MAX_GRID_DIM, LN2, and topk_list_cap). Torch-free.
+// MAX_GRID_DIM, LN2, LOG2E, and topk_list_cap). Torch-free.
 #pragma once
 #include <cstdint>
 

@@ -41,6 +41,8 @@ TOPK_TILE_ROWS = C.TOPK_TILE_ROWS if C is not None else None
 TOPK_CPU_TILE_ROWS = C.TOPK_CPU_TILE_ROWS if C is not None else None
 # key_rank of a key no row keeps (int32 max).
 NEVER_KEPT = C.NEVER_KEPT if C is not None else None
+# log2(e): the kernels keep scores in log2 units.
+LOG2E = C.LOG2E if C is not None else None
 
 
 def with_cuda() -> bool:

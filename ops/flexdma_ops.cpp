@@ -33,7 +33,8 @@ PyObject* PyInit__C(void) {
       PyModule_AddIntConstant(m, "NEVER_KEPT", flexdma::kNeverKept) < 0 ||
       PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
       PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||
-      PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0) {
+      PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0 ||
+      PyModule_AddObject(m, "LOG2E", PyFloat_FromDouble(flexdma::kLog2e)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

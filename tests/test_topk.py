@@ -371,3 +371,4 @@ def test_list_cap_matches_the_extension():
                 assert contract.list_cap(K, window, rows) == _C.topk_list_cap(K, window, rows)
     assert contract.NEVER == _C.NEVER_KEPT == 2**31 - 1
     assert contract.CPU_TILE_ROWS == _C.TOPK_CPU_TILE_ROWS
+    assert math.isclose(_C.LOG2E, math.log2(math.e), rel_tol=1e-15)

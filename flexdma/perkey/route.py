@@ -139,7 +139,7 @@ def sm90_takes(q, k, v, attn_bias, softcap) -> bool:
     """The C++ forward's conditions on this call's operands (16-byte rows, bias in q's dtype)."""
     if not sm90_forward(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
         return False
-    if q.shape[0] > 65535 or q.shape[2] > 65535:
+    if q.shape[0] > _ext.MAX_GRID_DIM or q.shape[2] > _ext.MAX_GRID_DIM:
         return False
     # The kernel indexes K / V rows in 32 bits.
     if k.shape[1] * max(k.stride(1), v.stride(1), 1) >= 2**31:

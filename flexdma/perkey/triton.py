@@ -27,10 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .._ext import LOG2E  # log2(e), csrc/flash_dma_constants.h's kLog2e
 from .contract import NEVER, list_cap  # NEVER: key_rank of a key no row keeps
 from .route import WIDE_FROM, plan
 
-LOG2E = 1.4426950408889634
 # The same, as the compile-time constants kernels may read.
 _NEVER = tl.constexpr(NEVER)
 _LOG2E = tl.constexpr(LOG2E)
