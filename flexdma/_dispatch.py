@@ -243,7 +243,9 @@ def _dense_reference(call: Call, q, k, v, mask, bias, scale, deterministic, need
 
 def _perkey(backend: str) -> Callable:
     def run(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-        return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=_flex_module()[0])
+        # FlexAttention loaded only where it runs the call.
+        flex = _flex_module()[0] if backend == "flex" else None
+        return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=flex)
 
     return run
 

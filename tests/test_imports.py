@@ -154,3 +154,20 @@ def test_every_module_imports_in_order(order):
         [sys.executable, "-W", "ignore", "-c", code, *mods], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert res.returncode == 0, f"importing in order {mods} failed:\n{res.stderr[-3000:]}"
+
+
+def test_flex_attention_loads_on_first_use():
+    """`import flexdma` and calls that do not run FlexAttention leave it (and triton) unloaded."""
+    code = (
+        "import sys, torch, flexdma\n"
+        "q = torch.randn(1, 40, 2, 16)\n"
+        "b = torch.randn(1, 2, 1, 40)\n"
+        "flexdma.flash_dma_attention(q, q, q, attn_bias=b, keep_window_size=5, is_causal=True, backend='cpu')\n"
+        "flexdma.flash_dma_attention(q, q, q, attn_bias=b, is_causal=True, backend='cpu')\n"
+        "assert 'flexdma.flex' not in sys.modules, 'flexdma.flex was imported'\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
