@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import re
@@ -24,9 +23,13 @@ from typing import Dict, List, Optional
 
 import torch
 
-from . import configs, report
+import flexdma
+from flexdma.reference import attention_ref
+
+from . import configs, cpu, report, topk
 from . import inputs as inputs_mod
 from . import peers as peers_mod
+from .common import public_argv, write_json
 
 WARMUP_MS, REP_MS = 25, 100
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -61,13 +64,8 @@ def environment(commit: Optional[str] = None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        import flexdma
-
-        fd_version = getattr(flexdma, "__version__", None)
-        backends = flexdma.available_backends() if hasattr(flexdma, "available_backends") else None
-    except Exception:
-        fd_version, backends = None, None
+    fd_version = getattr(flexdma, "__version__", None)
+    backends = flexdma.available_backends() if hasattr(flexdma, "available_backends") else None
     dirty = None
     if commit is not None and commit.endswith("-dirty"):  # as `git describe --always --dirty` writes it
         commit, dirty = commit[: -len("-dirty")], True
@@ -101,31 +99,6 @@ def gpu_short(name: str) -> str:
 def result_path(out_dir: str, env: dict, subcommand: str) -> str:
     day = env["date"][:10].replace("-", "")
     return os.path.join(out_dir, f"{env['gpu_short']}_{day}_{env['commit']}_{subcommand}.json")
-
-
-def public_argv(argv: List[str]) -> List[str]:
-    """The command line as recorded: directory arguments are where this run wrote, not part of what it measured."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            out.append("DIR")
-            skip = False
-        elif a in ("--out", "--results", "--md"):
-            out.append(a)
-            skip = True
-        elif a.split("=", 1)[0] in ("--out", "--results", "--md"):
-            out.append(a.split("=", 1)[0] + "=DIR")
-        else:
-            out.append(a)
-    return out
-
-
-def write_json(path: str, doc: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, sort_keys=False)
-    os.replace(tmp, path)
 
 
 class Progress:
@@ -345,8 +318,6 @@ NAMES = ("out", "dq", "dk", "dv", "dbias")
 
 
 def run_equivalence(cases: List[configs.Case], peers: List[str], args, env: dict) -> dict:
-    from flexdma.reference import attention_ref
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = result_path(args.out, env, "equivalence")
     doc = dict(
@@ -464,8 +435,6 @@ def main(argv=None) -> int:
         print(f"wrote {path}")
         return 0
     if args.subcommand == "topk":
-        from . import topk
-
         topk.main(args, environment(args.commit))
         return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
@@ -481,8 +450,6 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name} must be positive integers")
     env = environment(args.commit)
     if args.subcommand == "cpu":
-        from . import cpu
-
         cpu.run(args, env, result_path(args.out, env, "cpu"))
         return 0
     kw = dict(quick=args.quick, ds=ds, biases=biases)

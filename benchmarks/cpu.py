@@ -27,7 +27,11 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from .report import CPU_SCHEMA as SCHEMA
+import flexdma
+
+from .common import public_argv, write_json
+
+SCHEMA = "flexdma-bench-cpu/1"  # its own rows and table (benchmarks/report.py reads them)
 
 B, H, KVH, D = 2, 8, 8, 64
 LENGTH = 2048
@@ -35,8 +39,6 @@ BLOCK = 64
 
 
 def _inputs(L: int, kind: str, seed: int):
-    import flexdma
-
     g = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(B, L, h, D, generator=g) for h in (H, KVH, KVH, H))
     bias = mask = None
@@ -50,8 +52,6 @@ def _inputs(L: int, kind: str, seed: int):
 
 
 def _peers(q, k, v, bias, mask) -> Dict[str, Tuple[Callable, List[torch.Tensor]]]:
-    import flexdma
-
     def bhsd(x):
         return x.transpose(1, 2)
 
@@ -89,8 +89,6 @@ def _timed(fns: Dict[str, Callable], reps: int) -> Dict[str, dict]:
 
 
 def run(args, env: dict, out_path: str) -> dict:
-    from .cli import public_argv, write_json
-
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else [LENGTH]
     doc = dict(
         schema=SCHEMA,

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from flexdma import create_mask
+
 from .configs import KVH, B, Case, H
 
 
@@ -31,10 +33,6 @@ class Inputs:
 
 
 def _top_w_mask(bias: torch.Tensor, Q: int, K: int, W: int) -> torch.Tensor:
-    try:
-        from flexdma import create_mask
-    except ImportError:  # pragma: no cover - flexdma always ships it
-        raise RuntimeError("flexdma.create_mask is needed to build the benchmark masks")
     mask = create_mask(bias, W, is_causal=True, query_len=Q)
     return mask.expand(1, 1, Q, K) if mask.shape[2] == 1 else mask
 

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+import flexdma
 from flexdma.flex import ONE_STAGE, SMALL_BLOCKS
 
 from .configs import FLEXDMA_PEERS, KVH, Case, H
@@ -32,10 +33,6 @@ class Unavailable(Exception):
 
 
 def _flexdma():
-    try:
-        import flexdma
-    except Exception as e:  # pragma: no cover - flexdma fails to import
-        raise Unavailable(f"flexdma does not import ({e})")
     if not hasattr(flexdma, "flash_dma_attention") or not hasattr(flexdma, "available_backends"):
         raise Unavailable("flexdma.flash_dma_attention / available_backends are missing")
     return flexdma

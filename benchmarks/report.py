@@ -14,10 +14,11 @@ import os
 import re
 from typing import Dict, List, Optional
 
+from . import cpu, topk
 from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
-CPU_SCHEMA = "flexdma-bench-cpu/1"  # benchmarks/cpu.py: its own rows and table
+CPU_SCHEMA = cpu.SCHEMA  # benchmarks/cpu.py: its own rows and table
 _SHORT = {"ok": None, "oom": "OOM", "error": "err", "skipped": "skip", "unavailable": "n/a"}
 
 
@@ -400,9 +401,7 @@ def write_results_md(results_dir: str, md_path: str) -> str:
     md_dir = os.path.dirname(os.path.abspath(md_path))
     for doc in docs:
         if doc.get("schema") == CPU_SCHEMA:
-            from .cpu import markdown as cpu_markdown
-
-            out += [f"## cpu ({doc.get('gpu_short')})", "", cpu_markdown(doc)]
+            out += [f"## cpu ({doc.get('gpu_short')})", "", cpu.markdown(doc)]
             continue
         out += [f"## {doc.get('subcommand')} ({doc.get('gpu_short')})", "", markdown(doc, detail=False)]
         stem = os.path.splitext(doc["_paths"][0])[0]
@@ -418,8 +417,6 @@ def write_results_md(results_dir: str, md_path: str) -> str:
                 "</details>",
                 "",
             ]
-    from . import topk
-
     out += topk.section(results_dir)
     out += cuda_dev_section(results_dir)
     with open(md_path, "w") as f:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
+from flexdma.integrations.transformers import patch_doge
+from flexdma.nn import DMACache
 
 SCHEMA = "flexdma-topk-bench/1"
 DENSE_MASK_MAX = 32768  # the dense-mask peer builds Q x K bools: up to 1 GiB at 32K
@@ -71,8 +73,6 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
     if peer == "flexdma-cache":
         # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
         # key in O(W), then attention over the W gathered keys (no selection over all K).
-        from flexdma.nn import DMACache
-
         cache = DMACache.from_full(k.detach(), v.detach(), bias.detach(), None, c["W"])
         k1, v1 = k[:, -1:].detach(), v[:, -1:].detach()
         b1 = bias[..., -1:].detach()
@@ -189,8 +189,6 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
     """transformers' DogeForCausalLM train step (forward + backward, loss on labels), bf16, B=1:
     flexdma through patch_doge against attn_implementation "sdpa" (Doge's dense dynamic mask)."""
     from transformers import DogeConfig, DogeForCausalLM
-
-    from flexdma.integrations.transformers import patch_doge
 
     rows = []
     for L in lengths:

@@ -1,7 +1,7 @@
 """Kernel-level check and timing of the per-key top-W GPU path (no extension build needed).
 
 python -m benchmarks.topk_dev --out results.json [--lengths 32768,131072] [--check]
-Times selection, forward and backward of flexdma/_topk_triton.py against dense causal SDPA over
+Times selection, forward and backward of flexdma/perkey/triton.py against dense causal SDPA over
 all keys in the same run (do_bench medians), and with --check compares bf16 results against the
 float64 reference at small shapes (FlashAttention's 2x rule).
 """
@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from flexdma import _topk_triton as T
 from flexdma import topk
+from flexdma.perkey import route
+from flexdma.perkey import triton as T
 from flexdma.reference import attention_ref
 
 
@@ -29,15 +30,19 @@ def _inputs(B, L, H, KVH, D, plane_heads, dtype=torch.bfloat16, grad=False):
     return q, k, v, bias
 
 
+def _tile_rows(q, k, plane_heads):
+    return route.tile_rows_for(q.device, q.shape[2], k.shape[2], plane_heads, q.shape[3], q.dtype)
+
+
 def _select(q, k, bias, W, causal):
     sc = topk.selection_scores(bias, None, q.shape[2])
-    tr = T.tile_rows_for(q, k, sc.shape[1])
+    tr = _tile_rows(q, k, sc.shape[1])
     return topk.Selection(*T.select(sc, W, q.shape[1], causal, tr))
 
 
 def _fwd(q, k, v, bias, sel, scale, causal):
     # topk_fwd's CUDA implementation: the C++ sm_90a kernel where it applies, else Triton.
-    return T.fwd_op(q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, False, sel.tile_keys)
+    return route.cuda_fwd(q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, False, sel.tile_keys)
 
 
 def check():
@@ -101,9 +106,9 @@ def bench(lengths, Ws, Ds, model=True):
             "D": D,
             "W": W,
             "plane_heads": ph,
-            "list_mean": topk.tile_lists(sel, L, T.tile_rows_for(q, k, ph))[..., 0].float().mean().item(),
-            "list_max": topk.tile_lists(sel, L, T.tile_rows_for(q, k, ph))[..., 0].max().item(),
-            "sm90_fwd": T._sm90_takes(q, k, v, bias, 0.0),
+            "list_mean": topk.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].float().mean().item(),
+            "list_max": topk.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].max().item(),
+            "sm90_fwd": route.sm90_takes(q, k, v, bias, 0.0),
         }
         r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
         r["fwd_ms"] = do_bench(lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=25, rep=100)

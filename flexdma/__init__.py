@@ -4,7 +4,7 @@ Attention with an additive (learnable) bias and a boolean key mask, computed Fla
 (O(N) memory) with gradients for query, key, value and the bias.
 """
 
-from . import _dispatch, nn
+from . import _ext, nn
 from ._dispatch import available_backends
 from .api import flash_dma_attention
 from .dynamic import dynamic_mask_attention
@@ -14,11 +14,11 @@ from .reference import attention_ref
 __version__ = "0.1.0"
 
 # Load the op family now, so torch.ops.flexdma.* exists once flexdma is imported.
-if _dispatch._ops_load_error() is not None:  # pragma: no cover - only without a built extension
+if _ext.LOAD_ERROR is not None:  # pragma: no cover - only without a built extension
     import warnings as _warnings
 
-    _warnings.warn(f"flexdma: {_dispatch._ops_load_error()}; only the 'flex' and 'reference' backends work")
-elif getattr(_dispatch._build_info(), "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
+    _warnings.warn(f"flexdma: {_ext.LOAD_ERROR}; only the 'flex' and 'reference' backends work")
+elif getattr(_ext.BUILD_INFO, "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
     import warnings as _warnings
 
     # The failure it warns of is a crash, which no test can catch in-process: say it up front.

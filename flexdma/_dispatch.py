@@ -1,53 +1,44 @@
-"""Backends and the `auto` policy, in one place.
+"""The dispatch layer, in one place: the call described once, the backends' limits, the `auto`
+policy, and one table of (path, backend) -> implementation.
 
-auto: the CUDA kernel where it supports the call, FlexAttention where it does not, the eager
-reference last. On CPU the C++ kernel of the op family. Each fallback is warned once per reason.
+- `Call`: a small frozen record of a validated call (shapes, dtype, device, is_causal, softcap,
+  the mask's and bias's shapes, whether a backward will follow, keep_window_size), built once by
+  flexdma.api (`Call.of`). Backends decide from it, not from the tensors.
+- `unsupported_reason(path, backend, call)`: why a backend cannot take the call (None: it can).
+- `select(backend, call)`: auto is the CUDA kernels where they support the call, FlexAttention
+  where they do not, the eager reference last; on CPU the C++ kernel of the op family, then the
+  reference. Each fallback is warned once per reason. The same policy for both paths.
+- `IMPLEMENTATIONS[(path, backend)]`: path "dense" (attn_mask / attn_bias) or "perkey"
+  (keep_window_size, flexdma/perkey/); backend "cuda", "flex", "cpu" or "reference". Each is
+  `impl(call, q, k, v, mask, bias, scale, deterministic, need_lse) -> (out, lse)`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import _ext, _ops, _tilebits
 from ._warnings import warn_once as _warn_once
+from .perkey import attention as perkey_attention
+from .perkey import route as perkey_route
 from .reference import attention_ref
 
-BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
-
-
-# Cached by hand, not with functools.lru_cache: torch.compile traces these on every call of the
+# Cached by hand, not with functools.lru_cache: torch.compile traces this on every call of the
 # API and warns about (and ignores) an lru_cache wrapper; a plain module global is read as a constant.
 _UNSET = object()
-_ops_state = _UNSET
 _flex_state = _UNSET
 
 
-def _ops_load_error() -> Optional[str]:
-    """None when the C++ op family loaded, else why not."""
-    global _ops_state
-    if _ops_state is _UNSET:
-        try:
-            from . import _ops  # noqa: F401
-        except Exception as e:  # pragma: no cover - only without a built extension
-            _ops_state = f"the C++ extension flexdma._C did not load ({e})"
-        else:
-            _ops_state = None
-    return _ops_state
-
-
-def _build_info():
-    try:
-        from . import _build_info as info
-    except ImportError:  # pragma: no cover
-        return None
-    return info
-
-
 def _flex_module():
+    """(flexdma.flex, None), or (None, why) where FlexAttention is unavailable."""
     global _flex_state
     if _flex_state is _UNSET:
         try:
+            # Optional and heavy (torch's FlexAttention, and triton through flexdma._block_tiles):
+            # loaded by the first call that asks, not by `import flexdma`. No cycle: flex imports
+            # nothing of the dispatcher.
             from . import flex
         except Exception as e:  # pragma: no cover - torch without FlexAttention
             _flex_state = (None, f"FlexAttention is unavailable ({e})")
@@ -56,130 +47,147 @@ def _flex_module():
     return _flex_state
 
 
+BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
+PATHS = ("dense", "perkey")
+
+
+class Call(NamedTuple):
+    """One validated call, described once (flexdma.api builds it)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    batch: int
+    seqlen_q: int
+    num_heads: int
+    head_dim: int
+    seqlen_k: int
+    num_kv_heads: int
+    is_causal: bool
+    softcap: float
+    mask_shape: Optional[Tuple[int, ...]]  # 4-D, after the broadcast checks; None: no mask
+    bias_shape: Optional[Tuple[int, ...]]
+    requires_grad: bool  # a backward will follow (grad mode on, an input requires grad)
+    keep_window_size: Optional[int]  # None: the dense path
+
+    @property
+    def path(self) -> str:
+        return "dense" if self.keep_window_size is None else "perkey"
+
+    @staticmethod
+    def of(q, k, v, mask, bias, *, is_causal: bool, softcap: float, keep_window_size=None, requires_grad=None):
+        if requires_grad is None:
+            requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+        B, Q, H, D = q.shape
+        return Call(
+            q.device,
+            q.dtype,
+            B,
+            Q,
+            H,
+            D,
+            k.shape[1],
+            k.shape[2],
+            is_causal,
+            softcap,
+            None if mask is None else tuple(mask.shape),
+            None if bias is None else tuple(bias.shape),
+            bool(requires_grad),
+            keep_window_size,
+        )
+
+
 def available_backends() -> List[str]:
     """Backends that can run on this machine, fastest first (`auto` picks among them per call)."""
     out = []
-    info = _build_info()
-    if _ops_load_error() is None and info is not None and info.WITH_CUDA and torch.cuda.is_available():
+    if _ext.with_cuda() and torch.cuda.is_available():
         out.append("cuda")
     if _flex_module()[0] is not None:
         out.append("flex")
-    if _ops_load_error() is None:
+    if _ext.LOAD_ERROR is None:
         out.append("cpu")
     out.append("reference")
     return out
 
 
-def cuda_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap) -> Optional[str]:
-    if q.device.type != "cuda":
-        return f"inputs are on {q.device.type}, not cuda"
-    why = _ops_load_error()
+# ------------------------------------------------------------------------------ backend limits
+
+
+def cuda_unsupported_reason(call: Call) -> Optional[str]:
+    """Why the dense CUDA kernels cannot take the call.
+
+    A mirror, in Python, of C++ `cuda::unsupported_reason` (csrc/cuda/flash_dma_cuda.cu), whose
+    static parts (built head dims and architectures) come from the build info setup.py writes;
+    the C++ check runs again inside the op. Keep the two in step."""
+    if call.device.type != "cuda":
+        return f"inputs are on {call.device.type}, not cuda"
+    why = _ext.LOAD_ERROR
     if why:
         return why
-    info = _build_info()
+    info = _ext.BUILD_INFO
     if info is None or not info.WITH_CUDA:
         return "flexdma was built without CUDA kernels"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = torch.cuda.get_device_capability(call.device)
     archs = {str(a).rstrip("a") for a in info.CUDA_ARCHS}
     if f"{major}{minor}" not in archs:
         return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (the CUDA kernel takes float16 and bfloat16)"
-    d = q.shape[-1]
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {call.dtype} (the CUDA kernel takes float16 and bfloat16)"
+    d = call.head_dim
     if d not in info.CUDA_HEAD_DIMS:
         return (
             f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
             f"FLEXDMA_HEAD_DIMS picks them at build time)"
         )
-    from ._C import MAX_GRID_DIM
-
-    if q.shape[0] > MAX_GRID_DIM or q.shape[2] > MAX_GRID_DIM:
-        return f"batch and num_heads must be <= {MAX_GRID_DIM} (CUDA grid limits)"
+    if call.batch > _ext.MAX_GRID_DIM or call.num_heads > _ext.MAX_GRID_DIM:
+        return f"batch and num_heads must be <= {_ext.MAX_GRID_DIM} (CUDA grid limits)"
     return None
 
 
-def flex_unsupported_reason(q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
+def flex_unsupported_reason(call: Call) -> Optional[str]:
+    if call.path == "perkey" and call.device.type == "cpu" and call.requires_grad:
+        return "FlexAttention has no CPU backward for the per-key path"
     flex, why = _flex_module()
     if flex is None:
         return why
-    return flex.unsupported_reason(
-        q, k, v, mask, bias, is_causal=is_causal, softcap=softcap, requires_grad=requires_grad
-    )
+    # The per-key path hands FlexAttention no mask (the selection is its mask_mod).
+    mask_key_dim = None if call.mask_shape is None or call.path == "perkey" else call.mask_shape[-1]
+    return flex.limits_reason(call.device, call.dtype, call.seqlen_q, call.seqlen_k, call.head_dim, mask_key_dim)
 
 
-def _op_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
-    from . import _ops, masks
-
-    # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
-    # handed to the forward and kept by autograd for the backward. Without a backward to share
-    # them with (inference, decoding) the op computes them itself: one Python op call less a step.
-    # The CPU kernel needs none.
-    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-    meta = None
-    if mask is not None and q.is_cuda:
-        # A mask create_mask built from a per-key selection: its bits come from the selection.
-        meta = masks.selection_tile_meta(mask, q.shape[1], k.shape[1], is_causal)
-        if meta is None and train:
-            meta = _ops.tile_meta(mask, q.shape[1], k.shape[1], is_causal)
-    # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
-    out, lse, _ = _ops.fwd(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, meta, train)
-    return out, lse
+def cpu_unsupported_reason(call: Call) -> Optional[str]:
+    if call.device.type != "cpu":
+        return f"inputs are on {call.device.type}; the cpu backend takes CPU tensors"
+    return _ext.LOAD_ERROR
 
 
-def _flex_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic, need_lse=True):
-    flex, _ = _flex_module()
-    return flex.flex_dma_attention(
-        q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap, need_lse=need_lse
-    )
-
-
-def _reference_backend(q, k, v, mask, bias, scale, is_causal, softcap, deterministic):
-    return attention_ref(q, k, v, mask, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap)
-
-
-RUNNERS: Dict[str, Callable] = {
-    "cuda": _op_backend,
-    "cpu": _op_backend,
-    "flex": _flex_backend,
-    "reference": _reference_backend,
-}
-
-
-def unsupported_reason(name: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
-    if name == "cuda":
-        return cuda_unsupported_reason(q, k, v, mask, bias, is_causal=is_causal, softcap=softcap)
-    if name == "flex":
-        return flex_unsupported_reason(
-            q, k, v, mask, bias, is_causal=is_causal, softcap=softcap, requires_grad=requires_grad
-        )
-    if name == "cpu":
-        if q.device.type != "cpu":
-            return f"inputs are on {q.device.type}; the cpu backend takes CPU tensors"
-        return _ops_load_error()
+def unsupported_reason(path: str, backend: str, call: Call) -> Optional[str]:
+    """Why `backend` cannot run `call` on `path` (None: it can)."""
+    if backend == "cuda":
+        return cuda_unsupported_reason(call) if path == "dense" else perkey_route.cuda_unsupported_reason(call)
+    if backend == "flex":
+        return flex_unsupported_reason(call)
+    if backend == "cpu":
+        return cpu_unsupported_reason(call)
     return None  # the reference runs anywhere
 
 
-def select(backend: str, q, k, v, mask, bias, *, is_causal, softcap, requires_grad, why_not=None, what="") -> str:
-    """The backend that runs this call; raises if an explicitly named one cannot. `why_not(name)`
-    replaces unsupported_reason for a path with its own limits (the per-key one), `what` names it
-    in messages."""
+_WHAT = {"dense": "", "perkey": "per-key (keep_window_size) "}
+
+
+def select(backend: str, call: Call) -> str:
+    """The backend that runs this call; raises if an explicitly named one cannot."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if why_not is None:
-        kw = dict(is_causal=is_causal, softcap=softcap, requires_grad=requires_grad)
-
-        def why_not(name):
-            return unsupported_reason(name, q, k, v, mask, bias, **kw)
-
+    path, what = call.path, _WHAT[call.path]
     if backend != "auto":
-        why = why_not(backend)
+        why = unsupported_reason(path, backend, call)
         if why:
             raise ValueError(f"backend={backend!r} cannot run this {what}call: {why}")
         return backend
-    chain: Tuple[str, ...] = ("cuda", "flex", "reference") if q.device.type == "cuda" else ("cpu", "reference")
+    chain: Tuple[str, ...] = ("cuda", "flex", "reference") if call.device.type == "cuda" else ("cpu", "reference")
     previous, reason = None, None
     for name in chain:
-        why = why_not(name)
+        why = unsupported_reason(path, name, call)
         if why is None:
             if previous is not None:
                 _warn_once(
@@ -191,3 +199,67 @@ def select(backend: str, q, k, v, mask, bias, *, is_causal, softcap, requires_gr
         else:
             reason = f"{reason}; {name!r}: {why}"
     raise AssertionError("unreachable: the reference supports every call")
+
+
+# ------------------------------------------------------------------------------ implementations
+
+
+def _dense_op(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
+    # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
+    # handed to the forward and kept by autograd for the backward. Without a backward to share
+    # them with (inference, decoding) the op computes them itself: one Python op call less a step.
+    # The CPU kernel needs none.
+    meta = None
+    if mask is not None and call.device.type == "cuda":
+        # A mask create_mask built carries its tiles' activity (mask.flexdma_tiles): the bits from it.
+        meta = _tilebits.tile_meta_of(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
+        if meta is None and call.requires_grad:
+            meta = _ops.tile_meta(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
+    # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
+    out, lse, _ = _ops.fwd(
+        q, k, v, mask, bias, scale, call.is_causal, call.softcap, deterministic, meta, call.requires_grad
+    )
+    return out, lse
+
+
+def _dense_flex(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
+    return _flex_module()[0].flex_dma_attention(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        is_causal=call.is_causal,
+        softmax_scale=scale,
+        softcap=call.softcap,
+        need_lse=need_lse,
+        training=call.requires_grad,
+    )
+
+
+def _dense_reference(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
+    return attention_ref(q, k, v, mask, bias, is_causal=call.is_causal, softmax_scale=scale, softcap=call.softcap)
+
+
+def _perkey(backend: str) -> Callable:
+    def run(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
+        # FlexAttention loaded only where it runs the call.
+        flex = _flex_module()[0] if backend == "flex" else None
+        return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=flex)
+
+    return run
+
+
+IMPLEMENTATIONS: Dict[Tuple[str, str], Callable] = {
+    ("dense", "cuda"): _dense_op,
+    ("dense", "cpu"): _dense_op,
+    ("dense", "flex"): _dense_flex,
+    ("dense", "reference"): _dense_reference,
+    **{("perkey", b): _perkey(b) for b in ("cuda", "cpu", "flex", "reference")},
+}
+
+
+def run(backend: str, call: Call, q, k, v, mask, bias, scale: float, deterministic: bool, need_lse: bool):
+    """(out, lse) of the call by the backend `select` picks."""
+    name = select(backend, call)
+    return IMPLEMENTATIONS[(call.path, name)](call, q, k, v, mask, bias, scale, deterministic, need_lse)

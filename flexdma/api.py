@@ -7,6 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import _checks, _dispatch
+from .perkey import contract as perkey
 
 
 def flash_dma_attention(
@@ -49,7 +50,7 @@ def flash_dma_attention(
             index: the mask `create_mask(attn_bias, keep_window_size, ...)` would build, without
             building it. Needs a per-key attn_bias ({1|B}, {1|KVH|H}, 1, K); attn_mask may only drop
             keys for every row ((B, K) or a query dim of 1). Memory O(Q + K) per bias plane, and
-            the CUDA kernels visit only the kept keys (flexdma/topk.py).
+            the CUDA kernels visit only the kept keys (flexdma/perkey/).
     """
     _checks.check_qkv(query, key, value)
     attn_mask = _checks.check_mask(attn_mask, query, key)
@@ -59,37 +60,13 @@ def flash_dma_attention(
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
     query, key, value = (_checks.last_dim_contiguous(t) for t in (query, key, value))
     if keep_window_size is not None:
-        from . import topk
-
-        out, lse = topk.attention(
-            query,
-            key,
-            value,
-            attn_mask,
-            attn_bias,
-            topk.check_window(keep_window_size),
-            scale=scale,
-            is_causal=is_causal,
-            softcap=softcap,
-            backend=backend,
-            deterministic=bool(deterministic),
-        )
-        return (out, lse) if return_lse else out
-    requires_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+        keep_window_size = perkey.check_window(keep_window_size)
+        perkey.check_operands(attn_mask, attn_bias, key.shape[1])
+    # The call, described once: every backend decision below reads it (a backward follows or not, too).
+    call = _dispatch.Call.of(
+        query, key, value, attn_mask, attn_bias, is_causal=is_causal, softcap=softcap, keep_window_size=keep_window_size
     )
-    name = _dispatch.select(
-        backend,
-        query,
-        key,
-        value,
-        attn_mask,
-        attn_bias,
-        is_causal=is_causal,
-        softcap=softcap,
-        requires_grad=requires_grad,
+    out, lse = _dispatch.run(
+        backend, call, query, key, value, attn_mask, attn_bias, scale, bool(deterministic), need_lse=return_lse
     )
-    run = _dispatch.RUNNERS[name]
-    extra = {"need_lse": return_lse} if name == "flex" else {}
-    out, lse = run(query, key, value, attn_mask, attn_bias, scale, is_causal, softcap, bool(deterministic), **extra)
     return (out, lse) if return_lse else out

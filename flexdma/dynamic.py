@@ -73,7 +73,7 @@ def dynamic_mask_attention(
         return flash_dma_attention(
             query, key, value, mask, bias, is_causal=is_causal, softmax_scale=softmax_scale, backend=backend
         )
-    # The scores are per key: the selection is implicit (flexdma/topk.py), no Q x K mask is built.
+    # The scores are per key: the selection is implicit (flexdma/perkey/), no Q x K mask is built.
     return flash_dma_attention(
         query,
         key,

@@ -25,6 +25,7 @@ from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attent
 
 from ._device import device_capability
 from ._warnings import warn_once
+from .reference import expand_heads
 
 try:
     from . import _block_tiles
@@ -86,22 +87,38 @@ def _is_resource_error(e: BaseException) -> bool:
     return False
 
 
-def unsupported_reason(query, key, value, attn_mask, attn_bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
-    if query.device.type not in ("cuda", "cpu"):
-        return f"FlexAttention does not run on {query.device.type}"
-    if query.shape[1] == 0 or key.shape[1] == 0:
+def limits_reason(
+    device: torch.device, dtype: torch.dtype, seqlen_q: int, seqlen_k: int, head_dim: int, mask_key_dim: Optional[int]
+) -> Optional[str]:
+    """Why FlexAttention cannot take a call of these shapes (None: it can); mask_key_dim: the
+    attn_mask's key dim, None without a mask."""
+    if device.type not in ("cuda", "cpu"):
+        return f"FlexAttention does not run on {device.type}"
+    if seqlen_q == 0 or seqlen_k == 0:
         return "empty sequence"
-    d = query.shape[-1]
+    d = head_dim
     if d < 16 or (d & (d - 1)) != 0:
         return f"head_dim {d} is not a power of two >= 16 (FlexAttention's kernels)"
-    if query.device.type == "cpu" and query.dtype == torch.float16:
+    if device.type == "cpu" and dtype == torch.float16:
         return "float16 on CPU"
-    if query.device.type == "cuda" and key.shape[1] < 16:
+    if device.type == "cuda" and seqlen_k < 16:
         # Seen on an H100 (torch 2.11): wrong results / dbias for 1..5 keys.
-        return f"seqlen_k {key.shape[1]} < 16 on CUDA"
-    if attn_mask is not None and attn_mask.shape[-1] == 1 and key.shape[1] > 1:
+        return f"seqlen_k {seqlen_k} < 16 on CUDA"
+    if mask_key_dim is not None and mask_key_dim == 1 and seqlen_k > 1:
         return "attn_mask broadcast over keys (key dim 1)"
     return None
+
+
+def unsupported_reason(query, key, value, attn_mask, attn_bias, *, is_causal, softcap, requires_grad) -> Optional[str]:
+    """limits_reason of these tensors (flexdma's dispatcher asks limits_reason with its call's shapes)."""
+    return limits_reason(
+        query.device,
+        query.dtype,
+        query.shape[1],
+        key.shape[1],
+        query.shape[-1],
+        None if attn_mask is None else attn_mask.shape[-1],
+    )
 
 
 def _tile_any_all(mask: torch.Tensor, Q: int, K: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -415,8 +432,6 @@ def _add_row_bias(out, lse, row_bias, H):
     """Apply a bias constant along keys, ({1|B}, {1|KVH|H}, {1|Q}, 1), after the attention: it
     moves the LSE of rows with visible keys; as in the reference a NaN / +inf one makes the row
     NaN and a -inf one empties it."""
-    from .reference import expand_heads
-
     rb = expand_heads(row_bias, H)[..., 0].to(lse.dtype)  # ({1|B}, {1|H}, {1|Q})
     visible = lse != float("-inf")
     # Rows with nothing visible stay -inf; they contribute no gradient: torch.where.
@@ -476,12 +491,15 @@ def flex_dma_attention(
     softmax_scale: float,
     softcap: float,
     need_lse: bool = True,
+    training: Optional[bool] = None,
 ):
     """(out (B, Q, H, D), lse (B, H, Q) or None if not need_lse) through FlexAttention; inputs
-    validated by flexdma.api."""
-    training = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_bias)
-    )
+    validated by flexdma.api. training: a backward will follow (flexdma's dispatcher knows; None:
+    worked out here)."""
+    if training is None:
+        training = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+        )
     if training and query.device.type == "cpu":
         return _FlexFwdOpBwd.apply(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap)
     return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
@@ -499,9 +517,12 @@ def flex_topk_attention(
     softmax_scale: float,
     softcap: float,
     need_lse: bool = True,
+    training: Optional[bool] = None,
 ):
-    """The per-key top-W path through FlexAttention: the selection (flexdma/topk.py) read by the
-    mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping)."""
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
+    """The per-key top-W path through FlexAttention: the selection (flexdma/perkey/contract.py) read by the
+    mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping).
+    training: as flex_dma_attention's."""
+    if training is None:
+        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
     keep = (key_rank[:, :, None, :], row_thr[:, :, :, None])
     return _forward(query, key, value, None, attn_bias, is_causal, softmax_scale, softcap, training, need_lse, keep)

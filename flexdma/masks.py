@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _ext, _tilebits
+from .perkey import contract as perkey
 from .reference import causal_mask
 
 # Rows are processed in chunks so the int32 tie-break scratch stays near this many elements.
@@ -60,7 +61,11 @@ def create_mask(
 
     Returns:
         bool tensor broadcastable to (B, H, Q, K) (the broadcast of the bias's and mask's shapes,
-        with a full query dim when causal), True = attend.
+        with a full query dim when causal), True = attend. Outside torch.compile it carries which
+        of its 64 x 64 tiles keep anything as the attribute `flexdma_tiles` (a
+        flexdma._tilebits.TileActivity): passed as attn_mask, the CUDA kernels skip the empty
+        tiles without a pass over the mask. A view, clone or in-place change of the mask drops
+        that knowledge (the kernels then find the tiles themselves); the result is the same.
     """
     if not isinstance(attn_bias, torch.Tensor) or not attn_bias.is_floating_point():
         raise TypeError(
@@ -114,7 +119,7 @@ def create_mask(
         and not torch.compiler.is_compiling()
         and _per_key_ok(attn_bias.device)
     ):
-        # One score per key: the selection is flexdma.topk's (ranks + one threshold per row, O(Q + K)),
+        # One score per key: the selection is flexdma.perkey's (ranks + one threshold per row, O(Q + K)),
         # and the dense mask is a comparison against the thresholds -- bound by writing the mask.
         return _per_key_mask(attn_bias, pad, window_size, out_shape, is_causal)
 
@@ -157,18 +162,12 @@ def create_mask(
         if tiles is not None:
             tiles.add(r0, keep)
     if tiles is not None:
-        _remember_tiles(result, tiles.active, False)
+        _tilebits.attach(result, tiles.active, False)
     return result
 
 
 def _tile_size() -> Optional[int]:
-    from ._dispatch import _ops_load_error
-
-    if _ops_load_error() is not None:
-        return None
-    from . import _C
-
-    return _C.TILE_SIZE
+    return _ext.TILE_SIZE
 
 
 class _ChunkTiles:
@@ -191,14 +190,10 @@ class _ChunkTiles:
 
 def _per_key_ok(device: torch.device) -> bool:
     # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
-    from ._dispatch import _ops_load_error
-
-    if _ops_load_error() is not None:
+    if _ext.LOAD_ERROR is not None:
         return False
     if device.type == "cuda":
-        from . import _ops
-
-        return _ops.HAVE_TRITON
+        return _ext.HAVE_TRITON
     return device.type == "cpu"
 
 
@@ -208,11 +203,9 @@ def _per_key_mask(
     """create_mask for a per-key bias (query dim 1) and a mask without a query dim: key j is kept by
     row i iff key_rank[j] <= row_thr[i] (and j is causally visible), which is the top-k of the dense
     path entry for entry (same float32 scores, same (score desc, index asc) order)."""
-    from . import topk
-
-    scores = topk.selection_scores(attn_bias, pad, out_shape[1])
+    scores = perkey.selection_scores(attn_bias, pad, out_shape[1])
     rows, K = out_shape[2], out_shape[3]
-    sel = topk.select(scores, window_size, rows, is_causal, topk.CPU_TILE_ROWS)
+    sel = perkey.select(scores, window_size, rows, is_causal, perkey.CPU_TILE_ROWS)
     rank = sel.key_rank.expand(out_shape[0], out_shape[1], K)[:, :, None, :]
     thr = sel.row_thr.expand(out_shape[0], out_shape[1], rows)[:, :, :, None]
     if not is_causal:
@@ -226,77 +219,21 @@ def _per_key_mask(
             i = torch.arange(r0, r1, device=attn_bias.device)[:, None]
             # Rows chunked so the temporaries stay near _CHUNK_ELEMS; the bottom-right causal cut.
             result[:, :, r0:r1] = (rank <= thr[:, :, r0:r1]) & (j <= i + (K - rows))
-    _remember_tiles(result, _rank_tiles(sel.key_rank, sel.row_thr), is_causal)
+    _tilebits.attach(result, _rank_tiles(sel.key_rank, sel.row_thr), is_causal)
     return result
-
-
-# Which 64 x 64 tiles of the masks create_mask builds keep anything, known while it selects, keyed
-# by the mask tensor (weakly: an entry goes with its mask). The CUDA kernels skip the tiles that keep
-# nothing by flexdma::tile_meta's bits, which read the whole mask to find them at every call; for
-# these masks the bits cost O(tiles) instead. Per-key selections: a tile keeps something iff its
-# key tile's best rank is within its query tile's widest threshold (the causal cut aside). Row-wise
-# top-k: the tiles of each row chunk as it is written.
-_SELECTION_TILES = WeakIdKeyDictionary()
 
 
 def _rank_tiles(key_rank: torch.Tensor, row_thr: torch.Tensor) -> torch.Tensor:
     """(B, H, query tiles, key tiles) bool: some row of the query tile keeps some key of the key
     tile by the rank rule, without the causal cut."""
-    from . import topk
-
     T = _tile_size()
     K, Q = key_rank.shape[-1], row_thr.shape[-1]
     kt, qt = -(-K // T), -(-Q // T)
-    rank_min = F.pad(key_rank, (0, kt * T - K), value=topk.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
+    rank_min = F.pad(key_rank, (0, kt * T - K), value=perkey.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
     return rank_min[:, :, None, :] <= thr_max[:, :, :, None]
 
 
-def _remember_tiles(mask: torch.Tensor, active: torch.Tensor, causal: bool) -> None:
-    # active: (B | 1, H | 1, query tiles of the mask's rows, key tiles); causal: the cut is still
-    # to apply (by tile, exact off the diagonal).
-    _SELECTION_TILES[mask] = (mask._version, active, causal, {})
-
-
-def selection_tile_meta(mask: torch.Tensor, seqlen_q: int, seqlen_k: int, is_causal: bool) -> Optional[torch.Tensor]:
-    """flexdma::tile_meta(mask, seqlen_q, seqlen_k, is_causal) for a mask create_mask built and
-    nobody modified since, from what create_mask knew instead of the mask's bytes; None for any
-    other mask (and under torch.compile / torch.export, which trace the op).
-
-    Tiles wholly on one side of the causal diagonal get the exact bit; a tile the diagonal crosses
-    may get a bit the mask does not (a per-key selection's rank test without the cut, or a mask
-    built without the call's causality): the kernels build such a tile's keep tile from the mask
-    bytes and skip it when that is empty."""
-    if torch.compiler.is_compiling():
-        return None
-    entry = _SELECTION_TILES.get(mask)
-    if entry is None:
-        return None
-    version, active, mask_causal, done = entry
-    if mask._version != version or mask.shape[2] not in (1, seqlen_q) or mask.shape[3] != seqlen_k:
-        return None
-    # Kept per call signature: a model's layers share one mask, and the bits are a dozen small
-    # kernels whose launches would cost about what the pass over the mask does.
-    key = (seqlen_q, seqlen_k, bool(is_causal))
-    if key not in done:
-        done[key] = _selection_bits(mask, active, mask_causal or is_causal, seqlen_q, seqlen_k)
-    return done[key]
-
-
-def _selection_bits(mask, active, causal, seqlen_q, seqlen_k) -> torch.Tensor:
-    from . import _C
-
-    T, per_word = _C.TILE_SIZE, _C.TILES_PER_WORD
-    qt, kt = -(-seqlen_q // T), active.shape[-1]
-    # A mask with a query dim of 1 (not causal) is one row for every query.
-    active = active.expand(*active.shape[:2], qt, kt) if mask.shape[2] == 1 else active
-    if causal:
-        # Some key of tile kt is visible from the tile's last row: kt * T <= last row + K - Q.
-        dev = active.device
-        last_row = torch.clamp((torch.arange(qt, device=dev) + 1) * T, max=seqlen_q) - 1
-        active = active & (torch.arange(kt, device=dev)[None, :] * T <= (last_row + seqlen_k - seqlen_q)[:, None])
-    words = -(-kt // per_word)
-    active = F.pad(active, (0, words * per_word - kt)).view(*active.shape[:3], words, per_word)
-    bits = (active.to(torch.int64) << torch.arange(per_word, device=active.device)).sum(-1)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # bit 31 as int32's sign
-    return bits.expand(mask.shape[0], mask.shape[1], qt, words).contiguous()
+# flexdma::tile_meta for a mask create_mask built, from the tile activity it carries (kept for
+# callers of the old name).
+selection_tile_meta = _tilebits.tile_meta_of

@@ -8,9 +8,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
-from . import topk
 from .api import flash_dma_attention
 from .dynamic import dynamic_bias, dynamic_mask_attention
+from .perkey import contract as perkey
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
 
@@ -54,12 +54,12 @@ class DMACache(tuple):
     @classmethod
     def from_full(cls, key, value, bias, padding, window: int) -> "DMACache":
         """After a forward over all K keys: the last row sees every key, so its kept set is the
-        top-W eligible keys by (score desc, index asc), read off flexdma.topk's ranks."""
+        top-W eligible keys by (score desc, index asc), read off flexdma.perkey's ranks."""
         B, K = key.shape[:2]
         if padding is None:
             padding = torch.ones(B, K, dtype=torch.bool, device=key.device)
-        scores = topk.selection_scores(bias.detach(), padding[:, None, None, :], bias.shape[1])
-        sel = topk.select(scores, window, 1, False, topk.CPU_TILE_ROWS)
+        scores = perkey.selection_scores(bias.detach(), padding[:, None, None, :], bias.shape[1])
+        sel = perkey.select(scores, window, 1, False, perkey.CPU_TILE_ROWS)
         n = min(window, K)
         rank = sel.key_rank.expand(B, bias.shape[1], K)
         best = torch.topk(rank, n, dim=-1, largest=False).indices
@@ -169,7 +169,7 @@ class DynamicMaskAttention(nn.Module):
             num_kv_heads,
             head_dim,
         )
-        self.keep_window_size = topk.check_window(keep_window_size)
+        self.keep_window_size = perkey.check_window(keep_window_size)
         self.is_causal, self.backend = is_causal, backend
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
@@ -267,7 +267,7 @@ class MultiheadDynamicMaskAttention(nn.Module):
         fk = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.batch_first, self.backend = batch_first, backend
-        self.keep_window_size = topk.check_window(keep_window_size)
+        self.keep_window_size = perkey.check_window(keep_window_size)
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **fk))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim, **fk)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **fk)

@@ -8,18 +8,33 @@
 #include "../csrc/cpu/topk_select.h"
 #include "op_impl.h"
 
+namespace {
+// _C.topk_list_cap(K, window, tile_rows): the list cap rule of csrc/flash_dma_constants.h.
+PyObject* py_topk_list_cap(PyObject*, PyObject* args) {
+  long long K = 0, window = 0, tile_rows = 0;
+  if (!PyArg_ParseTuple(args, "LLL", &K, &window, &tile_rows)) return nullptr;
+  return PyLong_FromLongLong(flexdma::topk_list_cap(K, window, tile_rows));
+}
+PyMethodDef kMethods[] = {
+    {"topk_list_cap", py_topk_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" {
 // A bare module so `import flexdma._C` loads this library and runs the registrations below; it
 // carries the constants Python shares with the kernels (csrc/flash_dma_constants.h).
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, kMethods};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (PyModule_AddIntConstant(m, "TILE_SIZE", flexdma::kTileSize) < 0 ||
       PyModule_AddIntConstant(m, "TOPK_TILE_ROWS", flexdma::kTopkTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "TOPK_CPU_TILE_ROWS", flexdma::kTopkCpuTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "NEVER_KEPT", flexdma::kNeverKept) < 0 ||
       PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
       PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||
-      PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0) {
+      PyModule_AddObject(m, "LN2", PyFloat_FromDouble(flexdma::kLn2)) < 0 ||
+      PyModule_AddObject(m, "LOG2E", PyFloat_FromDouble(flexdma::kLog2e)) < 0) {
     Py_DECREF(m);
     return nullptr;
   }
@@ -101,9 +116,6 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
         }
   return meta;
 }
-
-// A tile's list holds at most W + tile_rows - 1 keys (and never more than K).
-int64_t topk_list_cap(int64_t K, int64_t window, int64_t tile_rows) { return std::min(K, window + tile_rows - 1); }
 
 void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
   TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "flexdma::topk_select: scores must be float32, got ",

@@ -158,24 +158,25 @@ def test_bad_input_on_direct_op_call_is_checked():
 def test_available_backends_lists_cpu_and_reference():
     names = flexdma.available_backends()
     assert names[-1] == "reference" and "cpu" in names
-    assert ("cuda" in names) == (torch.cuda.is_available() and flexdma._dispatch._build_info().WITH_CUDA)
+    assert ("cuda" in names) == (torch.cuda.is_available() and flexdma._ext.BUILD_INFO.WITH_CUDA)
 
 
 def test_auto_on_cpu_uses_the_cpu_op(monkeypatch):
     q, k, v = qkv()
-    assert _dispatch.select("auto", q, k, v, None, None, is_causal=False, softcap=0.0, requires_grad=True) == "cpu"
+    call = _dispatch.Call.of(q, k, v, None, None, is_causal=False, softcap=0.0, requires_grad=True)
+    assert _dispatch.select("auto", call) == "cpu"
 
 
 def test_auto_fallback_warns_once_with_reason(monkeypatch):
     q, k, v = qkv()
     monkeypatch.setattr(_warnings, "_warned", set())
-    monkeypatch.setattr(_dispatch, "_ops_load_error", lambda: "pretend the extension is missing")
-    kw = dict(is_causal=False, softcap=0.0, requires_grad=False)
+    monkeypatch.setattr(flexdma._ext, "LOAD_ERROR", "pretend the extension is missing")
+    call = _dispatch.Call.of(q, k, v, None, None, is_causal=False, softcap=0.0, requires_grad=False)
     with pytest.warns(UserWarning, match="falls back from 'cpu' to 'reference': pretend the extension is missing"):
-        assert _dispatch.select("auto", q, k, v, None, None, **kw) == "reference"
+        assert _dispatch.select("auto", call) == "reference"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _dispatch.select("auto", q, k, v, None, None, **kw) == "reference"
+        assert _dispatch.select("auto", call) == "reference"
 
 
 def test_reference_backend_matches_attention_ref():
@@ -340,7 +341,8 @@ def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
     # FlexAttention takes head_dim 16 and 40 keys; the CUDA kernels implement 32, 64, 96, 128, 192, 256 only.
     q, k, v = qkv(Q=24, K=40, D=16, dtype=torch.bfloat16, device="cuda")
     with pytest.warns(UserWarning, match=r"falls back from 'cuda' to 'flex': .*head_dim 16"):
-        name = _dispatch.select("auto", q, k, v, None, None, is_causal=True, softcap=0.0, requires_grad=False)
+        call = _dispatch.Call.of(q, k, v, None, None, is_causal=True, softcap=0.0, requires_grad=False)
+        name = _dispatch.select("auto", call)
     assert name == "flex"
     out = flexdma.flash_dma_attention(q, k, v, is_causal=True)
     ref, _ = flexdma.attention_ref(q.double(), k.double(), v.double(), is_causal=True)

@@ -125,7 +125,8 @@ def test_capability_lookup_compiles_once(monkeypatch):
     pytest.importorskip("triton")
     from torch._dynamo.testing import CompileCounter
 
-    from flexdma import _build_info, _device, _topk_triton
+    from flexdma import _build_info, _device
+    from flexdma.perkey import route
 
     monkeypatch.setattr(_build_info, "CUDA_HEAD_DIMS", [64, 128])
     monkeypatch.setattr(_build_info, "CUDA_ARCHS", ["90"])
@@ -137,7 +138,7 @@ def test_capability_lookup_compiles_once(monkeypatch):
 
     @torch.compile(backend=counter, fullgraph=True)
     def f(x):
-        return x * (2 if _topk_triton.sm90_forward(64, torch.bfloat16, dev) else 3)
+        return x * (2 if route.sm90_forward(64, torch.bfloat16, dev) else 3)
 
     for _ in range(3):
         assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))

@@ -163,9 +163,8 @@ def test_matches_reference(backend, dtype, case):
         empty_rows=case.empty_rows,
         bias_requires_grad=case.bias_grad,
     )
-    why = _dispatch.unsupported_reason(
-        backend, q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap, requires_grad=True
-    )
+    call = _dispatch.Call.of(q, k, v, mask, bias, is_causal=case.causal, softcap=case.softcap, requires_grad=True)
+    why = _dispatch.unsupported_reason("dense", backend, call)
     if why:
         pytest.skip(f"{backend} does not take this call: {why}")
 

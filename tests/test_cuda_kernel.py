@@ -13,7 +13,7 @@ import torch
 from utils import assert_close_to_ref, make_mask_bias, make_qkv
 
 import flexdma  # noqa: F401  (registers the ops)
-from flexdma import _dispatch
+from flexdma import _ext
 from flexdma.reference import attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -42,7 +42,7 @@ CASES = {
 
 def _head_dims(*dims):
     # A dev build (FLEXDMA_HEAD_DIMS=64,128) lacks some dims: those cases skip, not fail.
-    info = _dispatch._build_info()
+    info = _ext.BUILD_INFO
     built = set(info.CUDA_HEAD_DIMS) if info is not None else set()
     return [
         d if d in built else pytest.param(d, marks=pytest.mark.skip(reason=f"head_dim {d} not built")) for d in dims

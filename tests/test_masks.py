@@ -214,6 +214,33 @@ def test_selection_tile_meta_only_for_the_mask_it_describes():
     assert masks.selection_tile_meta(mask, 200, 300, True) is None
 
 
+def test_create_mask_carries_its_tiles():
+    """The tile activity travels with the mask as `mask.flexdma_tiles`, not through a registry; a
+    saved or copied mask loads as a plain mask (weights_only too) without it."""
+    import copy
+    import io
+
+    from flexdma import _tilebits
+
+    bias = torch.randn(1, 2, 1, 300)
+    mask = flexdma.create_mask(bias, 20, is_causal=True, query_len=200)
+    assert isinstance(mask.flexdma_tiles, _tilebits.TileActivity)
+    # Without the causal cut the per-key selection's tile bits are exact (with it, a tile the
+    # diagonal crosses may keep a bit its entries do not).
+    flat = flexdma.create_mask(bias, 20, query_len=200)
+    assert torch.equal(
+        _tilebits.tile_meta_of(flat, 200, 300, False), torch.ops.flexdma.tile_meta(flat, 200, 300, False)
+    )
+    assert _tilebits.tile_meta_of(mask, 200, 300, True) is not None
+    assert _tilebits.tile_meta_of(mask[:, :1], 200, 300, True) is None  # a view: another tensor
+    buf = io.BytesIO()
+    torch.save(mask, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert torch.equal(loaded, mask) and _tilebits.tile_meta_of(loaded, 200, 300, True) is None
+    assert _tilebits.tile_meta_of(copy.deepcopy(mask), 200, 300, True) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("scores_rows", [1, 1000], ids=["scores_per_key", "scores_per_row"])
 @pytest.mark.parametrize("bias_rows", [1, 1000], ids=["bias_per_key", "bias_per_row"])

@@ -244,7 +244,7 @@ def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window
     def no_selection(*a, **k):
         raise AssertionError("a decode step ran the selection over all keys")
 
-    monkeypatch.setattr(flexdma.topk, "select", no_selection)
+    monkeypatch.setattr(flexdma.perkey.contract, "select", no_selection)
     with torch.set_grad_enabled(grad):
         for t in range(P, S):
             out, cache = layer(

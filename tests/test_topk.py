@@ -87,12 +87,12 @@ SM90_CASES = CASES + [(1, 1, 2000, 2, 1, 600, True, "1", True, False)]
 def test_cuda_head_dims_match_reference(case, D):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from flexdma import _topk_triton
+    from flexdma.perkey import route
 
     i = SM90_CASES.index(case)
     dtype = torch.float16 if i % 3 == 1 else torch.bfloat16
     softcap = 5.0 if i % 4 == 2 else 0.0
-    if not _topk_triton.sm90_forward(D, dtype, torch.device("cuda")):
+    if not route.sm90_forward(D, dtype, torch.device("cuda")):
         pytest.skip("the C++ per-key forward is not built for this device / head dim")
     _check_case("cuda", case, dtype, D=D, softcap=softcap, sm90=True)
 
@@ -137,9 +137,9 @@ def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False, backends=Non
     for backend in backends:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
         if sm90:
-            from flexdma import _topk_triton
+            from flexdma.perkey import route
 
-            assert _topk_triton._sm90_takes(*ins[:4], softcap), "the C++ forward must take this call"
+            assert route.sm90_takes(*ins[:4], softcap), "the C++ forward must take this call"
         _poison_cuda_allocator()
         out, lse = flexdma.flash_dma_attention(
             ins[0],
@@ -329,7 +329,7 @@ def test_dynamic_bias_matches_doge_formula():
 
 @pytest.mark.gpu
 def test_cuda_deterministic_backward_is_bitwise_reproducible():
-    from flexdma import _topk_triton
+    from flexdma.perkey import triton as _topk_triton
 
     case = (2, 700, 700, 8, 2, 100, True, "KVH", True, False)
     q, k, v, bias, pad = _inputs(case, "cuda", torch.bfloat16, ties=False)
@@ -360,3 +360,17 @@ def test_cuda_deterministic_backward_is_bitwise_reproducible():
     for a, b, c, name in zip(first, second, fast, ("dq", "dk", "dv", "dbias")):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
         torch.testing.assert_close(a.float(), c.float(), atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_list_cap_matches_the_extension():
+    """The list cap rule is csrc/flash_dma_constants.h's; Python's copy (for symbolic sizes) agrees."""
+    from flexdma import _C
+    from flexdma.perkey import contract
+
+    for K in (1, 7, 64, 200, 5000):
+        for window in (1, 3, 64, 300):
+            for rows in (16, 64, 128):
+                assert contract.list_cap(K, window, rows) == _C.topk_list_cap(K, window, rows)
+    assert contract.NEVER == _C.NEVER_KEPT == 2**31 - 1
+    assert contract.CPU_TILE_ROWS == _C.TOPK_CPU_TILE_ROWS
+    assert math.isclose(_C.LOG2E, math.log2(math.e), rel_tol=1e-15)

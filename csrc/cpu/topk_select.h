@@ -1,12 +1,15 @@
-// Per-key top-W selection in compact form (no Q x K tensor); see flexdma/topk.py for the contract.
+// Per-key top-W selection in compact form (no Q x K tensor); see flexdma/perkey/contract.py for the
+// contract.
 #pragma once
 #include <cstdint>
+
+#include "../flash_dma_constants.h"
 
 namespace flexdma {
 namespace cpu {
 
 // Rank of a key never kept (ineligible: masked out, or score -inf).
-constexpr int32_t kNeverKept = 2147483647;
+using flexdma::kNeverKept;
 
 // One selection plane. scores[K]: per-key score, -inf = ineligible; NaN ranks above every number
 // (as torch.sort does), so a NaN score is kept and reaches the output instead of vanishing.

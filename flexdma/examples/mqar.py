@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._dispatch import BACKENDS
 from ..nn import DynamicMaskAttention, rotary_cos_sin
 
 
@@ -200,7 +201,6 @@ def _positive_float(text: str) -> float:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    from .._dispatch import BACKENDS
 
     p = argparse.ArgumentParser(
         prog="python -m flexdma.examples.mqar",

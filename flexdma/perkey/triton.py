@@ -1,5 +1,7 @@
-"""GPU kernels of the per-key top-W path (flexdma/topk.py states the contract they implement;
-docs/kernels.md describes them).
+"""GPU kernels of the per-key top-W path (flexdma/perkey/contract.py states the contract they
+implement; docs/kernels.md describes them), and their launchers. Imports triton: loaded by the
+first per-key CUDA call (flexdma/perkey/ops.py), not by `import flexdma`. Which forward runs and
+the selection's tile rows are flexdma/perkey/route.py's.
 
 - `select`: the ranks from one sort per selection plane (torch); then one program per (plane,
   query tile) walks, in rank order, the keys of the smallest prefix level that holds its last
@@ -25,79 +27,27 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _C, topk
-from ._device import device_capability
+from .._ext import LOG2E  # log2(e), csrc/flash_dma_constants.h's kLog2e
+from .contract import NEVER, list_cap  # NEVER: key_rank of a key no row keeps
+from .route import WIDE_FROM, plan
 
-NEVER = topk.NEVER  # key_rank of a key no row keeps
-LOG2E = 1.4426950408889634
 # The same, as the compile-time constants kernels may read.
 _NEVER = tl.constexpr(NEVER)
 _LOG2E = tl.constexpr(LOG2E)
 
-# Rows of q per program: PACK query heads x TILE_ROWS rows.
-BLOCK_M = 128
 # Launch configurations (module level so benchmarks/topk_dev.py can sweep them).
 FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
 BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
-# Head dims above WIDE_FROM: half the rows per program, fewer keys a step and fewer stages, so that
-# q / dO, the dQ accumulator and the K / V stages fit one SM (128-row tiles at head dim 256 asked
-# for 321 KiB of shared memory, an H100 has 227).
-WIDE_FROM = 128
-WIDE_BLOCK_M = 64
+# Head dims above WIDE_FROM (route.py, with the rows per program): half the rows per program, fewer
+# keys a step and fewer stages, so that q / dO, the dQ accumulator and the K / V stages fit one SM
+# (128-row tiles at head dim 256 asked for 321 KiB of shared memory, an H100 has 227).
 WIDE_FWD_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
 WIDE_BWD_CONFIG = dict(BN=32, num_warps=4, num_stages=2)
-
-
-def block_m(head_dim: int) -> int:
-    return WIDE_BLOCK_M if head_dim > WIDE_FROM else BLOCK_M
 
 
 def configs(head_dim: int) -> tuple:
     """(forward, backward) launch configuration for this head dim."""
     return (WIDE_FWD_CONFIG, WIDE_BWD_CONFIG) if head_dim > WIDE_FROM else (FWD_CONFIG, BWD_CONFIG)
-
-
-def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
-    """Query heads one program serves: they must share a kv head and a selection plane."""
-    group = num_heads // num_kv_heads
-    if plane_heads == num_heads or group == 1:
-        return 1
-    pack = 1
-    while pack * 2 <= 8 and group % (pack * 2) == 0:
-        pack *= 2
-    return pack
-
-
-# Query rows per CTA of the C++ forward (flexdma::topk_fwd_sm90; csrc/cuda/fwd_ws_kernel.cuh): it
-# reads lists of tiles of a multiple of this many rows.
-SM90_TILE_ROWS = _C.TOPK_TILE_ROWS
-
-
-def sm90_forward(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether topk_fwd on `device` runs the C++ sm_90a kernel for this head dim and dtype (what
-    the selection's tile rows depend on; operand alignment is checked per call)."""
-    from . import _build_info
-
-    if head_dim not in (64, 128) or head_dim not in _build_info.CUDA_HEAD_DIMS:
-        return False
-    if tuple(_build_info.CUDA_ARCHS) != ("90",) or dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return device.type == "cuda" and device_capability(device) == (9, 0)
-
-
-def plan(num_heads: int, num_kv_heads: int, plane_heads: int, head_dim: int, dtype, device) -> tuple:
-    """(pack, tile_rows): the query heads a Triton program serves (its block_m rows are `pack`
-    heads x tile_rows) and the rows of a selection tile. The C++ forward's 128-row tiles need
-    lists of at least 128 rows, so with it a program serves one head."""
-    rows = block_m(head_dim)
-    pack = min(pack_size(num_heads, num_kv_heads, plane_heads), rows // 16)
-    if sm90_forward(head_dim, dtype, device):
-        pack = min(pack, rows // SM90_TILE_ROWS)
-    return pack, rows // pack
-
-
-def tile_rows_for(q: torch.Tensor, k: torch.Tensor, plane_heads: int) -> int:
-    return plan(q.shape[2], k.shape[2], plane_heads, q.shape[3], q.dtype, q.device)[1]
 
 
 # ----------------------------------------------------------------------------------- selection
@@ -286,7 +236,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
         orders = pos32[torch.sort(r.add_(lvl_key), dim=-1).indices]
     else:
         orders = order.to(torch.int32)
-    cap = topk.list_cap(K, window, tile_rows)
+    cap = list_cap(K, window, tile_rows)
     n_tiles = -(-Q // tile_rows)
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
     # Entries past a list's length are never read; newidx is filled by the kernel.
@@ -891,28 +841,6 @@ def _need_tiles(tile_keys):
     if tile_keys is None:
         raise ValueError(
             "flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
-            "flexdma::topk_select (called with the tile_rows of flexdma.topk.tile_rows_for)"
+            "flexdma::topk_select (called with the tile_rows of flexdma.perkey.route.decide)"
         )
     return tile_keys
-
-
-def _sm90_takes(q, k, v, attn_bias, softcap) -> bool:
-    """The C++ forward's conditions on this call's operands (16-byte rows, bias in q's dtype)."""
-    if not sm90_forward(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
-        return False
-    if q.shape[0] > 65535 or q.shape[2] > 65535:
-        return False
-    # The kernel indexes K / V rows in 32 bits.
-    if k.shape[1] * max(k.stride(1), v.stride(1), 1) >= 2**31:
-        return False
-    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
-
-
-def fwd_op(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None):
-    tile_keys = _need_tiles(tile_keys)
-    if _sm90_takes(q, k, v, attn_bias, softcap):
-        tile_rows = _geometry(q, k, attn_bias, key_rank, tile_keys)["meta"]["TILE_ROWS"]
-        return torch.ops.flexdma.topk_fwd_sm90(
-            q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap
-        )
-    return fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)

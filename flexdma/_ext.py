@@ -1,0 +1,50 @@
+"""The compiled extension and what the build knows, loaded once: the bottom of flexdma's imports.
+
+- `C`: the flexdma._C module (its import registers torch.ops.flexdma.*), None where it did not
+  load; `LOAD_ERROR` says why (None when it loaded).
+- `BUILD_INFO`: flexdma/_build_info.py (written by setup.py), None where absent.
+- `HAVE_TRITON`: triton is installed (the per-key CUDA kernels are Triton); not imported here.
+- The constants shared with the kernels, read from csrc/flash_dma_constants.h through `C`
+  (None without the extension: nothing that reads them can run then).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch  # noqa: F401  (first: it loads libc10 / libtorch, which flexdma._C links against)
+
+try:
+    from . import _C as C
+except Exception as e:  # pragma: no cover - only without a built extension
+    C = None
+    LOAD_ERROR = f"the C++ extension flexdma._C did not load ({e})"
+else:
+    LOAD_ERROR = None
+
+try:
+    from . import _build_info as BUILD_INFO
+except ImportError:  # pragma: no cover - a source tree setup.py never ran in
+    BUILD_INFO = None
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+# Query rows and keys of one tile of the CUDA kernels (and of one tile_meta bit).
+TILE_SIZE = C.TILE_SIZE if C is not None else None
+# Key tiles per int32 word of a tile_meta row.
+TILES_PER_WORD = C.TILES_PER_WORD if C is not None else None
+# Largest batch / head count of a CUDA grid.
+MAX_GRID_DIM = C.MAX_GRID_DIM if C is not None else None
+# Query rows per CTA of the C++ per-key forward: its lists' tiles are a multiple of it.
+TOPK_TILE_ROWS = C.TOPK_TILE_ROWS if C is not None else None
+# Query rows per tile of the CPU per-key selection's lists.
+TOPK_CPU_TILE_ROWS = C.TOPK_CPU_TILE_ROWS if C is not None else None
+# key_rank of a key no row keeps (int32 max).
+NEVER_KEPT = C.NEVER_KEPT if C is not None else None
+# log2(e): the kernels keep scores in log2 units.
+LOG2E = C.LOG2E if C is not None else None
+
+
+def with_cuda() -> bool:
+    """The extension loaded and was built with its CUDA kernels."""
+    return LOAD_ERROR is None and BUILD_INFO is not None and bool(BUILD_INFO.WITH_CUDA)

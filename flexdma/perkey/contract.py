@@ -1,0 +1,106 @@
+"""The per-key path's contract and selection: the dynamic mask of Doge-style layers without a
+Q x K tensor.
+
+When the importance of a key does not depend on the query (a bias of shape
+({1|B}, {1|KVH|H}, 1, K)), row i keeps the W best keys by (score desc, key index asc) among
+the keys it may see (causal cut, attn_mask). Causality makes the kept sets nest, so the whole
+mask fits in O(Q + K) per selection plane (see the per-key selection design note):
+
+- `key_rank[p, j]`: rank of key j in its plane, 0-based, in that order, among eligible keys
+  (allowed by attn_mask and with a score other than -inf); `NEVER` (int32 max, csrc/flash_dma_constants.h's kNeverKept) for the others.
+- `row_thr[p, i]`: the largest rank row i keeps, -1 when it keeps nothing. Row i keeps key j iff
+  `key_rank[p, j] <= row_thr[p, i]` and, when causal, `j <= i + K - Q` (bottom-right aligned).
+- `tile_keys[p]`: for each query tile t of `tile_rows` rows, 1 + cap entries from t * (1 + cap)
+  on: the number n of listed keys, then n key indices in rank order: every key some row of the
+  tile keeps, and the keys its last row sees up to the tile's largest threshold (at most
+  cap = min(K, W + tile_rows - 1); entries past n are unspecified). `tile_lists` views it per
+  tile. The GPU kernels gather K / V rows from it; the CPU kernel and FlexAttention need only the
+  first two.
+
+This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_len=Q)` builds
+densely, entry for entry (tests/test_topk.py checks it; flexdma/perkey/naive.py is that dense
+reference). A plane is one (batch, head) entry of the
+broadcast of the bias's and the mask's batch / head dims.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import _ext
+from ..reference import expand_heads
+
+# key_rank of a key no row keeps: int32 max (kNeverKept, csrc/flash_dma_constants.h).
+NEVER = _ext.NEVER_KEPT
+
+# Query rows per tile of the CPU selection's lists (the CPU kernel does not read the lists).
+CPU_TILE_ROWS = _ext.TOPK_CPU_TILE_ROWS
+
+
+class Selection(NamedTuple):
+    key_rank: torch.Tensor  # int32 (P1, P2, K)
+    row_thr: torch.Tensor  # int32 (P1, P2, Q)
+    tile_keys: torch.Tensor  # int32 (P1, P2, n_tiles * (1 + cap))
+
+
+def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
+    """(P1, P2, K) float32 scores of the selection planes: the per-key bias with the keys the
+    mask drops set to -inf. Planes are the broadcast of the bias's and the mask's (batch, head)."""
+    s = attn_bias[:, :, 0, :].float()
+    if attn_mask is None:
+        return s
+    m = attn_mask[:, :, 0, :]
+    if s.shape[1] != m.shape[1] and s.shape[1] > 1 and m.shape[1] > 1:
+        # One is per kv head and the other per query head: both onto the query heads.
+        s, m = expand_heads(s.unsqueeze(2), num_heads).squeeze(2), expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
+    return s.masked_fill(~m, float("-inf"))
+
+
+def list_cap(K: int, window: int, tile_rows: int) -> int:
+    """Entries of a tile's list: at most W + tile_rows - 1 keys (and never more than K). The rule
+    is csrc/flash_dma_constants.h's topk_list_cap (flexdma._C.topk_list_cap); it is written here
+    again because the fake kernels call it with symbolic sizes, which the C++ one cannot take
+    (tests/test_topk.py checks that the two agree)."""
+    return min(K, window + tile_rows - 1)
+
+
+def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int) -> Selection:
+    """The selection of every plane of scores (P1, P2, K) float32, with lists of query tiles of
+    `tile_rows` rows (the route's, flexdma/perkey/route.py: what the forward that follows reads)."""
+    # The op's fake kernel and CUDA implementation: flexdma/perkey/ops.py (imported by the package).
+    return Selection(*torch.ops.flexdma.topk_select(scores, window, seqlen_q, is_causal, tile_rows))
+
+
+def tile_lists(sel: Selection, seqlen_q: int, tile_rows: int) -> torch.Tensor:
+    """tile_keys as (P1, P2, n_tiles, 1 + cap): [..., 0] is each tile's list length."""
+    n_tiles = -(-seqlen_q // tile_rows)
+    return sel.tile_keys.view(*sel.tile_keys.shape[:2], n_tiles, -1)
+
+
+def check_window(keep_window_size) -> int:
+    if isinstance(keep_window_size, bool) or not isinstance(keep_window_size, int) or keep_window_size <= 0:
+        raise ValueError(f"keep_window_size must be a positive int, got {keep_window_size!r}")
+    return keep_window_size
+
+
+def check_operands(attn_mask: Optional[torch.Tensor], attn_bias: Optional[torch.Tensor], seqlen_k: int) -> None:
+    """The per-key path's limits on the (already broadcast-checked, 4-D) mask and bias. With one key
+    (a one-token prompt, a cache's first step) a key dim of 1 is the per-key shape."""
+    if attn_bias is None:
+        raise ValueError(
+            "keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias of shape "
+            "({1|B}, {1|KVH|H}, 1, K)"
+        )
+    if attn_bias.shape[2] != 1 or (attn_bias.shape[3] == 1 and seqlen_k > 1):
+        raise ValueError(
+            f"keep_window_size needs a per-key attn_bias ({{1|B}}, {{1|KVH|H}}, 1, K) (one score per "
+            f"key, shared by every query row), got shape {tuple(attn_bias.shape)}; for a bias that "
+            "varies by row, build the mask with create_mask and pass it as attn_mask"
+        )
+    if attn_mask is not None and attn_mask.shape[2] != 1:
+        raise ValueError(
+            f"with keep_window_size, attn_mask may only drop keys for every row (a (B, K) padding "
+            f"mask or a query dim of 1), got shape {tuple(attn_mask.shape)}"
+        )

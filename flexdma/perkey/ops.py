@@ -1,0 +1,93 @@
+"""The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::topk_select,
+topk_fwd, topk_bwd and topk_fwd_sm90, and their CUDA implementations (Triton, registered here;
+topk_fwd's is flexdma/perkey/route.py's cuda_fwd, which picks the C++ sm_90a forward or Triton).
+The schemas and the CPU kernels are the C++ extension's (ops/). Nothing is registered without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ext, _ops
+from . import route
+from .contract import list_cap
+
+LOADED = _ext.LOAD_ERROR is None
+topk_select = torch.ops.flexdma.topk_select if LOADED else None
+topk_fwd = torch.ops.flexdma.topk_fwd if LOADED else None
+topk_bwd = torch.ops.flexdma.topk_bwd if LOADED else None
+
+
+def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
+    P1, P2, K = scores.shape
+    cap = list_cap(K, window, tile_rows)
+    n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
+    return (
+        scores.new_empty((P1, P2, K), dtype=torch.int32),
+        scores.new_empty((P1, P2, seqlen_q), dtype=torch.int32),
+        scores.new_empty((P1, P2, n_tiles * (1 + cap)), dtype=torch.int32),
+    )
+
+
+# ---- topk_fwd / topk_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
+
+
+def _topk_fwd_fake(
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None
+):
+    B, Q, H, _ = q.shape
+    resid = q.new_empty(q.shape) if _ops.keeps_residual(q) else q.new_empty((0,))
+    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_ops.acc_dtype(q.dtype)), resid
+
+
+def _topk_bwd_fake(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    key_rank,
+    row_thr,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    deterministic,
+    tile_keys=None,
+    out_resid=None,
+):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap):
+    B, Q, H, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=torch.float32), q.new_empty(q.shape)
+
+
+def _triton_kernel(name):
+    def run(*args, **kwargs):
+        # triton is an optional dependency, imported by the first call, not by `import flexdma`.
+        from . import triton as kernels
+
+        return getattr(kernels, name)(*args, **kwargs)
+
+    return run
+
+
+if LOADED:
+    torch.library.register_fake("flexdma::topk_select")(_topk_select_fake)
+    torch.library.register_fake("flexdma::topk_fwd")(_topk_fwd_fake)
+    torch.library.register_fake("flexdma::topk_bwd")(_topk_bwd_fake)
+    torch.library.register_fake("flexdma::topk_fwd_sm90")(_topk_fwd_sm90_fake)
+    _ops.register_autograd("flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3)
+    _ops.forbid_double_backward("flexdma::topk_bwd")
+    # The per-key path's GPU kernels are Triton (flexdma/perkey/triton.py), registered as the CUDA
+    # implementations of the op family's schemas; topk_fwd's hands the calls the C++ sm_90a kernel
+    # takes to flexdma::topk_fwd_sm90 (route.cuda_fwd).
+    if _ext.HAVE_TRITON:
+        torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("select"))
+        torch.library.register_kernel("flexdma::topk_fwd", "cuda", route.cuda_fwd)
+        torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("bwd"))
