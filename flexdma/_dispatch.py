@@ -112,12 +112,14 @@ def available_backends() -> List[str]:
 # ------------------------------------------------------------------------------ backend limits
 
 
-def cuda_unsupported_reason(call: Call) -> Optional[str]:
-    """Why the dense CUDA kernels cannot take the call.
+# flexdma::DType's values (csrc/flash_dma_params.h), for the kernels' own support check.
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
-    A mirror, in Python, of C++ `cuda::unsupported_reason` (csrc/cuda/flash_dma_cuda.cu), whose
-    static parts (built head dims and architectures) come from the build info setup.py writes;
-    the C++ check runs again inside the op. Keep the two in step."""
+
+def cuda_unsupported_reason(call: Call) -> Optional[str]:
+    """Why the dense CUDA kernels cannot take the call: the device and its architecture against
+    the build (setup.py's build info), then the kernels' own check (C++ `cuda::unsupported_reason`,
+    through flexdma._C), which the op runs again before launching."""
     if call.device.type != "cuda":
         return f"inputs are on {call.device.type}, not cuda"
     why = _ext.LOAD_ERROR
@@ -130,16 +132,14 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
     archs = {str(a).rstrip("a") for a in info.CUDA_ARCHS}
     if f"{major}{minor}" not in archs:
         return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
-    if call.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {call.dtype} (the CUDA kernel takes float16 and bfloat16)"
-    d = call.head_dim
-    if d not in info.CUDA_HEAD_DIMS:
+    why = _ext.C.cuda_unsupported_reason(
+        call.batch, call.num_heads, call.num_kv_heads, call.head_dim, _DTYPE_CODES.get(call.dtype, -1), call.softcap
+    )
+    if why:
         return (
-            f"head_dim {d} (CUDA kernels built for {list(info.CUDA_HEAD_DIMS)}; "
-            f"FLEXDMA_HEAD_DIMS picks them at build time)"
+            f"{why} (got head_dim {call.head_dim}, {call.dtype}, {call.num_heads} heads, batch {call.batch}; "
+            f"built head dims {list(info.CUDA_HEAD_DIMS)})"
         )
-    if call.batch > _ext.MAX_GRID_DIM or call.num_heads > _ext.MAX_GRID_DIM:
-        return f"batch and num_heads must be <= {_ext.MAX_GRID_DIM} (CUDA grid limits)"
     return None
 
 

@@ -15,10 +15,42 @@ PyObject* py_topk_list_cap(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "LLL", &K, &window, &tile_rows)) return nullptr;
   return PyLong_FromLongLong(flexdma::topk_list_cap(K, window, tile_rows));
 }
+// _C.cuda_unsupported_reason(batch, num_heads, num_heads_k, head_dim, dtype, softcap): the CUDA
+// kernels' own check (cuda::unsupported_reason) of a dense call of these sizes, for Python's backend
+// choice; None when they take it. dtype is flexdma::DType's value (-1: a dtype it has no code for).
+PyObject* py_cuda_unsupported_reason(PyObject*, PyObject* args) {
+  long long batch = 0, heads = 0, heads_k = 0, head_dim = 0;
+  int dtype = -1;
+  double softcap = 0.0;
+  if (!PyArg_ParseTuple(args, "LLLLid", &batch, &heads, &heads_k, &head_dim, &dtype, &softcap)) return nullptr;
+  const flexdma::SupportCheck check = flexdma::cuda_support_check();
+  if (check == nullptr) return PyUnicode_FromString("flexdma was built without CUDA kernels");
+  if (dtype < 0) return PyUnicode_FromString("dtype must be bfloat16 or float16");
+  flexdma::FwdParams p;
+  p.batch = batch;
+  p.num_heads = heads;
+  p.num_heads_k = heads_k;
+  p.head_dim = head_dim;
+  p.dtype = static_cast<flexdma::DType>(dtype);
+  p.softcap = static_cast<float>(softcap);
+  const char* why = check(p);
+  if (why == nullptr) Py_RETURN_NONE;
+  return PyUnicode_FromString(why);
+}
+
 PyMethodDef kMethods[] = {
     {"topk_list_cap", py_topk_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
+    {"cuda_unsupported_reason", py_cuda_unsupported_reason, METH_VARARGS,
+     "The CUDA kernels' support check of a dense call: None, or why not."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
+
+namespace flexdma {
+SupportCheck& cuda_support_check() {
+  static SupportCheck check = nullptr;
+  return check;
+}
+}  // namespace flexdma
 
 extern "C" {
 // A bare module so `import flexdma._C` loads this library and runs the registrations below; it

@@ -8,6 +8,12 @@
 
 namespace flexdma {
 
+// The CUDA kernels' support check (cuda::unsupported_reason), reachable from the CPU-side module so
+// that Python asks the kernels instead of copying their rules: set by the CUDA binding
+// (flexdma_cuda.cpp) when the extension has CUDA kernels, null otherwise.
+using SupportCheck = const char* (*)(const FwdParams&);
+SupportCheck& cuda_support_check();
+
 inline std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                    const c10::optional<at::Tensor>& mask,
                                                    const c10::optional<at::Tensor>& bias, double softmax_scale,

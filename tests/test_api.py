@@ -347,3 +347,22 @@ def test_auto_on_cuda_falls_back_for_unsupported_head_dim(monkeypatch):
     out = flexdma.flash_dma_attention(q, k, v, is_causal=True)
     ref, _ = flexdma.attention_ref(q.double(), k.double(), v.double(), is_causal=True)
     assert (out.double() - ref).abs().max() < 3e-2
+
+
+def test_the_kernels_own_support_check_is_what_python_reads():
+    # flexdma._C.cuda_unsupported_reason is C++ cuda::unsupported_reason where the extension has
+    # CUDA kernels: no copy of its rules in Python.
+    from flexdma import _ext
+
+    check = _ext.C.cuda_unsupported_reason
+    if not _ext.with_cuda():
+        assert check(1, 2, 1, 64, 2, 0.0) == "flexdma was built without CUDA kernels"
+        return
+    built = list(_ext.BUILD_INFO.CUDA_HEAD_DIMS)
+    assert check(1, 2, 1, built[0], 2, 0.0) is None
+    assert check(1, 2, 1, built[0], 3, 0.0) is None
+    assert "dtype" in check(1, 2, 1, built[0], 0, 0.0)
+    assert "dtype" in check(1, 2, 1, built[0], -1, 0.0)
+    assert "head_dim" in check(1, 2, 1, 80, 2, 0.0)
+    assert "num_heads" in check(1, 3, 2, built[0], 2, 0.0)
+    assert "65535" in check(70000, 2, 1, built[0], 2, 0.0)

@@ -6,8 +6,8 @@ namespace flexdma {
 namespace cuda {
 
 // nullptr when the kernel handles these params, else a short reason ("head_dim 80 not built").
-// The binding checks this before launching; flexdma/_dispatch.py (cuda_unsupported_reason) makes
-// the same checks in Python to pick a backend.
+// The binding checks this before launching, and Python's backend choice asks it through
+// flexdma._C.cuda_unsupported_reason (flexdma/_dispatch.py).
 const char* unsupported_reason(const FwdParams& params);
 
 // Bytes of device scratch a launch with these params needs (0: none). The caller allocates them,
