@@ -300,7 +300,7 @@ def load_results(results_dir: str) -> List[dict]:
 
 
 def cuda_dev_section(results_dir: str) -> List[str]:
-    """The newest `benchmarks/cuda_dev.py` run with model-shape rows: the dense-mask kernels
+    """The newest `benchmarks/dev/cuda_dev.py` run with model-shape rows: the dense-mask kernels
     (torch.ops.flexdma.fwd / bwd, tile activity bits inside the forward) against FlexAttention and
     dense SDPA in the same run, and that run's 32K, no-mask and decode rows."""
     paths = sorted(glob.glob(os.path.join(results_dir, "*_cuda_dev.json")))
@@ -372,7 +372,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     out = [
         f"## dense-mask kernels at model shapes (h100, `{name}`)",
         "",
-        "`python3 benchmarks/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
+        "`python3 benchmarks/dev/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
         f"dense SDPA over all keys; {fwd_note}; bwd = fwd+bwd minus fwd (flexdma: the backward "

@@ -38,7 +38,7 @@ __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
 # FlexAttention's kernel options, chosen per (compute capability, head dim, element size, training)
-# by measurement (benchmarks/flex_options.py at B=2 L=8K H=16 KVH=4, a top-2048 general mask and a
+# by measurement (benchmarks/dev/flex_options.py at B=2 L=8K H=16 KVH=4, a top-2048 general mask and a
 # per-key bias that needs a gradient; the numbers are in the performance log):
 # - None: FlexAttention's own defaults.
 # - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a

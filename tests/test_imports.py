@@ -21,10 +21,11 @@ PACKAGES = ("flexdma", "benchmarks")
 NEEDS_TRITON = {
     "flexdma._block_tiles",
     "flexdma.perkey.triton",
-    "benchmarks.cuda_dev",
-    "benchmarks.flex_check",
-    "benchmarks.flex_options",
-    "benchmarks.topk_dev",
+    "benchmarks.dev.cuda_dev",
+    "benchmarks.dev.flex_check",
+    "benchmarks.dev.flex_options",
+    "benchmarks.dev.topk_dev",
+    "benchmarks.dev.flex_probe",
 }
 ENTRY_SCRIPTS = {"benchmarks.__main__"}
 

@@ -6,9 +6,9 @@
 #   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's and the non-finite inputs' GPU tests (~3 min)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
-#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/flex_check.py)
+#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/dev/flex_check.py)
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
-#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/cuda_dev.py: the target shapes, kernel split
+#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/dev/cuda_dev.py: the target shapes, kernel split
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
 #                                                 # tests, topk, sanitizer, cudadev, tests2, flexcheck, bench, aoti
@@ -78,7 +78,7 @@ if has sanitizer; then
   rm -f "$out/san.tmp"
 fi
 if has cudadev; then
-  timeout 200 $PY benchmarks/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
+  timeout 200 $PY benchmarks/dev/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
   echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
 fi
 if has tests2; then
@@ -88,7 +88,7 @@ if has tests2; then
   tally "gpu tests (2)" $?
 fi
 if has flexcheck; then
-  timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
+  timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/dev/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
   echo "flex_check rc=$?" | tee -a "$log"; tail -40 "$out/flex_check.log"
 fi
 if has bench; then

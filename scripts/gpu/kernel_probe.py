@@ -16,7 +16,7 @@ import sys
 import torch
 
 import flexdma  # noqa: F401
-from benchmarks.cuda_dev import top_w_mask
+from benchmarks.dev.cuda_dev import top_w_mask
 
 
 def main(case, D):

@@ -4,7 +4,6 @@ forward times, the cross terms (hand-written call with our BlockMask), a profile
 forward, then backward times. Lines starting with '==' are the results; the rest is detail.
 Ordered cheapest first so that a timeout still leaves the forward numbers."""
 
-import sys
 import time
 
 import torch
@@ -12,9 +11,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-sys.path.insert(0, "benchmarks")
-from flex_check import build_inputs  # noqa: E402
-
+from benchmarks.dev.flex_check import build_inputs  # noqa: E402
 from flexdma import _block_tiles, flex  # noqa: E402
 
 T0 = time.time()
