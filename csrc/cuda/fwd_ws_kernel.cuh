@@ -54,9 +54,6 @@ constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
 constexpr int kLoadRegs = 104, kComputeRegs = 200;
 static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the CTA was launched with");
-// Named barriers (0 is __syncthreads'): the loading warpgroup's; kBarTurn + wg: computing warpgroup
-// wg's turn to issue its products (paired CTAs).
-constexpr int kBarLoad = 1, kBarTurn = 2;
 
 template <typename T, int D>
 struct FwdWsSmem {
@@ -175,7 +172,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     T* sk = sK + st * L::kTileKV / 2;
     const int64_t n0 = t * kBlockN;
     if constexpr (kTopk) {
-      named_barrier(kBarLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
+      named_barrier(NamedBarrier::kLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
       int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
       kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
       kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
@@ -327,9 +324,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
   // warpgroup 0 does not wait before its first issue, warpgroup 1 hands nothing on after its last.
   const bool turns = c.pair && !has_mask && !has_bias;
-  auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), kBarTurn + wg, 2 * kThreads); };
+  auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), turn_barrier(wg), 2 * kThreads); };
   auto pass_turn = [&](bool last) {
-    named_barrier_arrive_if(turns && !(last && wg == 1), kBarTurn + 1 - wg, 2 * kThreads);
+    named_barrier_arrive_if(turns && !(last && wg == 1), turn_barrier(1 - wg), 2 * kThreads);
   };
 
   ActiveTiles active = c.active();
