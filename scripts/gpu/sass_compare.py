@@ -4,13 +4,14 @@ kernel sources (a refactor, a rename, a comment) leaves the machine code as it w
     python3 scripts/gpu/sass_compare.py BASE_REV [--dims 64,128] [--dims 96] [--rename RE=REPL]
 
 Builds every csrc/cuda/*.cu of BASE_REV (git archive) and of the working tree with setup.py's nvcc
-flags for sm_90a, once per head-dim set (--dims, repeatable; default 64,128), dumps the SASS of
-every kernel (cuobjdump -sass), and compares function by function under the demangled name:
-functions are matched across files, so moving a kernel to another file is no difference. --rename
-rewrites demangled names of the base before matching (a template argument dropped, a namespace
-changed): e.g. --rename 'fwd_kernel<(.*?), 1>=fwd_kernel<\\1>'. Instruction text and encodings
-are compared; addresses are not (an anonymous namespace demangles without its hash). Exit
-status 1 on any difference.
+flags for sm_90a (the working tree's scripts/nvcc_flags.py for both), once per head-dim set (--dims,
+repeatable; default 64,128), dumps the SASS of every kernel (cuobjdump -sass), and compares
+function by function under the demangled name: functions are matched across files, so moving a
+kernel to another file is no difference. --rename rewrites demangled names of the base before
+matching (a template argument dropped, a namespace changed): e.g.
+--rename 'fwd_kernel<(.*?), 1>=fwd_kernel<\\1>'. Instruction text and encodings are compared;
+addresses are not (an anonymous namespace demangles without its hash). Exit status 1 on any
+difference.
 nvcc and cuobjdump come from PATH (or NVCC / CUOBJDUMP); builds are cached under --cache.
 """
 
@@ -18,6 +19,7 @@ import argparse
 import concurrent.futures
 import glob
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -27,19 +29,17 @@ import tarfile
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = [
-    "-O3",
-    "-std=c++17",
-    "--use_fast_math",
-    "--expt-relaxed-constexpr",
-    "-lineinfo",
-    "-U__CUDA_NO_HALF_OPERATORS__",
-    "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-DFLEXDMA_SM90A",
-]
+
+
+def _nvcc_flags_module():
+    spec = importlib.util.spec_from_file_location("flexdma_nvcc_flags", os.path.join(ROOT, "scripts", "nvcc_flags.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# setup.py's flags for sm_90a (scripts/nvcc_flags.py), those of the working tree for both builds.
+NVCC_FLAGS = _nvcc_flags_module()
 
 
 def tool(name):
@@ -69,18 +69,22 @@ def tree_hash(root):
 
 def build(root, dims, cache, extra):
     """{object path} of every csrc/cuda/*.cu of root, built for the head dims."""
+    flags = NVCC_FLAGS.nvcc_flags(("90",), dims)
     key = (
-        tree_hash(root) + "_" + "_".join(map(str, dims)) + "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
+        tree_hash(root)
+        + "_"
+        + "_".join(map(str, dims))
+        + "_"
+        + hashlib.sha1(" ".join(flags + extra).encode()).hexdigest()[:8]
     )
     out = os.path.join(cache, key)
     os.makedirs(out, exist_ok=True)
-    defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in dims]
     srcs = sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
 
     def one(src):
         obj = os.path.join(out, os.path.basename(src) + ".o")
         if not os.path.exists(obj):
-            cmd = [tool("nvcc"), "-c", *FLAGS, *defs, *extra, "-I", os.path.join(root, "csrc"), src, "-o", obj + ".tmp"]
+            cmd = [tool("nvcc"), "-c", *flags, *extra, "-I", os.path.join(root, "csrc"), src, "-o", obj + ".tmp"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"nvcc {src} failed:\n{proc.stderr[-3000:]}")
