@@ -46,6 +46,18 @@ def _head_dims():
     return dims
 
 
+def _instantiation_sources(head_dims):
+    """The launchers' instantiation files of the head dims (one per direction and dtype, written by
+    csrc/cuda/instantiations/generate.py): a build compiles only its head dims', in parallel."""
+    sources = []
+    for d in head_dims:
+        found = sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_*.cu"))
+        if not found:
+            raise RuntimeError(f"no instantiation files for head dim {d}: run csrc/cuda/instantiations/generate.py")
+        sources += found
+    return sources
+
+
 def _nvcc_flags_module():
     """scripts/nvcc_flags.py, loaded by path (it imports nothing; torch is not loaded for it)."""
     import importlib.util
@@ -180,7 +192,7 @@ def _extensions():
     nvcc = _nvcc_flags_module().nvcc_flags(archs, head_dims)
     nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
     include_dirs = [str(ROOT / "csrc")]
-    sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
+    sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu")) + _instantiation_sources(head_dims)
     return [
         CUDAExtension(
             "flexdma._C",

@@ -3,7 +3,8 @@ kernel sources (a refactor, a rename, a comment) leaves the machine code as it w
 
     python3 scripts/gpu/sass_compare.py BASE_REV [--dims 64,128] [--dims 96] [--rename RE=REPL]
 
-Builds every csrc/cuda/*.cu of BASE_REV (git archive) and of the working tree with setup.py's nvcc
+Builds every csrc/cuda/*.cu (and the head dims' instantiations/*.cu) of BASE_REV (git archive) and
+of the working tree with setup.py's nvcc
 flags for sm_90a (the working tree's scripts/nvcc_flags.py for both), once per head-dim set (--dims,
 repeatable; default 64,128), dumps the SASS of every kernel (cuobjdump -sass), and compares
 function by function under the demangled name: functions are matched across files, so moving a
@@ -68,7 +69,8 @@ def tree_hash(root):
 
 
 def build(root, dims, cache, extra):
-    """{object path} of every csrc/cuda/*.cu of root, built for the head dims."""
+    """{object path} of every csrc/cuda/*.cu of root and of its head dims' csrc/cuda/instantiations/*.cu,
+    built for the head dims."""
     flags = NVCC_FLAGS.nvcc_flags(("90",), dims)
     key = (
         tree_hash(root)
@@ -79,7 +81,10 @@ def build(root, dims, cache, extra):
     )
     out = os.path.join(cache, key)
     os.makedirs(out, exist_ok=True)
+    # The instantiation files of the head dims where the revision has them (setup.py's choice).
     srcs = sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+    for d in dims:
+        srcs += sorted(glob.glob(os.path.join(root, "csrc", "cuda", "instantiations", f"*_hdim{d}_*.cu")))
 
     def one(src):
         obj = os.path.join(out, os.path.basename(src) + ".o")
@@ -121,8 +126,10 @@ def functions(objs):
             if line.strip().startswith(".section") or "Fatbin" in line:
                 name = None
                 continue
-            # "/*0040*/  IMAD.MOV.U32 R5, RZ, RZ, RZ ;  /* 0x... */": drop the address.
-            raw[name].append(re.sub(r"^\s*/\*[0-9a-f]{4,}\*/\s*", "", line).strip())
+            # "/*0040*/  IMAD.MOV.U32 R5, RZ, RZ, RZ ;  /* 0x... */": drop the address, and collapse
+            # the padding (cuobjdump aligns the columns to the widest address of the object).
+            line = re.sub(r"^\s*/\*[0-9a-f]{4,}\*/\s*", "", line).strip()
+            raw[name].append(re.sub(r"\s+", " ", line))
     names = demangle(list(raw))
     return {names[n]: body for n, body in raw.items()}
 

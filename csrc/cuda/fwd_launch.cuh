@@ -1,9 +1,10 @@
 // Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split),
-// (tile, head) flattened into x so that heads interleave.
+// (tile, head) flattened into x so that heads interleave. Instantiated per (head dim, dtype) in
+// instantiations/fwd_hdim*_*.cu.
+#pragma once
 #include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
 #include "fwd_ws_kernel.cuh"
-#include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
@@ -100,14 +101,6 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     combine_splits<T, D><<<(unsigned)ceil_div(rows_all, 4), 128, 0, stream>>>(p, sp);
   }
 }
-
-#define FLEXDMA_INSTANTIATE_FWD(D)                                            \
-  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);        \
-  template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t); \
-  template int64_t fwd_workspace_bytes<__half, D>(const FwdParams&);          \
-  template int64_t fwd_workspace_bytes<__nv_bfloat16, D>(const FwdParams&);
-FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)
-#undef FLEXDMA_INSTANTIATE_FWD
 
 }  // namespace cuda
 }  // namespace flexdma
