@@ -22,6 +22,7 @@
 #include "mma_sm90.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -48,11 +49,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
 
-  // Scheduling: the heaviest (last, under causal) query tiles of every head launch first, heads
-  // interleaved, so the long tiles of the last head do not form the tail.
-  const int nh = (int)p.num_heads;
-  const int64_t h = (int)blockIdx.x % nh, b = blockIdx.y;
-  const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
+  // This CTA's query tile, head (the grid's units) and batch: heaviest first (tile_scheduler.cuh).
+  const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
+  const int64_t h = work.unit, b = work.b;
+  const int64_t m_tile = work.m_tile;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
@@ -79,9 +79,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias(p.bias, b, h);
   const Plane<uint8_t> mask(p.mask, b, h);
-  const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
-  const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
-  const int64_t n_end = imin(n_all, t_begin + per_split);
+  int64_t t_begin, n_end;
+  SingleTileScheduler::key_range(key_tile_end(p, m0), sp.n, work.split, t_begin, n_end);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 

@@ -1,11 +1,12 @@
-// Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split),
-// (tile, head) flattened into x so that heads interleave. Instantiated per (head dim, dtype) in
+// Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split), the
+// grid and its order the tile scheduler's (tile_scheduler.cuh). Instantiated per (head dim, dtype) in
 // instantiations/fwd_hdim*_*.cu.
 #pragma once
 #include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
 #include "fwd_ws_kernel.cuh"
 #include "launch.h"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -64,7 +65,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
-  // Grid x: query tiles x heads (head pairs when paired), heads fastest.
+  // The scheduler's units: heads, or head pairs when paired.
   plan.units = f.pair ? p.num_heads / 2 : p.num_heads;
   const int64_t ctas = ceil_div(p.seqlen_q, plan.rows) * plan.units * p.batch;
   if (ctas < sms) {
@@ -94,7 +95,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.o_part = static_cast<float*>(p.workspace);
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, plan.rows) * plan.units), (unsigned)p.batch, (unsigned)sp.n);
+  const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, plan.rows), plan.units, p.batch, sp.n);
   plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p, plan.f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;

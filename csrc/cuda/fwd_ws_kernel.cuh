@@ -40,6 +40,7 @@
 #include "pipeline.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -392,17 +393,16 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, head, mc, tid);
 }
 
-// This CTA's tile. Scheduling: the heaviest (last, under causal) query tiles of every head launch
-// first, heads interleaved, so the long tiles of the last head do not form the tail.
+// This CTA's tile, heaviest first (tile_scheduler.cuh).
 template <bool kTopk>
 __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
   FwdWsTile c;
   c.pair = !kTopk && f.pair;
   // Units of the grid's x: head pairs when paired (then 64-row query tiles), else heads.
-  const int nh = (int)p.num_heads >> (c.pair ? 1 : 0);
-  c.h = ((int)blockIdx.x % nh) << (c.pair ? 1 : 0);
-  c.b = blockIdx.y;
-  const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
+  const WorkTile work = SingleTileScheduler::get((int)p.num_heads >> (c.pair ? 1 : 0));
+  c.h = work.unit << (c.pair ? 1 : 0);
+  c.b = work.b;
+  const int64_t m_tile = work.m_tile;
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
   c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
   c.two = c.pair || c.m0 + kBlockM < p.seqlen_q;
@@ -414,9 +414,7 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   } else {
     n_all = key_tile_end(p, c.rows(c.two ? 1 : 0));
   }
-  const int64_t per_split = ceil_div(n_all, sp.n);
-  c.t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
-  c.n_end = imin(n_all, c.t_begin + per_split);
+  SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
   c.meta0 = c.meta1 = nullptr;
   if (!kTopk && p.mask.ptr) {
     const Plane<uint32_t> meta(p.tile_meta, c.b, c.h);
