@@ -26,6 +26,7 @@
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
 
@@ -61,11 +62,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
-                   ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  const SeqInfo seq(b);
+  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride,
+                   ContiguousKeys{}, n0, seq.seqlen_k(p), f.qkv_vec);
   if constexpr (kDk)
-    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
-                     ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride,
+                     ContiguousKeys{}, n0, seq.seqlen_k(p), f.qkv_vec);
   cp_async_commit();
 
   const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
@@ -214,15 +216,15 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // The Q tile of item (mt_, gq_).
   auto issue_q = [&](int mt_, int gq_) {
     const int64_t m0 = mt_ * kBlockM;
-    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + (kvh * ratio + gq_) * p.q_head_stride;
-    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+    const T* qp = static_cast<const T*>(p.q) + seq.q_offset(p) + (kvh * ratio + gq_) * p.q_head_stride;
+    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec);
   };
 #pragma unroll 1
   while (have) {
     {
       const int h = kvh * ratio + gq;
       const Plane<T, int> bias(p.bias, b, h);
-      const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+      const T* dop = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride;
       const int64_t m0 = mt * kBlockM;
       const TileBounds tb(p, m0, n0);
       if (!q_ready) issue_q(mt, gq);
@@ -393,8 +395,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   }
   cp_async_wait<0>();
   // Output pointers formed here, not at the start: live across the loop they took registers.
-  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
+  T* dk_out = static_cast<T*>(p.dk) + seq.dk_offset(p) + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* dv_out = static_cast<T*>(p.dv) + seq.dv_offset(p) + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
   if constexpr (kDk) store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
   if constexpr (kDv) store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
 }

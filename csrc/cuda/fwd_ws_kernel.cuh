@@ -38,6 +38,7 @@
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
 #include "pipeline.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
@@ -83,6 +84,7 @@ struct FwdWsSmem {
 // sequence, or of the key list), and the tile activity rows that say which of them to visit.
 struct FwdWsTile {
   int64_t b, h, kvh, m0;
+  __device__ inline SeqInfo seq() const { return SeqInfo(b); }
   bool two;   // the second warpgroup has rows
   bool pair;  // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
   // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
@@ -119,8 +121,9 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   // requested after K(t + 1), so three of the four entries are live.
   auto idx = [&](int64_t t) { return ring + (t & 3) * 64; };
 
-  const T* kp = static_cast<const T*>(p.k) + c.b * p.k_batch_stride + c.kvh * p.k_head_stride;
-  const T* vp = static_cast<const T*>(p.v) + c.b * p.v_batch_stride + c.kvh * p.v_head_stride;
+  const SeqInfo seq = c.seq();
+  const T* kp = static_cast<const T*>(p.k) + seq.k_offset(p) + c.kvh * p.k_head_stride;
+  const T* vp = static_cast<const T*>(p.v) + seq.v_offset(p) + c.kvh * p.v_head_stride;
   const Plane<T> bias(p.bias, c.b, c.h);
   const Plane<uint8_t> mask(p.mask, c.b, c.h);
   const Plane<int32_t> ranks(p.key_rank, c.b, c.h);
@@ -129,9 +132,9 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   // Q of both warpgroups, once (rows past seqlen_q zero).
   for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
     const int64_t mh = c.rows(wg);
-    const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.head(wg) * p.q_head_stride;
+    const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
     issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
-                     (int)imin(kBlockM, p.seqlen_q - mh), f.qkv_vec);
+                     (int)imin(kBlockM, seq.seqlen_q(p) - mh), f.qkv_vec);
   }
   uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
   mbar_arrive_copies(full_q);
@@ -181,7 +184,8 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
       key_bias = bias_of(next_key, n0 + kBlockN);
       next_key = kl.entry(n0 + 2 * kBlockN);
     } else {
-      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
+      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+                       f.qkv_vec);
       for (int half = 0; half < c.halves(); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
         const TileBounds tb(p, mh, n0);
@@ -207,7 +211,8 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     if constexpr (kTopk)
       kl.issue_rows(idx(t), sv, vp, p.v_row_stride, n0);
     else
-      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
+      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+                       f.qkv_vec);
     mbar_arrive_copies(&full_v[st]);
   };
 
@@ -390,7 +395,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wait(full_v, at);
     release(empty_v, at);
   }
-  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, head, mc, tid);
+  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq(), head, mc, tid);
 }
 
 // This CTA's tile, heaviest first (tile_scheduler.cuh).
