@@ -48,7 +48,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
+    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, ListedKeys> : fwd_ws_kernel<T, D, SequenceKeys>;
     plan.smem = FwdWsSmem<T, D>::kBytes;
     plan.threads = kWsThreads;
     plan.rows = f.pair ? kBlockM : kWsRows;
