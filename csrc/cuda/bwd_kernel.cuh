@@ -20,6 +20,8 @@
 #include "../flash_dma_params.h"
 #include "bwd_dbias.cuh"
 #include "bwd_dq_accum.cuh"
+#include "bwd_epilogue.cuh"
+#include "bwd_mainloop.cuh"
 #include "constants.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -304,21 +306,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       } else {
         gemm_nt<T, D>(s, sK, sQ, w * 16);
       }
-      if (scf != 0.f) softcap_tanh(s, soc);
-      // P^T; the softcap derivative 1 - t^2 is kept where the additive term was (read once).
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
-          float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
-          const float2 add = *slot;
-          const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
-          const float2 l2c = *reinterpret_cast<const float2*>(sL2 + c);
-          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x) - l2c.x);
-          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y) - l2c.y);
-          if (scf != 0.f) *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
-        }
+      bwd_probs(s, sDS, sL2, mulf, scf, soc, w, g, qc);
       if constexpr (kDv) gemm_pv<T, D>(dv, s, sDO);
       if constexpr (kDk) {
         float dp[kBlockN / 8][4];
@@ -394,11 +382,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     zero_until(m_tiles, 0);
   }
   cp_async_wait<0>();
-  // Output pointers formed here, not at the start: live across the loop they took registers.
-  T* dk_out = static_cast<T*>(p.dk) + seq.dk_offset(p) + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* dv_out = static_cast<T*>(p.dv) + seq.dv_offset(p) + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
-  if constexpr (kDk) store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
-  if constexpr (kDv) store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
+  bwd_epilogue<T, D, kDk, kDv>(p, seq, kvh, n0, dk, dv, w * 16, vc);
 }
 
 }  // namespace cuda
