@@ -108,21 +108,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     if (base != meta_base) {
       __syncthreads();  // the previous chunk is no longer read
       meta_base = base;
-      const uint32_t* col =
-          static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
-      uint32_t bits = 0;
-#pragma unroll 4
-      for (int i = 0; i < 32; ++i) {
-        const int it = base + (int)threadIdx.x * 32 + i, mt_i = mt_begin + it / ratio;
-        const int h_i = kvh * ratio + it % ratio;
-        if (mt_i < m_tiles)
-          bits |=
-              ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
-                (n_tile % kTilesPerWord)) &
-               1u)
-              << i;
-      }
-      sMeta[threadIdx.x] = bits;
+      bwd_meta_chunk(p, sMeta, b, kvh, ratio, n_tile, mt_begin, m_tiles, base);
       __syncthreads();
     }
     return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
@@ -186,32 +172,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   auto group_plane = [&](int gq_) { return DL.head_stride == 0 ? 0 : gq_ / (int)DL.head_ratio; };
   auto group_planes = [&] { return DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio); };
   auto zero_until = [&](int mt_e, int pl_e) {
-    int zmt = pass[2], zpl = pass[3];
-#pragma unroll 1
-    while (zmt < mt_e || (zmt == mt_e && zpl < pl_e)) {
-      const int64_t m0z = (int64_t)zmt * kBlockM;
-      const int plane = DL.head_stride == 0 ? 0 : kvh * ratio / (int)DL.head_ratio + zpl;
-      zero_dbias_tile<T>(dbias,
-                         static_cast<T*>(dbias.ptr) + b * DL.batch_stride + plane * DL.head_stride +
-                             m0z * DL.row_stride + (int64_t)n0 * DL.col_stride,
-                         (int)imin(kBlockM, p.seqlen_q - m0z), vc);
-      if (++zpl == group_planes()) zpl = 0, ++zmt;
-    }
+    zero_dbias_until<T>(dbias, pass + 2, mt_e, pl_e, p, b, kvh, ratio, n0, vc);
   };
   // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from its
   // position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
-  auto pass_until = [&](int mt_e, int gq_e) {
-    if (threadIdx.x != 0) return;
-    int pmt = pass[0], pgq = pass[1];
-#pragma unroll 1
-    while (pmt < mt_e || (pmt == mt_e && pgq < gq_e)) {
-      int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pgq, pmt);
-      dq_wait_turn(turn, n_tile);
-      dq_pass_turn(turn, n_tile + 1);
-      if (++pgq == ratio) pgq = 0, ++pmt;
-    }
-    pass[0] = pmt, pass[1] = pgq;
-  };
+  auto pass_until = [&](int mt_e, int gq_e) { dq_pass_until(dqa, pass, mt_e, gq_e, b, kvh, ratio, n_tile); };
   if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
   bool reuse = false;    // this item takes the previous item's sDS
   bool q_ready = false;  // this item's Q tile was requested during the previous item

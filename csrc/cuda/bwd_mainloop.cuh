@@ -1,10 +1,11 @@
-// The backward main pass's per-item element work between its products (bwd_kernel.cuh runs the
-// walk over work items, the copies and the products): P^T from S^T. Fragments are a warp's 16
+// Pieces of the backward main pass's loop (bwd_kernel.cuh runs the walk over work items, the
+// copies and the products): the walk's activity bits in smem, and P^T from S^T. Fragments are a warp's 16
 // keys x 64 queries of the transposed scores (C-fragment layout: rows w * 16 + g (+ 8), columns
 // n * 8 + 2 * qc (+ 1)). The gather of the additive terms into sDS and dS^T from dP^T stay in the
 // kernel: as device functions (inlined or forced inline) ptxas orders their instructions
 // differently.
 #pragma once
+#include "../flash_dma_params.h"
 #include "constants.cuh"
 #include "mma_sm80.cuh"
 #include "smem_layout.cuh"
@@ -12,6 +13,27 @@
 
 namespace flexdma {
 namespace cuda {
+
+// The walk's activity bits: bit i of word t of sMeta says whether work item base + 32 t + i (in
+// walk order, item = (mt - mt_begin) * ratio + gq) keeps anything of key tile n_tile; one word a
+// thread, so that skipping an empty item costs a shared load instead of a global round trip.
+__device__ inline void bwd_meta_chunk(const BwdParams& p, uint32_t* sMeta, int b, int kvh, int ratio, int n_tile,
+                                      int mt_begin, int m_tiles, int base) {
+  const uint32_t* col =
+      static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
+  uint32_t bits = 0;
+#pragma unroll 4
+  for (int i = 0; i < 32; ++i) {
+    const int it = base + (int)threadIdx.x * 32 + i, mt_i = mt_begin + it / ratio;
+    const int h_i = kvh * ratio + it % ratio;
+    if (mt_i < m_tiles)
+      bits |= ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
+                (n_tile % kTilesPerWord)) &
+               1u)
+              << i;
+  }
+  sMeta[threadIdx.x] = bits;
+}
 
 // P^T = exp2(S^T * mul + additive term - lse2) in place of S^T (softcapped first where scf != 0);
 // under softcap the derivative 1 - t^2 is kept where the additive term was (read once).
