@@ -125,31 +125,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   };
   int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
   auto find_next = [&](int& mt, int& gq, uint8_t* slot) -> bool {
-#pragma unroll 1
-    for (; mt < m_tiles; ++mt, gq = 0) {
-      const TileBounds tb(p, mt * kBlockM, n0);
-      if (!tb.any()) continue;
-#pragma unroll 1
-      for (; gq < ratio; ++gq) {
-        if (mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
-        if (has_mask) {
-          if (!item_active(mt, gq)) continue;
-          const Plane<uint8_t, int> mask(p.mask, b, kvh * ratio + gq);
-          // A full tile whose activity bit is set keeps something: its raw mask bytes are its keep
-          // tile, copied asynchronously (the wait before the item covers them).
-          if (tb.full && f.mask_vec) {
-            issue_mask_raw(mask, slot, mt * kBlockM, n0);
-            cp_async_commit();
-            return true;
-          }
-          if (build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
-        } else {
-          if (!tb.full) build_keep(tb, Plane<uint8_t, int>(p.mask, b, 0), slot, f.mask_vec, mt * kBlockM, n0);
-          return true;
-        }
-      }
-    }
-    return false;
+    return bwd_find_next(p, f, b, kvh, ratio, m_tiles, n0, reuse_mt, has_mask, item_active, mt, gq, slot);
   };
   // dbias plane of query head gq (heads of one plane are consecutive in gq).
   auto db_plane = [&](int gq_) -> int {
