@@ -13,7 +13,9 @@
 // tile (mask & causal & bounds) is skipped by the tile activity bits before any of its operand
 // bytes are requested; the next kept item is found (its keep tile requested or built) while the
 // current item's copies fly. Mask / bias are resolved once per work item (Plane, 32-bit head
-// division).
+// division). The kernel runs the walk, the copies and the products; the pieces by role are
+// bwd_mainloop.cuh (the walk's activity bits and next item, P^T), bwd_dq_accum.cuh (dQ, the
+// deterministic turns), bwd_dbias.cuh (dbias flush and zeroing) and bwd_epilogue.cuh (dK / dV out).
 #pragma once
 #include <math_constants.h>
 
