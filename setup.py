@@ -46,6 +46,28 @@ def _head_dims():
     return dims
 
 
+def _instantiation_sources(head_dims):
+    """The launchers' instantiation files of the head dims (one per direction and dtype, written by
+    csrc/cuda/instantiations/generate.py): a build compiles only its head dims', in parallel."""
+    sources = []
+    for d in head_dims:
+        found = sorted(glob.glob(f"csrc/cuda/instantiations/*_hdim{d}_*.cu"))
+        if not found:
+            raise RuntimeError(f"no instantiation files for head dim {d}: run csrc/cuda/instantiations/generate.py")
+        sources += found
+    return sources
+
+
+def _nvcc_flags_module():
+    """scripts/nvcc_flags.py, loaded by path (it imports nothing; torch is not loaded for it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flexdma_nvcc_flags", ROOT / "scripts" / "nvcc_flags.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _want_cuda():
     if os.environ.get("FLEXDMA_SKIP_CUDA", "0") == "1":
         return False
@@ -165,33 +187,12 @@ def _extensions():
     if not with_cuda:
         return [CppExtension("flexdma._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=openmp)]
 
-    hd_defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in head_dims]
-    gencode = []
-    for a in archs:
-        # wgmma needs the arch-specific target (sm_90a).
-        arch = a + "a" if a in ("90",) else a
-        gencode += [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    if archs and all(a == "90" for a in archs):
-        # The forward's wgmma path is compiled only when every target is sm_90a.
-        gencode.append("-DFLEXDMA_SM90A")
-    nvcc = (
-        [
-            "-O3",
-            "-std=c++17",
-            "--use_fast_math",
-            "--expt-relaxed-constexpr",
-            "-lineinfo",
-            "-U__CUDA_NO_HALF_OPERATORS__",
-            "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT16_OPERATORS__",
-            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        ]
-        + gencode
-        + hd_defs
-    )
+    # The flags' one list (scripts/nvcc_flags.py): code generation, the archs' -gencode (sm_90 as
+    # sm_90a; -DFLEXDMA_SM90A where every target is sm_90a) and the head dims' defines.
+    nvcc = _nvcc_flags_module().nvcc_flags(archs, head_dims)
     nvcc += os.environ.get("FLEXDMA_NVCC_FLAGS", "").split()
     include_dirs = [str(ROOT / "csrc")]
-    sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu"))
+    sources += ["ops/flexdma_cuda.cpp"] + sorted(glob.glob("csrc/cuda/*.cu")) + _instantiation_sources(head_dims)
     return [
         CUDAExtension(
             "flexdma._C",

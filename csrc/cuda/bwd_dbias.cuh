@@ -45,6 +45,26 @@ __device__ inline void zero_dbias_tile(const BwdDbias& db, T* tile, int vr, int 
   }
 }
 
+// Zeroes the dbias tiles of key tile n0's column (keys [n0, n0 + valid)) from position pos =
+// (query tile, plane of kv head kvh's group of `ratio` query heads) up to, not including,
+// (mt_e, pl_e), in walk order (planes inner).
+template <typename T>
+__device__ inline void zero_dbias_until(const BwdDbias& dbias, const int* pos, int mt_e, int pl_e, const BwdParams& p,
+                                        int b, int kvh, int ratio, int n0, int valid) {
+  const Broadcast4d& DL = dbias.layout;
+  int zmt = pos[0], zpl = pos[1];
+#pragma unroll 1
+  while (zmt < mt_e || (zmt == mt_e && zpl < pl_e)) {
+    const int64_t m0z = (int64_t)zmt * kBlockM;
+    const int plane = DL.head_stride == 0 ? 0 : kvh * ratio / (int)DL.head_ratio + zpl;
+    zero_dbias_tile<T>(dbias,
+                       static_cast<T*>(dbias.ptr) + b * DL.batch_stride + plane * DL.head_stride + m0z * DL.row_stride +
+                           (int64_t)n0 * DL.col_stride,
+                       (int)imin(kBlockM, p.seqlen_q - m0z), valid);
+    if (++zpl == (DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio))) zpl = 0, ++zmt;
+  }
+}
+
 // The main pass's dbias epilogue for one (query tile m0, key tile n0) of a dbias plane, once
 // the heads of the plane are summed in sDB (float [key][query], db_idx): stored as final values
 // (per-element dbias) or, for a bias broadcast over rows, summed over them in index order and

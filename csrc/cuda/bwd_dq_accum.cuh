@@ -71,6 +71,23 @@ __device__ inline void dq_pass_turn(int* turn, int next) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(turn), "r"(next) : "memory");
 }
 
+// Deterministic mode, thread 0: hands on the turn of every work item from position pos = (query
+// tile, head in kv head kvh's group of `ratio` query heads) up to, not including, (mt_e, gq_e):
+// those keep nothing of key tile n_tile. Moves pos there.
+__device__ inline void dq_pass_until(const DqAccum& dqa, int* pos, int mt_e, int gq_e, int b, int kvh, int ratio,
+                                     int n_tile) {
+  if (threadIdx.x != 0) return;
+  int pmt = pos[0], pgq = pos[1];
+#pragma unroll 1
+  while (pmt < mt_e || (pmt == mt_e && pgq < gq_e)) {
+    int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pgq, pmt);
+    dq_wait_turn(turn, n_tile);
+    dq_pass_turn(turn, n_tile + 1);
+    if (++pgq == ratio) pgq = 0, ++pmt;
+  }
+  pos[0] = pmt, pos[1] = pgq;
+}
+
 // Writes a warp's dS^T fragments (rows = its 16 keys, columns = the tile's 64 queries, the C
 // layout of the dK product's A operand) into the [key][query] tile.
 template <typename T, int D>

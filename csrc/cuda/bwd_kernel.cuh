@@ -13,19 +13,24 @@
 // tile (mask & causal & bounds) is skipped by the tile activity bits before any of its operand
 // bytes are requested; the next kept item is found (its keep tile requested or built) while the
 // current item's copies fly. Mask / bias are resolved once per work item (Plane, 32-bit head
-// division).
+// division). The kernel runs the walk, the copies and the products; the pieces by role are
+// bwd_mainloop.cuh (the walk's activity bits and next item, P^T), bwd_dq_accum.cuh (dQ, the
+// deterministic turns), bwd_dbias.cuh (dbias flush and zeroing) and bwd_epilogue.cuh (dK / dV out).
 #pragma once
 #include <math_constants.h>
 
 #include "../flash_dma_params.h"
 #include "bwd_dbias.cuh"
 #include "bwd_dq_accum.cuh"
+#include "bwd_epilogue.cuh"
+#include "bwd_mainloop.cuh"
 #include "constants.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
 
@@ -61,11 +66,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride, p.k_row_stride,
-                   ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+  const SeqInfo seq(b);
+  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0,
+                   seq.seqlen_k(p), f.qkv_vec);
   if constexpr (kDk)
-    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride, p.v_row_stride,
-                     ContiguousKeys{}, n0, p.seqlen_k, f.qkv_vec);
+    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride, n0,
+                     seq.seqlen_k(p), f.qkv_vec);
   cp_async_commit();
 
   const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
@@ -104,21 +110,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     if (base != meta_base) {
       __syncthreads();  // the previous chunk is no longer read
       meta_base = base;
-      const uint32_t* col =
-          static_cast<const uint32_t*>(p.tile_meta.ptr) + b * p.tile_meta.batch_stride + n_tile / kTilesPerWord;
-      uint32_t bits = 0;
-#pragma unroll 4
-      for (int i = 0; i < 32; ++i) {
-        const int it = base + (int)threadIdx.x * 32 + i, mt_i = mt_begin + it / ratio;
-        const int h_i = kvh * ratio + it % ratio;
-        if (mt_i < m_tiles)
-          bits |=
-              ((col[(h_i / (int)p.tile_meta.head_ratio) * p.tile_meta.head_stride + mt_i * p.tile_meta.row_stride] >>
-                (n_tile % kTilesPerWord)) &
-               1u)
-              << i;
-      }
-      sMeta[threadIdx.x] = bits;
+      bwd_meta_chunk(p, sMeta, b, kvh, ratio, n_tile, mt_begin, m_tiles, base);
       __syncthreads();
     }
     return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
@@ -135,31 +127,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   };
   int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
   auto find_next = [&](int& mt, int& gq, uint8_t* slot) -> bool {
-#pragma unroll 1
-    for (; mt < m_tiles; ++mt, gq = 0) {
-      const TileBounds tb(p, mt * kBlockM, n0);
-      if (!tb.any()) continue;
-#pragma unroll 1
-      for (; gq < ratio; ++gq) {
-        if (mt == reuse_mt && (!has_mask || item_active(mt, gq))) return true;
-        if (has_mask) {
-          if (!item_active(mt, gq)) continue;
-          const Plane<uint8_t, int> mask(p.mask, b, kvh * ratio + gq);
-          // A full tile whose activity bit is set keeps something: its raw mask bytes are its keep
-          // tile, copied asynchronously (the wait before the item covers them).
-          if (tb.full && f.mask_vec) {
-            issue_mask_raw(mask, slot, mt * kBlockM, n0);
-            cp_async_commit();
-            return true;
-          }
-          if (build_keep(tb, mask, slot, f.mask_vec, mt * kBlockM, n0)) return true;
-        } else {
-          if (!tb.full) build_keep(tb, Plane<uint8_t, int>(p.mask, b, 0), slot, f.mask_vec, mt * kBlockM, n0);
-          return true;
-        }
-      }
-    }
-    return false;
+    return bwd_find_next(p, f, b, kvh, ratio, m_tiles, n0, reuse_mt, has_mask, item_active, mt, gq, slot);
   };
   // dbias plane of query head gq (heads of one plane are consecutive in gq).
   auto db_plane = [&](int gq_) -> int {
@@ -182,47 +150,26 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   auto group_plane = [&](int gq_) { return DL.head_stride == 0 ? 0 : gq_ / (int)DL.head_ratio; };
   auto group_planes = [&] { return DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio); };
   auto zero_until = [&](int mt_e, int pl_e) {
-    int zmt = pass[2], zpl = pass[3];
-#pragma unroll 1
-    while (zmt < mt_e || (zmt == mt_e && zpl < pl_e)) {
-      const int64_t m0z = (int64_t)zmt * kBlockM;
-      const int plane = DL.head_stride == 0 ? 0 : kvh * ratio / (int)DL.head_ratio + zpl;
-      zero_dbias_tile<T>(dbias,
-                         static_cast<T*>(dbias.ptr) + b * DL.batch_stride + plane * DL.head_stride +
-                             m0z * DL.row_stride + (int64_t)n0 * DL.col_stride,
-                         (int)imin(kBlockM, p.seqlen_q - m0z), vc);
-      if (++zpl == group_planes()) zpl = 0, ++zmt;
-    }
+    zero_dbias_until<T>(dbias, pass + 2, mt_e, pl_e, p, b, kvh, ratio, n0, vc);
   };
   // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from its
   // position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
-  auto pass_until = [&](int mt_e, int gq_e) {
-    if (threadIdx.x != 0) return;
-    int pmt = pass[0], pgq = pass[1];
-#pragma unroll 1
-    while (pmt < mt_e || (pmt == mt_e && pgq < gq_e)) {
-      int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pgq, pmt);
-      dq_wait_turn(turn, n_tile);
-      dq_pass_turn(turn, n_tile + 1);
-      if (++pgq == ratio) pgq = 0, ++pmt;
-    }
-    pass[0] = pmt, pass[1] = pgq;
-  };
+  auto pass_until = [&](int mt_e, int gq_e) { dq_pass_until(dqa, pass, mt_e, gq_e, b, kvh, ratio, n_tile); };
   if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
   bool reuse = false;    // this item takes the previous item's sDS
   bool q_ready = false;  // this item's Q tile was requested during the previous item
   // The Q tile of item (mt_, gq_).
   auto issue_q = [&](int mt_, int gq_) {
     const int64_t m0 = mt_ * kBlockM;
-    const T* qp = static_cast<const T*>(p.q) + b * p.q_batch_stride + (kvh * ratio + gq_) * p.q_head_stride;
-    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+    const T* qp = static_cast<const T*>(p.q) + seq.q_offset(p) + (kvh * ratio + gq_) * p.q_head_stride;
+    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec);
   };
 #pragma unroll 1
   while (have) {
     {
       const int h = kvh * ratio + gq;
       const Plane<T, int> bias(p.bias, b, h);
-      const T* dop = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride;
+      const T* dop = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride;
       const int64_t m0 = mt * kBlockM;
       const TileBounds tb(p, m0, n0);
       if (!q_ready) issue_q(mt, gq);
@@ -302,21 +249,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       } else {
         gemm_nt<T, D>(s, sK, sQ, w * 16);
       }
-      if (scf != 0.f) softcap_tanh(s, soc);
-      // P^T; the softcap derivative 1 - t^2 is kept where the additive term was (read once).
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int r = w * 16 + g + 8 * hh, c = n * 8 + 2 * qc;
-          float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
-          const float2 add = *slot;
-          const float t0 = s[n][2 * hh], t1 = s[n][2 * hh + 1];
-          const float2 l2c = *reinterpret_cast<const float2*>(sL2 + c);
-          s[n][2 * hh] = exp2f(fmaf(t0, mulf, add.x) - l2c.x);
-          s[n][2 * hh + 1] = exp2f(fmaf(t1, mulf, add.y) - l2c.y);
-          if (scf != 0.f) *slot = make_float2(fmaf(-scf * t0, t0, 1.f), fmaf(-scf * t1, t1, 1.f));
-        }
+      bwd_probs(s, sDS, sL2, mulf, scf, soc, w, g, qc);
       if constexpr (kDv) gemm_pv<T, D>(dv, s, sDO);
       if constexpr (kDk) {
         float dp[kBlockN / 8][4];
@@ -392,11 +325,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     zero_until(m_tiles, 0);
   }
   cp_async_wait<0>();
-  // Output pointers formed here, not at the start: live across the loop they took registers.
-  T* dk_out = static_cast<T*>(p.dk) + b * p.dk_batch_stride + kvh * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* dv_out = static_cast<T*>(p.dv) + b * p.dv_batch_stride + kvh * p.dv_head_stride + n0 * p.dv_row_stride;
-  if constexpr (kDk) store_acc<T, D>(dk_out, p.dk_row_stride, dk, p.softmax_scale, w * 16, vc);
-  if constexpr (kDv) store_acc<T, D>(dv_out, p.dv_row_stride, dv, 1.f, w * 16, vc);
+  bwd_epilogue<T, D, kDk, kDv>(p, seq, kvh, n0, dk, dv, w * 16, vc);
 }
 
 }  // namespace cuda

@@ -12,6 +12,7 @@
 #include "bwd_dq_accum.cuh"
 #include "constants.cuh"
 #include "mma_sm80.cuh"
+#include "seq_info.cuh"
 #include "softmax.cuh"
 
 namespace flexdma {
@@ -26,16 +27,17 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const DqAccum ws, const PreFlags f) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const SeqInfo seq(b);
   const int64_t m0 = m_tile * kBlockM;
   // Two threads a row, D / 2 columns each.
   const int r = threadIdx.x / 2, half = threadIdx.x % 2;
   float acc = 0.f;
-  if (m0 + r < p.seqlen_q) {
-    const int64_t o_off = b * p.o_batch_stride + h * p.o_head_stride + (m0 + r) * p.o_row_stride + half * (D / 2);
+  if (m0 + r < seq.seqlen_q(p)) {
+    const int64_t o_off = seq.o_offset(p) + h * p.o_head_stride + (m0 + r) * p.o_row_stride + half * (D / 2);
     const T* o = static_cast<const T*>(p.out) + o_off;
     const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + o_off : nullptr;
-    const T* d = static_cast<const T*>(p.dout) + b * p.do_batch_stride + h * p.do_head_stride +
-                 (m0 + r) * p.do_row_stride + half * (D / 2);
+    const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride + (m0 + r) * p.do_row_stride +
+                 half * (D / 2);
     if (f.vec && D % 16 == 0) {
 #pragma unroll
       for (int c = 0; c < D / 2; c += 8) {
@@ -69,11 +71,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_post_kernel(const BwdParams p, const DqAccum dqa) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const SeqInfo seq(b);
   const int64_t m0 = m_tile * kBlockM;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
   const float* acc = dqa.ptr + dqa.tile(b, h, m_tile) * (kBlockM * D);
-  T* dq = static_cast<T*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
-  const int vr = (int)imin(kBlockM, p.seqlen_q - m0);
+  T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p) + h * p.dq_head_stride + m0 * p.dq_row_stride;
+  const int vr = (int)imin(kBlockM, seq.seqlen_q(p) - m0);
   const float s = p.softmax_scale;
 #pragma unroll 4
   for (int d8 = 0; d8 < D / 8; ++d8) {

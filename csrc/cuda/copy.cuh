@@ -1,6 +1,6 @@
-// Global -> shared tile copies: cp.async wrappers, the K / V / Q / dO row copies (contiguous or
-// gathered key sources), the bias tile and the raw mask bytes. Every operand byte a kernel reads
-// comes through here.
+// Global -> shared tile copies: cp.async wrappers, the K / V / Q / dO row copies (contiguous, or
+// gathered through the per-key forward's key list), the bias tile and the raw mask bytes. Every operand byte a kernel
+// reads comes through here.
 #pragma once
 #include <cstdint>
 
@@ -34,57 +34,19 @@ struct BwdFlags {
   bool qkv_vec, mask_vec, bias_vec;
 };
 
-// Where the key rows of a tile come from: key i of the sequence a kernel walks (i < seqlen_k) is
-// row at(i) of K / V. The op family instantiates ContiguousKeys (key i is row i); GatheredKeys
-// maps through an index list, so a caller can feed key tiles from selected rows (the keys a
-// per-key top-k keeps) without first copying them into a dense K / V. Only the K / V tile loads
-// (issue_kv, issue_keys) take a key source; mask and bias columns stay indexed by i.
-struct ContiguousKeys {
-  static constexpr bool kContiguous = true;
-  __device__ int64_t at(int64_t i) const { return i; }
-};
-struct GatheredKeys {
-  static constexpr bool kContiguous = false;
-  const int32_t* idx;  // seqlen_k row numbers of K / V
-  __device__ int64_t at(int64_t i) const { return idx[i]; }
-};
-
-// Requests the 64 key rows [n0, n0 + 64) of a non-contiguous key source into a smem tile
-// (tile_index layout), one 16-byte chunk (or, without `vec`, one element) per step, every chunk
-// addressed through keys.at; keys at or past seqlen_k give zero rows. `base` is row 0 of K or V.
-template <typename T, int D, typename Keys>
-__device__ inline void issue_key_rows(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
-                                      bool vec) {
-  constexpr int kChunks = D / 8;
-  static_assert(64 * kChunks % kThreads == 0, "tile must split evenly over the threads");
-#pragma unroll
-  for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
-    const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;
-    const bool ok = n0 + r < seqlen_k;
-    const T* src = base + (ok ? keys.at(n0 + r) : 0) * rs + col;
-    if (vec) {
-      cp_async16(dst + tile_index<D>(r, col), src, ok ? 16 : 0);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[tile_index<D>(r, col + e)] = ok ? src[e] : from_float<T>(0.f);
-    }
-  }
-}
-
 // 4-byte global -> shared copy (gathered int32 / float entries).
 __device__ inline void cp_async4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
 }
 
 // The per-key forward's key tiles: list entries [n0, n0 + 64) of a query tile's key list
-// (FwdParams::tile_keys) name the K / V rows of tile n0. GatheredKeys reads an index from memory
-// in front of every copy, a dependent load per tile; here the loading warpgroup holds a tile's 64
-// indices in smem (idx) before it requests the tile, so its copies issue after a shared-memory
-// read. A stage's slot holds (int32 words) the tile's key indices [0, 64) (the causal test),
-// ranks [64, 128) and biases as float [128, 192). Threads 0..63 handle one key each: its index
-// (entry), rank (by cp.async) and bias (16-bit, too narrow for cp.async: loaded a tile ahead
-// into a register by the caller). 16-byte K / V copies only (the launcher refuses unaligned
-// q / k / v). Run by the kThreads threads of the loading warpgroup.
+// (FwdParams::tile_keys) name the K / V rows of tile n0. Reading each index from global memory in
+// front of its copy would put a dependent load in front of every tile; instead the loading
+// warpgroup holds a tile's 64 indices in smem (idx) before it requests the tile, so its copies
+// issue after a shared-memory read. A stage's slot holds (int32 words) the tile's key indices [0, 64) (the causal
+// test), ranks [64, 128) and biases as float [128, 192). Threads 0..63 handle one key each: its index (entry), rank (by
+// cp.async) and bias (16-bit, too narrow for cp.async: loaded a tile ahead into a register by the caller). 16-byte K /
+// V copies only (the launcher refuses unaligned q / k / v). Run by the kThreads threads of the loading warpgroup.
 template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
@@ -181,28 +143,19 @@ __device__ inline void issue_rows(T* dst, const T* src, int64_t rs, int valid, b
   }
 }
 
-// The K / V tile of keys [n0, n0 + 64) from a key source; base is row 0 of K or V.
-template <typename T, int D, typename Keys>
-__device__ inline void issue_keys(T* dst, const T* base, int64_t rs, const Keys& keys, int64_t n0, int64_t seqlen_k,
-                                  bool vec) {
-  if constexpr (Keys::kContiguous)
-    issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
-  else
-    issue_key_rows<T, D>(dst, base, rs, keys, n0, seqlen_k, vec);
+// The K / V tile of keys [n0, n0 + 64) (zero rows past seqlen_k); base is row 0 of K or V.
+template <typename T, int D>
+__device__ inline void issue_keys(T* dst, const T* base, int64_t rs, int64_t n0, int64_t seqlen_k, bool vec) {
+  issue_rows<T, D>(dst, base + n0 * rs, rs, (int)imin(64, seqlen_k - n0), vec);
 }
 
 // Requests the K and V rows of key tile n0 (zero rows past seqlen_k: P is 0 there, V must not
-// hold garbage that 0 * NaN would spread). Every K / V byte of the forward comes through here;
-// `keys` says which rows of K / V the tile's keys are (contiguous, or gathered through an
-// index list). k and v point at row 0.
-template <typename T, int D, typename Keys = ContiguousKeys>
+// hold garbage that 0 * NaN would spread): the one-warpgroup forward's K / V bytes. k and v point
+// at row 0.
+template <typename T, int D>
 __device__ inline void issue_kv(const T* k, const T* v, int64_t k_rs, int64_t v_rs, int64_t seqlen_k, int64_t n0, T* sk,
-                                T* sv, bool vec, const Keys& keys = Keys{}) {
-  if constexpr (!Keys::kContiguous) {
-    issue_key_rows<T, D>(sk, k, k_rs, keys, n0, seqlen_k, vec);
-    issue_key_rows<T, D>(sv, v, v_rs, keys, n0, seqlen_k, vec);
-    return;
-  } else if constexpr (D > 128) {
+                                T* sv, bool vec) {
+  if constexpr (D > 128) {
     const int valid = (int)imin(kBlockN, seqlen_k - n0);
     issue_rows<T, D>(sk, k + n0 * k_rs, k_rs, valid, vec);
     issue_rows<T, D>(sv, v + n0 * v_rs, v_rs, valid, vec);

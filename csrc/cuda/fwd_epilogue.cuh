@@ -8,6 +8,7 @@
 #include "constants.cuh"
 #include "copy.cuh"
 #include "mma_sm80.cuh"
+#include "seq_info.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -21,15 +22,16 @@ struct FwdSplit {
   float* lse_part = nullptr;
 };
 
-// A warp's rows of one 64-row query tile (m0) of head h, batch b: the O accumulator (16 x D, rows g
-// and g + 8 of the thread), the row max (log2 units) and the per-thread row sums; tid is the
-// thread's index in the warpgroup that owns the tile.
+// A warp's rows of one 64-row query tile (m0) of head h, batch seq.b: the O accumulator (16 x D,
+// rows g and g + 8 of the thread), the row max (log2 units) and the per-thread row sums; tid is
+// the thread's index in the warpgroup that owns the tile.
 template <typename T, int D>
 __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp,
                                     const float (&o)[D / 8][4], const float (&row_max)[2], const float (&row_sum)[2],
-                                    int64_t b, int64_t h, int64_t m0, int tid) {
+                                    const SeqInfo& seq, int64_t h, int64_t m0, int tid) {
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
-  T* out = static_cast<T*>(p.out) + b * p.o_batch_stride + h * p.o_head_stride;
+  const int64_t b = seq.b;
+  T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride;
   const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
   float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
 #pragma unroll

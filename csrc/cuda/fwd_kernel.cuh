@@ -20,8 +20,10 @@
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -48,23 +50,23 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
 
-  // Scheduling: the heaviest (last, under causal) query tiles of every head launch first, heads
-  // interleaved, so the long tiles of the last head do not form the tail.
-  const int nh = (int)p.num_heads;
-  const int64_t h = (int)blockIdx.x % nh, b = blockIdx.y;
-  const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
+  // This CTA's query tile, head (the grid's units) and batch: heaviest first (tile_scheduler.cuh).
+  const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
+  const int64_t h = work.unit, b = work.b;
+  const SeqInfo seq(b);
+  const int64_t m_tile = work.m_tile;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + h * p.q_head_stride + m0 * p.q_row_stride;
   uint32_t qf[kQSmem ? 1 : D / 16][4];
   if constexpr (kQSmem) {
     // Requested here, landed by the first tile's wait.
-    issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec);
+    issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec);
     cp_async_commit();
   } else {
-    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, p.seqlen_q - m0), f.qkv_vec, threadIdx.x);
+    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec, threadIdx.x);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -72,16 +74,15 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
     __syncthreads();  // sQ's bytes now become keep / raw mask buffers
   }
 
-  const T* kp = static_cast<const T*>(p.k) + b * p.k_batch_stride + kvh * p.k_head_stride;
-  const T* vp = static_cast<const T*>(p.v) + b * p.v_batch_stride + kvh * p.v_head_stride;
+  const T* kp = static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride;
+  const T* vp = static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride;
   const bool has_bias = p.bias.ptr != nullptr;
   // This thread's bias rows in a smem bias tile; a bias broadcast over queries keeps only row 0.
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias(p.bias, b, h);
   const Plane<uint8_t> mask(p.mask, b, h);
-  const int64_t n_all = key_tile_end(p, m0), per_split = ceil_div(n_all, sp.n);
-  const int64_t t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
-  const int64_t n_end = imin(n_all, t_begin + per_split);
+  int64_t t_begin, n_end;
+  SingleTileScheduler::key_range(key_tile_end(p, m0), sp.n, work.split, t_begin, n_end);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
@@ -90,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const int no_rank[2] = {0, 0};  // the rank rule's row terms, unused here
   const int64_t keys_full = full_keys(p, m0);
   auto issue_tile = [&](int64_t t, int buf) {
-    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, p.seqlen_k, t * kBlockN, sK + buf * L::kTileKV / 2,
+    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, seq.seqlen_k(p), t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias)
       issue_bias<true>(TileBounds(p, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
@@ -243,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   }
   if constexpr (kQSmem) cp_async_wait<0>();  // Q's copies, where no tile was kept
 
-  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, b, h, m0, threadIdx.x);
+  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, h, m0, threadIdx.x);
 }
 
 }  // namespace cuda

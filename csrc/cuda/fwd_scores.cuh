@@ -31,11 +31,11 @@ struct FwdScoreConsts {
 // tile at (m0, n0); `full`: the tile needs no bounds or causal check (TileBounds::full, known to
 // the caller without building the bounds). sb: the bias tile at row r0 (null: no bias),
 // bias_row_step 0 where one row serves all queries; keep: the tile's keep bytes (null: no mask).
-// kTopk: the rank rule on the key slot instead of bias and keep (apply_rank_keep). Each stage is
+// kRankRule: the rank rule on the key slot instead of bias and keep (apply_rank_keep). Each stage is
 // one unrolled loop behind a CTA-uniform branch: a per-element branch (softcap or not, full tile
 // or not) compiled to a jump per element. Returns the scale still to apply to s (softmax_step's):
 // without softcap and bias the scores stay unscaled and the softmax folds the scale in.
-template <bool kTopk, typename T>
+template <bool kRankRule, typename T>
 __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreConsts& sc, const FwdParams& p, int64_t m0,
                                    int64_t n0, bool full, const T* sb, int bias_row_step, const uint8_t* keep,
                                    const int32_t* key_slot, const int (&thr)[2], const int (&lim)[2], int r0, int qc) {
@@ -45,7 +45,7 @@ __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCon
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = sc.cap_l2 * tanhf(s[n][e] * sc.scale_over_cap);
-  } else if (kTopk || sb || !(sc.scale_l2 > 0.f)) {
+  } else if (kRankRule || sb || !(sc.scale_l2 > 0.f)) {
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
@@ -53,7 +53,7 @@ __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCon
   } else {
     later = sc.scale_l2;
   }
-  if constexpr (kTopk) {
+  if constexpr (kRankRule) {
     apply_rank_keep(s, key_slot, thr, lim, qc);
     return later;
   }

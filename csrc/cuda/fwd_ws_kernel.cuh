@@ -23,9 +23,9 @@
 // the tensor cores and then both computing exponentials). It does so without mask and bias only:
 // with them the per-element work makes the warpgroups' softmax phases long and uneven, and a fixed
 // alternation makes the quicker one wait instead of overlapping anything (slower, in the perf log).
-// kTopk (the per-key top-W rule, flexdma::topk_fwd): the key tiles are consecutive 64-entry pieces
-// of the query tile's key list (FwdParams::tile_keys, 128-row lists), and the mask is the rank rule
-// (apply_rank_keep) with the bias of each listed key.
+// Keys (fwd_key_source.cuh): where the key tiles come from, how they are copied and what drops a
+// score: SequenceKeys (the sequence's key tiles, mask and bias tiles) or ListedKeys (the per-key
+// top-W rule: the query tile's key list, the rank rule).
 #pragma once
 #include <math_constants.h>
 
@@ -33,13 +33,16 @@
 #include "constants.cuh"
 #include "copy.cuh"
 #include "fwd_epilogue.cuh"
+#include "fwd_key_source.cuh"
 #include "fwd_scores.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
 #include "pipeline.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -54,21 +57,18 @@ constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
 constexpr int kLoadRegs = 104, kComputeRegs = 200;
 static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the CTA was launched with");
-// Named barriers (0 is __syncthreads'): the loading warpgroup's; kBarTurn + wg: computing warpgroup
-// wg's turn to issue its products (paired CTAs).
-constexpr int kBarLoad = 1, kBarTurn = 2;
 
 template <typename T, int D>
 struct FwdWsSmem {
   // K and V stages (a K stage with the tile's mask / bias / rank operands): as many as smem holds.
   static constexpr int kStages = D <= 64 ? 4 : 3;
   static constexpr int kTileKV = tile_bytes<D>();
-  // A stage's keep bytes for both 64-row halves, or (kTopk) the key list's slot.
+  // A stage's keep bytes for both 64-row halves, or (ListedKeys) the key list's slot.
   static constexpr int kKeepSlot = 2 * kBlockM * kLdKeep;
   static constexpr int kBiasSlot = kWsRows * kLdBias * 2;
   static constexpr int kBars = 0;    // full / empty barriers of the K and the V stages
   static constexpr int kQBar = 224;  // Q's full barrier
-  static constexpr int kIdx = 256;   // kTopk: key indices of 4 tiles (64 words each)
+  static constexpr int kIdx = 256;   // ListedKeys: key indices of 4 tiles (64 words each)
   static constexpr int kQ = 2048;    // two 64-row Q tiles, swizzled (read by wgmma)
   static constexpr int kK = kQ + 2 * kTileKV;
   static constexpr int kV = kK + kStages * kTileKV;
@@ -85,6 +85,7 @@ struct FwdWsSmem {
 // sequence, or of the key list), and the tile activity rows that say which of them to visit.
 struct FwdWsTile {
   int64_t b, h, kvh, m0;
+  __device__ inline SeqInfo seq() const { return SeqInfo(b); }
   bool two;   // the second warpgroup has rows
   bool pair;  // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
   // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
@@ -94,7 +95,7 @@ struct FwdWsTile {
   int64_t t_begin, n_end;
   const uint32_t* meta0;  // tile activity row of rows [0, 64); null without a mask
   const uint32_t* meta1;  // and of rows [64, 128) where they exist
-  const int32_t* list;    // kTopk: the query tile's list (count, then key indices)
+  const int32_t* list;    // ListedKeys: the query tile's list (count, then key indices)
   __device__ inline ActiveTiles active() const { return ActiveTiles(meta0, meta1); }
   // First key tile >= t (and < n_end) that keeps something.
   __device__ inline int64_t next(ActiveTiles& a, int64_t t) const { return meta0 ? a.next(t, n_end) : t; }
@@ -106,7 +107,7 @@ struct FwdWsTile {
 // A stage is published by arrivals that fire when the copies land (cp.async.mbarrier.arrive), plus
 // an ordinary arrival after the plain shared-memory stores of a K stage: the loader never waits for
 // its own copies, only for free stages.
-template <typename T, int D, bool kTopk>
+template <typename T, int D, typename Keys>
 __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem) {
   using L = FwdWsSmem<T, D>;
   constexpr int S = L::kStages;
@@ -116,24 +117,15 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   uint8_t* sKeep = smem + L::kKeep;
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
-  int32_t* ring = reinterpret_cast<int32_t*>(smem + L::kIdx);
-  // kTopk: tile t's key indices; those of t + 1 are stored while K(t) is requested, and V(t) is
-  // requested after K(t + 1), so three of the four entries are live.
-  auto idx = [&](int64_t t) { return ring + (t & 3) * 64; };
-
-  const T* kp = static_cast<const T*>(p.k) + c.b * p.k_batch_stride + c.kvh * p.k_head_stride;
-  const T* vp = static_cast<const T*>(p.v) + c.b * p.v_batch_stride + c.kvh * p.v_head_stride;
-  const Plane<T> bias(p.bias, c.b, c.h);
-  const Plane<uint8_t> mask(p.mask, c.b, c.h);
-  const Plane<int32_t> ranks(p.key_rank, c.b, c.h);
-  const bool has_bias = !kTopk && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
+  const SeqInfo seq = c.seq();
+  typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q of both warpgroups, once (rows past seqlen_q zero).
   for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
     const int64_t mh = c.rows(wg);
-    const T* q = static_cast<const T*>(p.q) + c.b * p.q_batch_stride + c.head(wg) * p.q_head_stride;
+    const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
     issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
-                     (int)imin(kBlockM, p.seqlen_q - mh), f.qkv_vec);
+                     (int)imin(kBlockM, seq.seqlen_q(p) - mh), f.qkv_vec);
   }
   uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
   mbar_arrive_copies(full_q);
@@ -145,20 +137,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     cp_async_wait<0>();  // no copy may land in the smem of a later CTA
     return;
   }
-  KeyList<T, D> kl{};
-  int32_t next_key = 0;  // kTopk: this thread's key of the tile after the one requested next
-  float key_bias = 0.f;  // and the bias of its key in the tile requested next
-  auto bias_of = [&](int32_t j, int64_t n0) {
-    return threadIdx.x < 64 && n0 + threadIdx.x < kl.n ? to_float(*bias.at(0, j)) : 0.f;
-  };
-  if constexpr (kTopk) {
-    kl.keys = c.list + 1;
-    kl.n = c.list[0];
-    const int32_t first = kl.entry(t * kBlockN);
-    if (threadIdx.x < 64) idx(t)[threadIdx.x] = first;
-    key_bias = bias_of(first, t * kBlockN);
-    next_key = kl.entry((t + 1) * kBlockN);
-  }
+  keys.start(t);
 
   // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
   // in the first round that is the phase before the barrier's first, which counts as complete.
@@ -172,44 +151,13 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   };
   auto load_k = [&](int64_t t) {
     const int st = acquire(empty_k, pk);
-    T* sk = sK + st * L::kTileKV / 2;
-    const int64_t n0 = t * kBlockN;
-    if constexpr (kTopk) {
-      named_barrier(kBarLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
-      int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
-      kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
-      kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
-      if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
-      key_bias = bias_of(next_key, n0 + kBlockN);
-      next_key = kl.entry(n0 + 2 * kBlockN);
-    } else {
-      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
-      for (int half = 0; half < c.halves(); ++half) {
-        const int64_t mh = c.m0 + half * kBlockM;
-        const TileBounds tb(p, mh, n0);
-        // A bias broadcast over queries is read from the first half's row 0 by both halves.
-        if (has_bias && (half == 0 || bias.rs != 0))
-          issue_bias<true>(tb, bias, sB + st * (L::kBiasSlot / 2) + half * kBlockM * kLdBias, f.bias_vec, mh, n0);
-        uint8_t* keep = sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep;
-        if (has_mask) {
-          if (mask_async(p, f.mask_vec, mh, n0))
-            issue_mask_raw(mask, keep, mh, n0);
-          else
-            build_keep<false>(tb, mask, keep, f.mask_vec, mh, n0);
-        }
-      }
-    }
+    keys.template load_k<L>(t, st, sK, sKeep, sB);
     mbar_arrive_copies(&full_k[st]);
     mbar_arrive(&full_k[st]);
   };
   auto load_v = [&](int64_t t) {
     const int st = acquire(empty_v, pv);
-    T* sv = sV + st * L::kTileKV / 2;
-    const int64_t n0 = t * kBlockN;
-    if constexpr (kTopk)
-      kl.issue_rows(idx(t), sv, vp, p.v_row_stride, n0);
-    else
-      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, p.seqlen_k - n0), f.qkv_vec);
+    keys.template load_v<L>(t, st, sV);
     mbar_arrive_copies(&full_v[st]);
   };
 
@@ -227,7 +175,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
 // Warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every stage in
 // order. A warpgroup whose rows see none of a tile (past its causal end, or past seqlen_q) only
 // waits for the stage and releases it.
-template <typename T, int D, bool kTopk>
+template <typename T, int D, typename Keys>
 __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, const FwdWsTile& c,
                                       unsigned char* smem, int wg) {
   using L = FwdWsSmem<T, D>;
@@ -246,21 +194,12 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 
   const T* sQ = reinterpret_cast<const T*>(smem + L::kQ) + wg * L::kTileKV / 2;
 
-  // The rank rule's per-row terms of this thread's rows g, g + 8: the largest kept rank (-1 past
-  // seqlen_q: nothing kept) and the causal limit.
+  // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  if constexpr (kTopk) {
-    const Plane<int32_t> thr_plane(p.row_thr, c.b, head);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int64_t r = mc + w * 16 + g + 8 * hh;
-      if (r < p.seqlen_q) thr[hh] = *thr_plane.at(r, 0);
-      if (p.is_causal) lim[hh] = (int)(r + p.seqlen_k - p.seqlen_q);
-    }
-  }
-  // Key tiles past this half's causal end drop every score of it. The key list is walked whole.
-  const int64_t own_end = idle ? c.t_begin : kTopk ? c.n_end : imin(c.n_end, key_tile_end(p, mc));
-  const bool has_bias = !kTopk && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
+  Keys::row_terms(p, c.b, head, mc, w, g, thr, lim);
+  // The tiles this warpgroup's rows see (the others it only waits for and releases).
+  const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
+  const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0;
   const int bias_row0 = p.bias.row_stride != 0 ? half * kBlockM + w * 16 + g : 0;
   const FwdScoreConsts sc(p);
@@ -318,8 +257,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
-    const float later = fwd_scores<kTopk, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep, slot,
-                                             thr, lim, w * 16 + g, qc);
+    const float later = fwd_scores<Keys::kRankRule, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step,
+                                                       keep, slot, thr, lim, w * 16 + g, qc);
     softmax_step(s, row_max, row_sum, alpha, later);
   };
 
@@ -327,9 +266,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
   // warpgroup 0 does not wait before its first issue, warpgroup 1 hands nothing on after its last.
   const bool turns = c.pair && !has_mask && !has_bias;
-  auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), kBarTurn + wg, 2 * kThreads); };
+  auto my_turn = [&](bool first) { named_barrier_if(turns && !(first && wg == 0), turn_barrier(wg), 2 * kThreads); };
   auto pass_turn = [&](bool last) {
-    named_barrier_arrive_if(turns && !(last && wg == 1), kBarTurn + 1 - wg, 2 * kThreads);
+    named_barrier_arrive_if(turns && !(last && wg == 1), turn_barrier(1 - wg), 2 * kThreads);
   };
 
   ActiveTiles active = c.active();
@@ -392,36 +331,27 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wait(full_v, at);
     release(empty_v, at);
   }
-  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.b, head, mc, tid);
+  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq(), head, mc, tid);
 }
 
-// This CTA's tile. Scheduling: the heaviest (last, under causal) query tiles of every head launch
-// first, heads interleaved, so the long tiles of the last head do not form the tail.
-template <bool kTopk>
+// This CTA's tile, heaviest first (tile_scheduler.cuh).
+template <typename Keys>
 __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
   FwdWsTile c;
-  c.pair = !kTopk && f.pair;
+  c.pair = Keys::kPairs && f.pair;
   // Units of the grid's x: head pairs when paired (then 64-row query tiles), else heads.
-  const int nh = (int)p.num_heads >> (c.pair ? 1 : 0);
-  c.h = ((int)blockIdx.x % nh) << (c.pair ? 1 : 0);
-  c.b = blockIdx.y;
-  const int64_t m_tile = (int)(gridDim.x / nh) - 1 - (int)blockIdx.x / nh;
+  const WorkTile work = SingleTileScheduler::get((int)p.num_heads >> (c.pair ? 1 : 0));
+  c.h = work.unit << (c.pair ? 1 : 0);
+  c.b = work.b;
+  const int64_t m_tile = work.m_tile;
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
   c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
   c.two = c.pair || c.m0 + kBlockM < p.seqlen_q;
-  int64_t n_all;
   c.list = nullptr;
-  if constexpr (kTopk) {
-    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.m0 / p.topk_tile_rows, 0);
-    n_all = ceil_div(c.list[0], kBlockN);
-  } else {
-    n_all = key_tile_end(p, c.rows(c.two ? 1 : 0));
-  }
-  const int64_t per_split = ceil_div(n_all, sp.n);
-  c.t_begin = imin(n_all, (int64_t)blockIdx.z * per_split);
-  c.n_end = imin(n_all, c.t_begin + per_split);
+  const int64_t n_all = Keys::tiles(p, c);
+  SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
   c.meta0 = c.meta1 = nullptr;
-  if (!kTopk && p.mask.ptr) {
+  if (Keys::kTileBits && p.mask.ptr) {
     const Plane<uint32_t> meta(p.tile_meta, c.b, c.h);
     c.meta0 = meta.at(c.m0 / kBlockM, 0);
     if (c.halves() == 2) c.meta1 = meta.at(c.m0 / kBlockM + 1, 0);
@@ -429,7 +359,7 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   return c;
 }
 
-template <typename T, int D, bool kTopk>
+template <typename T, int D, typename Keys>
 __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   static_assert(fwd_warp_specialized<D>(), "the warp-specialized forward is built for D = 64 / 128");
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -458,10 +388,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   // memory.
   if (threadIdx.x < kThreads) {
     regs_release<kLoadRegs>();
-    fwd_ws_load<T, D, kTopk>(p, f, fwd_ws_tile<kTopk>(p, f, sp), smem);
+    fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile<Keys>(p, f, sp), smem);
   } else {
     regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, kTopk>(p, f, sp, fwd_ws_tile<kTopk>(p, f, sp), smem, threadIdx.x / kThreads - 1);
+    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, threadIdx.x / kThreads - 1);
   }
 }
 

@@ -1,7 +1,8 @@
-// The head dims the CUDA kernels implement: the one table that the launchers instantiate, the
-// dispatcher accepts, and setup.py reads (FLEXDMA_ALL_HEAD_DIMS). A build compiles the dims named
-// by -DFLEXDMA_HEAD_DIM_<d> (setup.py's FLEXDMA_HEAD_DIMS); the wgmma-only ones (above 128: Q / dO
-// / K / V read from swizzled smem) also need the sm_90a build (FLEXDMA_SM90A).
+// The head dims the CUDA kernels implement: the one table that instantiations/generate.py writes
+// the launchers' instantiation files from, the dispatcher accepts, and setup.py reads
+// (FLEXDMA_ALL_HEAD_DIMS). A build compiles the instantiation files of the dims it names and
+// defines -DFLEXDMA_HEAD_DIM_<d> for each (setup.py's FLEXDMA_HEAD_DIMS); the wgmma-only ones
+// (above 128: Q / dO / K / V read from swizzled smem) also need the sm_90a build (FLEXDMA_SM90A).
 //   FLEXDMA_FOR_EACH_HEAD_DIM(X)   X(d) for every dim of this build
 //   FLEXDMA_ALL_HEAD_DIMS(X)       X(d) for every dim the kernels implement
 #pragma once

@@ -1,5 +1,6 @@
-// Launchers of the templated kernels, instantiated per (dtype, head dim) in fwd_launch.cu /
-// bwd_launch.cu; flash_dma_cuda.cu picks one from the params.
+// Launchers of the templated kernels, defined in fwd_launch.cuh / bwd_launch.cuh and instantiated
+// one (direction, head dim, dtype) a file in instantiations/; flash_dma_cuda.cu picks one from the
+// params.
 #pragma once
 #include <cuda_runtime.h>
 

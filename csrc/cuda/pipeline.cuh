@@ -57,20 +57,33 @@ struct RingPos {
   }
 };
 
-// A barrier among `threads` threads (whole warps) of the CTA; id 0 is __syncthreads'.
-__device__ inline void named_barrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+// The CTA's named barriers (bar.sync ids), one list so that no two roles take one id. 16 exist.
+enum class NamedBarrier : int {
+  kSyncThreads = 0,  // __syncthreads'
+  kLoad = 1,         // the loading warpgroup (warp-specialized forward): its key indices in every loader's view
+  kTurn0 = 2,        // computing warpgroup 0's turn to issue its products (paired warp-specialized forward)
+  kTurn1 = 3,        // computing warpgroup 1's
+};
+// Computing warpgroup wg's turn barrier.
+__device__ inline NamedBarrier turn_barrier(int wg) {
+  return static_cast<NamedBarrier>(static_cast<int>(NamedBarrier::kTurn0) + wg);
+}
+
+// A barrier among `threads` threads (whole warps) of the CTA.
+__device__ inline void named_barrier(NamedBarrier id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(static_cast<int>(id)), "r"(threads) : "memory");
 }
 // The same, taken or arrived at only where `on` holds: predicated, not branched around, so that
 // wgmmas in flight across it are not serialised by ptxas (a branch between a wgmma and its wait
 // is). An arrival does not wait; `threads` counts the syncing and the arriving threads together.
-__device__ inline void named_barrier_if(bool on, int id, int threads) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.sync %0, %1;\n}\n" ::"r"(id), "r"(threads), "r"((int)on)
+__device__ inline void named_barrier_if(bool on, NamedBarrier id, int threads) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.sync %0, %1;\n}\n" ::"r"(static_cast<int>(id)),
+               "r"(threads), "r"((int)on)
                : "memory");
 }
-__device__ inline void named_barrier_arrive_if(bool on, int id, int threads) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" ::"r"(id), "r"(threads),
-               "r"((int)on)
+__device__ inline void named_barrier_arrive_if(bool on, NamedBarrier id, int threads) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n@p bar.arrive %0, %1;\n}\n" ::"r"(static_cast<int>(id)),
+               "r"(threads), "r"((int)on)
                : "memory");
 }
 

@@ -3,14 +3,16 @@ kernel sources (a refactor, a rename, a comment) leaves the machine code as it w
 
     python3 scripts/gpu/sass_compare.py BASE_REV [--dims 64,128] [--dims 96] [--rename RE=REPL]
 
-Builds every csrc/cuda/*.cu of BASE_REV (git archive) and of the working tree with setup.py's nvcc
-flags for sm_90a, once per head-dim set (--dims, repeatable; default 64,128), dumps the SASS of
-every kernel (cuobjdump -sass), and compares function by function under the demangled name:
-functions are matched across files, so moving a kernel to another file is no difference. --rename
-rewrites demangled names of the base before matching (a template argument dropped, a namespace
-changed): e.g. --rename 'fwd_kernel<(.*?), 1>=fwd_kernel<\\1>'. Instruction text and encodings
-are compared; addresses are not (an anonymous namespace demangles without its hash). Exit
-status 1 on any difference.
+Builds every csrc/cuda/*.cu (and the head dims' instantiations/*.cu) of BASE_REV (git archive) and
+of the working tree with setup.py's nvcc
+flags for sm_90a (the working tree's scripts/nvcc_flags.py for both), once per head-dim set (--dims,
+repeatable; default 64,128), dumps the SASS of every kernel (cuobjdump -sass), and compares
+function by function under the demangled name: functions are matched across files, so moving a
+kernel to another file is no difference. --rename rewrites demangled names of the base before
+matching (a template argument dropped, a namespace changed): e.g.
+--rename 'fwd_kernel<(.*?), 1>=fwd_kernel<\\1>'. Instruction text and encodings are compared;
+addresses are not (an anonymous namespace demangles without its hash). Exit status 1 on any
+difference.
 nvcc and cuobjdump come from PATH (or NVCC / CUOBJDUMP); builds are cached under --cache.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import concurrent.futures
 import glob
 import hashlib
+import importlib.util
 import os
 import re
 import shutil
@@ -27,19 +30,17 @@ import tarfile
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FLAGS = [
-    "-O3",
-    "-std=c++17",
-    "--use_fast_math",
-    "--expt-relaxed-constexpr",
-    "-lineinfo",
-    "-U__CUDA_NO_HALF_OPERATORS__",
-    "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    "-gencode=arch=compute_90a,code=sm_90a",
-    "-DFLEXDMA_SM90A",
-]
+
+
+def _nvcc_flags_module():
+    spec = importlib.util.spec_from_file_location("flexdma_nvcc_flags", os.path.join(ROOT, "scripts", "nvcc_flags.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# setup.py's flags for sm_90a (scripts/nvcc_flags.py), those of the working tree for both builds.
+NVCC_FLAGS = _nvcc_flags_module()
 
 
 def tool(name):
@@ -68,19 +69,27 @@ def tree_hash(root):
 
 
 def build(root, dims, cache, extra):
-    """{object path} of every csrc/cuda/*.cu of root, built for the head dims."""
+    """{object path} of every csrc/cuda/*.cu of root and of its head dims' csrc/cuda/instantiations/*.cu,
+    built for the head dims."""
+    flags = NVCC_FLAGS.nvcc_flags(("90",), dims)
     key = (
-        tree_hash(root) + "_" + "_".join(map(str, dims)) + "_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8]
+        tree_hash(root)
+        + "_"
+        + "_".join(map(str, dims))
+        + "_"
+        + hashlib.sha1(" ".join(flags + extra).encode()).hexdigest()[:8]
     )
     out = os.path.join(cache, key)
     os.makedirs(out, exist_ok=True)
-    defs = [f"-DFLEXDMA_HEAD_DIM_{d}" for d in dims]
+    # The instantiation files of the head dims where the revision has them (setup.py's choice).
     srcs = sorted(glob.glob(os.path.join(root, "csrc", "cuda", "*.cu")))
+    for d in dims:
+        srcs += sorted(glob.glob(os.path.join(root, "csrc", "cuda", "instantiations", f"*_hdim{d}_*.cu")))
 
     def one(src):
         obj = os.path.join(out, os.path.basename(src) + ".o")
         if not os.path.exists(obj):
-            cmd = [tool("nvcc"), "-c", *FLAGS, *defs, *extra, "-I", os.path.join(root, "csrc"), src, "-o", obj + ".tmp"]
+            cmd = [tool("nvcc"), "-c", *flags, *extra, "-I", os.path.join(root, "csrc"), src, "-o", obj + ".tmp"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(f"nvcc {src} failed:\n{proc.stderr[-3000:]}")
@@ -117,8 +126,10 @@ def functions(objs):
             if line.strip().startswith(".section") or "Fatbin" in line:
                 name = None
                 continue
-            # "/*0040*/  IMAD.MOV.U32 R5, RZ, RZ, RZ ;  /* 0x... */": drop the address.
-            raw[name].append(re.sub(r"^\s*/\*[0-9a-f]{4,}\*/\s*", "", line).strip())
+            # "/*0040*/  IMAD.MOV.U32 R5, RZ, RZ, RZ ;  /* 0x... */": drop the address, and collapse
+            # the padding (cuobjdump aligns the columns to the widest address of the object).
+            line = re.sub(r"^\s*/\*[0-9a-f]{4,}\*/\s*", "", line).strip()
+            raw[name].append(re.sub(r"\s+", " ", line))
     names = demangle(list(raw))
     return {names[n]: body for n, body in raw.items()}
 

@@ -1,10 +1,12 @@
-// Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split),
-// (tile, head) flattened into x so that heads interleave.
+// Grid and launch of the forward kernels: one CTA per (query tile, head, batch, key split), the
+// grid and its order the tile scheduler's (tile_scheduler.cuh). Instantiated per (head dim, dtype) in
+// instantiations/fwd_hdim*_*.cu.
+#pragma once
 #include "fwd_combine.cuh"
 #include "fwd_kernel.cuh"
 #include "fwd_ws_kernel.cuh"
-#include "head_dims.h"
 #include "launch.h"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -46,7 +48,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, true> : fwd_ws_kernel<T, D, false>;
+    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, ListedKeys> : fwd_ws_kernel<T, D, SequenceKeys>;
     plan.smem = FwdWsSmem<T, D>::kBytes;
     plan.threads = kWsThreads;
     plan.rows = f.pair ? kBlockM : kWsRows;
@@ -63,7 +65,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
-  // Grid x: query tiles x heads (head pairs when paired), heads fastest.
+  // The scheduler's units: heads, or head pairs when paired.
   plan.units = f.pair ? p.num_heads / 2 : p.num_heads;
   const int64_t ctas = ceil_div(p.seqlen_q, plan.rows) * plan.units * p.batch;
   if (ctas < sms) {
@@ -93,21 +95,13 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.o_part = static_cast<float*>(p.workspace);
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  dim3 grid((unsigned)(ceil_div(p.seqlen_q, plan.rows) * plan.units), (unsigned)p.batch, (unsigned)sp.n);
+  const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, plan.rows), plan.units, p.batch, sp.n);
   plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p, plan.f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
     combine_splits<T, D><<<(unsigned)ceil_div(rows_all, 4), 128, 0, stream>>>(p, sp);
   }
 }
-
-#define FLEXDMA_INSTANTIATE_FWD(D)                                            \
-  template void launch_fwd<__half, D>(const FwdParams&, cudaStream_t);        \
-  template void launch_fwd<__nv_bfloat16, D>(const FwdParams&, cudaStream_t); \
-  template int64_t fwd_workspace_bytes<__half, D>(const FwdParams&);          \
-  template int64_t fwd_workspace_bytes<__nv_bfloat16, D>(const FwdParams&);
-FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_FWD)
-#undef FLEXDMA_INSTANTIATE_FWD
 
 }  // namespace cuda
 }  // namespace flexdma

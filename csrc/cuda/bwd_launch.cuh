@@ -1,10 +1,10 @@
 // Grids and launches of the backward: delta and lse (one CTA per query tile, head, batch), the main pass (one CTA per
 // key tile, kv head, batch; dK / dV / dbias written, dQ added into a float workspace), dq from that workspace. No two
-// CTAs write the same dbias element.
+// CTAs write the same dbias element. Instantiated per (head dim, dtype) in instantiations/bwd_hdim*_*.cu.
+#pragma once
 #include "bwd_dbias.cuh"
 #include "bwd_kernel.cuh"
 #include "bwd_prepost.cuh"
-#include "head_dims.h"
 #include "launch.h"
 
 namespace flexdma {
@@ -77,14 +77,6 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
 }
-
-#define FLEXDMA_INSTANTIATE_BWD(D)                                            \
-  template void launch_bwd<__half, D>(const BwdParams&, cudaStream_t);        \
-  template void launch_bwd<__nv_bfloat16, D>(const BwdParams&, cudaStream_t); \
-  template int64_t bwd_workspace_bytes<__half, D>(const BwdParams&);          \
-  template int64_t bwd_workspace_bytes<__nv_bfloat16, D>(const BwdParams&);
-FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_INSTANTIATE_BWD)
-#undef FLEXDMA_INSTANTIATE_BWD
 
 }  // namespace cuda
 }  // namespace flexdma

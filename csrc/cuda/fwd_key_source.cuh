@@ -1,0 +1,195 @@
+// Where the warp-specialized forward's key tiles come from, as a policy type: which key tiles a CTA
+// walks, how its loading warpgroup copies a tile's K / V rows and score operands into a stage, and
+// the rule that drops scores. The kernel (fwd_ws_kernel.cuh) is written once over the policy.
+//   SequenceKeys: the sequence's key tiles, skipped by the mask's tile activity bits; contiguous
+//     K / V rows, the mask's keep bytes (raw, or built where a length or misalignment rules that
+//     out) and the bias tiles per 64-row half; scores dropped by keep tile, bounds and causality.
+//   ListedKeys (the per-key top-W rule, flexdma::topk_fwd): consecutive 64-entry pieces of the
+//     query tile's key list (FwdParams::tile_keys, 128-row lists); K / V rows gathered through the
+//     list (KeyList), each listed key's index, rank and bias in the stage's slot; scores dropped
+//     by the rank rule (apply_rank_keep) with the bias of each listed key. No mask, no bias tiles,
+//     no head pairs.
+#pragma once
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "copy.cuh"
+#include "mask.cuh"
+#include "pipeline.cuh"
+#include "seq_info.cuh"
+#include "smem_layout.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+struct SequenceKeys {
+  static constexpr bool kRankRule = false;  // fwd_scores' drop rule: keep tile and bounds
+  static constexpr bool kBiasTiles = true;  // the stages hold bias tiles
+  static constexpr bool kTileBits = true;   // the walk skips tiles by the mask's activity bits
+  static constexpr bool kPairs = true;      // a CTA may take a head pair (FwdFlags::pair)
+
+  // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see.
+  template <typename Tile>
+  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
+    return key_tile_end(p, c.rows(c.two ? 1 : 0));
+  }
+  // The end of the tiles that rows [mc, mc + 64) see: tiles past their causal end drop every score.
+  template <typename Tile>
+  __device__ static inline int64_t own_end(const FwdParams& p, const Tile& c, int64_t mc) {
+    return imin(c.n_end, key_tile_end(p, mc));
+  }
+  // The drop rule's per-row terms (the rank rule's only).
+  __device__ static inline void row_terms(const FwdParams&, int64_t, int64_t, int64_t, int, int, int (&)[2],
+                                          int (&)[2]) {}
+
+  // The loading warpgroup's copies of the tiles of `c`.
+  template <typename T, int D, typename Tile>
+  struct Loader {
+    const FwdParams& p;
+    const FwdFlags& f;
+    const Tile& c;
+    const SeqInfo seq;
+    const T *kp, *vp;  // row 0 of this batch's and kv head's K / V
+    const Plane<T> bias;
+    const Plane<uint8_t> mask;
+    const bool has_bias, has_mask;
+    __device__ inline Loader(const FwdParams& p_, const FwdFlags& f_, const Tile& c_, const SeqInfo& seq_, int32_t*)
+        : p(p_),
+          f(f_),
+          c(c_),
+          seq(seq_),
+          kp(static_cast<const T*>(p_.k) + seq_.k_offset(p_) + c_.kvh * p_.k_head_stride),
+          vp(static_cast<const T*>(p_.v) + seq_.v_offset(p_) + c_.kvh * p_.v_head_stride),
+          bias(p_.bias, c_.b, c_.h),
+          mask(p_.mask, c_.b, c_.h),
+          has_bias(p_.bias.ptr != nullptr),
+          has_mask(p_.mask.ptr != nullptr) {}
+    // Before the first tile t is requested.
+    __device__ inline void start(int64_t) {}
+    // Key tile t's K rows, keep bytes (both halves) and bias tiles into K stage st (smem layout L:
+    // the stage's slots are located here, where they are written, rather than by the caller;
+    // passed in formed, ptxas schedules the loader and the computing warps differently).
+    template <typename L>
+    __device__ inline void load_k(int64_t t, int st, T* sK, uint8_t* sKeep, T* sB) {
+      T* sk = sK + st * L::kTileKV / 2;
+      const int64_t n0 = t * kBlockN;
+      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+                       f.qkv_vec);
+      for (int half = 0; half < c.halves(); ++half) {
+        const int64_t mh = c.m0 + half * kBlockM;
+        const TileBounds tb(p, mh, n0);
+        // A bias broadcast over queries is read from the first half's row 0 by both halves.
+        if (has_bias && (half == 0 || bias.rs != 0))
+          issue_bias<true>(tb, bias, sB + st * (L::kBiasSlot / 2) + half * kBlockM * kLdBias, f.bias_vec, mh, n0);
+        uint8_t* keep = sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep;
+        if (has_mask) {
+          if (mask_async(p, f.mask_vec, mh, n0))
+            issue_mask_raw(mask, keep, mh, n0);
+          else
+            build_keep<false>(tb, mask, keep, f.mask_vec, mh, n0);
+        }
+      }
+    }
+    // Key tile t's V rows into V stage st.
+    template <typename L>
+    __device__ inline void load_v(int64_t t, int st, T* sV) {
+      T* sv = sV + st * L::kTileKV / 2;
+      const int64_t n0 = t * kBlockN;
+      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+                       f.qkv_vec);
+    }
+  };
+};
+
+struct ListedKeys {
+  static constexpr bool kRankRule = true;
+  static constexpr bool kBiasTiles = false;  // the listed keys' biases travel in the stage's slot
+  static constexpr bool kTileBits = false;   // the list holds only keys some row keeps
+  static constexpr bool kPairs = false;
+
+  // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles.
+  template <typename Tile>
+  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
+    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.m0 / p.topk_tile_rows, 0);
+    return ceil_div(c.list[0], kBlockN);
+  }
+  // The key list is walked whole (the rank rule holds causality).
+  template <typename Tile>
+  __device__ static inline int64_t own_end(const FwdParams&, const Tile& c, int64_t) {
+    return c.n_end;
+  }
+  // The rank rule's per-row terms of this thread's rows g, g + 8 (of rows [mc, mc + 64) of head
+  // `head`, warp w): the largest kept rank (-1 past seqlen_q: nothing kept) and the causal limit.
+  __device__ static inline void row_terms(const FwdParams& p, int64_t b, int64_t head, int64_t mc, int w, int g,
+                                          int (&thr)[2], int (&lim)[2]) {
+    const Plane<int32_t> thr_plane(p.row_thr, b, head);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t r = mc + w * 16 + g + 8 * hh;
+      if (r < p.seqlen_q) thr[hh] = *thr_plane.at(r, 0);
+      if (p.is_causal) lim[hh] = (int)(r + p.seqlen_k - p.seqlen_q);
+    }
+  }
+
+  // The loading warpgroup's copies: tile t's 64 key indices are held in an smem ring (idx(t); four
+  // tiles of 64 words) a tile ahead, stored while K(t - 1) is requested, so that the gathers of
+  // tile t issue after a shared-memory read; V(t) is requested after K(t + 1), so three of the
+  // four entries are live.
+  template <typename T, int D, typename Tile>
+  struct Loader {
+    const FwdParams& p;
+    const T *kp, *vp;
+    const Plane<T> bias;
+    const Plane<int32_t> ranks;
+    int32_t* ring;
+    const int32_t* list;
+    KeyList<T, D> kl{};
+    int32_t next_key = 0;  // this thread's key of the tile after the one requested next
+    float key_bias = 0.f;  // and the bias of its key in the tile requested next
+    __device__ inline Loader(const FwdParams& p_, const FwdFlags&, const Tile& c_, const SeqInfo& seq_, int32_t* ring_)
+        : p(p_),
+          kp(static_cast<const T*>(p_.k) + seq_.k_offset(p_) + c_.kvh * p_.k_head_stride),
+          vp(static_cast<const T*>(p_.v) + seq_.v_offset(p_) + c_.kvh * p_.v_head_stride),
+          bias(p_.bias, c_.b, c_.h),
+          ranks(p_.key_rank, c_.b, c_.h),
+          ring(ring_),
+          list(c_.list) {}
+    __device__ inline int32_t* idx(int64_t t) const { return ring + (t & 3) * 64; }
+    __device__ inline float bias_of(int32_t j, int64_t n0) const {
+      return threadIdx.x < 64 && n0 + threadIdx.x < kl.n ? to_float(*bias.at(0, j)) : 0.f;
+    }
+    // Before the first tile t is requested: the list, tile t's indices into the ring, and this
+    // thread's bias of tile t and key of tile t + 1.
+    __device__ inline void start(int64_t t) {
+      kl.keys = list + 1;
+      kl.n = list[0];
+      const int32_t first = kl.entry(t * kBlockN);
+      if (threadIdx.x < 64) idx(t)[threadIdx.x] = first;
+      key_bias = bias_of(first, t * kBlockN);
+      next_key = kl.entry((t + 1) * kBlockN);
+    }
+    // Key tile t's gathered K rows and its slot (indices, ranks, biases) into K stage st; tile
+    // t + 1's indices into the ring.
+    template <typename L>
+    __device__ inline void load_k(int64_t t, int st, T* sK, uint8_t* sKeep, T*) {
+      T* sk = sK + st * L::kTileKV / 2;
+      const int64_t n0 = t * kBlockN;
+      named_barrier(NamedBarrier::kLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
+      int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
+      kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
+      kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
+      if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
+      key_bias = bias_of(next_key, n0 + kBlockN);
+      next_key = kl.entry(n0 + 2 * kBlockN);
+    }
+    // Key tile t's gathered V rows into V stage st.
+    template <typename L>
+    __device__ inline void load_v(int64_t t, int st, T* sV) {
+      T* sv = sV + st * L::kTileKV / 2;
+      const int64_t n0 = t * kBlockN;
+      kl.issue_rows(idx(t), sv, vp, p.v_row_stride, n0);
+    }
+  };
+};
+
+}  // namespace cuda
+}  // namespace flexdma
