@@ -4,7 +4,6 @@ through a change (the backward sits at the 255-register limit) fails here before
 spent. The kernels are torch-free, so this needs no CUDA build of torch."""
 
 import glob
-import importlib.util
 import os
 import re
 import shutil
@@ -12,19 +11,13 @@ import subprocess
 
 import pytest
 
+from scripts import nvcc_flags as NVCC_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVCC = shutil.which("nvcc")
 
 
-def _nvcc_flags_module():
-    spec = importlib.util.spec_from_file_location("flexdma_nvcc_flags", os.path.join(ROOT, "scripts", "nvcc_flags.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # setup.py's flags (scripts/nvcc_flags.py) for an sm_90a build of head dims 64 / 128.
-NVCC_FLAGS = _nvcc_flags_module()
 FLAGS = NVCC_FLAGS.nvcc_flags(("90",), (64, 128)) + ["-I", os.path.join(ROOT, "csrc")]
 
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")

@@ -20,7 +20,6 @@ import argparse
 import concurrent.futures
 import glob
 import hashlib
-import importlib.util
 import os
 import re
 import shutil
@@ -32,15 +31,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _nvcc_flags_module():
-    spec = importlib.util.spec_from_file_location("flexdma_nvcc_flags", os.path.join(ROOT, "scripts", "nvcc_flags.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # setup.py's flags for sm_90a (scripts/nvcc_flags.py), those of the working tree for both builds.
-NVCC_FLAGS = _nvcc_flags_module()
+sys.path.insert(0, ROOT)
+from scripts import nvcc_flags as NVCC_FLAGS  # noqa: E402
 
 
 def tool(name):
