@@ -51,9 +51,10 @@ template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
   static constexpr int kSlotWords = 192;
-  static constexpr int32_t kNever = 0x7fffffff;  // rank / index of an entry past the list
-  const int32_t* keys;                           // the list's first key index
-  int64_t n;                                     // its length
+  // An entry past the list ranks as a key no row keeps (its index slot is never gathered).
+  static constexpr int32_t kNever = kNeverKept;
+  const int32_t* keys;  // the list's first key index
+  int64_t n;            // its length
 
   // This thread's (threadIdx.x < 64) key index of the tile at list entry n0; 0 past the list.
   __device__ inline int32_t entry(int64_t n0) const {
