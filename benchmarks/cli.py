@@ -172,8 +172,8 @@ def time_peer(peer: str, case: configs.Case, inp, direction: str) -> dict:
         return _time_peer(peer, case, inp, direction, None)
     tried = {name: _time_peer(peer, case, inp, direction, name) for name in sets}
     ok = {n: r for n, r in tried.items() if r.get("status") == "ok"}
-    best = min(ok, key=lambda n: ok[n]["ms"]) if ok else sets[0]
-    rec = dict(tried[best], best_options=best)
+    best = min(ok, key=lambda n: ok[n]["ms"]) if ok else None
+    rec = dict(tried[best if best else sets[0]], best_options=best)
     rec["options"] = {
         n: (r["ms"] if r.get("status") == "ok" else r.get("reason", r.get("status"))) for n, r in tried.items()
     }

@@ -172,8 +172,7 @@ def header(doc: dict) -> str:
     if flex_bwd and not any("best_options" in r for r in flex_bwd):
         lines.append(
             "- `flexattn` backward here ran with the small-block backward tiles only, before its option "
-            "sets were timed per run: not its fastest (its defaults trained 2.4x faster at D=128, "
-            "`docs/perf-log.md`)."
+            "sets were timed per run: not its fastest (see `docs/perf-log.md`, 2026-11-25)."
         )
     for p, why in doc.get("peer_notes", {}).items():
         lines.append(f"- `{p}` not run: {why}")

@@ -4,6 +4,8 @@ Attention with an additive (learnable) bias and a boolean key mask, computed Fla
 (O(N) memory) with gradients for query, key, value and the bias.
 """
 
+import warnings as _warnings
+
 from . import _ext, nn
 from ._dispatch import available_backends
 from .api import flash_dma_attention
@@ -15,12 +17,8 @@ __version__ = "0.1.0"
 
 # Load the op family now, so torch.ops.flexdma.* exists once flexdma is imported.
 if _ext.LOAD_ERROR is not None:  # pragma: no cover - only without a built extension
-    import warnings as _warnings
-
     _warnings.warn(f"flexdma: {_ext.LOAD_ERROR}; only the 'flex' and 'reference' backends work")
 elif getattr(_ext.BUILD_INFO, "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
-    import warnings as _warnings
-
     # The failure it warns of is a crash, which no test can catch in-process: say it up front.
     _warnings.warn(
         "flexdma: flexdma._C was built with a compiler that links libstdc++ statically; an input "

@@ -7,8 +7,8 @@ import torch
 
 # A dict, not functools.lru_cache: torch.compile traces the lookup (the per-key plan, the
 # FlexAttention options) and warns about an lru_cache wrapper. assume_constant_result: torch.compile
-# runs the function at trace time and keeps its result; traced, the dict's first fill became a guard
-# on the empty dict, and the second call of a compiled model compiled it again.
+# runs the function at trace time and keeps its result, so the dict's fill is not traced (a traced
+# fill would guard on the empty dict and make the next call compile again).
 _CAPABILITY: dict = {}
 
 

@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _ext, _ops, _tilebits
+from ._device import device_capability
 from ._warnings import warn_once as _warn_once
 from .perkey import attention as perkey_attention
 from .perkey import route as perkey_route
@@ -114,6 +115,17 @@ def available_backends() -> List[str]:
 
 # flexdma::DType's values (csrc/flash_dma_params.h), for the kernels' own support check.
 _DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_KERNEL_REASONS: dict = {}
+
+
+# The kernels' check is a C function of the extension, which dynamo cannot trace: run eagerly while
+# a model is traced (its answer depends on these Python ints only) and cached by them.
+@torch.compiler.assume_constant_result
+def _kernels_reason(batch: int, heads: int, heads_k: int, head_dim: int, dtype_code: int, softcap: float):
+    key = (batch, heads, heads_k, head_dim, dtype_code, softcap)
+    if key not in _KERNEL_REASONS:
+        _KERNEL_REASONS[key] = _ext.C.cuda_unsupported_reason(*key)
+    return _KERNEL_REASONS[key]
 
 
 def cuda_unsupported_reason(call: Call) -> Optional[str]:
@@ -125,14 +137,14 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
     why = _ext.LOAD_ERROR
     if why:
         return why
-    info = _ext.BUILD_INFO
-    if info is None or not info.WITH_CUDA:
+    if not _ext.with_cuda():
         return "flexdma was built without CUDA kernels"
-    major, minor = torch.cuda.get_device_capability(call.device)
+    info = _ext.BUILD_INFO
+    major, minor = device_capability(call.device)
     archs = {str(a).rstrip("a") for a in info.CUDA_ARCHS}
     if f"{major}{minor}" not in archs:
         return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
-    why = _ext.C.cuda_unsupported_reason(
+    why = _kernels_reason(
         call.batch, call.num_heads, call.num_kv_heads, call.head_dim, _DTYPE_CODES.get(call.dtype, -1), call.softcap
     )
     if why:

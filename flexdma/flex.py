@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from typing import Optional, Tuple
 
@@ -38,15 +39,16 @@ __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
 # FlexAttention's kernel options, chosen per (compute capability, head dim, element size, training)
-# by measurement (benchmarks/dev/flex_options.py at B=2 L=8K H=16 KVH=4, a top-2048 general mask and a
-# per-key bias that needs a gradient; the numbers are in the performance log):
+# from the fastest that fit in benchmarks/dev/flex_options.py (flexdma's own calls with a general
+# mask and a bias that needs a gradient; its numbers are in the performance log):
 # - None: FlexAttention's own defaults.
 # - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a
-#   captured bias that needs a gradient, and one pipeline stage in both directions.
-# - ONE_STAGE: the defaults with one forward pipeline stage (at head dim 64 the default forward
-#   pipelining ran 4.5x slower than one stage).
+#   captured bias that needs a gradient, and one pipeline stage in both directions (a stage count
+#   that always fits; the default forward pipelining can be several times slower).
+# - ONE_STAGE: the defaults with one forward pipeline stage.
 # Where nothing was measured a training call takes SMALL_BLOCKS (they always fit) and an inference
-# call the defaults; defaults whose forward raises a resource error are remembered and replaced.
+# call the defaults. Defaults whose forward raises a resource error are remembered and replaced; one
+# whose backward did would raise, so only measured keys run a training call at the defaults.
 # Keyed by element size, not dtype: bfloat16 was measured, float16 has the same tiles.
 SMALL_BLOCKS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
 ONE_STAGE = {"fwd_num_stages": 1}
@@ -364,6 +366,8 @@ def _attend(
 
 
 _RECOMPILE_LIMIT = 128
+# Where _attend takes its kernel options.
+_OPTIONS_ARG = list(inspect.signature(_attend).parameters).index("kernel_options")
 
 
 @functools.lru_cache(None)
@@ -416,7 +420,7 @@ def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=
                 _DEFAULTS_FAILED.add(_options_key(q.device, D, q.dtype, training))
                 warn_once(f"FlexAttention's default kernel options do not fit this GPU at head_dim {D}, {q.dtype}")
                 opts = kernel_options(q.device, D, q.dtype, training)
-                out, lse = run(*args[:11], opts, *args[12:])
+                out, lse = run(*args[:_OPTIONS_ARG], opts, *args[_OPTIONS_ARG + 1 :])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = out.transpose(1, 2)
     if lse is None:

@@ -131,6 +131,17 @@ def test_patch_doge_rejects():
         )
 
 
+def test_trainer_kwargs_pass_through():
+    # transformers' Trainer hands the model num_items_in_batch (its loss normaliser), which Doge
+    # passes down to every attention layer with the other TransformersKwargs.
+    eager, patched = _models(torch.float64)
+    ids = _ids(2, 12)
+    n = torch.tensor(22)
+    le = eager(input_ids=ids, labels=ids, num_items_in_batch=n).loss
+    lp = patched(input_ids=ids, labels=ids, num_items_in_batch=n, is_causal=True).loss
+    torch.testing.assert_close(lp, le, atol=1e-6, rtol=1e-5)
+
+
 def test_one_token_prompt_generates_as_eager():
     # A prompt of one token (a BOS alone): the first step's bias has one key.
     eager, patched = _models(torch.float32, layers=3)
@@ -166,6 +177,8 @@ def test_patched_layer_rejects_what_it_does_not_understand():
     pe = rotary(hidden, torch.arange(4)[None])
     with pytest.raises(TypeError, match="new_flag"):
         layer(hidden, pe, None, new_flag=True)
+    with pytest.raises(ValueError, match="causal"):
+        layer(hidden, pe, None, is_causal=False)
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed sequences"):
         layer(hidden, pe, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu)

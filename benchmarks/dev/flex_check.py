@@ -99,7 +99,7 @@ def main():
     res["ours_train_fwd_ms"] = do_bench(
         lambda: flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0)
     )
-    opts = flex._kernel_options(q.device, True)
+    opts = flex.kernel_options(q.device, q.shape[-1], q.dtype, True)
     res["kernel_options"] = opts
 
     # (b) baseline: hand-written compiled flex_attention.

@@ -119,7 +119,7 @@ def main():
         print(table(ours), flush=True)
 
     # Backward: ours (flexdma, dq dk dv dbias) vs hand-written with the same kernel_options.
-    opts = flex._kernel_options(q.device, True)
+    opts = flex.kernel_options(q.device, q.shape[-1], q.dtype, True)
     qg, kg, vg, bg = (t.detach().clone().requires_grad_(True) for t in (q, k, v, bias))
     out, _ = flex.flex_dma_attention(qg, kg, vg, mask, bg, is_causal=True, softmax_scale=scale, softcap=0.0)
     dout = torch.randn_like(out)

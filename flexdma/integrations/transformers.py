@@ -12,6 +12,8 @@ mask -- Doge's dynamic mask does -- get it back as a differentiable flexdma bias
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import Optional, Tuple
 
 import torch
@@ -91,7 +93,7 @@ DOGE_NAME = "flexdma_doge"
 def _doge_padding_mask(
     batch_size: int,
     q_length: Optional[int] = None,
-    kv_length: int = 0,
+    kv_length: Optional[int] = None,
     q_offset: int = 0,
     kv_offset: int = 0,
     mask_function=None,
@@ -106,6 +108,8 @@ def _doge_padding_mask(
     build."""
     from transformers.masking_utils import causal_mask_function
 
+    if kv_length is None or kv_length <= 0:
+        raise ValueError(f"patch_doge: the mask interface needs the key length (kv_length), got {kv_length!r}")
     if mask_function is not causal_mask_function:
         raise NotImplementedError(
             "patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
@@ -123,16 +127,18 @@ def _doge_padding_mask(
 # (<= 5.0) only addresses static caches, which patch_doge rejects through the mask check below.
 _DOGE_PARAMS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache", "cache_position")
 # Keyword arguments the decoder layer passes on that do not change attention: ignored.
-_DOGE_IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_hidden_states"})
-# FlashAttention-style packed-sequence arguments (DataCollatorWithFlattening): not taken yet.
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# (num_items_in_batch: the Trainer's loss normaliser, passed down with the model's kwargs.)
+_DOGE_IGNORED_KWARGS = frozenset(
+    {"position_ids", "use_cache", "output_router_logits", "output_hidden_states", "num_items_in_batch"}
+)
+# Packed-sequence arguments (DataCollatorWithFlattening's FlashAttention kwargs, seq_idx): not taken
+# yet, so any that is set is an error.
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def _check_doge_signature(forward) -> None:
     """Raise unless `forward` (the DogeAttention.forward patch_doge replaces) takes only parameters
     the patched forward understands: a new one would otherwise be dropped without a word."""
-    import inspect
-
     params = inspect.signature(forward).parameters
     named = [n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"]
     unknown = [n for n in named if n not in _DOGE_PARAMS]
@@ -176,7 +182,13 @@ def _doge_attention_forward(
             f"patch_doge: packed sequences ({', '.join(packed)}) are not supported; pass padded batches "
             "with an attention_mask"
         )
-    unknown = sorted(set(kwargs) - _DOGE_IGNORED_KWARGS - {"output_attentions", *_PACKED_KWARGS})
+    if kwargs.get("is_causal") is False:
+        raise ValueError("patch_doge: Doge's attention is causal; got is_causal=False")
+    unknown = sorted(
+        n
+        for n, v in kwargs.items()
+        if v is not None and n not in _DOGE_IGNORED_KWARGS | {"output_attentions", "is_causal"}
+    )
     if unknown:
         raise TypeError(f"patch_doge: DogeAttention got keyword arguments it does not understand: {unknown}")
     if self.training and self.attention_dropout:
@@ -234,8 +246,6 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
         from transformers.models.doge.modeling_doge import DogeAttention
     except ImportError as e:
         raise ImportError("patch_doge needs a transformers with the Doge model: pip install 'flexdma[hf]'") from e
-    import types
-
     _check_doge_signature(DogeAttention.forward)
     config = model.config
     if getattr(config, "sliding_window", None) is not None:

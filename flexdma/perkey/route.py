@@ -99,6 +99,8 @@ def cuda_unsupported_reason(call) -> Optional[str]:
     head_dim = call.head_dim if hasattr(call, "head_dim") else call.shape[-1]
     if call.device.type != "cuda":
         return f"inputs are on {call.device.type}, not cuda"
+    if _ext.LOAD_ERROR:  # every per-key backend needs the selection op
+        return _ext.LOAD_ERROR
     if not _ext.HAVE_TRITON:  # pragma: no cover - a torch without triton
         return "triton is unavailable (the per-key CUDA kernels are Triton)"
     if call.dtype not in (torch.float16, torch.bfloat16):

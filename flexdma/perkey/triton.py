@@ -40,7 +40,7 @@ FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
 BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
 # Head dims above WIDE_FROM (route.py, with the rows per program): half the rows per program, fewer
 # keys a step and fewer stages, so that q / dO, the dQ accumulator and the K / V stages fit one SM
-# (128-row tiles at head dim 256 asked for 321 KiB of shared memory, an H100 has 227).
+# (the narrow dims' tiles need more than an H100's 227 KiB of shared memory at head dim 256).
 WIDE_FWD_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
 WIDE_BWD_CONFIG = dict(BN=32, num_warps=4, num_stages=2)
 
