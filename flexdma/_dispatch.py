@@ -49,7 +49,6 @@ def _flex_module():
 
 
 BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
-PATHS = ("dense", "perkey")
 
 
 class Call(NamedTuple):

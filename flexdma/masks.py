@@ -132,7 +132,7 @@ def create_mask(
     else:
         # Chunks of whole query tiles, each tile's activity taken while its chunk is at hand (not
         # where the extension, which defines the tiles, did not load: nothing would read them).
-        T = _tile_size()
+        T = _ext.TILE_SIZE
         if T is not None and step >= T:
             step -= step % T
         bounds = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
@@ -164,10 +164,6 @@ def create_mask(
     if tiles is not None:
         _tilebits.attach(result, tiles.active, False)
     return result
-
-
-def _tile_size() -> Optional[int]:
-    return _ext.TILE_SIZE
 
 
 class _ChunkTiles:
@@ -226,14 +222,9 @@ def _per_key_mask(
 def _rank_tiles(key_rank: torch.Tensor, row_thr: torch.Tensor) -> torch.Tensor:
     """(B, H, query tiles, key tiles) bool: some row of the query tile keeps some key of the key
     tile by the rank rule, without the causal cut."""
-    T = _tile_size()
+    T = _ext.TILE_SIZE
     K, Q = key_rank.shape[-1], row_thr.shape[-1]
     kt, qt = -(-K // T), -(-Q // T)
     rank_min = F.pad(key_rank, (0, kt * T - K), value=perkey.NEVER).view(*key_rank.shape[:2], kt, T).amin(-1)
     thr_max = F.pad(row_thr, (0, qt * T - Q), value=-1).view(*row_thr.shape[:2], qt, T).amax(-1)
     return rank_min[:, :, None, :] <= thr_max[:, :, :, None]
-
-
-# flexdma::tile_meta for a mask create_mask built, from the tile activity it carries (kept for
-# callers of the old name).
-selection_tile_meta = _tilebits.tile_meta_of

@@ -8,6 +8,7 @@ import torch
 from utils import LargestTensor
 
 import flexdma
+from flexdma import _tilebits
 from flexdma.reference import causal_mask
 
 
@@ -138,7 +139,6 @@ def test_selection_tile_meta_matches_the_mask(seed):
     # The bits of a per-key create_mask mask, from its selection, against flexdma::tile_meta's pass
     # over the mask: every tile that keeps something has its bit, and off the causal diagonal the
     # bits are equal (a tile the cut crosses may keep its bit without keeping a key).
-    from flexdma import masks
 
     g = torch.Generator().manual_seed(seed)
     T = flexdma._C.TILE_SIZE
@@ -150,7 +150,7 @@ def test_selection_tile_meta_matches_the_mask(seed):
         mask_causal = bool(r(0, 1))
         attn_causal = mask_causal or bool(r(0, 1))
         mask = flexdma.create_mask(bias, r(1, K // 8 + 1), attn_mask=pad, is_causal=mask_causal, query_len=Q)
-        got = masks.selection_tile_meta(mask, Q, K, attn_causal)
+        got = _tilebits.tile_meta_of(mask, Q, K, attn_causal)
         want = torch.ops.flexdma.tile_meta(mask, Q, K, attn_causal)
         assert got is not None and got.dtype == torch.int32 and got.is_contiguous() and got.shape == want.shape
         qt, kt = -(-Q // T), -(-K // T)
@@ -188,7 +188,7 @@ def test_row_topk_create_mask_tile_meta_matches_the_mask(chunk, monkeypatch):
         mask = flexdma.create_mask(
             bias, r(1, K // 4 + 1), is_causal=mask_causal, query_len=Q, block_size=None if i % 4 else 16
         )
-        got = masks.selection_tile_meta(mask, Q, K, attn_causal)
+        got = _tilebits.tile_meta_of(mask, Q, K, attn_causal)
         step = (chunk or masks._CHUNK_ELEMS) // (mask.shape[0] * mask.shape[1] * K)
         if step < T and mask.shape[2] > step:
             assert got is None
@@ -202,16 +202,15 @@ def test_row_topk_create_mask_tile_meta_matches_the_mask(chunk, monkeypatch):
 
 
 def test_selection_tile_meta_only_for_the_mask_it_describes():
-    from flexdma import masks
 
     bias = torch.randn(1, 2, 1, 300)
     mask = flexdma.create_mask(bias, 20, is_causal=True, query_len=200)
-    bits = masks.selection_tile_meta(mask, 200, 300, True)
-    assert bits is not None and masks.selection_tile_meta(mask, 200, 300, True) is bits  # computed once
-    assert masks.selection_tile_meta(mask.clone(), 200, 300, True) is None  # not create_mask's tensor
-    assert masks.selection_tile_meta(mask, 100, 300, True) is None  # other lengths
+    bits = _tilebits.tile_meta_of(mask, 200, 300, True)
+    assert bits is not None and _tilebits.tile_meta_of(mask, 200, 300, True) is bits  # computed once
+    assert _tilebits.tile_meta_of(mask.clone(), 200, 300, True) is None  # not create_mask's tensor
+    assert _tilebits.tile_meta_of(mask, 100, 300, True) is None  # other lengths
     mask[0, 0, 5, 7] = True  # changed after create_mask: its selection no longer describes it
-    assert masks.selection_tile_meta(mask, 200, 300, True) is None
+    assert _tilebits.tile_meta_of(mask, 200, 300, True) is None
 
 
 def test_create_mask_carries_its_tiles():
@@ -259,9 +258,8 @@ def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows, scores_rows):
     bias = (
         scores if bias_rows == scores_rows else torch.randn(B, KVH, bias_rows, L, device="cuda", dtype=torch.bfloat16)
     )
-    from flexdma import masks
 
-    assert masks.selection_tile_meta(mask, L, L, True) is not None
+    assert _tilebits.tile_meta_of(mask, L, L, True) is not None
     runs = []
     for m in (mask, mask.clone()):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]

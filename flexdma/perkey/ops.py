@@ -13,7 +13,6 @@ from . import route
 from .contract import list_cap
 
 LOADED = _ext.LOAD_ERROR is None
-topk_select = torch.ops.flexdma.topk_select if LOADED else None
 topk_fwd = torch.ops.flexdma.topk_fwd if LOADED else None
 topk_bwd = torch.ops.flexdma.topk_bwd if LOADED else None
 
