@@ -88,7 +88,7 @@ def _dense_peer(case: Case, t: SimpleNamespace):
 
 
 @functools.lru_cache(None)
-def _compiled_flex():
+def compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # Every shape is its own graph; the default cache limit (8) would fall back to eager mode.
@@ -107,7 +107,7 @@ def _flexattn_peer(case: Case, t: SimpleNamespace, *, options: Optional[str]):
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError as e:
         raise Unavailable(f"torch has no FlexAttention ({e})")
-    flex = _compiled_flex()
+    flex = compiled_flex()
     G = H // KVH
     mask, bias = t.mask, t.bias
 

@@ -1,20 +1,27 @@
 """`python -m benchmarks topk`: the per-key top-W path (flash_dma_attention(keep_window_size=W))
 against its peers, selection included, one GPU, one process.
 
-Rows: B=1, H=2, KVH=1, causal, lengths 32K / 64K / 128K, D in {64, 128}, W=2048, a per-key bias
-(1, 1, 1, L); the model shape B=2, L=8192, H=16, KVH=4, D=128, W=2048 with the bias per kv head
-(Doge) and per query head; decode (Q=1, K=512K, W=1024). Peers, in the same run:
+Rows (bf16, causal, per-key bias, W=2048): B=1, H=2, KVH=1 at 8K / 16K / 32K / 128K, D in {128, 64};
+the model shapes B=4 L=4K and B=2 L=8K with H=16, KVH=4 and Doge's H=8, KVH=4 at 16K (bias per kv
+head); decode (Q=1, K=512K, W=1024). Scores are drawn so that they do not tie. Peers, same run:
 - sdpa: dense causal SDPA over all keys, no mask (the bar);
 - flexdma: the per-key path end to end (selection + kernels);
 - flex: the same selection through FlexAttention (compiled; its mask_mod reads the selection);
+- flex-window: FlexAttention over a sliding window of the last W keys (the same number of keys a
+  row keeps, contiguous), with the same bias;
 - dense-mask: create_mask + flash_dma_attention with that mask on the dense-mask CUDA kernels
-  (only where the mask fits; it is Q x K bools).
-Forward = one call; backward = (forward + backward) - forward. Peak memory is the call's peak
-above what was allocated before it (inputs excluded, outputs included).
+  (only where the mask fits; it is Q x K bools);
+- flexdma-cache: a decode step through nn.DynamicMaskAttention's cache (decode row only).
+Forward = one call; train = forward + backward; bwd = train - forward. Beside them: the listed work
+at dense SDPA's measured rate (the ideal: the keys each row keeps, 4 D H per kept key and row
+forward, 3.5x that for a training call, over SDPA's FLOP/s on all visible keys in the same run),
+flexdma's TFLOP/s on the listed keys, its device launches per call (kernels, memsets, copies) and
+its peak memory above the inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -25,8 +32,12 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
+import flexdma.integrations.transformers as hf
+from flexdma.flex import kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
+
+from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
 DENSE_MASK_MAX = 32768  # the dense-mask peer builds Q x K bools: up to 1 GiB at 32K
@@ -35,22 +46,46 @@ FLEX_MAX = 65536  # FlexAttention visits every causal tile: kept to lengths it f
 
 def cases(quick: bool = False) -> List[dict]:
     rows = []
-    for L in (32768,) if quick else (32768, 65536, 131072):
-        for D in (128,) if quick else (128, 64):
+    for D in (128,) if quick else (128, 64):
+        for L in (32768,) if quick else (8192, 16384, 32768, 131072):
             rows.append(dict(name=f"L={L // 1024}K D={D}", B=1, L=L, Q=L, H=2, KVH=1, D=D, W=2048, bias_heads=1))
-    rows.append(dict(name="model, bias per kv head", B=2, L=8192, Q=8192, H=16, KVH=4, D=128, W=2048, bias_heads=4))
+    model = dict(H=16, KVH=4, D=128, W=2048, bias_heads=4)
+    rows.append(dict(name="B=2 L=8K H=16 KVH=4", B=2, L=8192, Q=8192, **model))
     if not quick:
-        rows.append(
-            dict(name="model, bias per query head", B=2, L=8192, Q=8192, H=16, KVH=4, D=128, W=2048, bias_heads=16)
-        )
+        rows.append(dict(name="B=4 L=4K H=16 KVH=4", B=4, L=4096, Q=4096, **model))
+        rows.append(dict(name="B=2 L=8K H=16 KVH=4 D=64", B=2, L=8192, Q=8192, **dict(model, D=64)))
+        rows.append(dict(name="Doge H=8 KVH=4 L=16K", B=1, L=16384, Q=16384, **dict(model, H=8)))
         rows.append(
             dict(name="decode Q=1 K=512K", B=1, L=524288, Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1, decode=True)
         )
     return rows
 
 
+def kept_per_row(Q: int, K: int, W: int) -> tuple:
+    """(keys all rows keep, keys all rows see) of a causal (bottom-right) call with window W."""
+    seen = kept = 0
+    off = K - Q
+    # Rows whose visible count is below W keep all they see; the rest keep W.
+    for first, last in ((0, min(Q, max(0, W - off))), (min(Q, max(0, W - off)), Q)):
+        if last <= first:
+            continue
+        n = last - first
+        vis = n * (first + last + 1) // 2 + n * off  # sum over i of (i + 1 + off)
+        seen += vis
+        kept += vis if first == 0 and W - off > 0 else n * W
+    return kept, seen
+
+
+def flops(c: dict) -> tuple:
+    """(listed, dense) forward FLOPs of a case: 4 D H per (row, kept key) and per (row, seen key)."""
+    kept, seen = kept_per_row(c["Q"], c["L"], c["W"])
+    per = 4 * c["D"] * c["H"] * c["B"]
+    return per * kept, per * seen
+
+
 def _inputs(c: dict, grad: bool):
     dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
     q = torch.randn(c["B"], c["Q"], c["H"], c["D"], device=dev, dtype=dt, requires_grad=grad)
     k = torch.randn(c["B"], c["L"], c["KVH"], c["D"], device=dev, dtype=dt, requires_grad=grad)
     v = torch.randn(c["B"], c["L"], c["KVH"], c["D"], device=dev, dtype=dt, requires_grad=grad)
@@ -70,6 +105,8 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
         return lambda: flexdma.flash_dma_attention(
             q, k, v, None, bias, is_causal=causal, keep_window_size=c["W"], backend=backend
         )
+    if peer == "flex-window":
+        return _flex_window(c, q, k, v, bias)
     if peer == "flexdma-cache":
         # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
         # key in O(W), then attention over the W gathered keys (no selection over all K).
@@ -93,6 +130,42 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
     raise ValueError(peer)
 
 
+def _flex_window(c: dict, q, k, v, bias):
+    """FlexAttention (compiled, at flexdma's measured options) over the last W keys a row sees, with
+    the per-key bias as score_mod: the work the per-key path lists, but contiguous."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    W, off, G = c["W"], c["L"] - c["Q"], c["H"] // bias.shape[1]
+    batch_on = bias.shape[0] > 1
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= qi + off) & (ki > qi + off - W)
+
+    def score_mod(s, b, h, qi, ki):
+        return s + bias[b if batch_on else 0, h // G, 0, ki]
+
+    bm = create_block_mask(mask_mod, None, None, c["Q"], c["L"], device=q.device, BLOCK_SIZE=128)
+    training = torch.is_grad_enabled() and q.requires_grad
+    opts = kernel_options(q.device, c["D"], q.dtype, training)
+    attend = compiled_flex()
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    return lambda: attend(
+        qt, kt, vt, score_mod=score_mod, block_mask=bm, enable_gqa=True, kernel_options=opts
+    ).transpose(1, 2)
+
+
+def _launches(fn) -> int:
+    """Device operations (kernels, memsets, copies) one call of fn issues."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def _applies(peer: str, c: dict) -> Optional[str]:
     if peer == "flexdma-cache" and not c.get("decode"):
         return "decoding only"
@@ -100,8 +173,10 @@ def _applies(peer: str, c: dict) -> Optional[str]:
         return f"the dense mask is {c['Q']} x {c['L']} bools"
     if peer == "dense-mask" and "cuda" not in flexdma.available_backends():
         return "the dense-mask CUDA kernels are not built"
-    if peer == "flex" and c["L"] > FLEX_MAX:
+    if peer in ("flex", "flex-window") and c["L"] > FLEX_MAX:
         return f"L > {FLEX_MAX}"
+    if peer == "flex-window" and c.get("decode"):
+        return "not a decode peer"
     return None
 
 
@@ -124,7 +199,9 @@ def _peak(fn) -> float:
 
 
 def run(
-    quick: bool = False, peers=("sdpa", "flexdma", "flexdma-cache", "flex", "dense-mask"), budget: float = 480.0
+    quick: bool = False,
+    peers=("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask"),
+    budget: float = 480.0,
 ) -> dict:
     t0 = time.time()
     rows = []
@@ -146,6 +223,8 @@ def run(
                     fn()
                     rec["fwd_ms"] = _time(fn)
                     rec["fwd_peak_mib"] = _peak(fn)
+                    if peer == "flexdma":
+                        rec["fwd_launches"] = _launches(fn)
                 del q, k, v, bias
                 if not c.get("decode"):
                     q, k, v, bias = _inputs(c, grad=True)
@@ -160,6 +239,8 @@ def run(
                     rec["fwd_bwd_ms"] = _time(step, warmup=10, rep=50)
                     rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
                     rec["fwd_bwd_peak_mib"] = _peak(step)
+                    if peer == "flexdma":
+                        rec["fwd_bwd_launches"] = _launches(step)
                     del q, k, v, bias
             except Exception as e:  # a peer failing (out of memory, compile error) is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -169,6 +250,7 @@ def run(
             print(
                 c["name"], peer, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True
             )
+        row["listed_flops"], row["dense_flops"] = flops(c)
         rows.append(row)
     return dict(schema=SCHEMA, rows=rows)
 
@@ -185,25 +267,50 @@ DOGE = dict(
 )
 
 
+@contextlib.contextmanager
+def _without_dynamic_mask():
+    """patch_doge's layers with dense causal SDPA over all keys in place of the per-key path: the
+    same model (projections, rotary, dt_states computed) without its dynamic mask."""
+
+    def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, keep_window_size, backend):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        causal = is_causal and q.shape[1] == k.shape[1]
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    saved = hf.flash_dma_attention
+    hf.flash_dma_attention = sdpa
+    try:
+        yield
+    finally:
+        hf.flash_dma_attention = saved
+
+
 def doge_rows(lengths=(16384, 65536)) -> List[dict]:
-    """transformers' DogeForCausalLM train step (forward + backward, loss on labels), bf16, B=1:
-    flexdma through patch_doge against attn_implementation "sdpa" (Doge's dense dynamic mask)."""
+    """transformers' DogeForCausalLM train step (forward + backward, loss on labels), bf16, B=1, with
+    A drawn in [0.5, 1.5] (at Doge's init A = 0 every score ties and every row keeps its first W
+    keys: contiguous gathers, a case no trained model has): flexdma through patch_doge, the same
+    model without its dynamic mask (dense causal SDPA over all keys: the bar), and
+    attn_implementation "sdpa" (Doge's own (B, H, Q, K) dynamic mask)."""
     from transformers import DogeConfig, DogeForCausalLM
 
     rows = []
     for L in lengths:
-        row = dict(case=dict(name=f"Doge train step L={L // 1024}K", L=L, **DOGE), peers={})
-        for peer in ("flexdma", "sdpa"):
+        row = dict(case=dict(name=f"Doge train step L={L // 1024}K", L=L, A="U[0.5, 1.5]", **DOGE), peers={})
+        for peer in ("flexdma", "no-dynamic-mask", "sdpa"):
             rec = {}
             model = None
             try:
                 torch.manual_seed(0)
                 cfg = DogeConfig(max_position_embeddings=L, **DOGE)
                 model = DogeForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
-                if peer == "flexdma":
-                    patch_doge(model)
-                else:
+                with torch.no_grad():
+                    for layer in model.model.layers:
+                        layer.self_attn.A.uniform_(0.5, 1.5)
+                if peer == "sdpa":
                     model.set_attn_implementation("sdpa")
+                else:
+                    patch_doge(model)
                 ids = torch.randint(cfg.vocab_size, (1, L), device="cuda")
 
                 def step(model=model):
@@ -211,9 +318,10 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
                     loss.backward()
                     return loss
 
-                step()
-                rec["ms"] = _time(step, warmup=3, rep=10)
-                rec["peak_mib"] = _peak(step) + torch.cuda.memory_allocated() / 2**20
+                with _without_dynamic_mask() if peer == "no-dynamic-mask" else contextlib.nullcontext():
+                    step()
+                    rec["ms"] = _time(step, warmup=3, rep=10)
+                    rec["peak_mib"] = _peak(step) + torch.cuda.memory_allocated() / 2**20
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             del model
@@ -225,49 +333,84 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
     return rows
 
 
+def _pair(a, b, fmt="{:.3f}") -> str:
+    return " / ".join("–" if x is None else fmt.format(x) for x in (a, b))
+
+
 def markdown(doc: dict) -> str:
-    peers = ["flexdma", "sdpa", "flex", "dense-mask", "flexdma-cache"]
-    head = (
-        ["case"] + [f"{p} fwd / bwd ms" for p in peers] + ["flexdma peak fwd / train MiB", "flexdma vs sdpa fwd / bwd"]
-    )
+    head = [
+        "case",
+        "flexdma fwd / train ms",
+        "dense SDPA fwd / train ms",
+        "listed work at SDPA's rate fwd / train ms",
+        "flexdma TFLOP/s on listed keys fwd / train",
+        "FlexAttention, same selection",
+        "FlexAttention, window of W",
+        "dense-mask kernels",
+        "flexdma-cache",
+        "flexdma launches fwd / train",
+        "flexdma peak MiB fwd / train",
+        "SDPA / flexdma fwd / train",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in doc["rows"]:
         c = row["case"]
         if "not_run" in row:
             lines.append(f"| {c['name']} | not run: {row['not_run']} |")
             continue
-        cells = [c["name"]]
-        for p in peers:
-            r = row["peers"].get(p, {})
+        P = row["peers"]
+
+        def times(peer):
+            r = P.get(peer, {})
             if "skipped" in r:
-                cells.append(f"– ({r['skipped']})")
-            elif "error" in r:
-                cells.append(f"error: {r['error'][:60]}")
-            elif r:
-                b = f"{r['bwd_ms']:.3f}" if "bwd_ms" in r else "–"
-                cells.append(f"{r['fwd_ms']:.3f} / {b}")
-            else:
-                cells.append("–")
-        f, s = row["peers"].get("flexdma", {}), row["peers"].get("sdpa", {})
-        cells.append(f"{f.get('fwd_peak_mib', float('nan')):.0f} / {f.get('fwd_bwd_peak_mib', float('nan')):.0f}")
-        if "fwd_ms" in f and "fwd_ms" in s:
-            ratio = f"{s['fwd_ms'] / f['fwd_ms']:.2f}x"
-            if "bwd_ms" in f and "bwd_ms" in s:
-                ratio += f" / {s['bwd_ms'] / f['bwd_ms']:.2f}x"
-            cells.append(ratio)
-        else:
-            cells.append("–")
+                return f"– ({r['skipped']})"
+            if "error" in r:
+                return f"error: {r['error'][:60]}"
+            return _pair(r.get("fwd_ms"), r.get("fwd_bwd_ms")) if r else "–"
+
+        f, sd = P.get("flexdma", {}), P.get("sdpa", {})
+        listed, dense = row.get("listed_flops"), row.get("dense_flops")
+        if listed is None and all(k in c for k in ("B", "Q", "L", "H", "D", "W")):
+            listed, dense = flops(c)  # runs that predate the stored counts
+        ideal = [None, None]
+        tflops = [None, None]
+        for i, key in enumerate(("fwd_ms", "fwd_bwd_ms")):
+            scale = 3.5 if i else 1.0
+            if listed and dense and sd.get(key):
+                ideal[i] = sd[key] * listed / dense
+            if listed and f.get(key):
+                tflops[i] = scale * listed / (f[key] * 1e-3) / 1e12
+        ratio = [sd[k] / f[k] if sd.get(k) and f.get(k) else None for k in ("fwd_ms", "fwd_bwd_ms")]
+        cells = [
+            c["name"],
+            times("flexdma"),
+            times("sdpa"),
+            _pair(*ideal),
+            _pair(*tflops, fmt="{:.0f}"),
+            times("flex"),
+            times("flex-window"),
+            times("dense-mask"),
+            times("flexdma-cache"),
+            _pair(f.get("fwd_launches"), f.get("fwd_bwd_launches"), fmt="{:d}"),
+            _pair(f.get("fwd_peak_mib"), f.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
+            _pair(*ratio, fmt="{:.2f}x"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     if doc.get("doge"):
+        names = {"flexdma": "flexdma (patch_doge)", "no-dynamic-mask": "without the dynamic mask (dense SDPA)"}
+        names["sdpa"] = 'attn_implementation "sdpa" (Doge\'s dense mask)'
+        peers_ = [p for p in names if any(p in r["peers"] for r in doc["doge"])]
+        a = doc["doge"][0]["case"].get("A", "0 (Doge's init: every score ties)")
         lines += [
             "",
-            "| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048) | flexdma (patch_doge) "
-            "ms / peak MiB | attn_implementation sdpa ms / peak MiB |",
-            "|---|---|---|",
+            f"| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048, A = {a}) | "
+            + " | ".join(f"{names[p]} ms / peak MiB" for p in peers_)
+            + " |",
+            "|---|" + "---|" * len(peers_),
         ]
         for row in doc["doge"]:
             cells = [row["case"]["name"]]
-            for p in ("flexdma", "sdpa"):
+            for p in peers_:
                 r = row["peers"].get(p, {})
                 cells.append(
                     f"error: {r['error'][:60]}"

@@ -260,9 +260,26 @@ def test_topk_benchmark_table_and_report_section(tmp_path):
         ],
     )
     (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
+    doc["rows"][0]["listed_flops"], doc["rows"][0]["dense_flops"] = topk.flops(topk.cases(quick=True)[0])
+    doc["rows"][0]["peers"]["flexdma"].update(fwd_launches=7, fwd_bwd_launches=15)
+    (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
     md = "\n".join(topk.section(str(tmp_path)))
-    assert "0.500 / 1.000" in md and "2.00x / 2.50x" in md and "error: RuntimeError" in md
-    assert "not run: time budget" in md and "commit abc1234" in md
+    assert "0.500 / 1.500" in md and "2.00x / 2.33x" in md and "error: RuntimeError" in md
+    assert "not run: time budget" in md and "commit abc1234" in md and "| 7 / 15 |" in md
+    # 32K rows keep W = 2048 keys of up to 32K: the ideal is SDPA's time x listed / dense pairs.
+    listed, dense = doc["rows"][0]["listed_flops"], doc["rows"][0]["dense_flops"]
+    assert f"{1.0 * listed / dense:.3f} / {3.5 * listed / dense:.3f}" in md
+
+
+def test_topk_flop_count():
+    from benchmarks import topk
+
+    # Q = K = 4, W = 2: rows keep 1, 2, 2, 2 keys and see 1, 2, 3, 4.
+    assert topk.kept_per_row(4, 4, 2) == (7, 10)
+    # Bottom-right causal with Q < K: the rows see K - Q + 1 .. K keys.
+    assert topk.kept_per_row(2, 5, 10) == (9, 9)
+    c = dict(B=2, Q=4, L=4, H=3, D=8, W=2)
+    assert topk.flops(c) == (4 * 8 * 3 * 2 * 7, 4 * 8 * 3 * 2 * 10)
 
 
 def test_cpu_subcommand_and_its_report_section(tmp_path, capsys):

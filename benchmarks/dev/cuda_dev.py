@@ -20,7 +20,7 @@ import torch
 import triton.testing
 
 import flexdma
-from benchmarks.peers import FLEX_OPTION_SETS, _compiled_flex
+from benchmarks.peers import FLEX_OPTION_SETS, compiled_flex
 
 fwd = torch.ops.flexdma.fwd
 bwd = torch.ops.flexdma.bwd
@@ -207,7 +207,7 @@ def model_rows(L, D, H=16, KVH=4, tokens=16384):
             o.backward(dout.transpose(1, 2))
 
     both("sdpa", sdpa)
-    flex = _compiled_flex()
+    flex = compiled_flex()
     # The bias gradient too, as flexdma's backward computes it (bias_requires_grad above); it is
     # what needs the small-block backward config.
     bias_g = bias.detach().clone().requires_grad_()
