@@ -19,8 +19,8 @@ mask fits in O(Q + K) per selection plane (see the per-key selection design note
 
 This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_len=Q)` builds
 densely, entry for entry (tests/test_topk.py checks it; flexdma/perkey/naive.py is that dense
-reference). A plane is one (batch, head) entry of the
-broadcast of the bias's and the mask's batch / head dims.
+reference). A plane is one (batch, head) entry of the broadcast of the bias's and the mask's batch
+/ head dims.
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ class Selection(NamedTuple):
     tile_keys: torch.Tensor  # int32 (P1, P2, n_tiles * (1 + cap))
 
 
+def plane_heads(num_heads: int, bias_heads: int, mask_heads: int) -> int:
+    """Head count of the selection planes: the broadcast of the bias's and the mask's head dims,
+    both onto the query heads where they differ (one per kv head, the other per query head)."""
+    if bias_heads != mask_heads and bias_heads > 1 and mask_heads > 1:
+        return num_heads
+    return max(bias_heads, mask_heads)
+
+
 def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
     """(P1, P2, K) float32 scores of the selection planes: the per-key bias with the keys the
     mask drops set to -inf. Planes are the broadcast of the bias's and the mask's (batch, head)."""
@@ -52,8 +60,8 @@ def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor],
     if attn_mask is None:
         return s
     m = attn_mask[:, :, 0, :]
-    if s.shape[1] != m.shape[1] and s.shape[1] > 1 and m.shape[1] > 1:
-        # One is per kv head and the other per query head: both onto the query heads.
+    P = plane_heads(num_heads, s.shape[1], m.shape[1])
+    if s.shape[1] not in (1, P) or m.shape[1] not in (1, P):
         s, m = expand_heads(s.unsqueeze(2), num_heads).squeeze(2), expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
     return s.masked_fill(~m, float("-inf"))
 

@@ -27,7 +27,7 @@ import torch
 
 from .. import _ext
 from .._device import device_capability
-from .contract import CPU_TILE_ROWS
+from .contract import CPU_TILE_ROWS, plane_heads
 
 # Rows of q per Triton program: PACK query heads x TILE_ROWS rows. Head dims above WIDE_FROM: half
 # the rows per program (perkey/triton.py's WIDE_* launch configurations).
@@ -76,14 +76,6 @@ def plan(num_heads: int, num_kv_heads: int, plane_heads: int, head_dim: int, dty
     if sm90_forward(head_dim, dtype, device):
         pack = min(pack, rows // SM90_TILE_ROWS)
     return pack, rows // pack
-
-
-def plane_heads(num_heads: int, bias_heads: int, mask_heads: int) -> int:
-    """Head count of the selection planes (perkey/contract.py's selection_scores): the broadcast
-    of the bias's and the mask's head dims, both onto the query heads where they differ."""
-    if bias_heads != mask_heads and bias_heads > 1 and mask_heads > 1:
-        return num_heads
-    return max(bias_heads, mask_heads)
 
 
 def tile_rows_for(device: torch.device, num_heads, num_kv_heads, plane_heads_, head_dim, dtype) -> int:
