@@ -198,11 +198,10 @@ def _peak(fn) -> float:
     return peak / 2**20
 
 
-def run(
-    quick: bool = False,
-    peers=("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask"),
-    budget: float = 480.0,
-) -> dict:
+PEERS = ("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask")
+
+
+def run(quick: bool = False, peers=PEERS, budget: float = 480.0) -> dict:
     t0 = time.time()
     rows = []
     for c in cases(quick):
@@ -455,8 +454,15 @@ def section(results_dir: str) -> List[str]:
 
 
 def main(args, env: dict) -> str:
-    doc = run(quick=args.quick, budget=args.budget)
-    if not args.quick:
+    peers = PEERS
+    if args.peers:
+        peers = tuple(args.peers.split(","))
+        unknown = [p for p in peers if p not in PEERS + ("doge",)]
+        if unknown:
+            raise SystemExit(f"--peers: topk knows {', '.join(PEERS)} and doge (the train step rows), got {unknown}")
+    doge = "doge" in peers or not args.peers
+    doc = run(quick=args.quick, peers=tuple(p for p in peers if p != "doge"), budget=args.budget)
+    if doge and not args.quick:
         try:
             doc["doge"] = doge_rows()
         except ImportError as e:  # transformers without Doge
