@@ -44,6 +44,15 @@ case "${1:-}" in
       echo "Hugging Face tests with transformers $(PYTHONPATH=$dir "$PY" -c 'import transformers; print(transformers.__version__)')"
       PYTHONPATH=$dir "$PY" -m pytest -q -ra tests/test_doge.py tests/test_hf.py tests/test_compat.py
     fi
+    # Triton for the interpreter test of the CUDA selection kernel (tests/interpret_select.py),
+    # beside the suite where torch came without it: on a CPU machine triton only interprets.
+    if ! "$PY" -c "import triton" >/dev/null 2>&1; then
+      if ! PYTHONPATH=build/triton "$PY" -c "import triton" >/dev/null 2>&1; then
+        rm -rf build/triton
+        "$PY" -m pip install -q --no-deps --target build/triton triton
+      fi
+      export FLEXDMA_TRITON_PATH=$PWD/build/triton
+    fi
     set +e
     echo "The whole suite with transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
     "$PY" -m pytest -q -ra "$@"

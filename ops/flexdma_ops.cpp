@@ -150,8 +150,9 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
 }
 
 void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
-  TORCH_CHECK_TYPE(scores.scalar_type() == at::kFloat, "flexdma::topk_select: scores must be float32, got ",
-                   scores.scalar_type());
+  const auto dt = scores.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+                   "flexdma::topk_select: scores must be float32, float16 or bfloat16, got ", dt);
   TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::topk_select: scores must be 3-D (planes, planes, K), got shape ",
                     scores.sizes());
   TORCH_CHECK_VALUE(window > 0, "flexdma::topk_select: window must be positive, got ", window);
@@ -160,13 +161,14 @@ void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_
   TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::topk_select: more keys than int32 ranks");
 }
 
-// The per-key top-W selection of every plane of `scores` (P1, P2, K), float32, -inf = ineligible.
+// The per-key top-W selection of every plane of `scores` (P1, P2, K), -inf = ineligible. Ranked in
+// float32: the conversion from float16 / bfloat16 keeps every value and so the order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& scores, int64_t window,
                                                                int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
   topk_select_check(scores, window, seqlen_q, tile_rows);
   const int64_t K = scores.size(2), P = scores.size(0) * scores.size(1);
   const int64_t cap = topk_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
-  const at::Tensor s = scores.contiguous();
+  const at::Tensor s = scores.to(at::kFloat).contiguous();
   auto opts = scores.options().dtype(at::kInt);
   at::Tensor key_rank = at::empty(scores.sizes(), opts);
   at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);

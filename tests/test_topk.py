@@ -216,6 +216,45 @@ def test_cpu_and_cuda_selection_agree():
                 assert torch.equal(la[p1, p2, t, : 1 + m], lb[p1, p2, t, : 1 + m])
 
 
+def test_cuda_selection_at_every_chunk_size():
+    # 1024-, 2048- and 4096-key chunks (flexdma/perkey/triton_select.py's chunk_size), bf16 scores
+    # read through a strided view, against the CPU op.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for K in (20000, 70000, 140000):
+        bias = torch.randn(1, 3, 1, K).to(torch.bfloat16)[:, 1:]
+        bias[0, 0, 0, ::5] = float("-inf")
+        scores = bias[:, :, 0, :]
+        for Q in (K, 300):
+            a = topk.select(scores, 2048, Q, True, 128)
+            b = topk.select(scores.cuda(), 2048, Q, True, 128)
+            assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
+            la, lb = topk.tile_lists(a, Q, 128), topk.tile_lists(b, Q, 128).cpu()
+            assert torch.equal(la[..., 0], lb[..., 0])
+            keep = torch.arange(la.shape[-1]) <= la[..., :1]
+            assert torch.equal(la * keep, lb * keep)
+
+
+def test_triton_selection_in_the_interpreter():
+    # The CUDA selection kernel, run by Triton's interpreter on the CPU, against the CPU op. dev.sh
+    # test installs triton beside the suite (FLEXDMA_TRITON_PATH) where it is not installed.
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    path = os.environ.get("FLEXDMA_TRITON_PATH")
+    if importlib.util.find_spec("triton") is None and not path:
+        pytest.skip("triton is not installed (dev.sh test installs it into build/ and sets FLEXDMA_TRITON_PATH)")
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (root, path, env.get("PYTHONPATH")) if x)
+    script = os.path.join(root, "tests", "interpret_select.py")
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("ok ") == 14, r.stdout
+
+
 def test_gradcheck_fp64():
     # No ties: finite differences of the bias must not change which keys are kept.
     q, k, v, bias, pad = _inputs((2, 9, 11, 4, 2, 4, True, "KVH", True, False), "cpu", torch.float64, ties=False)

@@ -37,7 +37,7 @@ def _tile_rows(q, k, plane_heads):
 def _select(q, k, bias, W, causal):
     sc = topk.selection_scores(bias, None, q.shape[2])
     tr = _tile_rows(q, k, sc.shape[1])
-    return topk.Selection(*T.select(sc, W, q.shape[1], causal, tr))
+    return topk.Selection(*torch.ops.flexdma.topk_select(sc, W, q.shape[1], causal, tr))
 
 
 def _fwd(q, k, v, bias, sel, scale, causal):

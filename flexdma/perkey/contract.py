@@ -54,16 +54,19 @@ def plane_heads(num_heads: int, bias_heads: int, mask_heads: int) -> int:
 
 
 def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
-    """(P1, P2, K) float32 scores of the selection planes: the per-key bias with the keys the
-    mask drops set to -inf. Planes are the broadcast of the bias's and the mask's (batch, head)."""
-    s = attn_bias[:, :, 0, :].float()
+    """(P1, P2, K) scores of the selection planes, in the bias's dtype where the selection takes it
+    (float32, float16, bfloat16; others as float32): the per-key bias (then a view of it, no copy) with the keys the mask drops set to -inf. Planes are the broadcast of the bias's
+    and the mask's (batch, head)."""
+    s = attn_bias[:, :, 0, :]
+    if s.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        s = s.float()
     if attn_mask is None:
         return s
     m = attn_mask[:, :, 0, :]
     P = plane_heads(num_heads, s.shape[1], m.shape[1])
     if s.shape[1] not in (1, P) or m.shape[1] not in (1, P):
         s, m = expand_heads(s.unsqueeze(2), num_heads).squeeze(2), expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
-    return s.masked_fill(~m, float("-inf"))
+    return torch.where(m, s, float("-inf"))
 
 
 def list_cap(K: int, window: int, tile_rows: int) -> int:
@@ -75,7 +78,7 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
 
 
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int) -> Selection:
-    """The selection of every plane of scores (P1, P2, K) float32, with lists of query tiles of
+    """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16), with lists of query tiles of
     `tile_rows` rows (the route's, flexdma/perkey/route.py: what the forward that follows reads)."""
     # The op's fake kernel and CUDA implementation: flexdma/perkey/ops.py (imported by the package).
     return Selection(*torch.ops.flexdma.topk_select(scores, window, seqlen_q, is_causal, tile_rows))

@@ -66,12 +66,12 @@ def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_r
     return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=torch.float32), q.new_empty(q.shape)
 
 
-def _triton_kernel(name):
+def _triton_kernel(module, name):
     def run(*args, **kwargs):
         # triton is an optional dependency, imported by the first call, not by `import flexdma`.
-        from . import triton as kernels
+        import importlib
 
-        return getattr(kernels, name)(*args, **kwargs)
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
 
     return run
 
@@ -87,6 +87,6 @@ if LOADED:
     # implementations of the op family's schemas; topk_fwd's hands the calls the C++ sm_90a kernel
     # takes to flexdma::topk_fwd_sm90 (route.cuda_fwd).
     if _ext.HAVE_TRITON:
-        torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("select"))
+        torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("triton_select", "select"))
         torch.library.register_kernel("flexdma::topk_fwd", "cuda", route.cuda_fwd)
-        torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("bwd"))
+        torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("triton", "bwd"))

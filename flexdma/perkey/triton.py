@@ -3,13 +3,7 @@ implement; docs/kernels.md describes them), and their launchers. Imports triton:
 first per-key CUDA call (flexdma/perkey/ops.py), not by `import flexdma`. Which forward runs and
 the selection's tile rows are flexdma/perkey/route.py's.
 
-- `select`: the ranks from one sort per selection plane (torch); then one program per (plane,
-  query tile) walks, in rank order, the keys of the smallest prefix level that holds its last
-  row's keys, stops once the tile's first row has seen W of them, and keeps the ones its last row
-  can see: the tile's candidate list (at most W + tile_rows - 1 keys, fact 3 of the per-key
-  selection note). About 2 W entries are read whatever the position. Each row's threshold is
-  then counted in a window of < 2 tile_rows list entries, and the list cut to the keys some row
-  keeps.
+- `select`: flexdma/perkey/triton_select.py (one launch after its counters' fill).
 - `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
   a selection plane). The pack's rows share every gathered K / V tile; each element still gets the
   exact keep test (rank <= the row's threshold, causal cut), so the union list costs compute but
@@ -21,14 +15,13 @@ the selection's tile rows are flexdma/perkey/route.py's.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .._ext import LOG2E  # log2(e), csrc/flash_dma_constants.h's kLog2e
-from .contract import NEVER, list_cap  # NEVER: key_rank of a key no row keeps
+from .contract import NEVER  # NEVER: key_rank of a key no row keeps
 from .route import WIDE_FROM, plan
 
 # The same, as the compile-time constants kernels may read.
@@ -48,224 +41,6 @@ WIDE_BWD_CONFIG = dict(BN=32, num_warps=4, num_stages=2)
 def configs(head_dim: int) -> tuple:
     """(forward, backward) launch configuration for this head dim."""
     return (WIDE_FWD_CONFIG, WIDE_BWD_CONFIG) if head_dim > WIDE_FROM else (FWD_CONFIG, BWD_CONFIG)
-
-
-# ----------------------------------------------------------------------------------- selection
-@triton.jit
-def _select_kernel(
-    order_ptr,
-    lvl_start_ptr,
-    rank_ptr,
-    thr_ptr,
-    keys_ptr,
-    new_ptr,
-    Q,
-    K,
-    W,
-    off,
-    n_tiles,
-    cap,
-    n_levels,
-    lvl0,
-    CAUSAL: tl.constexpr,
-    TILE_ROWS: tl.constexpr,
-    SCAN: tl.constexpr,
-    LB: tl.constexpr,
-    WIN: tl.constexpr,
-):
-    t = tl.program_id(0)
-    pl = tl.program_id(1).to(tl.int64)
-    r0 = t * TILE_ROWS
-    r1 = tl.minimum(r0 + TILE_ROWS, Q) - 1
-    if CAUSAL:
-        p_first = r0 + off
-        p_last = r1 + off
-    else:
-        p_first = K - 1
-        p_last = K - 1
-    # The smallest prefix level that holds every key the tile's last row sees: its keys in rank
-    # order are the scan's input, so the scan reads about 2 W entries instead of W K / p_first.
-    lvl = tl.zeros([], tl.int32)
-    size = lvl0
-    while (lvl < n_levels - 1) & (size <= p_last):
-        lvl += 1
-        size = size * 2
-    order = order_ptr + tl.load(lvl_start_ptr + lvl).to(tl.int64) + pl * tl.load(lvl_start_ptr + n_levels + lvl)
-    n_lvl = tl.minimum(size, K)
-    ranks = rank_ptr + pl * K
-    head = keys_ptr + (pl * n_tiles + t) * (1 + cap)
-    lst = head + 1
-    newidx = new_ptr + (pl * n_tiles + t) * TILE_ROWS
-    # A new key's list index, NEVER where none: every slot written before the scan fills some.
-    tl.store(newidx + tl.arange(0, TILE_ROWS), tl.full([TILE_ROWS], _NEVER, tl.int32))
-    tl.debug_barrier()
-
-    # Candidates, in rank order: until the first row has seen W keys (every row's threshold is at
-    # most that rank), the keys the last row can see. A key visible to the last row but not the
-    # first ("new", at most TILE_ROWS - 1) also leaves its list index in newidx. A level's
-    # ineligible keys (rank NEVER) sort after its eligible ones: the first one ends the scan.
-    seen = tl.zeros([], tl.int32)
-    n = tl.zeros([], tl.int32)
-    r = tl.zeros([], tl.int32)
-    more = p_last >= 0
-    while more & (r < n_lvl) & (seen < W):
-        offs = r + tl.arange(0, SCAN)
-        pos = tl.load(order + offs, mask=offs < n_lvl, other=0)
-        valid = (offs < n_lvl) & (tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER) != _NEVER)
-        more = tl.sum(valid.to(tl.int32), 0) == SCAN
-        base = (valid & (pos <= p_first)).to(tl.int32)
-        before = tl.cumsum(base, 0) - base + seen
-        ok = before < W
-        take = valid & (pos <= p_last) & ok
-        take_i = take.to(tl.int32)
-        at = n + tl.cumsum(take_i, 0) - 1
-        tl.store(lst + at, pos, mask=take)
-        tl.store(newidx + (pos - p_first - 1), at, mask=take & (pos > p_first))
-        n += tl.sum(take_i, 0)
-        seen += tl.sum(base * ok.to(tl.int32), 0)
-        r += SCAN
-
-    # Row i's threshold is the rank where its count of visible listed keys reaches W (or its last
-    # visible one). Base keys (seen by the first row) are visible to every row and a row sees at
-    # most TILE_ROWS - 1 keys more than the first, so every threshold lies between the
-    # (W - TILE_ROWS + 1)-th base key and the W-th: a window of < 2 TILE_ROWS list entries.
-    # Pass 1 (1-D over the list) finds the window's start; pass 2 counts per row inside it.
-    s_need = W - TILE_ROWS + 1
-    nbase = tl.zeros([], tl.int32)
-    start = tl.full([], 2147483647, tl.int32)
-    last_base = tl.zeros([], tl.int32)
-    for e0 in range(0, n, LB):
-        e = e0 + tl.arange(0, LB)
-        ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=_NEVER)
-        is_base = ev & (pos <= p_first)
-        cb = tl.cumsum(is_base.to(tl.int32), 0) + nbase
-        start = tl.minimum(start, tl.min(tl.where(is_base & (cb == s_need), e, 2147483647), 0))
-        last_base = tl.maximum(last_base, tl.max(tl.where(is_base, e, 0), 0))
-        nbase += tl.sum(is_base.to(tl.int32), 0)
-    full = start < 2147483647
-    # W < TILE_ROWS: new keys alone can fill a row, the window starts at the list's start. Fewer
-    # base keys than s_need: no row reaches W, each keeps up to its last visible key, and only
-    # new keys follow the last base key.
-    start = tl.where(s_need <= 0, 0, tl.where(full, start, last_base))
-    base_before = tl.where(s_need <= 0, 0, tl.where(full, s_need - 1, tl.maximum(nbase - 1, 0)))
-
-    rows = r0 + tl.arange(0, TILE_ROWS)
-    row_ok = rows < Q
-    if CAUSAL:
-        p_row = rows + off
-    else:
-        p_row = rows * 0 + (K - 1)
-    # New keys listed before the window, per row: those at positions p_first < q <= p_row.
-    qn = tl.arange(0, TILE_ROWS)
-    at_n = tl.load(newidx + qn)
-    early = (at_n < start) & (qn[None, :] + p_first + 1 <= p_row[:, None])
-    cnt = base_before + tl.sum(early.to(tl.int32), 1)
-    ew = start + tl.arange(0, WIN)
-    evw = ew < n
-    posw = tl.load(lst + ew, mask=evw, other=_NEVER)
-    rkw = tl.load(ranks + posw, mask=evw, other=_NEVER)
-    vis = (posw[None, :] <= p_row[:, None]) & evw[None, :]
-    upto = tl.cumsum(vis.to(tl.int32), 1) + cnt[:, None]
-    thr = tl.max(tl.where(vis & (upto <= W), rkw[None, :], -1), 1)
-    tl.store(thr_ptr + pl * Q + rows, thr, mask=row_ok)
-
-    # Keep the prefix of the list some row keeps (the list is in rank order).
-    top = tl.max(tl.where(row_ok, thr, -1), 0)
-    m = tl.zeros([], tl.int32)
-    for e0 in range(0, n, LB):
-        e = e0 + tl.arange(0, LB)
-        ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=0)
-        rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
-        m += tl.sum((ev & (rk <= top)).to(tl.int32), 0)
-    tl.store(head, m)
-
-
-_LAST = (1 << 27) - 1  # ranks below this fit the packed 32-bit (level, rank) sort key
-
-
-@functools.lru_cache(maxsize=64)
-def _levels(K: int, lvl0: int, device: torch.device):
-    """Static index tensors of the prefix levels [0, T_l), T_l = lvl0 * 2^l (the last one all K):
-    every level's key positions side by side, their level in the high bits of the sort key, and
-    each level's start."""
-    sizes = []
-    while True:
-        sizes.append(min(K, lvl0 << len(sizes)))
-        if sizes[-1] >= K:
-            break
-    pos = torch.cat([torch.arange(T, dtype=torch.int64) for T in sizes])
-    # (level, rank) packed in 32 bits where it fits (levels < 16, ranks < 2^27): half the radix
-    # passes of an int64 key.
-    small = len(sizes) < 16 and K < _LAST
-    shift, dtype = (27, torch.int32) if small else (32, torch.int64)
-    lvl_key = torch.cat([torch.full((T,), i << shift, dtype=dtype) for i, T in enumerate(sizes)])
-    starts = [0]
-    for T in sizes[:-1]:
-        starts.append(starts[-1] + T)
-    # Level starts, then the plane stride of the concatenated orders (one value a level).
-    lvl_start = torch.tensor(starts + [sum(sizes)] * len(sizes), dtype=torch.int32)
-    ar = torch.arange(K, dtype=torch.int32)
-    # An ineligible key's sort key: after every eligible rank of its level, before the next level
-    # (its rank NEVER clamped to this).
-    tail = (1 << shift) - 1
-    return tuple(t.to(device) for t in (pos, pos.to(torch.int32), lvl_key, lvl_start, ar)) + (len(sizes), tail)
-
-
-def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int):
-    """(key_rank, row_thr, tile_keys) of every plane of scores (P1, P2, K) float32."""
-    P1, P2, K = scores.shape
-    Q = int(seqlen_q)
-    P = P1 * P2
-    flat = scores.reshape(P, K)
-    dev = flat.device
-    lvl0 = max(2 * window, 2 * tile_rows, 1024)
-    pos, pos32, lvl_key, lvl_start, ar, n_levels, tail = _levels(K, lvl0 if is_causal else K, dev)
-    # torch.sort(descending) puts NaN first and -inf last; stable keeps ties in index order.
-    order = torch.sort(flat, dim=-1, descending=True, stable=True).indices
-    ranks = torch.empty(P, K, dtype=torch.int32, device=dev)
-    ranks.scatter_(1, order, ar.expand(P, K))
-    ranks.masked_fill_(flat == float("-inf"), NEVER)
-    # Each torch op here costs host time of its own (tens of microseconds on some hosts), which at
-    # 32K is a good part of the call: the steps are as few as the sorts allow.
-    if n_levels > 1:
-        # Every level's keys in rank order, by one sort keyed by (level, rank); ineligible keys
-        # (NEVER, clamped to tail) after every eligible rank of their level.
-        r = ranks[:, pos].to(lvl_key.dtype).clamp_max_(tail)
-        orders = pos32[torch.sort(r.add_(lvl_key), dim=-1).indices]
-    else:
-        orders = order.to(torch.int32)
-    cap = list_cap(K, window, tile_rows)
-    n_tiles = -(-Q // tile_rows)
-    thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
-    # Entries past a list's length are never read; newidx is filled by the kernel.
-    keys = torch.empty(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
-    newidx = torch.empty((P, n_tiles, tile_rows), dtype=torch.int32, device=dev)
-    if n_tiles > 0 and P > 0:
-        _select_kernel[(n_tiles, P)](
-            orders,
-            lvl_start,
-            ranks,
-            thr,
-            keys,
-            newidx,
-            Q,
-            K,
-            window,
-            K - Q,
-            n_tiles,
-            cap,
-            n_levels,
-            lvl0,
-            CAUSAL=bool(is_causal),
-            TILE_ROWS=tile_rows,
-            SCAN=1024,
-            LB=256,
-            WIN=2 * tile_rows,
-            num_warps=4,
-        )
-    return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles * (1 + cap))
 
 
 # ----------------------------------------------------------------------------------- attention

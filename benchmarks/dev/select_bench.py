@@ -1,0 +1,85 @@
+"""The per-key selection alone (flexdma::topk_select on CUDA): GPU time by do_bench and CUDA events
+of a CUDA-graph replay (no host time), device launches per call, and a check against the CPU op.
+
+python -m benchmarks.dev.select_bench [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from triton.testing import do_bench
+
+import flexdma  # noqa: F401  (loads the ops)
+from flexdma import topk
+
+# (name, planes, K, W, tile rows)
+CASES = [
+    ("8K, 1 plane", 1, 8192, 2048, 128),
+    ("32K, 1 plane", 1, 32768, 2048, 128),
+    ("128K, 1 plane", 1, 131072, 2048, 128),
+    ("B=2 L=8K, 8 planes", 8, 8192, 2048, 128),
+    ("B=4 L=4K, 16 planes", 16, 4096, 2048, 128),
+    ("L=16K, 4 planes", 4, 16384, 2048, 128),
+]
+
+
+def launches(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def graph_us(fn, reps=50) -> float:
+    """GPU time of one call, replayed from a CUDA graph (what the kernels take without host time)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for name, P, K, W, tr in CASES:
+        torch.manual_seed(0)
+        scores = torch.exp(torch.randn(1, P, K, device="cuda")).to(torch.bfloat16)
+        fn = lambda: topk.select(scores, W, K, True, tr)  # noqa: E731
+        got = fn()
+        want = topk.select(scores.cpu(), W, K, True, tr)
+        ok = torch.equal(want.key_rank, got.key_rank.cpu()) and torch.equal(want.row_thr, got.row_thr.cpu())
+        r = dict(case=name, planes=P, K=K, W=W, tile_rows=tr, matches_cpu=ok)
+        r["do_bench_us"] = do_bench(fn, warmup=25, rep=100) * 1e3
+        r["graph_us"] = graph_us(fn)
+        r["launches"] = launches(fn)
+        rows.append(r)
+        print(r, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(rows=rows, gpu=torch.cuda.get_device_name()), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
