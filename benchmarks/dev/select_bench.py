@@ -74,6 +74,8 @@ def main():
         r["do_bench_us"] = do_bench(fn, warmup=25, rep=100) * 1e3
         r["graph_us"] = graph_us(fn)
         r["launches"] = launches(fn)
+        # Without query rows: the sorts and ranks alone (no walk items).
+        r["ranks_only_graph_us"] = graph_us(lambda: topk.select(scores, W, 0, True, tr))
         rows.append(r)
         print(r, flush=True)
     if args.out:

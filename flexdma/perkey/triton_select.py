@@ -31,7 +31,8 @@ import triton.language as tl
 from .contract import NEVER, list_cap
 
 _NEVER = tl.constexpr(NEVER)
-_PAD = tl.constexpr(2**63 - 1)  # the sort key of a chunk's slots past K: after every key
+_PAD = tl.constexpr(2**63 - 1)  # above every key: a masked probe's value
+_PAD_DESC = tl.constexpr(0x7FFFFFFF)  # the descending float key of a chunk's slots past K
 # -inf's descending float key: eligible keys have a smaller one.
 _NEG_INF_DESC = tl.constexpr(0x7F800000)
 
@@ -67,45 +68,78 @@ def _publish(counter):
 
 
 @triton.jit
-def _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, c, P2, K, NC, C: tl.constexpr):
-    j = c * C + tl.arange(0, C)
+def _keys_of(score_ptr, ssb, ssh, ssk, p, j, P2, K):
     src = score_ptr + (p // P2).to(tl.int64) * ssb + (p % P2).to(tl.int64) * ssh + j.to(tl.int64) * ssk
     s = tl.load(src, mask=j < K, other=0.0)
-    key = tl.where(j < K, _sort_key(s, j), _PAD)
-    tl.store(sorted_ptr + (p.to(tl.int64) * NC + c) * C + tl.arange(0, C), tl.sort(key))
+    # Slots past K: distinct keys after every real one (the descending float key 0x7FFFFFFF is
+    # above -inf's).
+    return tl.where(j < K, _sort_key(s, j), (tl.full(j.shape, _PAD_DESC, tl.int64) << 32) | j.to(tl.int64))
 
 
 @triton.jit
-def _rank_chunk(
-    sorted_ptr, rank_ptr, order_ptr, p, c, K, NC, lvl0, n_levels, plane_stride, C: tl.constexpr, LOG2C: tl.constexpr
+def _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, c, P2, K, NC, C: tl.constexpr, KB: tl.constexpr):
+    # Each key's place in its chunk is the number of the chunk's keys below it (the keys are
+    # distinct), counted KB at a time: plain compares and sums, no data exchange between threads
+    # but the reductions.
+    j = c * C + tl.arange(0, C)
+    key = _keys_of(score_ptr, ssb, ssh, ssk, p, j, P2, K)
+    below = tl.zeros([C], tl.int32)
+    for k0 in range(0, C, KB):
+        other = _keys_of(score_ptr, ssb, ssh, ssk, p, c * C + k0 + tl.arange(0, KB), P2, K)
+        below += tl.sum((other[None, :] < key[:, None]).to(tl.int32), 1)
+    tl.store(sorted_ptr + (p.to(tl.int64) * NC + c) * C + below, key)
+
+
+@triton.jit
+def _rank_block(
+    sorted_ptr,
+    rank_ptr,
+    order_ptr,
+    p,
+    c,
+    h,
+    K,
+    NC,
+    lvl0,
+    n_levels,
+    plane_stride,
+    C: tl.constexpr,
+    LOG2C: tl.constexpr,
+    BK: tl.constexpr,
+    G: tl.constexpr,
 ):
+    # Keys [h BK, (h + 1) BK) of sorted chunk c: their counts in G chunks at a time (G binary
+    # searches side by side, so the chain of dependent loads is NC / G searches long).
     base = sorted_ptr + p.to(tl.int64) * NC * C
-    mine = tl.load(base + c * C + tl.arange(0, C))
-    valid = mine != _PAD
+    mine = tl.load(base + c * C + h * BK + tl.arange(0, BK))
+    desc = (mine >> 32).to(tl.int32)
+    valid = desc != _PAD_DESC
     j = (mine & 0xFFFFFFFF).to(tl.int32)
-    eligible = (mine >> 32).to(tl.int32) != _NEG_INF_DESC
     order = order_ptr + p.to(tl.int64) * plane_stride
-    cnt = tl.zeros([C], tl.int32)
+    g = tl.arange(0, G)
+    cnt = tl.zeros([BK], tl.int32)
     lvl = tl.zeros([], tl.int32)
     lvl_end = tl.where(n_levels == 1, NC, lvl0 // C)  # chunks of level 0
-    for c2 in range(0, NC):
-        # The number of chunk c2's keys that sort before each of mine (chunks are padded to C, a
-        # power of two; the slots past K sort last).
-        a = base + c2 * C
-        pos = tl.zeros([C], tl.int32)
+    for c0 in range(0, NC, G):
+        live = (c0 + g) < NC
+        a = base + (c0 + g).to(tl.int64) * C
+        pos = tl.zeros([BK, G], tl.int32)
         for k in tl.static_range(LOG2C):
-            probe = tl.load(a + pos + ((C >> 1) >> k) - 1)
-            pos = tl.where(probe < mine, pos + ((C >> 1) >> k), pos)
-        pos = tl.where(tl.load(a + pos) < mine, pos + 1, pos)
-        cnt += pos
-        if c2 + 1 == lvl_end:
-            # Level lvl is [0, T) with T = lvl0 << lvl (the last one: K): cnt is a member's place
-            # in its rank order. Levels lie side by side in a plane, each starting where the
-            # sizes of the ones before it end.
+            probe = tl.load(a[None, :] + pos + ((C >> 1) >> k) - 1, mask=live[None, :], other=_PAD)
+            pos = tl.where(probe < mine[:, None], pos + ((C >> 1) >> k), pos)
+        pos = tl.where(tl.load(a[None, :] + pos, mask=live[None, :], other=_PAD) < mine[:, None], pos + 1, pos)
+        upto = tl.cumsum(pos, 1) + cnt[:, None]  # counts through chunk c0 + g
+        # Levels ending in this group: level lvl is [0, T) with T = lvl0 << lvl (the last one: K),
+        # and a member's count through its last chunk is its place in the level's rank order.
+        # Levels lie side by side in a plane, each starting where the sizes of the ones before end.
+        while (lvl < n_levels) & (lvl_end <= c0 + G):
+            at = tl.sum(tl.where(g[None, :] == lvl_end - 1 - c0, upto, 0), 1)
             T = tl.where(lvl == n_levels - 1, K, lvl0 << lvl)
-            tl.store(order + lvl0 * ((1 << lvl) - 1) + cnt, j, mask=valid & (j < T))
+            tl.store(order + lvl0 * ((1 << lvl) - 1) + at, j, mask=valid & (j < T))
             lvl += 1
             lvl_end = tl.where(lvl == n_levels - 1, NC, (lvl0 << lvl) // C)
+        cnt = tl.sum(tl.where(live[None, :], pos, 0), 1) + cnt
+    eligible = desc != _NEG_INF_DESC
     tl.store(rank_ptr + p.to(tl.int64) * K + j, tl.where(eligible, cnt, _NEVER), mask=valid)
 
 
@@ -274,6 +308,9 @@ def _select_kernel(
     plane_stride,
     C: tl.constexpr,
     LOG2C: tl.constexpr,
+    KB: tl.constexpr,
+    BK: tl.constexpr,
+    G: tl.constexpr,
     CAUSAL: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     SCAN: tl.constexpr,
@@ -282,23 +319,27 @@ def _select_kernel(
     RB: tl.constexpr,
 ):
     # counters: [0] the next work item; [1, 1 + P) each plane's finished sorts; [1 + P, 1 + 2 P)
-    # its finished ranks.
+    # its finished rank blocks.
     item = tl.atomic_add(counters, 1)
-    n_chunk_items = P * NC
-    if item < n_chunk_items:
+    n_sort = P * NC
+    n_rank = n_sort * (C // BK)
+    if item < n_sort:
         p = item // NC
-        _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, item % NC, P2, K, NC, C)
+        _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, item % NC, P2, K, NC, C, KB)
         _publish(counters + 1 + p)
-    elif item < 2 * n_chunk_items:
-        i = item - n_chunk_items
-        p = i // NC
+    elif item < n_sort + n_rank:
+        i = item - n_sort
+        p = i // (NC * (C // BK))
+        c = (i // (C // BK)) % NC
         _wait(counters + 1 + p, NC)
-        _rank_chunk(sorted_ptr, rank_ptr, order_ptr, p, i % NC, K, NC, lvl0, n_levels, plane_stride, C, LOG2C)
+        _rank_block(
+            sorted_ptr, rank_ptr, order_ptr, p, c, i % (C // BK), K, NC, lvl0, n_levels, plane_stride, C, LOG2C, BK, G
+        )
         _publish(counters + 1 + P + p)
     else:
-        i = item - 2 * n_chunk_items
+        i = item - n_sort - n_rank
         p = i // n_tiles
-        _wait(counters + 1 + P + p, NC)
+        _wait(counters + 1 + P + p, NC * (C // BK))
         _walk_tile(
             order_ptr,
             rank_ptr,
@@ -325,14 +366,14 @@ def _select_kernel(
         )
 
 
+# Keys per sorted chunk (a power of two; a chunk's sort compares every pair of its keys), the keys
+# a chunk's sort compares at a time, the keys of a rank item and the chunks it searches at a time.
+_KB, _BK, _G = 16, 256, 16
+
+
 def chunk_size(K: int) -> tuple:
-    """(keys per sorted chunk, warps per program): larger chunks past 32K keys, so that the rank
-    items' binary searches (K / C chunks each) stay few."""
-    if K <= 32768:
-        return 1024, 4
-    if K <= 131072:
-        return 2048, 4
-    return 4096, 8
+    """(keys per sorted chunk, warps per program)."""
+    return 1024, 4
 
 
 def levels(K: int, window: int, tile_rows: int, chunk: int, is_causal: bool) -> tuple:
@@ -356,6 +397,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     P = P1 * P2
     dev = scores.device
     C, warps = chunk_size(K)
+    KB, BK, G = _KB, min(_BK, C), _G
     NC = -(-K // C)
     lvl0, n_levels = levels(K, window, tile_rows, C, is_causal)
     plane_stride = lvl0 * ((1 << (n_levels - 1)) - 1) + K
@@ -365,7 +407,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
     # Entries past a list's length are never read.
     keys = torch.empty(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
-    items = P * (2 * NC + n_tiles)
+    items = P * (NC + NC * (C // BK) + n_tiles)
     if items > 0:
         sorted_keys = torch.empty(P * NC * C, dtype=torch.int64, device=dev)
         orders = torch.empty(P * plane_stride, dtype=torch.int32, device=dev)
@@ -397,6 +439,9 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
             plane_stride,
             C=C,
             LOG2C=C.bit_length() - 1,
+            KB=KB,
+            BK=BK,
+            G=G,
             CAUSAL=bool(is_causal),
             TILE_ROWS=tile_rows,
             SCAN=1024,
