@@ -354,6 +354,71 @@ def test_compile_fullgraph_and_export():
     torch.testing.assert_close(ep.module()(q, k, v, pad, bias), eager)
 
 
+def _graph_inputs(seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, L, H, KVH, D = 2, 700, 4, 2, 128
+    q, k, v = (torch.randn(B, L, h, D, device="cuda", generator=g).bfloat16() for h in (H, KVH, KVH))
+    bias = torch.randn(B, KVH, 1, L, device="cuda", generator=g).exp().bfloat16()
+    dout = torch.randn(B, L, H, D, device="cuda", generator=g).bfloat16()
+    return q, k, v, bias, dout
+
+
+def _train_call(q, k, v, bias, dout):
+    out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=96)
+    return (out,) + torch.autograd.grad(out, (q, k, v, bias), dout)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_forward_and_backward():
+    # The per-key path's training call (selection, forward, backward) captured in one CUDA graph
+    # (no host synchronisation inside), replayed on new inputs, against eager calls on them.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    static = [t.clone().requires_grad_(i < 4) for i, t in enumerate(_graph_inputs(0))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _train_call(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _train_call(*static)
+    for seed in (1, 2):
+        fresh = _graph_inputs(seed)
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+        for o in outs:
+            o.fill_(float("nan"))  # poison: the replay must write every element
+        graph.replay()
+        want = _train_call(*[t.clone().requires_grad_(i < 4) for i, t in enumerate(fresh)])
+        for got, ref in zip(outs, want):
+            assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+def test_cuda_compile_reduce_overhead():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+
+    def step(q, k, v, bias, dout):
+        out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=96)
+        (out.float() * dout.float()).sum().backward()
+        return out
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for seed in (0, 1, 2):
+        ins = [t.requires_grad_(i < 4) for i, t in enumerate(_graph_inputs(seed))]
+        got = compiled(*ins).clone()
+        grads = [t.grad.clone() for t in ins[:4]]
+        ref_ins = [t.detach().clone().requires_grad_(i < 4) for i, t in enumerate(ins)]
+        want = step(*ref_ins)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        for a, b in zip(grads, ref_ins[:4]):
+            torch.testing.assert_close(a, b.grad, atol=2e-2, rtol=2e-2)
+
+
 def test_dynamic_bias_matches_doge_formula():
     B, K, KVH, D = 2, 10, 2, 8
     v = torch.randn(B, K, KVH, D, dtype=torch.float64)

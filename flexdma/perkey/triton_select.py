@@ -53,10 +53,12 @@ def _sort_key(s, j):
 
 @triton.jit
 def _wait(counter, target):
-    # Acquire: the plane's items before this one published their stores before counting.
-    n = tl.atomic_add(counter, 0, sem="acquire")
-    while n < target:
-        n = tl.atomic_add(counter, 0, sem="acquire")
+    # Polled with plain (volatile, uncached) loads: atomics on the one address from every waiting
+    # program would queue in front of the publishing ones. Then an acquire: the plane's items
+    # published their stores before counting.
+    while tl.load(counter, volatile=True) < target:
+        pass
+    tl.atomic_add(counter, 0, sem="acquire")
     tl.debug_barrier()
 
 
@@ -77,15 +79,15 @@ def _keys_of(score_ptr, ssb, ssh, ssk, p, j, P2, K):
 
 
 @triton.jit
-def _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, c, P2, K, NC, C: tl.constexpr, KB: tl.constexpr):
-    # Each key's place in its chunk is the number of the chunk's keys below it (the keys are
-    # distinct), counted KB at a time: plain compares and sums, no data exchange between threads
-    # but the reductions.
-    j = c * C + tl.arange(0, C)
+def _sort_block(score_ptr, ssb, ssh, ssk, sorted_ptr, p, c, sub, P2, K, NC, C: tl.constexpr, SB: tl.constexpr):
+    # Keys [sub SB, (sub + 1) SB) of chunk c: each key's place in the chunk is the number of the
+    # chunk's keys below it (the keys are distinct): SB x SB compares C / SB times, the loads of
+    # the blocks independent of each other.
+    j = c * C + sub * SB + tl.arange(0, SB)
     key = _keys_of(score_ptr, ssb, ssh, ssk, p, j, P2, K)
-    below = tl.zeros([C], tl.int32)
-    for k0 in range(0, C, KB):
-        other = _keys_of(score_ptr, ssb, ssh, ssk, p, c * C + k0 + tl.arange(0, KB), P2, K)
+    below = tl.zeros([SB], tl.int32)
+    for k in tl.static_range(C // SB):
+        other = _keys_of(score_ptr, ssb, ssh, ssk, p, c * C + k * SB + tl.arange(0, SB), P2, K)
         below += tl.sum((other[None, :] < key[:, None]).to(tl.int32), 1)
     tl.store(sorted_ptr + (p.to(tl.int64) * NC + c) * C + below, key)
 
@@ -149,7 +151,7 @@ def _walk_tile(
     rank_ptr,
     thr_ptr,
     keys_ptr,
-    new_ptr,
+    scratch_ptr,
     pl,
     t,
     Q,
@@ -164,7 +166,6 @@ def _walk_tile(
     CAUSAL: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     SCAN: tl.constexpr,
-    LB: tl.constexpr,
     WIN: tl.constexpr,
     RB: tl.constexpr,
 ):
@@ -189,8 +190,10 @@ def _walk_tile(
     ranks = rank_ptr + pl * K
     head = keys_ptr + (pl * n_tiles + t) * (1 + cap)
     lst = head + 1
-    newidx = new_ptr + (pl * n_tiles + t) * TILE_ROWS
-    # A new key's list index, NEVER where none: every slot written before the scan fills some.
+    # The tile's scratch: the listed keys' ranks (beside lst), and each new key's list index.
+    lst_rank = scratch_ptr + (pl * n_tiles + t) * (cap + TILE_ROWS)
+    newidx = lst_rank + cap
+    # NEVER where no new key is listed: every slot written before the scan fills some.
     tl.store(newidx + tl.arange(0, TILE_ROWS), tl.full([TILE_ROWS], _NEVER, tl.int32))
     tl.debug_barrier()
 
@@ -198,6 +201,13 @@ def _walk_tile(
     # most that rank), the keys the last row can see. A key visible to the last row but not the
     # first ("new", at most TILE_ROWS - 1) also leaves its list index in newidx. A level's
     # ineligible keys (rank NEVER) sort after its eligible ones: the first one ends the scan.
+    # Base keys (seen by the first row) are visible to every row and a row sees at most
+    # TILE_ROWS - 1 keys more than the first, so every row's threshold lies between the
+    # (W - TILE_ROWS + 1)-th base key and the W-th: a window of < 2 TILE_ROWS list entries from
+    # `start`, found during the scan (the list index of the base key `before` base keys follow).
+    s_need = W - TILE_ROWS + 1
+    start = tl.full([], 2147483647, tl.int32)
+    last_base = tl.zeros([], tl.int32)
     seen = tl.zeros([], tl.int32)
     n = tl.zeros([], tl.int32)
     r = tl.zeros([], tl.int32)
@@ -205,52 +215,40 @@ def _walk_tile(
     while more & (r < n_lvl) & (seen < W):
         offs = r + tl.arange(0, SCAN)
         pos = tl.load(order + offs, mask=offs < n_lvl, other=0)
-        valid = (offs < n_lvl) & (tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER) != _NEVER)
+        rk = tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER)
+        valid = (offs < n_lvl) & (rk != _NEVER)
         more = tl.sum(valid.to(tl.int32), 0) == SCAN
-        base = (valid & (pos <= p_first)).to(tl.int32)
+        is_base = valid & (pos <= p_first)
+        base = is_base.to(tl.int32)
         before = tl.cumsum(base, 0) - base + seen
         ok = before < W
         take = valid & (pos <= p_last) & ok
         take_i = take.to(tl.int32)
         at = n + tl.cumsum(take_i, 0) - 1
         tl.store(lst + at, pos, mask=take)
+        tl.store(lst_rank + at, rk, mask=take)
         tl.store(newidx + (pos - p_first - 1), at, mask=take & (pos > p_first))
+        taken_base = take & is_base
+        start = tl.minimum(start, tl.min(tl.where(taken_base & (before == s_need - 1), at, 2147483647), 0))
+        last_base = tl.maximum(last_base, tl.max(tl.where(taken_base, at, 0), 0))
         n += tl.sum(take_i, 0)
         seen += tl.sum(base * ok.to(tl.int32), 0)
         r += SCAN
     tl.debug_barrier()
-
-    # Row i's threshold is the rank where its count of visible listed keys reaches W (or its last
-    # visible one). Base keys (seen by the first row) are visible to every row and a row sees at
-    # most TILE_ROWS - 1 keys more than the first, so every threshold lies between the
-    # (W - TILE_ROWS + 1)-th base key and the W-th: a window of < 2 TILE_ROWS list entries.
-    # Pass 1 (1-D over the list) finds the window's start; pass 2 counts per row inside it.
-    s_need = W - TILE_ROWS + 1
-    nbase = tl.zeros([], tl.int32)
-    start = tl.full([], 2147483647, tl.int32)
-    last_base = tl.zeros([], tl.int32)
-    for e0 in range(0, n, LB):
-        e = e0 + tl.arange(0, LB)
-        ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=_NEVER)
-        is_base = ev & (pos <= p_first)
-        cb = tl.cumsum(is_base.to(tl.int32), 0) + nbase
-        start = tl.minimum(start, tl.min(tl.where(is_base & (cb == s_need), e, 2147483647), 0))
-        last_base = tl.maximum(last_base, tl.max(tl.where(is_base, e, 0), 0))
-        nbase += tl.sum(is_base.to(tl.int32), 0)
     full = start < 2147483647
     # W < TILE_ROWS: new keys alone can fill a row, the window starts at the list's start. Fewer
     # base keys than s_need: no row reaches W, each keeps up to its last visible key, and only
-    # new keys follow the last base key.
+    # new keys follow the last base key. `seen`: the listed base keys.
     start = tl.where(s_need <= 0, 0, tl.where(full, start, last_base))
-    base_before = tl.where(s_need <= 0, 0, tl.where(full, s_need - 1, tl.maximum(nbase - 1, 0)))
+    base_before = tl.where(s_need <= 0, 0, tl.where(full, s_need - 1, tl.maximum(seen - 1, 0)))
 
-    # The window's entries once; the rows in blocks of RB (a TILE_ROWS x WIN block would not fit
-    # the registers).
+    # Row i's threshold is the rank where its count of visible listed keys reaches W (or its last
+    # visible one), counted inside the window; the rows in blocks of RB (a TILE_ROWS x WIN block
+    # would not fit the registers).
     ew = start + tl.arange(0, WIN)
     evw = ew < n
     posw = tl.load(lst + ew, mask=evw, other=_NEVER)
-    rkw = tl.load(ranks + posw, mask=evw, other=_NEVER)
+    rkw = tl.load(lst_rank + ew, mask=evw, other=_NEVER)
     qn = tl.arange(0, TILE_ROWS)
     at_n = tl.load(newidx + qn)
     top = tl.full([], -1, tl.int32)
@@ -270,15 +268,9 @@ def _walk_tile(
         tl.store(thr_ptr + pl * Q + rows, thr, mask=row_ok)
         top = tl.maximum(top, tl.max(tl.where(row_ok, thr, -1), 0))
 
-    # Keep the prefix of the list some row keeps (the list is in rank order).
-    m = tl.zeros([], tl.int32)
-    for e0 in range(0, n, LB):
-        e = e0 + tl.arange(0, LB)
-        ev = e < n
-        pos = tl.load(lst + e, mask=ev, other=0)
-        rk = tl.load(ranks + pos, mask=ev, other=_NEVER)
-        m += tl.sum((ev & (rk <= top)).to(tl.int32), 0)
-    tl.store(head, m)
+    # Keep the prefix of the list some row keeps: the list is in rank order and the largest
+    # threshold is the rank of a window entry, so the prefix ends at that entry.
+    tl.store(head, tl.max(tl.where(evw & (rkw <= top), ew + 1, 0), 0))
 
 
 @triton.jit
@@ -292,7 +284,7 @@ def _select_kernel(
     rank_ptr,
     thr_ptr,
     keys_ptr,
-    new_ptr,
+    scratch_ptr,
     counters,
     P,
     P2,
@@ -308,32 +300,45 @@ def _select_kernel(
     plane_stride,
     C: tl.constexpr,
     LOG2C: tl.constexpr,
-    KB: tl.constexpr,
+    SB: tl.constexpr,
     BK: tl.constexpr,
     G: tl.constexpr,
     CAUSAL: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     SCAN: tl.constexpr,
-    LB: tl.constexpr,
     WIN: tl.constexpr,
     RB: tl.constexpr,
 ):
-    # counters: [0] the next work item; [1, 1 + P) each plane's finished sorts; [1 + P, 1 + 2 P)
-    # its finished rank blocks.
+    # counters: [0] the next work item; [1, 1 + P) each plane's finished sort blocks; [1 + P,
+    # 1 + 2 P) its finished rank blocks.
     item = tl.atomic_add(counters, 1)
-    n_sort = P * NC
-    n_rank = n_sort * (C // BK)
+    n_sort = P * NC * (C // SB)
+    n_rank = P * NC * (C // BK)
     if item < n_sort:
-        p = item // NC
-        _sort_chunk(score_ptr, ssb, ssh, ssk, sorted_ptr, p, item % NC, P2, K, NC, C, KB)
+        p = item // (NC * (C // SB))
+        i = item % (NC * (C // SB))
+        _sort_block(score_ptr, ssb, ssh, ssk, sorted_ptr, p, i // (C // SB), i % (C // SB), P2, K, NC, C, SB)
         _publish(counters + 1 + p)
     elif item < n_sort + n_rank:
-        i = item - n_sort
-        p = i // (NC * (C // BK))
-        c = (i // (C // BK)) % NC
-        _wait(counters + 1 + p, NC)
+        p = (item - n_sort) // (NC * (C // BK))
+        i = (item - n_sort) % (NC * (C // BK))
+        _wait(counters + 1 + p, NC * (C // SB))
         _rank_block(
-            sorted_ptr, rank_ptr, order_ptr, p, c, i % (C // BK), K, NC, lvl0, n_levels, plane_stride, C, LOG2C, BK, G
+            sorted_ptr,
+            rank_ptr,
+            order_ptr,
+            p,
+            i // (C // BK),
+            i % (C // BK),
+            K,
+            NC,
+            lvl0,
+            n_levels,
+            plane_stride,
+            C,
+            LOG2C,
+            BK,
+            G,
         )
         _publish(counters + 1 + P + p)
     else:
@@ -345,7 +350,7 @@ def _select_kernel(
             rank_ptr,
             thr_ptr,
             keys_ptr,
-            new_ptr,
+            scratch_ptr,
             p,
             i % n_tiles,
             Q,
@@ -360,19 +365,18 @@ def _select_kernel(
             CAUSAL,
             TILE_ROWS,
             SCAN,
-            LB,
             WIN,
             RB,
         )
 
 
-# Keys per sorted chunk (a power of two; a chunk's sort compares every pair of its keys), the keys
-# a chunk's sort compares at a time, the keys of a rank item and the chunks it searches at a time.
-_KB, _BK, _G = 16, 256, 16
+# A sort item's keys (it compares them with every key of its chunk); a rank item's keys and the
+# chunks it searches at a time.
+SORT_BLOCK, RANK_BLOCK, RANK_GROUP = 128, 128, 32
 
 
 def chunk_size(K: int) -> tuple:
-    """(keys per sorted chunk, warps per program)."""
+    """(keys per sorted chunk, a power of two; warps per program)."""
     return 1024, 4
 
 
@@ -397,7 +401,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     P = P1 * P2
     dev = scores.device
     C, warps = chunk_size(K)
-    KB, BK, G = _KB, min(_BK, C), _G
+    SB, BK, G = min(SORT_BLOCK, C), min(RANK_BLOCK, C), RANK_GROUP
     NC = -(-K // C)
     lvl0, n_levels = levels(K, window, tile_rows, C, is_causal)
     plane_stride = lvl0 * ((1 << (n_levels - 1)) - 1) + K
@@ -407,11 +411,11 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     thr = torch.empty(P, Q, dtype=torch.int32, device=dev)
     # Entries past a list's length are never read.
     keys = torch.empty(P, n_tiles, 1 + cap, dtype=torch.int32, device=dev)
-    items = P * (NC + NC * (C // BK) + n_tiles)
+    items = P * (NC * (C // SB) + NC * (C // BK) + n_tiles)
     if items > 0:
         sorted_keys = torch.empty(P * NC * C, dtype=torch.int64, device=dev)
         orders = torch.empty(P * plane_stride, dtype=torch.int32, device=dev)
-        newidx = torch.empty(P * n_tiles * tile_rows, dtype=torch.int32, device=dev)
+        scratch = torch.empty(P * n_tiles * (cap + tile_rows), dtype=torch.int32, device=dev)
         counters = torch.zeros(1 + 2 * P, dtype=torch.int32, device=dev)
         _select_kernel[(items,)](
             scores,
@@ -423,7 +427,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
             ranks,
             thr,
             keys,
-            newidx,
+            scratch,
             counters,
             P,
             P2,
@@ -439,13 +443,12 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
             plane_stride,
             C=C,
             LOG2C=C.bit_length() - 1,
-            KB=KB,
+            SB=SB,
             BK=BK,
             G=G,
             CAUSAL=bool(is_causal),
             TILE_ROWS=tile_rows,
             SCAN=1024,
-            LB=256,
             WIN=2 * tile_rows,
             RB=min(32, tile_rows),
             num_warps=warps,
