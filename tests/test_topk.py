@@ -393,8 +393,11 @@ def test_cuda_graph_replays_forward_and_backward():
             o.fill_(float("nan"))  # poison: the replay must write every element
         graph.replay()
         want = _train_call(*[t.clone().requires_grad_(i < 4) for i, t in enumerate(fresh)])
-        for got, ref in zip(outs, want):
-            assert torch.equal(got, ref)
+        assert torch.equal(outs[0], want[0])
+        # dk, dv and dbias are float32 sums by atomics: equal up to the order of the adds.
+        for got, ref in zip(outs[1:], want[1:]):
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
