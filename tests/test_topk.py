@@ -217,7 +217,7 @@ def test_cpu_and_cuda_selection_agree():
 
 
 def test_cuda_selection_at_every_chunk_size():
-    # 1024-, 2048- and 4096-key chunks (flexdma/perkey/triton_select.py's chunk_size), bf16 scores
+    # 1024- and 4096-key chunks (flexdma/perkey/triton_select.py's chunk_size), bf16 scores
     # read through a strided view, against the CPU op.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

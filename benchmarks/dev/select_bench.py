@@ -16,14 +16,15 @@ from triton.testing import do_bench
 import flexdma  # noqa: F401  (loads the ops)
 from flexdma import topk
 
-# (name, planes, K, W, tile rows)
+# (name, planes, K, Q, W, tile rows)
 CASES = [
-    ("8K, 1 plane", 1, 8192, 2048, 128),
-    ("32K, 1 plane", 1, 32768, 2048, 128),
-    ("128K, 1 plane", 1, 131072, 2048, 128),
-    ("B=2 L=8K, 8 planes", 8, 8192, 2048, 128),
-    ("B=4 L=4K, 16 planes", 16, 4096, 2048, 128),
-    ("L=16K, 4 planes", 4, 16384, 2048, 128),
+    ("8K, 1 plane", 1, 8192, 8192, 2048, 128),
+    ("32K, 1 plane", 1, 32768, 32768, 2048, 128),
+    ("128K, 1 plane", 1, 131072, 131072, 2048, 128),
+    ("B=2 L=8K, 8 planes", 8, 8192, 8192, 2048, 128),
+    ("B=4 L=4K, 16 planes", 16, 4096, 4096, 2048, 128),
+    ("L=16K, 4 planes", 4, 16384, 16384, 2048, 128),
+    ("decode Q=1 K=512K", 1, 524288, 1, 1024, 128),
 ]
 
 
@@ -61,16 +62,18 @@ def graph_us(fn, reps=50) -> float:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
     rows = []
-    for name, P, K, W, tr in CASES:
+    ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
+    args = ap.parse_args()
+    chosen = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else CASES
+    for name, P, K, Q, W, tr in chosen:
         torch.manual_seed(0)
         scores = torch.exp(torch.randn(1, P, K, device="cuda")).to(torch.bfloat16)
-        fn = lambda: topk.select(scores, W, K, True, tr)  # noqa: E731
+        fn = lambda: topk.select(scores, W, Q, True, tr)  # noqa: E731
         got = fn()
-        want = topk.select(scores.cpu(), W, K, True, tr)
+        want = topk.select(scores.cpu(), W, Q, True, tr)
         ok = torch.equal(want.key_rank, got.key_rank.cpu()) and torch.equal(want.row_thr, got.row_thr.cpu())
-        r = dict(case=name, planes=P, K=K, W=W, tile_rows=tr, matches_cpu=ok)
+        r = dict(case=name, planes=P, K=K, Q=Q, W=W, tile_rows=tr, matches_cpu=ok)
         r["do_bench_us"] = do_bench(fn, warmup=25, rep=100) * 1e3
         r["graph_us"] = graph_us(fn)
         r["launches"] = launches(fn)

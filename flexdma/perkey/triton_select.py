@@ -376,8 +376,10 @@ SORT_BLOCK, RANK_BLOCK, RANK_GROUP = 128, 128, 32
 
 
 def chunk_size(K: int) -> tuple:
-    """(keys per sorted chunk, a power of two; warps per program)."""
-    return 1024, 4
+    """(keys per sorted chunk, a power of two; warps per program). A rank item searches K / C
+    chunks, a sort item compares its keys with C: past 128K keys the chunks grow to keep the
+    searches at most 128 per key."""
+    return (1024 if K <= 131072 else 4096), 4
 
 
 def levels(K: int, window: int, tile_rows: int, chunk: int, is_causal: bool) -> tuple:
