@@ -11,6 +11,7 @@ import torch.nn as nn
 from .api import flash_dma_attention
 from .dynamic import dynamic_bias, dynamic_mask_attention
 from .perkey import contract as perkey
+from .perkey import decode
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
 
@@ -36,12 +37,21 @@ class DMACache(tuple):
     """The cache DynamicMaskAttention returns with use_cache=True: the (key, value) pair of the old
     tuple form (it unpacks and indexes the same), plus what lets a decode step skip the selection
     over all keys: the per-key bias (B, KVH, K), the padding mask (B, K), and the kept set of the
-    last row, `sel_idx` / `sel_valid` (B, KVH, W): at most W key indices per (batch, kv head)."""
+    last row (flexdma.perkey.decode.KeptSet): at most W key indices per (batch, kv head),
+    `sel_idx` / `sel_valid` (B, KVH, W), with their scores."""
 
-    def __new__(cls, bufs, length: int, sel_idx: torch.Tensor, sel_valid: torch.Tensor):
+    def __new__(cls, bufs, length: int, kept: decode.KeptSet):
         self = super().__new__(cls, (bufs[0][:, :length], bufs[1][:, :length]))
-        self._bufs, self.length, self.sel_idx, self.sel_valid = bufs, length, sel_idx, sel_valid
+        self._bufs, self.length, self.kept_set = bufs, length, kept
         return self
+
+    @property
+    def sel_idx(self) -> torch.Tensor:
+        return self.kept_set.idx
+
+    @property
+    def sel_valid(self) -> torch.Tensor:
+        return self.kept_set.valid
 
     @property
     def bias(self) -> torch.Tensor:
@@ -54,26 +64,16 @@ class DMACache(tuple):
     @classmethod
     def from_full(cls, key, value, bias, padding, window: int) -> "DMACache":
         """After a forward over all K keys: the last row sees every key, so its kept set is the
-        top-W eligible keys by (score desc, index asc), read off flexdma.perkey's ranks."""
+        top-W eligible keys by (score desc, index asc)."""
         B, K = key.shape[:2]
         if padding is None:
             padding = torch.ones(B, K, dtype=torch.bool, device=key.device)
-        scores = perkey.selection_scores(bias.detach(), padding[:, None, None, :], bias.shape[1])
-        sel = perkey.select(scores, window, 1, False, perkey.CPU_TILE_ROWS)
-        n = min(window, K)
-        rank = sel.key_rank.expand(B, bias.shape[1], K)
-        best = torch.topk(rank, n, dim=-1, largest=False).indices
-        valid = rank.gather(-1, best) <= sel.row_thr.expand(B, bias.shape[1], 1)
-        if n < window:  # free slots, filled as keys arrive
-            best = torch.cat((best, best.new_zeros(B, bias.shape[1], window - n)), -1)
-            valid = torch.cat((valid, valid.new_zeros(B, bias.shape[1], window - n)), -1)
-        return cls((key, value, bias[:, :, 0, :], padding), K, best, valid)
+        scores = bias.detach()[:, :, 0, :].expand(B, -1, K).masked_fill(~padding[:, None, :], float("-inf"))
+        return cls((key, value, bias[:, :, 0, :], padding), K, decode.last_row(scores, window))
 
     def step(self, key, value, bias, padding) -> "DMACache":
         """Append one key (key, value (B, 1, KVH, D), bias (B, KVH, 1, 1), padding (B,)) and update
-        the kept set in O(W): the new key enters if there is a free slot or its score beats the
-        worst kept one (the lowest score, the highest index among equal ones); a tie keeps the older
-        key. No selection over all keys (fact 5 of the per-key selection note)."""
+        the kept set in O(W) (flexdma.perkey.decode.append): no selection over all keys."""
         n = self.length
         bufs = (
             _append(self._bufs[0], n, key, 1),
@@ -81,28 +81,21 @@ class DMACache(tuple):
             _append(self._bufs[2], n, bias[:, :, 0, :], 2),
             _append(self._bufs[3], n, padding[:, None], 1),
         )
-        idx, valid = self.sel_idx, self.sel_valid
-        s_new = bias[:, :, 0, 0].float()
-        eligible = padding[:, None] & (s_new != float("-inf"))
-        kept = self.bias.float().gather(-1, idx).masked_fill(~valid, float("inf"))
-        worst = kept.min(-1).values
-        worst_slot = idx.masked_fill(~(valid & (kept == worst[..., None])), -1).argmax(-1)
-        free = ~valid.all(-1)
-        slot = torch.where(free, (~valid).int().argmax(-1), worst_slot)
-        enter = eligible & (free | (s_new > worst))
-        upd = (torch.arange(idx.shape[-1], device=idx.device) == slot[..., None]) & enter[..., None]
-        return DMACache(bufs, n + 1, torch.where(upd, n, idx), valid | upd)
+        s_new = bias[:, :, 0, 0].expand(self.kept_set.idx.shape[:2])
+        eligible = padding[:, None].expand(s_new.shape)
+        return DMACache(bufs, n + 1, decode.append(self.kept_set, s_new.detach(), n, eligible))
 
     def kept(self):
         """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
         a gather of W rows."""
-        B, W = self.sel_idx.shape[0], self.sel_idx.shape[-1]
-        rows = self.sel_idx.transpose(1, 2)[..., None].expand(B, W, self.sel_idx.shape[1], self[0].shape[-1])
+        idx = self.kept_set.idx
+        B, W = idx.shape[0], idx.shape[-1]
+        rows = idx.transpose(1, 2)[..., None].expand(B, W, idx.shape[1], self[0].shape[-1])
         return (
             self[0].gather(1, rows),
             self[1].gather(1, rows),
-            self.bias.gather(-1, self.sel_idx)[:, :, None, :],
-            self.sel_valid[:, :, None, :],
+            self.kept_set.score[:, :, None, :],
+            self.kept_set.valid[:, :, None, :],
         )
 
 
@@ -206,8 +199,8 @@ class DynamicMaskAttention(nn.Module):
                     f"attention_mask must be a bool (batch, {total}) padding mask, got "
                     f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
                 )
-        decode = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
-        if decode and S == 1:
+        decoding = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
+        if decoding and S == 1:
             # Decoding: the kept set is updated with the new key and attended to, O(W) -- the earlier
             # columns of attention_mask must be the ones the cache was built with.
             pad = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, -1]

@@ -196,3 +196,95 @@ def test_patch_doge_checks_the_forward_it_replaces(monkeypatch):
     monkeypatch.setattr(DogeAttention, "forward", forward)
     with pytest.raises(TypeError, match="unknown: \\('new_arg',\\)"):
         fx.patch_doge(eager)
+
+
+def _count_decode_steps(monkeypatch):
+    calls = []
+    step = fx._doge_decode_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(fx, "_doge_decode_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_steps_match_the_full_forward(monkeypatch, padded):
+    # Token by token against a cache, each step keeps the newest row's kept set up to date in O(W)
+    # (no selection over the cached keys): the same kept set and output as the full sequence's row.
+    calls = _count_decode_steps(monkeypatch)
+    _, patched = _models(torch.float64, layers=1)
+    layer, rotary = patched.model.layers[0].self_attn, patched.model.rotary_emb
+    S0, S = 4, 16  # the prompt is shorter than W = 5: free slots first, then replacements
+    hidden = torch.randn(2, S, 32, dtype=torch.float64)
+    cos, sin = rotary(hidden, torch.arange(S)[None])
+    am = torch.ones(2, S, dtype=torch.bool)
+    if padded:
+        am[1, :2] = False  # left padding
+    full, _ = layer(hidden, (cos, sin), am if padded else None)
+    cache = transformers.DynamicCache()
+    layer(hidden[:, :S0], (cos[:, :S0], sin[:, :S0]), am[:, :S0] if padded else None, past_key_values=cache)
+    v_all = layer.v_proj(hidden).view(2, S, 2, 8).transpose(1, 2)
+    scores = fx._doge_scores(layer, v_all)  # (B, KVH, S)
+    for i in range(S0, S):
+        step, _ = layer(
+            hidden[:, i : i + 1],
+            (cos[:, i : i + 1], sin[:, i : i + 1]),
+            am[:, : i + 1] if padded else None,
+            past_key_values=cache,
+        )
+        torch.testing.assert_close(step, full[:, i : i + 1], atol=1e-10, rtol=1e-10)
+        kept = fx._kept_state(cache, layer).kept
+        got = torch.zeros(2, 2, i + 1, dtype=torch.int64).scatter_add_(-1, kept.idx, kept.valid.long())
+        want = torch.zeros(2, 2, i + 1, dtype=torch.int64)
+        s = scores[..., : i + 1].masked_fill(~am[:, None, : i + 1], float("-inf"))
+        top = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :W]
+        want.scatter_(-1, top, (s.gather(-1, top) > float("-inf")).long())
+        assert torch.equal(got, want), i
+    assert len(calls) == S - S0
+
+
+def test_generate_decodes_in_o_w(monkeypatch):
+    # generate's decode steps take the kept-set path in every layer (greedy, left padding, B = 2).
+    calls = _count_decode_steps(monkeypatch)
+    eager, patched = _models(torch.float32, layers=2)
+    for m in (eager, patched):
+        m.model.layers[0].self_attn.keep_window_size = 10_000  # generated tokens repeat (see above)
+    ids = _ids(2, 7)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :2] = 0
+    seqs = [
+        m.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0) for m in (eager, patched)
+    ]
+    assert torch.equal(seqs[1], seqs[0])
+    assert len(calls) == 2 * 5  # 2 layers x the 5 steps after the prompt's
+
+
+def test_beam_search_reorders_the_kept_sets():
+    eager, patched = _models(torch.float32, layers=2)
+    for m in (eager, patched):
+        m.model.layers[0].self_attn.keep_window_size = 10_000
+    ids = _ids(1, 7)
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, early_stopping=False)
+    seqs = [m.generate(ids, **kw) for m in (eager, patched)]
+    assert torch.equal(seqs[1], seqs[0])
+
+
+def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
+    _, patched = _models(torch.float32, layers=1)
+    _, other = _models(torch.float32, layers=1)
+    ids = _ids(1, 6)
+    cache = transformers.DynamicCache()
+    patched(input_ids=ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="another model"):
+        other(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, :2] = 0
+    ids = _ids(2, 6)
+    cache = transformers.DynamicCache()
+    patched(input_ids=ids, attention_mask=am[:, :6], past_key_values=cache, use_cache=True)
+    am[1, :2] = 1  # the padding the kept sets were selected under, changed
+    with pytest.raises(ValueError, match="earlier columns changed"):
+        patched(input_ids=ids[:, :1], attention_mask=am, past_key_values=cache, use_cache=True)

@@ -21,6 +21,8 @@ PACKAGES = ("flexdma", "benchmarks")
 NEEDS_TRITON = {
     "flexdma._block_tiles",
     "flexdma.perkey.triton",
+    "flexdma.perkey.triton_select",
+    "benchmarks.dev.select_bench",
     "benchmarks.dev.cuda_dev",
     "benchmarks.dev.flex_check",
     "benchmarks.dev.flex_options",

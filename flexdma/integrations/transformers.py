@@ -19,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..api import flash_dma_attention
+from ..perkey import decode
 
 NAME = "flexdma"
 
@@ -204,10 +205,6 @@ def _doge_attention_forward(
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-    # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
-    dt_states = self.dt_proj(value_states.transpose(1, 2).reshape(value_states.shape[0], value_states.shape[-2], -1))
-    dt_states = torch.exp(self.A * torch.nn.functional.softplus(dt_states)).transpose(-1, -2)
-
     K = key_states.shape[-2]
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (input_shape[0], K)):
         raise ValueError(
@@ -215,6 +212,19 @@ def _doge_attention_forward(
             f"{tuple(attention_mask.shape)}; was the model's attn_implementation changed after "
             "patch_doge? (static caches and prepared 4-D masks are not supported)"
         )
+    state = _kept_state(cache, self) if cache is not None else None
+    if (
+        state is not None
+        and input_shape[1] == 1
+        and state.length == K - 1
+        and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
+    ):
+        return _doge_decode_step(
+            self, query_states, key_states, value_states, attention_mask, cache, state, input_shape
+        )
+
+    # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
+    dt_states = _doge_scores(self, value_states)
     # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
     # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
     pad = None if attention_mask is None else attention_mask[:, None, None, :]
@@ -223,10 +233,141 @@ def _doge_attention_forward(
         key_states.transpose(1, 2),
         value_states.transpose(1, 2),
         pad,
-        dt_states[:, :, None, :].to(query_states.dtype),
+        dt_states[:, :, None, :],
         is_causal=True,
         softmax_scale=self.scaling,
         keep_window_size=self.keep_window_size,
+        backend=getattr(self, "_flexdma_backend", "auto"),
+    )
+    if cache is not None:
+        # The newest row sees every key: its kept set is what the next token's step updates.
+        scores = dt_states.detach()
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask[:, None, :].bool(), float("-inf"))
+        _set_kept_state(cache, self, _KeptState(decode.last_row(scores, self.keep_window_size), K, attention_mask))
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _doge_scores(layer, value_states: torch.Tensor) -> torch.Tensor:
+    """Doge's dt_states of the keys whose values are given ((B, KVH, K, D)), op for op: one
+    importance score per key and kv head, (B, KVH, K), in the values' dtype."""
+    B, _, K, _ = value_states.shape
+    dt = layer.dt_proj(value_states.transpose(1, 2).reshape(B, K, -1))
+    return torch.exp(layer.A * torch.nn.functional.softplus(dt)).transpose(-1, -2).to(value_states.dtype)
+
+
+class _KeptState:
+    """What a patched Doge layer keeps beside the transformers cache between decode steps: the
+    newest row's kept set (flexdma.perkey.decode), the key count it covers, and the padding mask
+    it was built with (a later step's earlier columns must equal it)."""
+
+    def __init__(self, kept: decode.KeptSet, length: int, padding: Optional[torch.Tensor]):
+        self.kept, self.length, self.padding = kept, length, padding
+
+
+# The cache methods that change its batch rows or drop keys, and what they do to the kept sets:
+# reorder or select the same batch rows, repeat them, or forget the sets (the next step then runs
+# the full selection again and rebuilds them).
+_CACHE_HOOKS = {
+    "reorder_cache": lambda st, beam_idx: _rows(st, beam_idx),
+    "batch_select_indices": lambda st, indices: _rows(st, indices),
+    "batch_repeat_interleave": lambda st, repeats: _rows(
+        st, torch.arange(st.kept.idx.shape[0], device=st.kept.idx.device).repeat_interleave(repeats)
+    ),
+    "crop": lambda st, *a, **k: None,
+    "reset": lambda st, *a, **k: None,
+}
+
+
+def _rows(st: "_KeptState", index: torch.Tensor) -> "_KeptState":
+    pad = None if st.padding is None else st.padding.index_select(0, index.to(st.padding.device))
+    return _KeptState(decode.select_batch(st.kept, index), st.length, pad)
+
+
+def _kept_state(cache, layer) -> Optional[_KeptState]:
+    states = getattr(cache, "_flexdma_kept", None)
+    if not states:
+        return None
+    owner, per_layer = states
+    if owner is not layer._flexdma_model_id:
+        raise ValueError(
+            "patch_doge: this cache was filled by another model (its kept sets belong to that model's "
+            "layers); start generation with a new cache"
+        )
+    return per_layer.get(layer.layer_idx)
+
+
+def _set_kept_state(cache, layer, state: _KeptState) -> None:
+    states = getattr(cache, "_flexdma_kept", None)
+    if states is None:
+        states = (layer._flexdma_model_id, {})
+        cache._flexdma_kept = states
+        for name, update in _CACHE_HOOKS.items():
+            method = getattr(cache, name, None)
+            if method is not None:
+                setattr(cache, name, _hooked(cache, method, update))
+    elif states[0] is not layer._flexdma_model_id:
+        raise ValueError(
+            "patch_doge: this cache was filled by another model (its kept sets belong to that model's "
+            "layers); start generation with a new cache"
+        )
+    states[1][layer.layer_idx] = state
+
+
+def _hooked(cache, method, update):
+    def run(*args, **kwargs):
+        out = method(*args, **kwargs)
+        per_layer = cache._flexdma_kept[1]
+        for i, st in list(per_layer.items()):
+            new = update(st, *args, **kwargs)
+            if new is None:
+                del per_layer[i]
+            else:
+                per_layer[i] = new
+        return out
+
+    return run
+
+
+def _doge_decode_step(self, query_states, key_states, value_states, attention_mask, cache, state, input_shape):
+    """One new token against the cache in O(W): the new key's score, the kept set updated with it
+    (it enters if a slot is free or it outranks the worst kept key), the W kept K / V rows gathered
+    and attended to. The same kept set as the full selection's newest row (tests/test_doge.py)."""
+    K = key_states.shape[-2]
+    B, KVH = key_states.shape[:2]
+    if attention_mask is not None:
+        # The kept set is only valid for the padding it was built with.
+        earlier = attention_mask[:, :-1].bool()
+        if state.padding is None:
+            same = earlier.all()
+        else:
+            same = (earlier == state.padding.bool()).all()
+        if earlier.device.type == "cpu":
+            if not bool(same):
+                raise ValueError(
+                    "patch_doge: the attention_mask's earlier columns changed between decode steps; the "
+                    "cache's kept sets were selected with the old ones (start again with a new cache)"
+                )
+        else:
+            torch._assert_async(same, "patch_doge: the attention_mask's earlier columns changed between decode steps")
+        eligible = attention_mask[:, -1].bool()
+    else:
+        if state.padding is not None and state.padding.device.type == "cpu" and not bool(state.padding.all()):
+            raise ValueError("patch_doge: a decode step without attention_mask after a padded prompt")
+        eligible = torch.ones(B, dtype=torch.bool, device=key_states.device)
+    s_new = _doge_scores(self, value_states[:, :, -1:])[..., 0]  # (B, KVH)
+    kept = decode.append(state.kept, s_new, K - 1, eligible[:, None].expand(B, KVH))
+    _set_kept_state(cache, self, _KeptState(kept, K, attention_mask))
+    rows = kept.idx[..., None].expand(*kept.idx.shape, key_states.shape[-1])
+    ks, vs = key_states.gather(2, rows), value_states.gather(2, rows)
+    out = flash_dma_attention(
+        query_states.transpose(1, 2),
+        ks.transpose(1, 2),
+        vs.transpose(1, 2),
+        kept.valid[:, :, None, :],
+        kept.score[:, :, None, :].to(query_states.dtype),
+        is_causal=False,
+        softmax_scale=self.scaling,
         backend=getattr(self, "_flexdma_backend", "auto"),
     )
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
@@ -257,8 +398,12 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
     # set_attn_implementation accepts the name (and a non-Doge attention module would still work).
     AttentionInterface.register(DOGE_NAME, flexdma_attention_forward)
     AttentionMaskInterface.register(DOGE_NAME, _doge_padding_mask)
+    # Names the model whose layers filled a cache's kept sets (a cache passed to another model is
+    # an error, not a silent mix).
+    model_id = object()
     for m in layers:
         m.forward = types.MethodType(_doge_attention_forward, m)
         m._flexdma_backend = backend
+        m._flexdma_model_id = model_id
     model.set_attn_implementation(DOGE_NAME)
     return model

@@ -1,0 +1,74 @@
+"""Decoding on the per-key path in O(W) a step: the kept set of the newest row, updated as keys arrive.
+
+The newest row sees every cached key, so it keeps the W best eligible keys by (score desc, index
+asc), the order of the selection's contract (flexdma/perkey/contract.py: NaN first, -0.0 ties
++0.0, -inf never kept). When one key is appended, that set is the W best of the old set and the
+new key (fact 5 of the per-key selection design note): the new key enters if a slot is free or it
+outranks the worst kept key, which it then replaces. A step reads W keys, not K.
+
+`KeptSet` holds, per (batch, plane), W slots: key index, whether the slot holds a key, and the
+key's score (the bias value the attention adds). Used by flexdma.nn.DMACache and by
+flexdma.integrations.transformers' patched Doge layers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class KeptSet(NamedTuple):
+    idx: torch.Tensor  # (B, P, W) int64 key index of each slot
+    valid: torch.Tensor  # (B, P, W) bool: the slot holds a kept key
+    score: torch.Tensor  # (B, P, W) the kept keys' scores, in the scores' dtype
+
+
+def _order_key(s: torch.Tensor) -> torch.Tensor:
+    """int32 that orders like the scores, NaN above +inf and -0.0 equal to +0.0 (the selection's
+    order without the index tie-break)."""
+    bits = s.float().view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = torch.where(s == 0, torch.zeros_like(key), key)
+    return torch.where(s.isnan(), torch.full_like(key, 0x7FFFFFFF), key)
+
+
+def last_row(scores: torch.Tensor, window: int) -> KeptSet:
+    """The kept set of a row that sees all K keys: scores (B, P, K), -inf where a key is not
+    eligible (padding). Slots past the eligible keys are free."""
+    B, P, K = scores.shape
+    # Stable: equal scores in index order; descending puts NaN first and -inf last.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :window]
+    score = scores.gather(-1, order)
+    valid = score != float("-inf")
+    if order.shape[-1] < window:  # fewer keys than slots: the rest are free
+        free = window - order.shape[-1]
+        order = torch.cat((order, order.new_zeros(B, P, free)), -1)
+        valid = torch.cat((valid, valid.new_zeros(B, P, free)), -1)
+        score = torch.cat((score, score.new_zeros(B, P, free)), -1)
+    return KeptSet(order, valid, score)
+
+
+def append(kept: KeptSet, s_new: torch.Tensor, position: int, eligible: torch.Tensor) -> KeptSet:
+    """The kept set after key `position` (the newest, so the highest index) arrives with scores
+    s_new (B, P); `eligible` (B, P) is False where it is padding. A tie keeps the older key."""
+    s_new = s_new.to(kept.score.dtype)
+    eligible = eligible & (s_new != float("-inf"))
+    order = _order_key(kept.score)
+    # The worst kept key: the lowest score, among equal ones the highest index.
+    worst = order.masked_fill(~kept.valid, 2**31 - 1).min(-1, keepdim=True).values
+    worst_slot = kept.idx.masked_fill(~(kept.valid & (order == worst)), -1).argmax(-1)
+    free = ~kept.valid.all(-1)
+    slot = torch.where(free, (~kept.valid).int().argmax(-1), worst_slot)
+    enter = eligible & (free | (_order_key(s_new) > worst[..., 0]))
+    upd = (torch.arange(kept.idx.shape[-1], device=kept.idx.device) == slot[..., None]) & enter[..., None]
+    return KeptSet(
+        torch.where(upd, position, kept.idx),
+        kept.valid | upd,
+        torch.where(upd, s_new[..., None], kept.score),
+    )
+
+
+def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
+    """The kept sets of the batch rows `index` (a cache reordered or filtered by batch)."""
+    return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
