@@ -74,16 +74,23 @@ class DMACache(tuple):
     def step(self, key, value, bias, padding) -> "DMACache":
         """Append one key (key, value (B, 1, KVH, D), bias (B, KVH, 1, 1), padding (B,)) and update
         the kept set in O(W) (flexdma.perkey.decode.append): no selection over all keys."""
-        n = self.length
+        return self.extend(key, value, bias, padding[:, None])[0]
+
+    def extend(self, key, value, bias, padding):
+        """Append T keys (key, value (B, T, KVH, D), bias (B, KVH, 1, T), padding (B, T)): the new
+        cache, and the T new rows' kept sets over the old slots and the new keys
+        (flexdma.perkey.decode.Rows), one O(W) update a key."""
+        n, T = self.length, key.shape[1]
         bufs = (
             _append(self._bufs[0], n, key, 1),
             _append(self._bufs[1], n, value, 1),
             _append(self._bufs[2], n, bias[:, :, 0, :], 2),
-            _append(self._bufs[3], n, padding[:, None], 1),
+            _append(self._bufs[3], n, padding, 1),
         )
-        s_new = bias[:, :, 0, 0].expand(self.kept_set.idx.shape[:2])
-        eligible = padding[:, None].expand(s_new.shape)
-        return DMACache(bufs, n + 1, decode.append(self.kept_set, s_new.detach(), n, eligible))
+        B, P = self.kept_set.idx.shape[:2]
+        s_new = bias[:, :, 0, :].detach().expand(B, P, T)
+        rows = decode.append_rows(self.kept_set, s_new, n, padding[:, None, :].expand(B, P, T))
+        return DMACache(bufs, n + T, rows.kept), rows
 
     def kept(self):
         """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
@@ -94,7 +101,7 @@ class DMACache(tuple):
         return (
             self[0].gather(1, rows),
             self[1].gather(1, rows),
-            self.kept_set.score[:, :, None, :],
+            self.bias.gather(-1, idx)[:, :, None, :],
             self.kept_set.valid[:, :, None, :],
         )
 
@@ -200,13 +207,21 @@ class DynamicMaskAttention(nn.Module):
                     f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
                 )
         decoding = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
-        if decoding and S == 1:
-            # Decoding: the kept set is updated with the new key and attended to, O(W) -- the earlier
-            # columns of attention_mask must be the ones the cache was built with.
-            pad = torch.ones(B, dtype=torch.bool, device=q.device) if attention_mask is None else attention_mask[:, -1]
-            cache = past_key_value.step(k, v, dynamic_bias(v, self.dt_proj, self.A).to(q.dtype), pad)
-            ks, vs, bias, keep = cache.kept()
-            out = flash_dma_attention(q, ks, vs, keep, bias, is_causal=False, backend=self.backend)
+        if decoding and S <= decode.MAX_ROWS:
+            # Decoding (or a few tokens a step): the kept set is updated with each new key and each
+            # row attends to its own, O(W) a token -- the earlier columns of attention_mask must be
+            # the ones the cache was built with.
+            pad = (
+                torch.ones(B, S, dtype=torch.bool, device=q.device)
+                if attention_mask is None
+                else attention_mask[:, -S:]
+            )
+            cache, rows = past_key_value.extend(k, v, dynamic_bias(v, self.dt_proj, self.A).to(q.dtype), pad)
+            idx = rows.idx.transpose(1, 2)[..., None].expand(B, rows.idx.shape[-1], rows.idx.shape[1], self.head_dim)
+            ks, vs = cache[0].gather(1, idx), cache[1].gather(1, idx)
+            # The biases from the cache (not the kept set's detached scores): gradients reach them.
+            bias = cache.bias.gather(-1, rows.idx)[:, :, None, :]
+            out = flash_dma_attention(q, ks, vs, rows.keep, bias, is_causal=False, backend=self.backend)
             return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
         if past_key_value is not None:
             pk, pv = past_key_value

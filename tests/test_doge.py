@@ -211,9 +211,12 @@ def _count_decode_steps(monkeypatch):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_decode_steps_match_the_full_forward(monkeypatch, padded):
-    # Token by token against a cache, each step keeps the newest row's kept set up to date in O(W)
-    # (no selection over the cached keys): the same kept set and output as the full sequence's row.
+@pytest.mark.parametrize("per_step", [1, 3])
+@torch.no_grad()
+def test_decode_steps_match_the_full_forward(monkeypatch, padded, per_step):
+    # Token by token against a cache (without autograd, as in generate), each step keeps the
+    # newest row's kept set up to date in O(W) (no selection over the cached keys): the same kept
+    # set and output as the full sequence's row.
     calls = _count_decode_steps(monkeypatch)
     _, patched = _models(torch.float64, layers=1)
     layer, rotary = patched.model.layers[0].self_attn, patched.model.rotary_emb
@@ -228,14 +231,15 @@ def test_decode_steps_match_the_full_forward(monkeypatch, padded):
     layer(hidden[:, :S0], (cos[:, :S0], sin[:, :S0]), am[:, :S0] if padded else None, past_key_values=cache)
     v_all = layer.v_proj(hidden).view(2, S, 2, 8).transpose(1, 2)
     scores = fx._doge_scores(layer, v_all)  # (B, KVH, S)
-    for i in range(S0, S):
+    for i0 in range(S0, S, per_step):
+        # per_step > 1: a few tokens a step (speculative decoding), each row with its own kept set;
+        # the kept set checked is the newest row's.
+        i = min(i0 + per_step, S) - 1
+        sl = slice(i0, i + 1)
         step, _ = layer(
-            hidden[:, i : i + 1],
-            (cos[:, i : i + 1], sin[:, i : i + 1]),
-            am[:, : i + 1] if padded else None,
-            past_key_values=cache,
+            hidden[:, sl], (cos[:, sl], sin[:, sl]), am[:, : i + 1] if padded else None, past_key_values=cache
         )
-        torch.testing.assert_close(step, full[:, i : i + 1], atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(step, full[:, sl], atol=1e-10, rtol=1e-10)
         kept = fx._kept_state(cache, layer).kept
         got = torch.zeros(2, 2, i + 1, dtype=torch.int64).scatter_add_(-1, kept.idx, kept.valid.long())
         want = torch.zeros(2, 2, i + 1, dtype=torch.int64)
@@ -243,7 +247,7 @@ def test_decode_steps_match_the_full_forward(monkeypatch, padded):
         top = torch.sort(s, dim=-1, descending=True, stable=True).indices[..., :W]
         want.scatter_(-1, top, (s.gather(-1, top) > float("-inf")).long())
         assert torch.equal(got, want), i
-    assert len(calls) == S - S0
+    assert len(calls) == -(-(S - S0) // per_step)
 
 
 def test_generate_decodes_in_o_w(monkeypatch):

@@ -220,10 +220,12 @@ def test_multihead_rejects_unsupported():
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("kvh,window", [(2, 5), (1, 9), (2, 64)])
-def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window, monkeypatch):
-    # float64: a sequence decoded token by token through the cache's O(W) kept-set update equals the
-    # whole sequence at once (W below and above the length, GQA, left padding); without autograd
-    # the cache appends into buffers with spare room, with it by concatenation.
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window, per_step, monkeypatch):
+    # float64: a sequence decoded token by token (or a few tokens a step, each row with its own
+    # kept set) through the cache's O(W) kept-set update equals the whole sequence at once (W below
+    # and above the length, GQA, left padding); without autograd the cache appends into buffers
+    # with spare room, with it by concatenation.
     B, S, P = 2, 40, 6
     layer = DynamicMaskAttention(32, 4, kvh, keep_window_size=window, dtype=torch.float64)
     with torch.no_grad():
@@ -246,11 +248,12 @@ def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window
 
     monkeypatch.setattr(flexdma.perkey.contract, "select", no_selection)
     with torch.set_grad_enabled(grad):
-        for t in range(P, S):
+        for t in range(P, S, per_step):
+            e = min(t + per_step, S)
             out, cache = layer(
-                x[:, t : t + 1],
-                rope(t, t + 1),
-                attention_mask=None if pad is None else pad[:, : t + 1],
+                x[:, t:e],
+                rope(t, e),
+                attention_mask=None if pad is None else pad[:, :e],
                 past_key_value=cache,
                 use_cache=True,
             )

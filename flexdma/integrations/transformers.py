@@ -213,10 +213,14 @@ def _doge_attention_forward(
             "patch_doge? (static caches and prepared 4-D masks are not supported)"
         )
     state = _kept_state(cache, self) if cache is not None else None
+    # With autograd recording, the full path: it recomputes every key's score, so gradients reach
+    # them all (the kept sets hold detached scores).
+    grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
     if (
         state is not None
-        and input_shape[1] == 1
-        and state.length == K - 1
+        and not grad
+        and input_shape[1] <= decode.MAX_ROWS
+        and state.length == K - input_shape[1]
         and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
     ):
         return _doge_decode_step(
@@ -330,14 +334,16 @@ def _hooked(cache, method, update):
 
 
 def _doge_decode_step(self, query_states, key_states, value_states, attention_mask, cache, state, input_shape):
-    """One new token against the cache in O(W): the new key's score, the kept set updated with it
-    (it enters if a slot is free or it outranks the worst kept key), the W kept K / V rows gathered
-    and attended to. The same kept set as the full selection's newest row (tests/test_doge.py)."""
+    """T new tokens against the cache in O(W) each: their keys' scores, the kept set updated with
+    one key after the other (a key enters if a slot is free or it outranks the worst kept key), and
+    each row attending to its own kept set among the old slots and the new keys (W + T K / V rows
+    gathered). The same kept sets as the full selection's rows (tests/test_doge.py)."""
     K = key_states.shape[-2]
     B, KVH = key_states.shape[:2]
+    T = input_shape[1]
     if attention_mask is not None:
-        # The kept set is only valid for the padding it was built with.
-        earlier = attention_mask[:, :-1].bool()
+        # The kept sets are only valid for the padding they were built with.
+        earlier = attention_mask[:, : K - T].bool()
         if state.padding is None:
             same = earlier.all()
         else:
@@ -350,22 +356,22 @@ def _doge_decode_step(self, query_states, key_states, value_states, attention_ma
                 )
         else:
             torch._assert_async(same, "patch_doge: the attention_mask's earlier columns changed between decode steps")
-        eligible = attention_mask[:, -1].bool()
+        eligible = attention_mask[:, K - T :].bool()
     else:
         if state.padding is not None and state.padding.device.type == "cpu" and not bool(state.padding.all()):
             raise ValueError("patch_doge: a decode step without attention_mask after a padded prompt")
-        eligible = torch.ones(B, dtype=torch.bool, device=key_states.device)
-    s_new = _doge_scores(self, value_states[:, :, -1:])[..., 0]  # (B, KVH)
-    kept = decode.append(state.kept, s_new, K - 1, eligible[:, None].expand(B, KVH))
-    _set_kept_state(cache, self, _KeptState(kept, K, attention_mask))
-    rows = kept.idx[..., None].expand(*kept.idx.shape, key_states.shape[-1])
-    ks, vs = key_states.gather(2, rows), value_states.gather(2, rows)
+        eligible = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
+    s_new = _doge_scores(self, value_states[:, :, K - T :])  # (B, KVH, T)
+    rows = decode.append_rows(state.kept, s_new, K - T, eligible[:, None, :].expand(B, KVH, T))
+    _set_kept_state(cache, self, _KeptState(rows.kept, K, attention_mask))
+    gather = rows.idx[..., None].expand(*rows.idx.shape, key_states.shape[-1])
+    ks, vs = key_states.gather(2, gather), value_states.gather(2, gather)
     out = flash_dma_attention(
         query_states.transpose(1, 2),
         ks.transpose(1, 2),
         vs.transpose(1, 2),
-        kept.valid[:, :, None, :],
-        kept.score[:, :, None, :].to(query_states.dtype),
+        rows.keep,
+        rows.score[:, :, None, :].to(query_states.dtype),
         is_causal=False,
         softmax_scale=self.scaling,
         backend=getattr(self, "_flexdma_backend", "auto"),

@@ -17,6 +17,10 @@ from typing import NamedTuple
 
 import torch
 
+# New rows a cached step takes through the kept sets (a few tokens: speculative decoding, small
+# prefill chunks); one O(W) update a key, so longer chunks run the full selection.
+MAX_ROWS = 64
+
 
 class KeptSet(NamedTuple):
     idx: torch.Tensor  # (B, P, W) int64 key index of each slot
@@ -66,6 +70,43 @@ def append(kept: KeptSet, s_new: torch.Tensor, position: int, eligible: torch.Te
         torch.where(upd, position, kept.idx),
         kept.valid | upd,
         torch.where(upd, s_new[..., None], kept.score),
+    )
+
+
+class Rows(NamedTuple):
+    """T new rows against a kept set: the union of their kept sets (the W slots before the step,
+    then the T new keys) and which entries each row keeps."""
+
+    idx: torch.Tensor  # (B, P, W + T) int64 key index of each entry
+    score: torch.Tensor  # (B, P, W + T) its score
+    keep: torch.Tensor  # (B, P, T, W + T) bool: row t keeps entry e
+    kept: KeptSet  # the kept set after the last new key
+
+
+def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.Tensor) -> Rows:
+    """T new keys at positions start .. start + T - 1 with scores s_new (B, P, T), `eligible`
+    (B, P, T) False for padding, and the T rows that end at them: row t sees the old keys and new
+    keys 0 .. t, so its kept set is the one after appending keys 0 .. t, one O(W) update each. A
+    key that leaves never returns (fact 2), so every row's set lies in the old slots plus the new
+    keys (fact 3): W + T entries."""
+    B, P, W = kept.idx.shape
+    T = s_new.shape[-1]
+    first = kept
+    # Which union entry each slot holds: the old slots are entries 0 .. W - 1, new key u is W + u.
+    entry = torch.arange(W, device=kept.idx.device).expand(B, P, W)
+    keep = []
+    for t in range(T):
+        after = append(kept, s_new[..., t], start + t, eligible[..., t])
+        entered = after.idx != kept.idx
+        entry = torch.where(entered | (after.valid & ~kept.valid), W + t, entry)
+        kept = after
+        keep.append(torch.zeros(B, P, W + T, dtype=torch.bool, device=entry.device).scatter_(-1, entry, kept.valid))
+    new_idx = torch.arange(start, start + T, device=kept.idx.device).expand(B, P, T)
+    return Rows(
+        torch.cat((first.idx, new_idx), -1),
+        torch.cat((first.score, s_new.to(first.score.dtype)), -1),
+        torch.stack(keep, 2),
+        kept,
     )
 
 
