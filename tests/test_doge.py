@@ -276,6 +276,7 @@ def test_beam_search_reorders_the_kept_sets():
     assert torch.equal(seqs[1], seqs[0])
 
 
+@torch.no_grad()
 def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     _, patched = _models(torch.float32, layers=1)
     _, other = _models(torch.float32, layers=1)
