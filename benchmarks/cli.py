@@ -1,10 +1,12 @@
 """`python -m benchmarks <subcommand>`: time flexdma against its peers, in one process, on one GPU.
 
 Subcommands: forward, backward (training lengths at W=1024), window (window sweep at one
-length, forward and backward), decode (one query, long keys), equivalence (agreement of every
-implementation with the float64 reference), topk (the per-key top-W path, keep_window_size, against
-dense SDPA and its peers; benchmarks/topk.py), all, report (regenerate RESULTS.md from the JSON),
-cpu (the CPU kernel against SDPA on the CPU, fp32; see benchmarks/cpu.py; not part of `all`).
+length, forward and backward), decode-mask (one query, long keys, the dense-mask kernels and
+their peers), equivalence (agreement of every implementation with the float64 reference), topk (the
+per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/topk.py), decode
+(decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), all, report
+(regenerate RESULTS.md from the JSON), cpu (the CPU kernel against SDPA on the CPU, fp32; see
+benchmarks/cpu.py; not part of `all`).
 """
 
 from __future__ import annotations
@@ -394,7 +396,19 @@ def _parse(argv=None):
         prog="python -m benchmarks", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "subcommand", choices=["forward", "backward", "window", "decode", "equivalence", "topk", "all", "report", "cpu"]
+        "subcommand",
+        choices=[
+            "forward",
+            "backward",
+            "window",
+            "decode-mask",
+            "equivalence",
+            "topk",
+            "decode",
+            "all",
+            "report",
+            "cpu",
+        ],
     )
     ap.add_argument(
         "--out", default=RESULTS_DIR, help="directory for the JSON and PNG files (default benchmarks/results)"
@@ -437,6 +451,11 @@ def main(argv=None) -> int:
     if args.subcommand == "topk":
         topk.main(args, environment(args.commit))
         return 0
+    if args.subcommand == "decode":
+        from . import decode  # imports transformers' Doge only when run
+
+        decode.main(args, environment(args.commit))
+        return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
     biases = configs.parse_list(args.bias, configs.BIAS_KINDS) or list(configs.BIAS_KINDS)
     all_peers = list(configs.PEERS)
@@ -470,7 +489,8 @@ def main(argv=None) -> int:
             args,
             env,
         )
-    if sub in ("decode", "all"):
+    if sub in ("decode-mask", "all"):
+        # The dense-mask kernels' decode rows (the JSON section keeps its name, "decode").
         run_timing("decode", configs.decode_cases(lengths=lengths, **kw), timing_peers(), args, env)
     if sub in ("equivalence", "all"):
         eq_peers = [p for p in all_eq if chosen is None or p in chosen]

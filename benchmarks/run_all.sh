@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The benchmark suite on an H100, every section against every peer, in six calls of <= 9 minutes:
-#   PART=1 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # forward, decode
+#   PART=1 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # forward, decode-mask
 #   PART=2 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # backward, equivalence
 #   PART=3 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # window sweep (per-row bias)
 #   PART=4 bash benchmarks/run_all.sh OUTDIR [COMMIT]   # what 1 and 2 leave out: D=64 per-key, D=64 decode
@@ -45,7 +45,7 @@ section() {
 
 if [ "${QUICK:-0}" = 1 ]; then
   section 150 forward --quick --lengths 1024,4096,16384,32768
-  section 60 decode --quick
+  section 60 decode-mask --quick
   section 100 backward --quick
   section 80 window --quick
   section 80 equivalence --quick --d 128
@@ -56,7 +56,7 @@ else
   case "${PART:-1}" in
     1)  # ~450 s: two FlexAttention peers compile each shape (2-30 s); then one query against 256 .. 512K keys
       section 300 forward --lengths $LENGTHS --d 128,64
-      section 170 decode --d 128,64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
+      section 170 decode-mask --d 128,64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
     2)  # ~300 s: sdpa's backward is skipped above 16K (LIMITS: ~75 ms a call)
       section 330 backward --lengths $LENGTHS --d 128,64
       section 80 equivalence --quick ;;
@@ -66,7 +66,7 @@ else
         # files of one commit): the D=64 per-key training rows and the D=64 decode rows
       section 110 forward --lengths 2048,4096,8192,16384,32768 --d 64 --bias per-key
       section 150 backward --lengths 1024,2048,4096,8192,16384,32768 --d 64 --bias per-key
-      section 150 decode --d 64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
+      section 150 decode-mask --d 64 --lengths 256,512,1024,2048,4096,8192,16384,32768,65536,131072,262144,524288 ;;
     5)  # more of the D=64 per-key rows (each case compiles two FlexAttention peers: 30-60 s),
         # the window sweep with a per-key bias
       section 120 forward --lengths 8192,16384,32768 --d 64 --bias per-key
@@ -83,7 +83,7 @@ else
       P=--peers=flexdma-cuda,sdpa,flexattn,dense
       section 150 forward --lengths 32768 --d 128,64 $P
       section 130 backward --lengths 32768 --d 128,64 $P
-      section 70 decode --d 128,64 --lengths 4096,65536,524288 $P
+      section 70 decode-mask --d 128,64 --lengths 4096,65536,524288 $P
       section 130 window --d 128 --bias per-key --windows 32,2048 $P ;;
   esac
 fi

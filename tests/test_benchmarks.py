@@ -271,6 +271,36 @@ def test_topk_benchmark_table_and_report_section(tmp_path):
     assert f"{1.0 * listed / dense:.3f} / {3.5 * listed / dense:.3f}" in md
 
 
+def test_decode_benchmark_table_and_report_section(tmp_path):
+    from benchmarks import decode
+
+    c = decode.cases(quick=True)[0]
+    doc = dict(
+        schema=decode.SCHEMA,
+        date="2026-11-25T00:00:00Z",
+        gpu_short="h100",
+        commit="abc1234",
+        rows=[
+            dict(case=c, peers={"api": dict(ms=1.04), "layer-step": dict(ms=0.0213), "sdpa": dict(error="OOM")}),
+            dict(case=c, not_run="time budget"),
+        ],
+        generate=[
+            dict(
+                case=dict(name="Doge generate B=1 prompt=8K"),
+                peers={
+                    "flexdma": dict(prefill_s=0.5, decode_tokens_per_s=120.0, peak_mib=900.0),
+                    "eager": dict(skipped="its prefill builds masks"),
+                },
+            )
+        ],
+    )
+    (tmp_path / "d.json").write_text(__import__("json").dumps(doc))
+    md = "\n".join(decode.section(str(tmp_path)))
+    assert "| 1.0400 | 0.0213 | error: OOM | – |" in md and "not run: time budget" in md
+    assert "0.50 / 120 / 900" in md and "– (its prefill builds masks)" in md and "commit abc1234" in md
+    assert [r["K"] for r in decode.cases()] == [8192, 32768, 131072, 524288, 131072]
+
+
 def test_topk_flop_count():
     from benchmarks import topk
 

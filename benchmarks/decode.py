@@ -1,0 +1,281 @@
+"""`python -m benchmarks decode`: decoding with the per-key path, one GPU, one process.
+
+Layer steps (bf16, W=1024, one new token, B=1): H=2, KVH=1, D=128 at 8K / 32K / 128K / 512K cached
+keys, and a 7B-class layer (H=32, KVH=8, D=128) at 128K. Peers, same run:
+- api: flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W) with Q=1: the
+  selection over every cached key;
+- layer-step: nn.DynamicMaskAttention's cached step (projections, the new key's score, the kept
+  set's O(W) update, attention over the W kept keys);
+- sdpa: dense SDPA of the new row over every cached key (the bar);
+- layer-sdpa: the same layer's projections + dense SDPA over every cached key.
+Generation: transformers' DogeForCausalLM (topk.DOGE's config, A drawn in [0.5, 1.5]) generating
+256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
+memory, patch_doge (the kept sets beside the cache) against the same model without its dynamic
+mask (dense SDPA over every key) and eager Doge where it fits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+from typing import List
+
+import torch
+import torch.nn.functional as F
+
+import flexdma
+import flexdma.integrations.transformers as hf
+from flexdma.nn import DMACache, DynamicMaskAttention
+from flexdma.perkey import decode as kept_sets
+
+from .topk import DOGE, _peak, _time
+
+SCHEMA = "flexdma-decode-bench/1"
+PEERS = ("api", "layer-step", "sdpa", "layer-sdpa")
+GEN_PEERS = ("flexdma", "no-dynamic-mask", "eager")
+EAGER_MAX = 8192  # eager Doge builds (B, H, Q, K) masks in its prefill
+
+
+def cases(quick: bool = False) -> List[dict]:
+    lengths = (131072,) if quick else (8192, 32768, 131072, 524288)
+    rows = [dict(name=f"K={K // 1024}K H=2 KVH=1", K=K, H=2, KVH=1, D=128, W=1024) for K in lengths]
+    if not quick:
+        rows.append(dict(name="K=128K H=32 KVH=8 (7B-class)", K=131072, H=32, KVH=8, D=128, W=1024))
+    return rows
+
+
+def _layer(c: dict) -> DynamicMaskAttention:
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(
+        c["H"] * c["D"], c["H"], c["KVH"], c["D"], keep_window_size=c["W"], device="cuda", dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        layer.A.uniform_(0.5, 1.5)  # scores that do not tie (Doge's init A = 0 ties every key)
+    return layer
+
+
+def _peer_fn(peer: str, c: dict):
+    dev, dt = "cuda", torch.bfloat16
+    B, K, H, KVH, D, W = 1, c["K"], c["H"], c["KVH"], c["D"], c["W"]
+    if peer in ("api", "sdpa"):
+        torch.manual_seed(0)
+        q = torch.randn(B, 1, H, D, device=dev, dtype=dt)
+        k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+        v = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+        if peer == "sdpa":
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            return lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        bias = torch.exp(torch.randn(B, KVH, 1, K, device=dev)).to(dt)
+        return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
+    layer = _layer(c)
+    x = torch.randn(B, 1, H * D, device=dev, dtype=dt)
+    cache_k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+    cache_v = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+    if peer == "layer-step":
+        bias = flexdma.dynamic.dynamic_bias(cache_v[:, :-1], layer.dt_proj, layer.A).to(dt)
+        cache = DMACache.from_full(cache_k[:, :-1], cache_v[:, :-1], bias, None, W)
+        # The same step each call: the cache writes the new key into the same spare slot.
+        return lambda: layer(x, attention_mask=None, past_key_value=cache, use_cache=True)[0]
+    if peer == "layer-sdpa":
+
+        def step():
+            q = layer.q_proj(x).view(B, 1, H, D).transpose(1, 2)
+            cache_k[:, -1:] = layer.k_proj(x).view(B, 1, KVH, D)
+            cache_v[:, -1:] = layer.v_proj(x).view(B, 1, KVH, D)
+            out = F.scaled_dot_product_attention(
+                q, cache_k.transpose(1, 2), cache_v.transpose(1, 2), enable_gqa=True
+            ).transpose(1, 2)
+            return layer.o_proj(out.reshape(B, 1, H * D))
+
+        return step
+    raise ValueError(peer)
+
+
+def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
+    t0 = time.time()
+    rows = []
+    for c in cases(quick):
+        if budget and time.time() - t0 > budget:
+            rows.append(dict(case=c, not_run="time budget"))
+            continue
+        row = dict(case=c, peers={})
+        for peer in peers:
+            rec = {}
+            try:
+                with torch.no_grad():
+                    fn = _peer_fn(peer, c)
+                    fn()
+                    rec["ms"] = _time(fn)
+                    rec["peak_mib"] = _peak(fn)
+            except Exception as e:  # out of memory is a result too
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            gc.collect()
+            torch.cuda.empty_cache()
+            row["peers"][peer] = rec
+            print(c["name"], peer, rec, flush=True)
+        rows.append(row)
+    return dict(schema=SCHEMA, rows=rows)
+
+
+@contextlib.contextmanager
+def _without_dynamic_mask():
+    """patch_doge's layers with dense causal SDPA over every key in place of the per-key path, and
+    no kept-set steps: the same model (projections, rotary, dt_states) without its dynamic mask."""
+
+    def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, backend, keep_window_size=None):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        causal = is_causal and q.shape[1] == k.shape[1]
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    saved, rows = hf.flash_dma_attention, kept_sets.MAX_ROWS
+    hf.flash_dma_attention, kept_sets.MAX_ROWS = sdpa, 0
+    try:
+        yield
+    finally:
+        hf.flash_dma_attention, kept_sets.MAX_ROWS = saved, rows
+
+
+def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0) -> List[dict]:
+    from transformers import DogeConfig, DogeForCausalLM
+
+    t0 = time.time()
+    rows = []
+    for L in prompts:
+        for B in batches:
+            row = dict(case=dict(name=f"Doge generate B={B} prompt={L // 1024}K", B=B, L=L, new=new_tokens), peers={})
+            if budget and time.time() - t0 > budget:
+                row["not_run"] = "time budget"
+                rows.append(row)
+                continue
+            for peer in GEN_PEERS:
+                rec = {}
+                if peer == "eager" and L > EAGER_MAX:
+                    row["peers"][peer] = dict(skipped=f"its prefill builds (B, H, {L}, {L}) masks")
+                    continue
+                model = None
+                try:
+                    torch.manual_seed(0)
+                    cfg = DogeConfig(max_position_embeddings=L + new_tokens, **DOGE)
+                    model = DogeForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+                    with torch.no_grad():
+                        for layer in model.model.layers:
+                            layer.self_attn.A.uniform_(0.5, 1.5)
+                    if peer == "eager":
+                        model.set_attn_implementation("eager")
+                    else:
+                        hf.patch_doge(model)
+                    ids = torch.randint(cfg.vocab_size, (B, L), device="cuda")
+                    kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
+                    with _without_dynamic_mask() if peer == "no-dynamic-mask" else contextlib.nullcontext():
+                        with torch.no_grad():
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            s = time.perf_counter()
+                            model.generate(ids, max_new_tokens=1, **dict(kw, min_new_tokens=1))
+                            torch.cuda.synchronize()
+                            rec["prefill_s"] = time.perf_counter() - s
+                            s = time.perf_counter()
+                            model.generate(ids, max_new_tokens=new_tokens, **kw)
+                            torch.cuda.synchronize()
+                            total = time.perf_counter() - s
+                    rec["decode_tokens_per_s"] = B * (new_tokens - 1) / max(total - rec["prefill_s"], 1e-9)
+                    rec["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                row["peers"][peer] = rec
+                print(row["case"]["name"], peer, rec, flush=True)
+            rows.append(row)
+    return rows
+
+
+def markdown(doc: dict) -> str:
+    lines = [
+        "| cached keys, layer | " + " | ".join(f"{p} ms" for p in PEERS) + " |",
+        "|---|" + "---|" * len(PEERS),
+    ]
+    for row in doc["rows"]:
+        if "not_run" in row:
+            lines.append(f"| {row['case']['name']} | not run: {row['not_run']} |")
+            continue
+        cells = [row["case"]["name"]]
+        for p in PEERS:
+            r = row["peers"].get(p, {})
+            cells.append(f"error: {r['error'][:50]}" if "error" in r else ("–" if "ms" not in r else f"{r['ms']:.4f}"))
+        lines.append("| " + " | ".join(cells) + " |")
+    if doc.get("generate"):
+        lines += [
+            "",
+            "| Doge generate (256 new tokens) | "
+            + " | ".join(f"{p}: prefill s / decode tok/s / peak MiB" for p in GEN_PEERS)
+            + " |",
+            "|---|" + "---|" * len(GEN_PEERS),
+        ]
+        for row in doc["generate"]:
+            if "not_run" in row:
+                lines.append(f"| {row['case']['name']} | not run: {row['not_run']} |")
+                continue
+            cells = [row["case"]["name"]]
+            for p in GEN_PEERS:
+                r = row["peers"].get(p, {})
+                if "skipped" in r:
+                    cells.append(f"– ({r['skipped']})")
+                elif "error" in r:
+                    cells.append(f"error: {r['error'][:50]}")
+                elif r:
+                    cells.append(f"{r['prefill_s']:.2f} / {r['decode_tokens_per_s']:.0f} / {r['peak_mib']:.0f}")
+                else:
+                    cells.append("–")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def runs(results_dir: str) -> List[dict]:
+    docs = []
+    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(results_dir, name)) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
+                docs.append(doc)
+    return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
+
+
+def section(results_dir: str) -> List[str]:
+    """The newest run only."""
+    out = []
+    for doc in runs(results_dir)[:1]:
+        out += [
+            f"## per-key decoding ({doc.get('gpu_short')}, commit {doc.get('commit')})",
+            "",
+            "`python -m benchmarks decode`: bf16, one new token a step, W=1024; peak = the call's memory above "
+            "its inputs (generate: the process's peak).",
+            "",
+            markdown(doc),
+            "",
+        ]
+    return out
+
+
+def main(args, env: dict) -> str:
+    doc = run(quick=args.quick, budget=args.budget)
+    if not args.quick:
+        try:
+            doc["generate"] = generate_rows()
+        except ImportError as e:  # transformers without Doge
+            doc["generate_skipped"] = str(e)
+    doc.update(env)
+    path = os.path.join(args.out, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_decode.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {path}\n" + markdown(doc), flush=True)
+    return path
