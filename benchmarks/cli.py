@@ -28,7 +28,7 @@ import torch
 import flexdma
 from flexdma.reference import attention_ref
 
-from . import configs, cpu, report, topk
+from . import configs, cpu, decode, report, topk
 from . import inputs as inputs_mod
 from . import peers as peers_mod
 from .common import public_argv, write_json
@@ -452,8 +452,6 @@ def main(argv=None) -> int:
         topk.main(args, environment(args.commit))
         return 0
     if args.subcommand == "decode":
-        from . import decode  # imports transformers' Doge only when run
-
         decode.main(args, environment(args.commit))
         return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)

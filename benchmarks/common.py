@@ -1,5 +1,6 @@
-"""Helpers the benchmark runners share (cli.py, cpu.py, topk.py): the recorded command line and
-the JSON writer. Imports nothing of the other benchmark modules."""
+"""Helpers the benchmark runners share (cli.py, cpu.py, topk.py, decode.py): the recorded command
+line, the JSON writer and reader, a table's report section. Imports nothing of the other benchmark
+modules."""
 
 from __future__ import annotations
 
@@ -31,3 +32,36 @@ def write_json(path: str, doc: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=False)
     os.replace(tmp, path)
+
+
+def runs_of(results_dir: str, schema: str) -> List[dict]:
+    """Every JSON document of `schema` under results_dir, newest first."""
+    docs = []
+    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(results_dir, name)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and doc.get("schema") == schema:
+            docs.append(doc)
+    return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
+
+
+def newest_section(results_dir: str, schema: str, title: str, note: str, markdown) -> List[str]:
+    """RESULTS.md's section of the newest run of `schema` only (earlier runs stay in results/ and
+    the performance log): a heading with the GPU and commit, a note, the run's table."""
+    out = []
+    for doc in runs_of(results_dir, schema)[:1]:
+        out += [f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})", "", note, "", markdown(doc), ""]
+    return out
+
+
+def save_run(doc: dict, out_dir: str, env: dict, name: str) -> str:
+    """The run's JSON, named by GPU, date, commit and `name`; its path."""
+    doc.update(env)
+    path = os.path.join(out_dir, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_{name}.json")
+    write_json(path, doc)
+    return path

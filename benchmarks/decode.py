@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import os
 import time
 from typing import List
 
@@ -31,6 +29,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import decode as kept_sets
 
+from .common import newest_section, runs_of, save_run
 from .topk import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -237,33 +236,18 @@ def markdown(doc: dict) -> str:
 
 
 def runs(results_dir: str) -> List[dict]:
-    docs = []
-    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
-        if name.endswith(".json"):
-            try:
-                with open(os.path.join(results_dir, name)) as f:
-                    doc = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
-                docs.append(doc)
-    return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
+    return runs_of(results_dir, SCHEMA)
 
 
 def section(results_dir: str) -> List[str]:
-    """The newest run only."""
-    out = []
-    for doc in runs(results_dir)[:1]:
-        out += [
-            f"## per-key decoding ({doc.get('gpu_short')}, commit {doc.get('commit')})",
-            "",
-            "`python -m benchmarks decode`: bf16, one new token a step, W=1024; peak = the call's memory above "
-            "its inputs (generate: the process's peak).",
-            "",
-            markdown(doc),
-            "",
-        ]
-    return out
+    return newest_section(
+        results_dir,
+        SCHEMA,
+        "per-key decoding",
+        "`python -m benchmarks decode`: bf16, one new token a step, W=1024; peak = the call's memory above "
+        "its inputs (generate: the process's peak).",
+        markdown,
+    )
 
 
 def main(args, env: dict) -> str:
@@ -273,9 +257,6 @@ def main(args, env: dict) -> str:
             doc["generate"] = generate_rows()
         except ImportError as e:  # transformers without Doge
             doc["generate_skipped"] = str(e)
-    doc.update(env)
-    path = os.path.join(args.out, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_decode.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    path = save_run(doc, args.out, env, "decode")
     print(f"wrote {path}\n" + markdown(doc), flush=True)
     return path

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import os
 import time
 from typing import List, Optional
 
@@ -37,6 +35,7 @@ from flexdma.flex import kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 
+from .common import newest_section, runs_of, save_run
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -421,36 +420,18 @@ def markdown(doc: dict) -> str:
 
 
 def runs(results_dir: str) -> List[dict]:
-    """Every `python -m benchmarks topk` JSON under results_dir, newest first."""
-    docs = []
-    for name in sorted(os.listdir(results_dir)) if os.path.isdir(results_dir) else []:
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(results_dir, name)) as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA:
-            docs.append(doc)
-    return sorted(docs, key=lambda d: d.get("date", ""), reverse=True)
+    return runs_of(results_dir, SCHEMA)
 
 
 def section(results_dir: str) -> List[str]:
-    """The newest run only: RESULTS.md holds the current tables (earlier runs stay in results/ and
-    the performance log)."""
-    out = []
-    for doc in runs(results_dir)[:1]:
-        out += [
-            f"## per-key top-W ({doc.get('gpu_short')}, commit {doc.get('commit')})",
-            "",
-            "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
-            "peak = the call's memory above its inputs.",
-            "",
-            markdown(doc),
-            "",
-        ]
-    return out
+    return newest_section(
+        results_dir,
+        SCHEMA,
+        "per-key top-W",
+        "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
+        "peak = the call's memory above its inputs.",
+        markdown,
+    )
 
 
 def main(args, env: dict) -> str:
@@ -467,9 +448,6 @@ def main(args, env: dict) -> str:
             doc["doge"] = doge_rows()
         except ImportError as e:  # transformers without Doge
             doc["doge_skipped"] = str(e)
-    doc.update(env)
-    path = os.path.join(args.out, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_topk.json")
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    path = save_run(doc, args.out, env, "topk")
     print(f"wrote {path}\n" + markdown(doc), flush=True)
     return path

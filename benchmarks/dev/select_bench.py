@@ -10,10 +10,10 @@ import argparse
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
 import flexdma  # noqa: F401  (loads the ops)
+from benchmarks.topk import _launches as launches
 from flexdma import topk
 
 # (name, planes, K, Q, W, tile rows)
@@ -26,15 +26,6 @@ CASES = [
     ("L=16K, 4 planes", 4, 16384, 16384, 2048, 128),
     ("decode Q=1 K=512K", 1, 524288, 1, 1024, 128),
 ]
-
-
-def launches(fn) -> int:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def graph_us(fn, reps=50) -> float:
