@@ -12,6 +12,7 @@ from .api import flash_dma_attention
 from .dynamic import dynamic_mask_attention
 from .masks import create_mask
 from .reference import attention_ref
+from .varlen import flash_dma_attention_varlen
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ elif getattr(_ext.BUILD_INFO, "STATIC_LIBSTDCXX", False):  # pragma: no cover - 
     )
 
 __all__ = [
+    "flash_dma_attention_varlen",
     "flash_dma_attention",
     "dynamic_mask_attention",
     "create_mask",

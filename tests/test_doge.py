@@ -293,3 +293,45 @@ def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     am[1, :2] = 1  # the padding the kept sets were selected under, changed
     with pytest.raises(ValueError, match="earlier columns changed"):
         patched(input_ids=ids[:, :1], attention_mask=am, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("form", ["position_ids", "flash_kwargs"])
+def test_packed_batch_equals_documents_one_by_one(form):
+    # DataCollatorWithFlattening's packed row (position ids that restart, or its FlashAttention
+    # kwargs): logits and gradients equal the documents run one by one (lengths below and above
+    # W = 5, one of a single token).
+    _, patched = _models(torch.float64, layers=2)
+    lens = [5, 1, 9, 3]
+    docs = [_ids(1, n) for n in lens]
+    kw = dict(position_ids=torch.cat([torch.arange(n) for n in lens])[None], use_cache=False)
+    if form == "flash_kwargs":
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    weights = torch.randn(1, sum(lens), VOCAB, dtype=torch.float64)
+    packed = patched(input_ids=torch.cat(docs, 1), **kw).logits
+    (packed * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in patched.named_parameters() if p.grad is not None}
+    patched.zero_grad()
+    one_by_one, start = [], 0
+    for d in docs:
+        logits = patched(input_ids=d, use_cache=False).logits
+        (logits * weights[:, start : start + d.shape[1]]).sum().backward()
+        one_by_one.append(logits.detach())
+        start += d.shape[1]
+    torch.testing.assert_close(packed.detach(), torch.cat(one_by_one, 1), atol=1e-10, rtol=1e-8)
+    assert {n for n, p in patched.named_parameters() if p.grad is not None} == set(grads)
+    for n, p in patched.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-9, rtol=1e-7, msg=n)
+
+
+def test_packed_batch_rejections():
+    _, patched = _models(torch.float32, layers=1)
+    ids = _ids(2, 6)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="one row"):
+        patched(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=4, max_length_k=4, use_cache=False)
+    with pytest.raises(ValueError, match="need all of"):
+        patched(input_ids=ids[:1], cu_seq_lens_q=cu, use_cache=False)
+    with pytest.raises(ValueError, match="seq_idx"):
+        patched(input_ids=ids, seq_idx=torch.zeros(2, 6, dtype=torch.int32), use_cache=False)

@@ -134,3 +134,28 @@ def test_compile_fullgraph_inference(name):
         out = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=am).logits
     real = am.bool()
     torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("form", ["position_ids", "flash_kwargs"])
+def test_llama_packed_row_equals_documents_one_by_one(form, monkeypatch):
+    # A packed row from DataCollatorWithFlattening: position ids that restart (transformers builds
+    # the block-diagonal mask) or its FlashAttention kwargs alone (flexdma_attention_varlen).
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL)).double()
+    model.set_attn_implementation("flexdma")
+    lens = [4, 1, 7]
+    docs = [torch.randint(100, (1, n)) for n in lens]
+    kw = dict(use_cache=False)
+    if form == "position_ids":
+        kw["position_ids"] = torch.cat([torch.arange(n) for n in lens])[None]
+    else:
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+        kw["position_ids"] = torch.cat([torch.arange(n) for n in lens])[None]  # the rotary positions
+    calls = []
+    packed_attention = fx._packed_attention
+    monkeypatch.setattr(fx, "_packed_attention", lambda *a: calls.append(1) or packed_attention(*a))
+    packed = model(input_ids=torch.cat(docs, 1), **kw).logits
+    assert len(calls) == (2 if form == "flash_kwargs" else 0)  # one call a layer
+    one_by_one = torch.cat([model(input_ids=d, use_cache=False).logits for d in docs], 1)
+    torch.testing.assert_close(packed, one_by_one, atol=1e-10, rtol=1e-8)

@@ -20,6 +20,7 @@ import torch
 
 from ..api import flash_dma_attention
 from ..perkey import decode
+from ..varlen import flash_dma_attention_varlen
 
 NAME = "flexdma"
 
@@ -56,6 +57,8 @@ def flexdma_attention_forward(
         raise ValueError("flexdma attention does not return attention weights (output_attentions=True)")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     Q, K = q.shape[1], k.shape[1]
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
+        return _packed_attention(module, q, k, v, scaling, softcap, is_causal, backend, kwargs), None
     mask = bias = None
     if attention_mask is not None:
         if attention_mask.dim() != 4:
@@ -69,6 +72,34 @@ def flexdma_attention_forward(
         q, k, v, mask, bias, is_causal=causal, softmax_scale=scaling, softcap=float(softcap or 0.0), backend=backend
     )
     return out, None
+
+
+def _packed_attention(module, q, k, v, scaling, softcap, is_causal, backend, kwargs) -> torch.Tensor:
+    """A packed row (DataCollatorWithFlattening's FlashAttention kwargs) through
+    flash_dma_attention_varlen: each sequence attends within itself; a mask built beside the
+    kwargs adds nothing the offsets do not say."""
+    missing = [n for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if kwargs.get(n) is None]
+    if missing:
+        raise ValueError(
+            f"flexdma attention: packed sequences need cu_seq_lens_q / _k and max_length_q / _k, missing {missing}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(f"flexdma attention: packed sequences come as one row, got batch {q.shape[0]}")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = flash_dma_attention_varlen(
+        q[0],
+        k[0],
+        v[0],
+        kwargs["cu_seq_lens_q"].to(torch.int32),
+        kwargs["cu_seq_lens_k"].to(torch.int32),
+        int(kwargs["max_length_q"]),
+        int(kwargs["max_length_k"]),
+        is_causal=bool(causal),
+        softmax_scale=scaling,
+        softcap=float(softcap or 0.0),
+        backend=backend,
+    )
+    return out[None]
 
 
 def register(name: str = NAME) -> None:
@@ -111,7 +142,7 @@ def _doge_padding_mask(
 
     if kv_length is None or kv_length <= 0:
         raise ValueError(f"patch_doge: the mask interface needs the key length (kv_length), got {kv_length!r}")
-    if mask_function is not causal_mask_function:
+    if mask_function is not causal_mask_function and not _is_packed_causal(mask_function, causal_mask_function):
         raise NotImplementedError(
             "patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
             "sliding windows and custom mask overlays vary by row"
@@ -123,18 +154,41 @@ def _doge_padding_mask(
     return attention_mask[:, -kv_length:].bool()
 
 
+def _is_packed_causal(mask_function, causal) -> bool:
+    """Whether mask_function is transformers' causal mask restricted to packed sequences (what it
+    builds for position ids that restart): the patched layers read the packing from the position
+    ids themselves. Recognised by its parts, in the releases tested (README): and_masks of the
+    causal mask (4.56; 5.x wraps it in remap_positions_for_packed_sequence) and
+    packed_sequence_mask_function."""
+
+    def cells(f):
+        return [c.cell_contents for c in (getattr(f, "__closure__", None) or ())]
+
+    def name(f):
+        return getattr(f, "__qualname__", "")
+
+    if not name(mask_function).startswith("and_masks."):
+        return False
+    parts = next((c for c in cells(mask_function) if isinstance(c, tuple)), ())
+    packed = [p for p in parts if name(p).startswith("packed_sequence_mask_function.")]
+    rest = [p for p in parts if p not in packed]
+    causal_part = len(rest) == 1 and (
+        rest[0] is causal
+        or (name(rest[0]).startswith("remap_positions_for_packed_sequence.") and causal in cells(rest[0]))
+    )
+    return len(packed) == 1 and causal_part
+
+
 # The parameters of transformers' DogeAttention.forward that the patched forward understands. The
 # cache arrives as `past_key_values` (transformers <= 5.23) or `cache` (5.24 on); `cache_position`
 # (<= 5.0) only addresses static caches, which patch_doge rejects through the mask check below.
 _DOGE_PARAMS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache", "cache_position")
 # Keyword arguments the decoder layer passes on that do not change attention: ignored.
 # (num_items_in_batch: the Trainer's loss normaliser, passed down with the model's kwargs.)
-_DOGE_IGNORED_KWARGS = frozenset(
-    {"position_ids", "use_cache", "output_router_logits", "output_hidden_states", "num_items_in_batch"}
-)
-# Packed-sequence arguments (DataCollatorWithFlattening's FlashAttention kwargs, seq_idx): not taken
-# yet, so any that is set is an error.
-_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_DOGE_IGNORED_KWARGS = frozenset({"use_cache", "output_router_logits", "output_hidden_states", "num_items_in_batch"})
+# Packed sequences: DataCollatorWithFlattening's FlashAttention kwargs, or position ids that restart
+# (read as transformers reads them: a new sequence wherever a position is not the previous one + 1).
+_PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _check_doge_signature(forward) -> None:
@@ -177,18 +231,15 @@ def _doge_attention_forward(
     cache = cache if cache is not None else past_key_values
     if kwargs.get("output_attentions"):
         raise ValueError("patch_doge: attention weights are never materialised (output_attentions=True)")
-    packed = [n for n in _PACKED_KWARGS if kwargs.get(n) is not None]
-    if packed:
-        raise ValueError(
-            f"patch_doge: packed sequences ({', '.join(packed)}) are not supported; pass padded batches "
-            "with an attention_mask"
-        )
+    if kwargs.get("seq_idx") is not None:
+        raise ValueError("patch_doge: seq_idx (a Mamba layer's packed-sequence index) is not an attention argument")
     if kwargs.get("is_causal") is False:
         raise ValueError("patch_doge: Doge's attention is causal; got is_causal=False")
     unknown = sorted(
         n
         for n, v in kwargs.items()
-        if v is not None and n not in _DOGE_IGNORED_KWARGS | {"output_attentions", "is_causal"}
+        if v is not None
+        and n not in _DOGE_IGNORED_KWARGS | set(_PACKED_KWARGS) | {"output_attentions", "is_causal", "position_ids"}
     )
     if unknown:
         raise TypeError(f"patch_doge: DogeAttention got keyword arguments it does not understand: {unknown}")
@@ -229,6 +280,27 @@ def _doge_attention_forward(
 
     # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
     dt_states = _doge_scores(self, value_states)
+    packed = _packed_offsets(kwargs, attention_mask, K != input_shape[1], input_shape)
+    if packed is not None:
+        # A packed prompt leaves no kept sets in a cache: a later step selects over its keys.
+        # Every (batch row, sequence) a sequence of its own: the rows flattened into one token axis.
+        cu, longest = packed
+        B, L = input_shape
+        out = flash_dma_attention_varlen(
+            query_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
+            key_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
+            value_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
+            cu,
+            cu,
+            longest,
+            longest,
+            dt_states.transpose(0, 1).reshape(dt_states.shape[1], B * L),
+            is_causal=True,
+            softmax_scale=self.scaling,
+            keep_window_size=self.keep_window_size,
+            backend=getattr(self, "_flexdma_backend", "auto"),
+        )
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
     # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
     # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
     pad = None if attention_mask is None else attention_mask[:, None, None, :]
@@ -250,6 +322,41 @@ def _doge_attention_forward(
             scores = scores.masked_fill(~attention_mask[:, None, :].bool(), float("-inf"))
         _set_kept_state(cache, self, _KeptState(decode.last_row(scores, self.keep_window_size), K, attention_mask))
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _packed_offsets(kwargs, attention_mask, cached: bool, input_shape) -> Optional[Tuple[torch.Tensor, int]]:
+    """(cu_seqlens over the flattened batch, the longest sequence) of a packed batch, or None: from
+    DataCollatorWithFlattening's FlashAttention kwargs, else from position ids that restart where
+    transformers finds packing (no padding mask, no cached keys before the call). Reading the
+    offsets waits for the device, as transformers' own check does."""
+    B, L = input_shape
+    given = {n: kwargs.get(n) for n in _PACKED_KWARGS if kwargs.get(n) is not None}
+    if given:
+        if len(given) != len(_PACKED_KWARGS):
+            raise ValueError(f"patch_doge: packed sequences need all of {_PACKED_KWARGS}, got {tuple(given)}")
+        cu_q, cu_k = given["cu_seq_lens_q"], given["cu_seq_lens_k"]
+        if B != 1 or attention_mask is not None or cached:
+            raise ValueError(
+                "patch_doge: packed sequences (cu_seq_lens_q / _k) come as one row without attention_mask "
+                f"or earlier cached keys, got batch {B}, attention_mask {attention_mask is not None}, "
+                f"cached keys {cached}"
+            )
+        if not torch.equal(cu_q, cu_k):
+            raise ValueError("patch_doge: self-attention needs cu_seq_lens_q == cu_seq_lens_k")
+        return cu_q.to(torch.int32), int(given["max_length_q"])
+    pos = kwargs.get("position_ids")
+    if pos is None or attention_mask is not None or cached or L < 2:
+        return None
+    if pos.dim() != 2 or pos.shape[-1] != L or pos.shape[0] not in (1, B):
+        raise ValueError(f"patch_doge: position_ids must be (batch, {L}), got {tuple(pos.shape)}")
+    new = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1
+    new = new.expand(B, L).clone()
+    new[:, 0] = True  # every batch row starts a sequence
+    starts = new.flatten().nonzero().flatten()
+    if starts.numel() == B:  # one sequence a row: not packed
+        return None
+    cu = torch.cat((starts, starts.new_tensor([B * L]))).to(torch.int32)
+    return cu, int(cu.diff().max())
 
 
 def _doge_scores(layer, value_states: torch.Tensor) -> torch.Tensor:

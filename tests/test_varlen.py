@@ -1,0 +1,114 @@
+"""flexdma.flash_dma_attention_varlen: packed sequences equal the same sequences run one by one
+(out, LSE and every gradient), on random lengths including 0 and 1, GQA, causal and not, no bias
+and a per-key bias with and without the per-key selection; rejected inputs."""
+
+import pytest
+import torch
+
+import flexdma
+from flexdma.reference import attention_ref
+
+BACKENDS = ["cpu", "reference"]
+
+
+def _pack(lengths_q, lengths_k, H, KVH, D, bias_heads, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = torch.randn(tq, H, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    k = torch.randn(tk, KVH, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(tk, KVH, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    bias = None
+    if bias_heads:
+        bias = (torch.randn(bias_heads, tk, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
+    cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
+    return q, k, v, bias, cu(lengths_q), cu(lengths_k)
+
+
+def _reference(q, k, v, bias, lq, lk, causal, W):
+    """The documents one by one through the float64 reference (a dense mask for the selection)."""
+    outs, lses = [], []
+    oq = ok = 0
+    for nq, nk in zip(lq, lk):
+        qs, ks, vs = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk]
+        b = None if bias is None else bias[None, :, None, ok : ok + nk]
+        mask = None
+        if W is not None:
+            mask = flexdma.create_mask(b.detach(), W, is_causal=causal, query_len=nq)
+        o, lse = attention_ref(qs, ks, vs, mask, b, is_causal=causal)
+        outs.append(o[0])
+        lses.append(lse[0])
+        oq, ok = oq + nq, ok + nk
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+CASES = [
+    # (lengths q, lengths k, H, KVH, bias heads, causal, W)
+    ([5, 0, 1, 9, 3], [5, 0, 1, 9, 3], 4, 2, 0, True, None),
+    ([5, 0, 1, 9, 3], [5, 0, 1, 9, 3], 4, 2, 2, False, None),
+    ([7, 1, 12], [7, 1, 12], 2, 1, 1, True, 4),  # W below some documents' lengths, above others
+    ([3, 6, 0, 11], [5, 6, 2, 11], 4, 4, 4, True, 3),  # Q < K per document: bottom-right causal
+    ([4, 10], [4, 10], 4, 2, 2, False, 20),  # W above every length
+    ([1], [1], 2, 2, 2, True, 1),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_packed_equals_documents_one_by_one(backend, case):
+    lq, lk, H, KVH, bh, causal, W = case
+    q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, torch.float64, seed=len(lq) + H)
+    out, lse = flexdma.flash_dma_attention_varlen(
+        q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, keep_window_size=W, return_lse=True, backend=backend
+    )
+    assert out.shape == q.shape and lse.shape == (H, sum(lq))
+    ref, ref_lse = _reference(q, k, v, bias, lq, lk, causal, W)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, do)
+    want = torch.autograd.grad(ref, leaves, do)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_bf16_within_the_rule():
+    # bf16 against the float64 reference: error at most ~2x the bf16 reference's, plus a floor.
+    lq = [6, 1, 20, 0, 13]
+    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 16, 2, torch.float64, seed=3)
+    ref, _ = _reference(q, k, v, bias, lq, lq, True, 8)
+    lo = [t.detach().to(torch.bfloat16) for t in (q, k, v, bias)]
+    out = flexdma.flash_dma_attention_varlen(*lo[:3], cq, ck, 20, 20, lo[3], is_causal=True, keep_window_size=8)
+    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, 8)
+    err, err_ref = (out.double() - ref).abs().max(), (ref_lo.double() - ref).abs().max()
+    assert err <= 2 * err_ref + 1e-3, (err, err_ref)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 5])), "int32"),
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32)), "end at the token count"),
+        (dict(cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32), max_seqlen_q=9), "decrease"),
+        (dict(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)), "same sequences"),
+        (dict(max_seqlen_q=2), "longer than max_seqlen"),
+        (dict(max_seqlen_k=torch.tensor(5)), "Python int"),
+        (dict(attn_bias=torch.randn(2, 5, 5)), "per-key attn_bias"),
+        (dict(attn_bias=torch.randn(3, 5)), "per-key attn_bias"),
+        (dict(keep_window_size=2), "needs|by attn_bias"),
+        (dict(query=torch.randn(1, 5, 4, 8)), "3-D"),
+    ],
+)
+def test_rejected_inputs(change, match):
+    kw = dict(
+        query=torch.randn(5, 4, 8),
+        key=torch.randn(5, 2, 8),
+        value=torch.randn(5, 2, 8),
+        cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 3, 5], dtype=torch.int32),
+        max_seqlen_q=3,
+        max_seqlen_k=3,
+    )
+    kw.update(change)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flexdma.flash_dma_attention_varlen(**kw)
