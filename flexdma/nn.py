@@ -12,6 +12,7 @@ from .api import flash_dma_attention
 from .dynamic import dynamic_bias, dynamic_mask_attention
 from .perkey import contract as perkey
 from .perkey import decode
+from .varlen import flash_dma_attention_varlen
 
 KVCache = Tuple[torch.Tensor, torch.Tensor]
 
@@ -187,12 +188,19 @@ class DynamicMaskAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         past_key_value: Optional[KVCache] = None,
         use_cache: bool = False,
+        *,
+        cu_seqlens: Optional[torch.Tensor] = None,
+        max_seqlen: Optional[int] = None,
     ):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states must be (batch, seqlen, {self.hidden_size}), got {tuple(hidden_states.shape)}"
             )
         B, S, _ = hidden_states.shape
+        if cu_seqlens is not None:
+            return self._packed(
+                hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu_seqlens, max_seqlen
+            )
         q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
@@ -235,6 +243,41 @@ class DynamicMaskAttention(nn.Module):
         if not use_cache:
             return out
         return out, DMACache.from_full(k, v, bias, attention_mask, self.keep_window_size)
+
+    def _packed(self, hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu, max_seqlen):
+        """Packed sequences (hidden_states (1, total, hidden_size), int32 offsets cu (batch + 1,), the
+        longest sequence max_seqlen): each attends and selects within itself
+        (flexdma.flash_dma_attention_varlen); position_embeddings are the caller's, per token."""
+        if hidden_states.shape[0] != 1:
+            raise ValueError(
+                f"with cu_seqlens, hidden_states must be one packed row (1, total, hidden), got {tuple(hidden_states.shape)}"
+            )
+        if attention_mask is not None or past_key_value is not None or use_cache:
+            raise ValueError("cu_seqlens (packed sequences) takes no attention_mask, past_key_value or use_cache")
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen must be a Python int with cu_seqlens, got {max_seqlen!r}")
+        S = hidden_states.shape[1]
+        q = self.q_proj(hidden_states).view(1, S, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(1, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(1, S, self.num_kv_heads, self.head_dim)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)[0, :, 0, :]  # (KVH, total)
+        out = flash_dma_attention_varlen(
+            q[0],
+            k[0],
+            v[0],
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            bias,
+            is_causal=self.is_causal,
+            keep_window_size=self.keep_window_size,
+            backend=self.backend,
+        )
+        return self.o_proj(out.reshape(1, S, self.num_heads * self.head_dim))
 
 
 class MultiheadDynamicMaskAttention(nn.Module):

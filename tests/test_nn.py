@@ -284,3 +284,33 @@ def test_selection_cache_is_the_last_row_of_the_full_selection():
     o1, _ = layer(x[:, -1:], past_key_value=(cache[0][:, :-1], cache[1][:, :-1]), use_cache=True)
     o2 = layer(x)[:, -1:]
     torch.testing.assert_close(o1, o2)
+
+
+def test_packed_sequences_equal_one_by_one():
+    # cu_seqlens: one packed row of documents (lengths around W = 4, one of a single token, one
+    # empty), each attending and selecting within itself; positions restart per document.
+    torch.manual_seed(0)
+    layer = DynamicMaskAttention(32, 4, 2, keep_window_size=4, dtype=torch.float64)
+    with torch.no_grad():
+        layer.A.normal_()
+    lens = [6, 1, 0, 9]
+    x = torch.randn(1, sum(lens), 32, dtype=torch.float64, requires_grad=True)
+    pos = torch.cat([torch.arange(n) for n in lens])
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    packed = layer(x, rotary_cos_sin(pos, 8, dtype=torch.float64), cu_seqlens=cu, max_seqlen=max(lens))
+    parts, start = [], 0
+    for n in lens:
+        if n:
+            parts.append(layer(x[:, start : start + n], rotary_cos_sin(torch.arange(n), 8, dtype=torch.float64)))
+        start += n
+    want = torch.cat(parts, 1)
+    torch.testing.assert_close(packed, want, atol=1e-12, rtol=1e-10)
+    g = torch.randn_like(want)
+    a = torch.autograd.grad(packed, (x, layer.dt_proj, layer.A), g)
+    b = torch.autograd.grad(want, (x, layer.dt_proj, layer.A), g)
+    for u, w in zip(a, b):
+        torch.testing.assert_close(u, w, atol=1e-10, rtol=1e-9)
+    with pytest.raises(ValueError, match="no attention_mask"):
+        layer(x, cu_seqlens=cu, max_seqlen=9, use_cache=True)
+    with pytest.raises(TypeError, match="max_seqlen"):
+        layer(x, cu_seqlens=cu)
