@@ -72,13 +72,17 @@ def test_packed_equals_documents_one_by_one(backend, case):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
 
 
-def test_bf16_within_the_rule():
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_bf16_within_the_rule(device):
     # bf16 against the float64 reference: error at most ~2x the bf16 reference's, plus a floor.
     lq = [6, 1, 20, 0, 13]
     q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 16, 2, torch.float64, seed=3)
     ref, _ = _reference(q, k, v, bias, lq, lq, True, 8)
     lo = [t.detach().to(torch.bfloat16) for t in (q, k, v, bias)]
-    out = flexdma.flash_dma_attention_varlen(*lo[:3], cq, ck, 20, 20, lo[3], is_causal=True, keep_window_size=8)
+    dev = [t.to(device) for t in lo]
+    out = flexdma.flash_dma_attention_varlen(
+        *dev[:3], cq.to(device), ck.to(device), 20, 20, dev[3], is_causal=True, keep_window_size=8
+    ).cpu()
     ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, 8)
     err, err_ref = (out.double() - ref).abs().max(), (ref_lo.double() - ref).abs().max()
     assert err <= 2 * err_ref + 1e-3, (err, err_ref)
