@@ -11,9 +11,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
-# Triton's interpreter turns a scalar into int with int(array) on a one-element array, which NumPy
-# 2.4 refuses ("only 0-dimensional arrays"): loops with runtime bounds need the element itself.
-_patch = interpreter._patch_lang_tensor
+# Triton's interpreter (3.6) turns a scalar into int with int(array) on a one-element array, which
+# NumPy 2.4 refuses ("only 0-dimensional arrays"): loops with runtime bounds need the element itself.
+_patch = getattr(interpreter, "_patch_lang_tensor", None)
 
 
 def _patch_lang_tensor(tensor, scope):
@@ -21,7 +21,8 @@ def _patch_lang_tensor(tensor, scope):
     scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
 
-interpreter._patch_lang_tensor = _patch_lang_tensor
+if _patch is not None:
+    interpreter._patch_lang_tensor = _patch_lang_tensor
 
 import flexdma  # noqa: E402, F401  (loads the ops)
 from flexdma.perkey import contract, triton_select  # noqa: E402
