@@ -277,6 +277,24 @@ def test_beam_search_reorders_the_kept_sets():
 
 
 @torch.no_grad()
+def test_cache_hooks_follow_copies_and_batch_changes():
+    # The kept sets follow the cache's batch methods, on the cache itself and on a deep copy of it.
+    _, patched = _models(torch.float32, layers=1)
+    cache = transformers.DynamicCache()
+    patched(input_ids=_ids(2, 6), past_key_values=cache, use_cache=True)
+    layer = patched.model.layers[0].self_attn
+    before = fx._kept_state(cache, layer).kept.idx.clone()
+    twin = copy.deepcopy(cache)
+    twin.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(fx._kept_state(twin, layer).kept.idx, before.flip(0))
+    assert torch.equal(fx._kept_state(cache, layer).kept.idx, before)  # the original is untouched
+    cache.batch_select_indices([1])
+    assert torch.equal(fx._kept_state(cache, layer).kept.idx, before[1:])
+    cache.crop(-2)  # (transformers 5 takes the tokens to remove; 4.56 a length: either drops keys)
+    assert fx._kept_state(cache, layer) is None  # the next step selects over the cache again
+
+
+@torch.no_grad()
 def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     _, patched = _models(torch.float32, layers=1)
     _, other = _models(torch.float32, layers=1)

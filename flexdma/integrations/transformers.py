@@ -13,6 +13,7 @@ mask -- Doge's dynamic mask does -- get it back as a differentiable flexdma bias
 from __future__ import annotations
 
 import inspect
+import itertools
 import types
 from typing import Optional, Tuple
 
@@ -367,6 +368,10 @@ def _doge_scores(layer, value_states: torch.Tensor) -> torch.Tensor:
     return torch.exp(layer.A * torch.nn.functional.softplus(dt)).transpose(-1, -2).to(value_states.dtype)
 
 
+# A number per patch_doge call (copies of a cache keep it, as they keep the kept sets).
+_MODEL_IDS = itertools.count()
+
+
 class _KeptState:
     """What a patched Doge layer keeps beside the transformers cache between decode steps: the
     newest row's kept set (flexdma.perkey.decode), the key count it covers, and the padding mask
@@ -390,7 +395,8 @@ _CACHE_HOOKS = {
 }
 
 
-def _rows(st: "_KeptState", index: torch.Tensor) -> "_KeptState":
+def _rows(st: "_KeptState", index) -> "_KeptState":
+    index = torch.as_tensor(index, device=st.kept.idx.device)
     pad = None if st.padding is None else st.padding.index_select(0, index.to(st.padding.device))
     return _KeptState(decode.select_batch(st.kept, index), st.length, pad)
 
@@ -400,7 +406,7 @@ def _kept_state(cache, layer) -> Optional[_KeptState]:
     if not states:
         return None
     owner, per_layer = states
-    if owner is not layer._flexdma_model_id:
+    if owner != layer._flexdma_model_id:
         raise ValueError(
             "patch_doge: this cache was filled by another model (its kept sets belong to that model's "
             "layers); start generation with a new cache"
@@ -414,10 +420,10 @@ def _set_kept_state(cache, layer, state: _KeptState) -> None:
         states = (layer._flexdma_model_id, {})
         cache._flexdma_kept = states
         for name, update in _CACHE_HOOKS.items():
-            method = getattr(cache, name, None)
+            method = getattr(type(cache), name, None)
             if method is not None:
-                setattr(cache, name, _hooked(cache, method, update))
-    elif states[0] is not layer._flexdma_model_id:
+                setattr(cache, name, types.MethodType(_hooked(method, update), cache))
+    elif states[0] != layer._flexdma_model_id:
         raise ValueError(
             "patch_doge: this cache was filled by another model (its kept sets belong to that model's "
             "layers); start generation with a new cache"
@@ -425,10 +431,13 @@ def _set_kept_state(cache, layer, state: _KeptState) -> None:
     states[1][layer.layer_idx] = state
 
 
-def _hooked(cache, method, update):
-    def run(*args, **kwargs):
-        out = method(*args, **kwargs)
-        per_layer = cache._flexdma_kept[1]
+def _hooked(method, update):
+    """`method` of the cache's class, then `update` on every layer's kept set. Bound to the cache
+    as a method (types.MethodType), so a deep copy of the cache rebinds it to the copy."""
+
+    def run(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        per_layer = self._flexdma_kept[1]
         for i, st in list(per_layer.items()):
             new = update(st, *args, **kwargs)
             if new is None:
@@ -513,7 +522,7 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
     AttentionMaskInterface.register(DOGE_NAME, _doge_padding_mask)
     # Names the model whose layers filled a cache's kept sets (a cache passed to another model is
     # an error, not a silent mix).
-    model_id = object()
+    model_id = next(_MODEL_IDS)
     for m in layers:
         m.forward = types.MethodType(_doge_attention_forward, m)
         m._flexdma_backend = backend
