@@ -238,6 +238,17 @@ def test_cuda_selection_at_every_chunk_size():
 def test_triton_selection_in_the_interpreter():
     # The CUDA selection kernel, run by Triton's interpreter on the CPU, against the CPU op. dev.sh
     # test installs triton beside the suite (FLEXDMA_TRITON_PATH) where it is not installed.
+    _run_in_interpreter("interpret_select.py", 15)
+
+
+def test_triton_attention_at_padded_head_dims_in_the_interpreter():
+    # The per-key Triton forward and backward (atomics and deterministic) at head dims 96, 48 and
+    # 192 (padded to a power of two inside the kernels) and 64, in Triton's interpreter, against the
+    # float64 reference over the same selection.
+    _run_in_interpreter("interpret_attention.py", 4)
+
+
+def _run_in_interpreter(script: str, cases: int) -> None:
     import importlib.util
     import os
     import subprocess
@@ -249,10 +260,11 @@ def test_triton_selection_in_the_interpreter():
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(x for x in (root, path, env.get("PYTHONPATH")) if x)
-    script = os.path.join(root, "tests", "interpret_select.py")
-    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", script)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count("ok ") == 15, r.stdout
+    assert r.stdout.count("ok ") == cases, r.stdout
 
 
 def test_gradcheck_fp64():

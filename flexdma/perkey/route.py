@@ -98,8 +98,8 @@ def cuda_unsupported_reason(call) -> Optional[str]:
     if call.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {call.dtype} (the per-key CUDA kernels take float16 and bfloat16)"
     d = head_dim
-    if d < 16 or d > 256 or d & (d - 1):
-        return f"head_dim {d} (the per-key CUDA kernels take powers of two from 16 to 256)"
+    if d < 16 or d > 256 or d % 16:
+        return f"head_dim {d} (the per-key CUDA kernels take multiples of 16 from 16 to 256)"
     return None
 
 

@@ -96,14 +96,15 @@ def _tile_setup(
 
 
 @triton.jit
-def _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D: tl.constexpr, BN: tl.constexpr):
+def _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
     """Listed keys [n0, n0 + BN) of a tile: list positions, validity, key indices, ranks, the
-    gathered K rows and the keys' biases."""
+    gathered K rows (head dim padded to DP with zeros) and the keys' biases."""
     e = n0 + tl.arange(0, BN)
     ev = e < n
     kidx = tl.load(head + 1 + e, mask=ev, other=0)
     rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
-    k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + tl.arange(0, D)[None, :], mask=ev[:, None], other=0.0)
+    d = tl.arange(0, DP)
+    k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None] & (d[None, :] < D), other=0.0)
     bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
     return e, ev, kidx, rk, k, bias_v
 
@@ -177,6 +178,7 @@ def _fwd_kernel(
     scale_log2,
     softcap,
     D: tl.constexpr,
+    DP: tl.constexpr,
     PACK: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     BN: tl.constexpr,
@@ -215,25 +217,28 @@ def _fwd_kernel(
         TILE_ROWS,
     )
     BM: tl.constexpr = PACK * TILE_ROWS
-    d = tl.arange(0, D)
+    # Head dims that are not a power of two run padded to DP: the padding loads as 0 and is
+    # never stored.
+    d = tl.arange(0, DP)
+    dm = d[None, :] < D
     q = tl.load(
         q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
-        mask=row_ok[:, None],
+        mask=row_ok[:, None] & dm,
         other=0.0,
     )
 
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
+    acc = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, n, BN):
-        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, BN)
+        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, DP, BN)
         s, _ = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None], other=0.0)
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None] & dm, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     empty = l_i == 0.0
@@ -241,9 +246,9 @@ def _fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
     o_off = b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :]
     out_lo = out.to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + o_off, out_lo, mask=row_ok[:, None])
+    tl.store(o_ptr + o_off, out_lo, mask=row_ok[:, None] & dm)
     # out's rounding error, so the backward's rowsum(dout * out) sees out in float.
-    tl.store(res_ptr + o_off, (out - out_lo.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(res_ptr + o_off, (out - out_lo.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dm)
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, lse, mask=row_ok)
 
 
@@ -297,6 +302,7 @@ def _bwd_kernel(
     softcap,
     tile_base,
     D: tl.constexpr,
+    DP: tl.constexpr,
     PACK: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     BN: tl.constexpr,
@@ -342,14 +348,16 @@ def _bwd_kernel(
         TILE_ROWS,
     )
     BM: tl.constexpr = PACK * TILE_ROWS
-    d = tl.arange(0, D)
+    d = tl.arange(0, DP)  # padded head dims as in the forward
+    dm = d[None, :] < D
+    rm = row_ok[:, None] & dm
     row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
-    q = tl.load(q_ptr + row_off, mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + row_off, mask=rm, other=0.0)
     do_off = b.to(tl.int64) * sdb + i[:, None].to(tl.int64) * sdm + h[:, None] * sdh + d[None, :]
-    do = tl.load(do_ptr + do_off, mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + do_off, mask=rm, other=0.0)
     # delta = rowsum(dO * O), the row term of dS = P * (dP - delta); out and dout share strides.
-    o = tl.load(o_ptr + do_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    o += tl.load(res_ptr + do_off, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + do_off, mask=rm, other=0.0).to(tl.float32)
+    o += tl.load(res_ptr + do_off, mask=rm, other=0.0).to(tl.float32)
     delta = tl.sum(do.to(tl.float32) * o, 1)
     lse = tl.load(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, mask=row_ok, other=float("-inf"))
     # Rows that keep nothing have lse -inf and every score -inf: p must come out 0, not NaN.
@@ -363,18 +371,19 @@ def _bwd_kernel(
         dbb = db_ptr + slot * cap
     scale = scale_log2 / _LOG2E
 
-    dq = tl.zeros([BM, D], tl.float32)
+    dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, n, BN):
-        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, BN)
-        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + tl.arange(0, D)[None, :], mask=ev[:, None], other=0.0)
+        e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, DP, BN)
+        em = ev[:, None] & dm
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=em, other=0.0)
         s, th = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
         if PARTIAL:
             acc_off = part_row + e[:, None].to(tl.int64) * D + d[None, :]
-            tl.store(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None])
+            tl.store(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=em)
         else:
             acc_off = acc_row + kidx[:, None].to(tl.int64) * KVH * D + d[None, :]
-            tl.atomic_add(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=ev[:, None], sem="relaxed")
+            tl.atomic_add(dv_ptr + acc_off, tl.dot(tl.trans(p.to(do.dtype)), do), mask=em, sem="relaxed")
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         if DBIAS:
@@ -389,10 +398,10 @@ def _bwd_kernel(
         dsl = ds.to(q.dtype)
         dq += tl.dot(dsl, k)
         if PARTIAL:
-            tl.store(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None])
+            tl.store(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=em)
         else:
-            tl.atomic_add(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=ev[:, None], sem="relaxed")
-    tl.store(dq_ptr + row_off, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.atomic_add(dk_ptr + acc_off, tl.dot(tl.trans(dsl), q), mask=em, sem="relaxed")
+    tl.store(dq_ptr + row_off, dq.to(dq_ptr.dtype.element_ty), mask=rm)
 
 
 # ----------------------------------------------------------------------------------- launchers
@@ -422,7 +431,7 @@ def _geometry(q, k, bias, key_rank, tile_keys):
             n_tiles,
             tile_keys.shape[2] // n_tiles - 1,
         ),
-        meta=dict(D=D, PACK=pack, TILE_ROWS=tile_rows),
+        meta=dict(D=D, DP=triton.next_power_of_2(D), PACK=pack, TILE_ROWS=tile_rows),
         grid=(n_tiles, B * H // pack),
     )
 
@@ -464,7 +473,7 @@ def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, s
         **g["meta"],
         CAUSAL=bool(is_causal),
         SOFTCAP=softcap > 0,
-        **configs(D)[0],
+        **configs(triton.next_power_of_2(D))[0],
     )
     return out, lse, resid
 
@@ -561,7 +570,7 @@ def bwd(
                 SOFTCAP=softcap > 0,
                 DBIAS=bool(bias_requires_grad),
                 PARTIAL=partial,
-                **configs(D)[1],
+                **configs(triton.next_power_of_2(D))[1],
             )
 
         if not deterministic:
