@@ -159,3 +159,13 @@ def test_llama_packed_row_equals_documents_one_by_one(form, monkeypatch):
     assert len(calls) == (2 if form == "flash_kwargs" else 0)  # one call a layer
     one_by_one = torch.cat([model(input_ids=d, use_cache=False).logits for d in docs], 1)
     torch.testing.assert_close(packed, one_by_one, atol=1e-10, rtol=1e-8)
+
+
+def test_attention_function_rejects_what_it_does_not_understand():
+    # An attention sink (gpt-oss's s_aux) or any new option with a value is an error, never dropped.
+    q = torch.randn(1, 2, 5, 8)
+    module = torch.nn.Module()
+    with pytest.raises(TypeError, match="s_aux"):
+        fx.flexdma_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    out, _ = fx.flexdma_attention_forward(module, q, q, q, None, position_ids=torch.arange(5)[None], use_cache=False)
+    assert out.shape == (1, 5, 2, 8)

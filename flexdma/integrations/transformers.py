@@ -38,6 +38,29 @@ def _split_mask(mask: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, O
     return allowed, bias
 
 
+# Keyword arguments models pass the attention function that flexdma_attention_forward understands:
+# position_ids / cache_position (positions are in q and k already; packed rows arrive as the mask
+# transformers builds from them), sliding_window (in the mask: register() installs transformers'
+# sdpa mask builder), the per-call flags that do not change attention, and the packed-row kwargs.
+# Anything else with a value is an error: an attention sink or a new option would be dropped.
+_ATTENTION_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cache_position",
+        "sliding_window",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "num_items_in_batch",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+    }
+)
+
+
 def flexdma_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -56,6 +79,9 @@ def flexdma_attention_forward(
         raise ValueError(f"flexdma attention has no dropout; got dropout={dropout} in training mode")
     if kwargs.get("output_attentions"):
         raise ValueError("flexdma attention does not return attention weights (output_attentions=True)")
+    unknown = sorted(n for n, x in kwargs.items() if x is not None and n not in _ATTENTION_KWARGS)
+    if unknown:
+        raise TypeError(f"flexdma attention got keyword arguments it does not understand: {unknown}")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     Q, K = q.shape[1], k.shape[1]
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
