@@ -29,7 +29,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import decode as kept_sets
 
-from .common import newest_section, runs_of, save_run
+from .common import newest_section, save_run
 from .topk import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -233,10 +233,6 @@ def markdown(doc: dict) -> str:
                     cells.append("–")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def runs(results_dir: str) -> List[dict]:
-    return runs_of(results_dir, SCHEMA)
 
 
 def section(results_dir: str) -> List[str]:

@@ -35,7 +35,7 @@ from flexdma.flex import kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 
-from .common import newest_section, runs_of, save_run
+from .common import newest_section, save_run
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -417,10 +417,6 @@ def markdown(doc: dict) -> str:
                 )
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def runs(results_dir: str) -> List[dict]:
-    return runs_of(results_dir, SCHEMA)
 
 
 def section(results_dir: str) -> List[str]:
