@@ -3,7 +3,8 @@
 #   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
 #   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
 #                                                 # FlexAttention)
-#   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's and the non-finite inputs' GPU tests (~3 min)
+#   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's, the non-finite inputs' and packed sequences'
+#                                                 # GPU tests (~3 min; the interpreter tests are CPU tests)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/dev/flex_check.py)
@@ -62,8 +63,8 @@ if has tests; then
 fi
 if has topk; then
   timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
-    -k "not cpu" --durations=12 > "$out/pytest.tmp" 2>&1
-  tally "gpu tests (per-key, non-finite)" $?
+    tests/test_varlen.py -k "not cpu and not interpreter" --durations=12 > "$out/pytest.tmp" 2>&1
+  tally "gpu tests (per-key, non-finite, varlen)" $?
 fi
 if has sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
