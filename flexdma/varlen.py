@@ -1,10 +1,12 @@
 """Packed sequences (varlen): many documents in one row of tokens, each attending only within itself,
 in FlashAttention's varlen layout (`flash_attn_varlen_func`).
 
-Each document runs as one call of flash_dma_attention on views of the packed tensors (no copy into
-a padded layout, nothing attends across a boundary, the per-key selection runs per document); the
-offsets are read on the host for that, which on CUDA waits for the device once per call. The
-kernels do not read the offsets themselves yet, so a packed call costs one call per document.
+On the CPU (backend "auto" or "cpu") one op, flexdma::varlen_fwd / varlen_bwd (ops/flexdma_ops.cpp),
+runs the C++ kernels sequence by sequence on views of the packed rows: no padded copy, no host
+decision in Python, so torch.compile and torch.export take it whole. Elsewhere (CUDA, FlexAttention,
+the reference) each sequence is one flash_dma_attention call on views, after the offsets are read
+on the host (on CUDA a device wait per call): the CUDA kernels do not read offsets yet. Either way
+nothing attends across a boundary, and the per-key selection runs within each sequence.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
+from . import _checks, _ops
 from ._warnings import warn_once
 from .api import flash_dma_attention
+from .perkey import contract as perkey
 
 
 def _check_offsets(name: str, cu: torch.Tensor, total: int, device: torch.device) -> None:
@@ -104,6 +108,26 @@ def flash_dma_attention_varlen(
             )
     if keep_window_size is not None and attn_bias is None:
         raise ValueError("keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias (heads, total_k)")
+    if query.device.type == "cpu" and backend in ("auto", "cpu") and _ops.LOADED:
+        _checks.check_qkv(query[None], key[None], value[None])
+        if attn_bias is not None and attn_bias.dtype != query.dtype:
+            raise TypeError(f"attn_bias must have query's dtype {query.dtype}, got {attn_bias.dtype}")
+        scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
+        if keep_window_size is not None:
+            keep_window_size = perkey.check_window(keep_window_size)
+        out, lse = torch.ops.flexdma.varlen_fwd(
+            *(_checks.last_dim_contiguous(t) for t in (query, key, value)),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            attn_bias,
+            scale,
+            bool(is_causal),
+            softcap,
+            keep_window_size or 0,
+        )
+        return (out, lse) if return_lse else out
     offs_q = _offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
     offs_k = _offsets("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
     if query.device.type == "cuda":
@@ -137,3 +161,42 @@ def flash_dma_attention_varlen(
         out = query.new_zeros(query.shape)
         lse = query.new_zeros((H, 0), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
     return (out, lse) if return_lse else out
+
+
+# ---- flexdma::varlen_fwd / varlen_bwd: fake kernels and autograd (schemas and CPU kernels: ops/) ----
+
+
+def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_ops.acc_dtype(q.dtype))
+    return q.new_empty(q.shape), lse
+
+
+def _varlen_bwd_fake(
+    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window, want
+):
+    dbias = attn_bias.new_empty(attn_bias.shape) if want and attn_bias is not None else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, bias = inputs[:8]
+    ctx.save_for_backward(q, k, v, cu_q, cu_k, bias, *output)
+    ctx.cfg = (max_q, max_k) + tuple(inputs[8:])
+    ctx.mark_non_differentiable(output[1])  # lse: for inspection and merging, not differentiated
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, cu_q, cu_k, bias, out, lse = ctx.saved_tensors
+    max_q, max_k, scale, causal, softcap, window = ctx.cfg
+    want = bias is not None and ctx.needs_input_grad[7]
+    dq, dk, dv, dbias = torch.ops.flexdma.varlen_bwd(
+        grad_out.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, causal, softcap, window, want
+    )
+    return dq, dk, dv, None, None, None, None, dbias if want else None, None, None, None, None
+
+
+if _ops.LOADED:
+    torch.library.register_fake("flexdma::varlen_fwd")(_varlen_fwd_fake)
+    torch.library.register_fake("flexdma::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_autograd("flexdma::varlen_fwd", _backward, setup_context=_setup_context)
+    _ops.forbid_double_backward("flexdma::varlen_bwd")

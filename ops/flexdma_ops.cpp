@@ -183,6 +183,122 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor&
   return {key_rank, row_thr, tile_keys};
 }
 
+// Packed sequences (flexdma::varlen_fwd / varlen_bwd): q (Tq, H, D), k / v (Tk, KVH, D), int32
+// offsets cu_q / cu_k (batch + 1); bias none or per-key (heads, Tk). Each sequence runs the dense
+// (or, with window > 0, the per-key top-window) kernel on views of its rows, its selection made
+// within itself; lse is (H, Tq).
+void varlen_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                  const c10::optional<at::Tensor>& bias, int64_t window) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3, "flexdma::varlen: q, k, v must be (tokens, heads, head_dim)");
+  for (const at::Tensor* cu : {&cu_q, &cu_k})
+    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1,
+                      "flexdma::varlen: cu_seqlens must be 1-D int32 (batch + 1)");
+  TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), "flexdma::varlen: cu_seqlens_q and _k differ in length");
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->dim() == 2 && bias->size(1) == k.size(0)),
+                    "flexdma::varlen: the bias must be per key, (heads, Tk)");
+  TORCH_CHECK_VALUE(window == 0 || bias.has_value(), "flexdma::varlen: a window needs the per-key bias");
+}
+
+// One sequence's views: (1, n, heads, D) rows and the (1, heads, 1, nk) bias.
+struct Seq {
+  int64_t q0, nq, k0, nk;
+  at::Tensor rows(const at::Tensor& t, bool keys) const {
+    return t.narrow(0, keys ? k0 : q0, keys ? nk : nq).unsqueeze(0);
+  }
+  c10::optional<at::Tensor> bias(const c10::optional<at::Tensor>& b) const {
+    if (!b.has_value()) return c10::nullopt;
+    return b->narrow(1, k0, nk).unsqueeze(0).unsqueeze(2);
+  }
+};
+
+std::vector<Seq> varlen_seqs(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t tq, int64_t tk, int64_t max_q,
+                             int64_t max_k) {
+  const at::Tensor cq = cu_q.contiguous(), ck = cu_k.contiguous();
+  const int32_t* a = cq.data_ptr<int32_t>();
+  const int32_t* b = ck.data_ptr<int32_t>();
+  const int64_t n = cq.numel() - 1;
+  TORCH_CHECK_VALUE(a[0] == 0 && a[n] == tq && b[0] == 0 && b[n] == tk,
+                    "flexdma::varlen: cu_seqlens must start at 0 and end at the token counts");
+  std::vector<Seq> seqs;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(a[i + 1] >= a[i] && b[i + 1] >= b[i], "flexdma::varlen: cu_seqlens must not decrease");
+    TORCH_CHECK_VALUE(a[i + 1] - a[i] <= max_q && b[i + 1] - b[i] <= max_k, "flexdma::varlen: sequence ", i,
+                      " is longer than max_seqlen (", a[i + 1] - a[i], " / ", b[i + 1] - b[i], " tokens, max ", max_q,
+                      " / ", max_k, ")");
+    seqs.push_back({a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]});
+  }
+  return seqs;
+}
+
+// The selection of one sequence (window > 0): key_rank / row_thr of its per-key bias (float64
+// scores ranked as float32, as flash_dma_attention's selection ranks them).
+std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const Seq& s, int64_t window, bool causal) {
+  const at::Tensor scores = bias.scalar_type() == at::kDouble ? bias.squeeze(2).to(at::kFloat) : bias.squeeze(2);
+  auto [rank, thr, lists] = topk_select_cpu(scores, window, s.nq, causal, kTopkCpuTileRows);
+  return {rank, thr};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
+                                                  int64_t max_k, const c10::optional<at::Tensor>& bias,
+                                                  double softmax_scale, bool is_causal, double softcap,
+                                                  int64_t window) {
+  varlen_check(q, k, cu_q, cu_k, bias, window);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(acc_type(q.scalar_type())));
+  const auto run = [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); };
+  for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
+    if (s.nq == 0) continue;
+    const auto b = s.bias(bias);
+    at::Tensor o, l;
+    if (window > 0) {
+      auto [rank, thr] = varlen_select(*b, s, window, is_causal);
+      std::tie(o, l) = topk_fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, softmax_scale,
+                                     is_causal, softcap, run);
+    } else {
+      std::tie(o, l) = fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, softmax_scale,
+                                is_causal, softcap, c10::nullopt, run);
+    }
+    out.narrow(0, s.q0, s.nq).copy_(o[0]);
+    lse.narrow(1, s.q0, s.nq).copy_(l[0]);
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, int64_t window,
+    bool bias_requires_grad) {
+  varlen_check(q, k, cu_q, cu_k, bias, window);
+  // Every element is written: rows of a sequence with no keys (and keys no row sees) get zeros.
+  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
+  const bool want_dbias = bias_requires_grad && bias.has_value();
+  at::Tensor dbias = want_dbias ? at::zeros(bias->sizes(), bias->options()) : at::empty({0}, q.options());
+  const auto run = [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); };
+  for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
+    if (s.nq == 0 || s.nk == 0) continue;
+    const auto b = s.bias(bias);
+    const at::Tensor o = s.rows(out, false), l = lse.narrow(1, s.q0, s.nq).unsqueeze(0);
+    const at::Tensor d = s.rows(dout, false);
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> g;
+    if (window > 0) {
+      auto [rank, thr] = varlen_select(*b, s, window, is_causal);
+      g = topk_bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, o, l.contiguous(),
+                        softmax_scale, is_causal, softcap, want_dbias, false, run);
+    } else {
+      g = bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, o, l.contiguous(),
+                   softmax_scale, is_causal, softcap, want_dbias, false, c10::nullopt, run);
+    }
+    dq.narrow(0, s.q0, s.nq).copy_(std::get<0>(g)[0]);
+    dk.narrow(0, s.k0, s.nk).copy_(std::get<1>(g)[0]);
+    dv.narrow(0, s.k0, s.nk).copy_(std::get<2>(g)[0]);
+    if (want_dbias) dbias.narrow(1, s.k0, s.nk).copy_(std::get<3>(g).view({-1, s.nk}));
+  }
+  return {dq, dk, dv, dbias};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flexdma, m) {
@@ -240,6 +356,20 @@ TORCH_LIBRARY(flexdma, m) {
       "Tensor tile_keys, int tile_rows, float softmax_scale, bool is_causal, float softcap) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
+  // Packed sequences, FlashAttention's varlen layout: q (Tq, H, D), k / v (Tk, KVH, D), int32
+  // offsets (batch + 1), attn_bias none or per key (heads, Tk); window > 0: each row keeps its
+  // sequence's top-window keys by the bias (the selection never crosses a boundary). lse (H, Tq).
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window) "
+      "-> (Tensor out, Tensor lse)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? attn_bias, Tensor out, Tensor lse, float softmax_scale, "
+      "bool is_causal, float softcap, int window, bool bias_requires_grad) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+      {at::Tag::pt2_compliant_tag});
   m.def(
       "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
       "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
@@ -249,6 +379,8 @@ TORCH_LIBRARY(flexdma, m) {
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
+  m.impl("varlen_fwd", &varlen_fwd_cpu);
+  m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);

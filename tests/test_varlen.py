@@ -116,3 +116,35 @@ def test_rejected_inputs(change, match):
     kw.update(change)
     with pytest.raises((ValueError, TypeError), match=match):
         flexdma.flash_dma_attention_varlen(**kw)
+
+
+def test_opcheck_and_compile_and_export():
+    # On the CPU the packed call is one op (flexdma::varlen_fwd): opcheck, torch.compile with
+    # fullgraph, and torch.export with a dynamic token count and number of sequences.
+    lq = [5, 0, 3, 8]
+    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 16, 2, torch.float32, seed=5)
+    for window in (0, 4):
+        torch.library.opcheck(torch.ops.flexdma.varlen_fwd, (q, k, v, cq, ck, 8, 8, bias, 0.25, True, 0.0, window))
+
+    def f(q, k, v, cq, ck, bias):
+        return flexdma.flash_dma_attention_varlen(q, k, v, cq, ck, 8, 8, bias, is_causal=True, keep_window_size=4)
+
+    eager = f(q, k, v, cq, ck, bias)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, cq, ck, bias)
+    torch.testing.assert_close(compiled, eager)
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v, cq, ck, bias):
+            return f(q, k, v, cq, ck, bias)
+
+    total, seqs = torch.export.Dim("total", min=2, max=4096), torch.export.Dim("seqs", min=2, max=1024)
+    ep = torch.export.export(
+        M(),
+        (q, k, v, cq, ck, bias),
+        dynamic_shapes=({0: total}, {0: total}, {0: total}, {0: seqs}, {0: seqs}, {1: total}),
+    )
+    torch.testing.assert_close(ep.module()(q, k, v, cq, ck, bias), eager)
+    lq2 = [2, 8, 6]  # another token count and another number of sequences
+    q2, k2, v2, b2, cq2, ck2 = _pack(lq2, lq2, 4, 2, 16, 2, torch.float32, seed=6)
+    want = f(q2, k2, v2, cq2, ck2, b2)
+    torch.testing.assert_close(ep.module()(q2, k2, v2, cq2, ck2, b2), want)
