@@ -314,3 +314,35 @@ def test_packed_sequences_equal_one_by_one():
         layer(x, cu_seqlens=cu, max_seqlen=9, use_cache=True)
     with pytest.raises(TypeError, match="max_seqlen"):
         layer(x, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_set_updates_equal_the_selection_of_every_prefix(seed, per_step):
+    # flexdma.perkey.decode: appending keys one at a time (or a few a step, each new row with its
+    # own kept set) keeps exactly the top-W of every prefix in the selection's order: NaN first,
+    # -0.0 tied with +0.0, -inf and padding never kept, ties to the older key.
+    from flexdma.perkey import decode
+
+    g = torch.Generator().manual_seed(seed)
+    B, P, K, W, K0 = 2, 3, 40, 6, 3
+    s = (torch.randn(B, P, K, generator=g) * 2).round()  # many ties
+    s[0, 0, 5], s[0, 1, 7], s[1, 2, 9] = float("nan"), -0.0, 0.0
+    s[1, 0, 11:14] = float("-inf")
+    eligible = (torch.rand(B, 1, K, generator=g) < 0.85).expand(B, P, K)
+    masked = s.masked_fill(~eligible, float("-inf"))
+
+    def members(idx, keep):  # key membership (free slots repeat key indices: added, not written)
+        return torch.zeros(B, P, K, dtype=torch.int64).scatter_add_(-1, idx, keep.long()) > 0
+
+    def want(n):  # the top-W of the first n keys
+        kept = decode.last_row(masked[..., :n], W)
+        return members(kept.idx, kept.valid)
+
+    kept = decode.last_row(masked[..., :K0], W)
+    for n0 in range(K0, K, per_step):
+        T = min(per_step, K - n0)
+        rows = decode.append_rows(kept, s[..., n0 : n0 + T], n0, eligible[..., n0 : n0 + T])
+        for t in range(T):
+            assert torch.equal(members(rows.idx, rows.keep[:, :, t]), want(n0 + t + 1)), (n0, t)
+        kept = rows.kept
