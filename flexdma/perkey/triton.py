@@ -96,6 +96,16 @@ def _tile_setup(
 
 
 @triton.jit
+def _within(mask, d, D: tl.constexpr, DP: tl.constexpr):
+    """mask, and where the head dim is padded (D < DP) the real columns: the padding loads as 0
+    and is never stored. Unpadded head dims compile without the column test."""
+    if D == DP:
+        return mask
+    else:
+        return mask & (d[None, :] < D)
+
+
+@triton.jit
 def _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
     """Listed keys [n0, n0 + BN) of a tile: list positions, validity, key indices, ranks, the
     gathered K rows (head dim padded to DP with zeros) and the keys' biases."""
@@ -104,7 +114,7 @@ def _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D: tl.constexpr, DP: tl.constex
     kidx = tl.load(head + 1 + e, mask=ev, other=0)
     rk = tl.load(ranks + kidx, mask=ev, other=_NEVER)
     d = tl.arange(0, DP)
-    k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=ev[:, None] & (d[None, :] < D), other=0.0)
+    k = tl.load(kb + kidx[:, None].to(tl.int64) * skn + d[None, :], mask=_within(ev[:, None], d, D, DP), other=0.0)
     bias_v = tl.load(bb + kidx.to(tl.int64) * sbk, mask=ev, other=0.0).to(tl.float32)
     return e, ev, kidx, rk, k, bias_v
 
@@ -217,13 +227,12 @@ def _fwd_kernel(
         TILE_ROWS,
     )
     BM: tl.constexpr = PACK * TILE_ROWS
-    # Head dims that are not a power of two run padded to DP: the padding loads as 0 and is
-    # never stored.
+    # Head dims that are not a power of two run padded to DP (_within).
     d = tl.arange(0, DP)
-    dm = d[None, :] < D
+    rm = _within(row_ok[:, None], d, D, DP)
     q = tl.load(
         q_ptr + b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :],
-        mask=row_ok[:, None] & dm,
+        mask=rm,
         other=0.0,
     )
 
@@ -238,7 +247,7 @@ def _fwd_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=ev[:, None] & dm, other=0.0)
+        v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=_within(ev[:, None], d, D, DP), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     empty = l_i == 0.0
@@ -246,9 +255,9 @@ def _fwd_kernel(
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / _LOG2E)
     o_off = b.to(tl.int64) * sob + i[:, None].to(tl.int64) * som + h[:, None] * soh + d[None, :]
     out_lo = out.to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + o_off, out_lo, mask=row_ok[:, None] & dm)
+    tl.store(o_ptr + o_off, out_lo, mask=rm)
     # out's rounding error, so the backward's rowsum(dout * out) sees out in float.
-    tl.store(res_ptr + o_off, (out - out_lo.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dm)
+    tl.store(res_ptr + o_off, (out - out_lo.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=rm)
     tl.store(lse_ptr + (b.to(tl.int64) * H + h) * Q + i, lse, mask=row_ok)
 
 
@@ -349,8 +358,7 @@ def _bwd_kernel(
     )
     BM: tl.constexpr = PACK * TILE_ROWS
     d = tl.arange(0, DP)  # padded head dims as in the forward
-    dm = d[None, :] < D
-    rm = row_ok[:, None] & dm
+    rm = _within(row_ok[:, None], d, D, DP)
     row_off = b.to(tl.int64) * sqb + i[:, None].to(tl.int64) * sqm + h[:, None] * sqh + d[None, :]
     q = tl.load(q_ptr + row_off, mask=rm, other=0.0)
     do_off = b.to(tl.int64) * sdb + i[:, None].to(tl.int64) * sdm + h[:, None] * sdh + d[None, :]
@@ -374,7 +382,7 @@ def _bwd_kernel(
     dq = tl.zeros([BM, DP], tl.float32)
     for n0 in range(0, n, BN):
         e, ev, kidx, rk, k, bias_v = _chunk(head, ranks, kb, bb, n0, n, skn, sbk, D, DP, BN)
-        em = ev[:, None] & dm
+        em = _within(ev[:, None], d, D, DP)
         v = tl.load(vb + kidx[:, None].to(tl.int64) * svn + d[None, :], mask=em, other=0.0)
         s, th = _scores(q, k, bias_v, rk, kidx, ev, thr, p_row, scale_log2, softcap, CAUSAL, SOFTCAP)
         p = tl.exp2(s - lse2[:, None])
