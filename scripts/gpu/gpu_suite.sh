@@ -10,9 +10,12 @@
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/dev/flex_check.py)
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
 #   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/dev/cuda_dev.py: the target shapes, kernel split
+#   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # benchmarks/dev/select_bench.py: the per-key selection alone
+#   bash scripts/gpu/gpu_suite.sh topkbench OUTDIR      # python -m benchmarks topk (PEERS: its --peers; default all)
+#   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, topk, sanitizer, cudadev, tests2, flexcheck, bench, aoti
+#                                                 # tests, topk, sanitizer, cudadev, selbench, topkbench, decodebench, tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
 # runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
@@ -81,6 +84,20 @@ fi
 if has cudadev; then
   timeout 200 $PY benchmarks/dev/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
   echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
+fi
+if has selbench; then
+  timeout $(cap 200) $PY -m benchmarks.dev.select_bench --out "$out/select_bench.json" > "$out/select_bench.log" 2>&1
+  echo "select_bench rc=$?" | tee -a "$log"; grep case "$out/select_bench.log" | cut -c1-240
+fi
+if has topkbench; then
+  timeout $(cap 560) $PY -m benchmarks topk ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
+    --out "$out" > "$out/topk_bench.log" 2>&1
+  echo "benchmarks topk rc=$?" | tee -a "$log"; grep '^|' "$out/topk_bench.log" | head -20
+fi
+if has decodebench; then
+  timeout $(cap 560) $PY -m benchmarks decode --budget $(( $(cap 560) - 60 )) --commit "$commit" --out "$out" \
+    > "$out/decode_bench.log" 2>&1
+  echo "benchmarks decode rc=$?" | tee -a "$log"; grep '^|' "$out/decode_bench.log" | head -20
 fi
 if has tests2; then
   timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
