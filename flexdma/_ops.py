@@ -13,7 +13,7 @@ import torch
 
 from . import _ext
 
-__all__ = ["fwd", "bwd", "tile_meta", "register_autograd"]
+__all__ = ["fwd", "bwd", "tile_meta", "register_autograd", "grads_like"]
 
 LOADED = _ext.LOAD_ERROR is None
 fwd = torch.ops.flexdma.fwd if LOADED else None
@@ -57,14 +57,15 @@ def _bwd_fake(
     tile_meta=None,
     out_resid=None,
 ):
-    dq = q.new_empty(q.shape)
-    dk = k.new_empty(k.shape)
-    dv = v.new_empty(v.shape)
-    if bias_requires_grad and attn_bias is not None:
-        dbias = attn_bias.new_empty(attn_bias.shape)
-    else:
-        dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+    return grads_like(q, k, v, attn_bias, bias_requires_grad)
+
+
+def grads_like(q, k, v, attn_bias, bias_requires_grad: bool) -> tuple:
+    """The fake outputs of every backward op: (dq, dk, dv) like q, k, v, and dbias like the bias
+    where it gets a gradient, else an empty tensor."""
+    want = bias_requires_grad and attn_bias is not None
+    dbias = attn_bias.new_empty(attn_bias.shape) if want else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):

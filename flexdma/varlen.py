@@ -174,8 +174,7 @@ def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale
 def _varlen_bwd_fake(
     grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window, want
 ):
-    dbias = attn_bias.new_empty(attn_bias.shape) if want and attn_bias is not None else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return _ops.grads_like(q, k, v, attn_bias, want)
 
 
 def _setup_context(ctx, inputs, output):

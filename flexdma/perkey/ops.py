@@ -57,8 +57,7 @@ def _topk_bwd_fake(
     tile_keys=None,
     out_resid=None,
 ):
-    dbias = attn_bias.new_empty(attn_bias.shape) if bias_requires_grad else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+    return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
 
 
 def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap):
