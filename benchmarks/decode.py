@@ -27,10 +27,9 @@ import torch.nn.functional as F
 import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
-from flexdma.perkey import decode as kept_sets
 
 from .common import newest_section, save_run
-from .topk import DOGE, _peak, _time
+from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
 PEERS = ("api", "layer-step", "sdpa", "layer-sdpa")
@@ -117,25 +116,6 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
             print(c["name"], peer, rec, flush=True)
         rows.append(row)
     return dict(schema=SCHEMA, rows=rows)
-
-
-@contextlib.contextmanager
-def _without_dynamic_mask():
-    """patch_doge's layers with dense causal SDPA over every key in place of the per-key path, and
-    no kept-set steps: the same model (projections, rotary, dt_states) without its dynamic mask."""
-
-    def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, backend, keep_window_size=None):
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        causal = is_causal and q.shape[1] == k.shape[1]
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
-        return out.transpose(1, 2)
-
-    saved, rows = hf.flash_dma_attention, kept_sets.MAX_ROWS
-    hf.flash_dma_attention, kept_sets.MAX_ROWS = sdpa, 0
-    try:
-        yield
-    finally:
-        hf.flash_dma_attention, kept_sets.MAX_ROWS = saved, rows
 
 
 def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0) -> List[dict]:

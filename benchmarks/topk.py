@@ -34,6 +34,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.flex import kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
+from flexdma.perkey import decode as kept_sets
 
 from .common import newest_section, save_run
 from .peers import compiled_flex
@@ -182,7 +183,7 @@ def _applies(peer: str, c: dict) -> Optional[str]:
 def _time(fn, warmup=25, rep=100) -> float:
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=warmup, rep=rep)
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def _peak(fn) -> float:
@@ -267,21 +268,22 @@ DOGE = dict(
 
 @contextlib.contextmanager
 def _without_dynamic_mask():
-    """patch_doge's layers with dense causal SDPA over all keys in place of the per-key path: the
-    same model (projections, rotary, dt_states computed) without its dynamic mask."""
+    """patch_doge's layers with dense causal SDPA over all keys in place of the per-key path, and no
+    kept-set decode steps: the same model (projections, rotary, dt_states computed) without its
+    dynamic mask (the train step here, generation in benchmarks/decode.py)."""
 
-    def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, keep_window_size, backend):
+    def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, backend, keep_window_size=None):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         causal = is_causal and q.shape[1] == k.shape[1]
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2)
 
-    saved = hf.flash_dma_attention
-    hf.flash_dma_attention = sdpa
+    saved, rows = hf.flash_dma_attention, kept_sets.MAX_ROWS
+    hf.flash_dma_attention, kept_sets.MAX_ROWS = sdpa, 0
     try:
         yield
     finally:
-        hf.flash_dma_attention = saved
+        hf.flash_dma_attention, kept_sets.MAX_ROWS = saved, rows
 
 
 def doge_rows(lengths=(16384, 65536)) -> List[dict]:
