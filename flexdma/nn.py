@@ -201,12 +201,7 @@ class DynamicMaskAttention(nn.Module):
             return self._packed(
                 hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu_seqlens, max_seqlen
             )
-        q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(hidden_states, position_embeddings)
         total = S + (0 if past_key_value is None else past_key_value[0].shape[1])
         if attention_mask is not None:
             if attention_mask.dtype != torch.bool or attention_mask.dim() != 2 or attention_mask.shape != (B, total):
@@ -244,6 +239,17 @@ class DynamicMaskAttention(nn.Module):
             return out
         return out, DMACache.from_full(k, v, bias, attention_mask, self.keep_window_size)
 
+    def _qkv(self, hidden_states, position_embeddings):
+        """q (B, S, H, D), k, v (B, S, KVH, D) of hidden_states, rotary applied where given."""
+        B, S, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden_states).view(B, S, self.num_kv_heads, self.head_dim)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
     def _packed(self, hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu, max_seqlen):
         """Packed sequences (hidden_states (1, total, hidden_size), int32 offsets cu (batch + 1,), the
         longest sequence max_seqlen): each attends and selects within itself
@@ -257,12 +263,7 @@ class DynamicMaskAttention(nn.Module):
         if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
             raise TypeError(f"max_seqlen must be a Python int with cu_seqlens, got {max_seqlen!r}")
         S = hidden_states.shape[1]
-        q = self.q_proj(hidden_states).view(1, S, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(1, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(1, S, self.num_kv_heads, self.head_dim)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = self._qkv(hidden_states, position_embeddings)
         bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)[0, :, 0, :]  # (KVH, total)
         out = flash_dma_attention_varlen(
             q[0],
