@@ -28,8 +28,8 @@ elif getattr(_ext.BUILD_INFO, "STATIC_LIBSTDCXX", False):  # pragma: no cover - 
     )
 
 __all__ = [
-    "flash_dma_attention_varlen",
     "flash_dma_attention",
+    "flash_dma_attention_varlen",
     "dynamic_mask_attention",
     "create_mask",
     "available_backends",

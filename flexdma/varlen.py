@@ -21,7 +21,7 @@ from .api import flash_dma_attention
 from .perkey import contract as perkey
 
 
-def _check_offsets(name: str, cu: torch.Tensor, total: int, device: torch.device) -> None:
+def _check_offsets(name: str, cu: torch.Tensor, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
@@ -89,8 +89,8 @@ def flash_dma_attention_varlen(
     for name, n in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise TypeError(f"{name} must be a non-negative Python int (not a tensor: no sync), got {n!r}")
-    _check_offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], query.device)
-    _check_offsets("cu_seqlens_k", cu_seqlens_k, key.shape[0], query.device)
+    _check_offsets("cu_seqlens_q", cu_seqlens_q, query.device)
+    _check_offsets("cu_seqlens_k", cu_seqlens_k, query.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same sequences, got {cu_seqlens_q.numel() - 1} and "
@@ -108,13 +108,14 @@ def flash_dma_attention_varlen(
             )
     if keep_window_size is not None and attn_bias is None:
         raise ValueError("keep_window_size picks the top keys by attn_bias: pass a per-key attn_bias (heads, total_k)")
+    # The checks of a padded call, once for every path (dtypes, devices, heads, scale, window).
+    _checks.check_qkv(query[None], key[None], value[None])
+    if attn_bias is not None and attn_bias.dtype != query.dtype:
+        raise TypeError(f"attn_bias must have query's dtype {query.dtype}, got {attn_bias.dtype}")
+    scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
+    if keep_window_size is not None:
+        keep_window_size = perkey.check_window(keep_window_size)
     if query.device.type == "cpu" and backend in ("auto", "cpu") and _ops.LOADED:
-        _checks.check_qkv(query[None], key[None], value[None])
-        if attn_bias is not None and attn_bias.dtype != query.dtype:
-            raise TypeError(f"attn_bias must have query's dtype {query.dtype}, got {attn_bias.dtype}")
-        scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
-        if keep_window_size is not None:
-            keep_window_size = perkey.check_window(keep_window_size)
         out, lse = torch.ops.flexdma.varlen_fwd(
             *(_checks.last_dim_contiguous(t) for t in (query, key, value)),
             cu_seqlens_q,
@@ -145,7 +146,7 @@ def flash_dma_attention_varlen(
             None,
             bias,
             is_causal=is_causal,
-            softmax_scale=softmax_scale,
+            softmax_scale=scale,
             softcap=softcap,
             return_lse=True,
             backend=backend,

@@ -68,7 +68,7 @@ def main():
     m[0, 1] = float("-inf")  # a plane with no eligible key
     check(m, 60, 900, True, 64)
     # Small chunks: many chunks per level and per plane, every level boundary inside the keys.
-    triton_select.chunk_size = lambda K: (256, 4)
+    triton_select.chunk_size = lambda K: 256
     check(scores(1, 1, 3000), 100, 3000, True, 128)
     check(scores(1, 1, 3000), 100, 1000, True, 64)  # Q < K: bottom-right causal
     check(scores(1, 1, 1000), 100, 1500, True, 64)  # Q > K: the first rows see nothing
@@ -76,7 +76,7 @@ def main():
     check(scores(1, 1, 700), 5000, 700, True, 128)  # W > K
     # The chunks of the longest sequences (chunk_size past 128K keys), at a size the interpreter
     # runs in seconds: three chunks, the last one part padding.
-    triton_select.chunk_size = lambda K: (4096, 4)
+    triton_select.chunk_size = lambda K: 4096
     check(scores(1, 1, 9000), 500, 300, True, 128)
     return 0
 

@@ -375,11 +375,11 @@ def _select_kernel(
 SORT_BLOCK, RANK_BLOCK, RANK_GROUP = 128, 128, 32
 
 
-def chunk_size(K: int) -> tuple:
-    """(keys per sorted chunk, a power of two; warps per program). A rank item searches K / C
-    chunks, a sort item compares its keys with C: past 128K keys the chunks grow to keep the
-    searches at most 128 per key."""
-    return (1024 if K <= 131072 else 4096), 4
+def chunk_size(K: int) -> int:
+    """Keys per sorted chunk, a power of two. A rank item searches K / C chunks, a sort item
+    compares its keys with C: past 128K keys the chunks grow to keep the searches at most 128 per
+    key."""
+    return 1024 if K <= 131072 else 4096
 
 
 def levels(K: int, window: int, tile_rows: int, chunk: int, is_causal: bool) -> tuple:
@@ -402,7 +402,7 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
     Q = int(seqlen_q)
     P = P1 * P2
     dev = scores.device
-    C, warps = chunk_size(K)
+    C = chunk_size(K)
     SB, BK, G = min(SORT_BLOCK, C), min(RANK_BLOCK, C), RANK_GROUP
     NC = -(-K // C)
     lvl0, n_levels = levels(K, window, tile_rows, C, is_causal)
@@ -453,6 +453,6 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
             SCAN=1024,
             WIN=2 * tile_rows,
             RB=min(32, tile_rows),
-            num_warps=warps,
+            num_warps=4,
         )
     return ranks.view(P1, P2, K), thr.view(P1, P2, Q), keys.view(P1, P2, n_tiles * (1 + cap))
