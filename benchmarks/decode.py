@@ -7,7 +7,9 @@ keys, and a 7B-class layer (H=32, KVH=8, D=128) at 128K. Peers, same run:
 - layer-step: nn.DynamicMaskAttention's cached step (projections, the new key's score, the kept
   set's O(W) update, attention over the W kept keys);
 - sdpa: dense SDPA of the new row over every cached key (the bar);
-- layer-sdpa: the same layer's projections + dense SDPA over every cached key.
+- layer-sdpa: the same layer's projections + dense SDPA over every cached key;
+- kernel: the one-kernel step alone (flexdma.perkey.decode.attend_one: the kept set's update and
+  the new row's attention over it), what layer-step spends in attention.
 Generation: transformers' DogeForCausalLM (topk.DOGE's config, A drawn in [0.5, 1.5]) generating
 256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
 memory, patch_doge (the kept sets beside the cache) against the same model without its dynamic
@@ -27,12 +29,13 @@ import torch.nn.functional as F
 import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
+from flexdma.perkey import decode as kept_sets
 
 from .common import newest_section, save_run
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
-PEERS = ("api", "layer-step", "sdpa", "layer-sdpa")
+PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
 GEN_PEERS = ("flexdma", "no-dynamic-mask", "eager")
 EAGER_MAX = 8192  # eager Doge builds (B, H, Q, K) masks in its prefill
 
@@ -68,6 +71,16 @@ def _peer_fn(peer: str, c: dict):
             return lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
         bias = torch.exp(torch.randn(B, KVH, 1, K, device=dev)).to(dt)
         return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
+    if peer == "kernel":
+        torch.manual_seed(0)
+        q = torch.randn(B, H, D, device=dev, dtype=dt)
+        k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+        v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+        kept = kept_sets.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
+        # Score 0, below every exp(.) score: the new key never enters, so every call does the same work.
+        s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
+        eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
+        return lambda: kept_sets.attend_one(q, k, v, kept, s_new, K - 1, eligible, D**-0.5)
     layer = _layer(c)
     x = torch.randn(B, 1, H * D, device=dev, dtype=dt)
     cache_k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
@@ -227,8 +240,15 @@ def section(results_dir: str) -> List[str]:
 
 
 def main(args, env: dict) -> str:
-    doc = run(quick=args.quick, budget=args.budget)
-    if not args.quick:
+    peers = PEERS
+    if args.peers:
+        peers = tuple(args.peers.split(","))
+        unknown = [p for p in peers if p not in PEERS + ("generate",)]
+        if unknown:
+            raise SystemExit(f"--peers: decode knows {', '.join(PEERS)} and generate (the Doge rows), got {unknown}")
+    generate = "generate" in peers or not args.peers
+    doc = run(quick=args.quick, peers=tuple(p for p in peers if p != "generate"), budget=args.budget)
+    if generate and not args.quick:
         try:
             doc["generate"] = generate_rows()
         except ImportError as e:  # transformers without Doge

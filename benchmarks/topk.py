@@ -45,16 +45,18 @@ FLEX_MAX = 65536  # FlexAttention visits every causal tile: kept to lengths it f
 
 
 def cases(quick: bool = False) -> List[dict]:
-    rows = []
-    for D in (128,) if quick else (128, 64):
-        for L in (32768,) if quick else (8192, 16384, 32768, 131072):
-            rows.append(dict(name=f"L={L // 1024}K D={D}", B=1, L=L, Q=L, H=2, KVH=1, D=D, W=2048, bias_heads=1))
+    # The issue's rows first (D=128 lengths, the model shapes), then the D=64 rows: a run cut by its
+    # time budget keeps the rows the targets name.
+    lengths = (32768,) if quick else (8192, 16384, 32768, 131072)
+    rows = [dict(name=f"L={L // 1024}K D=128", B=1, L=L, Q=L, H=2, KVH=1, D=128, W=2048, bias_heads=1) for L in lengths]
     model = dict(H=16, KVH=4, D=128, W=2048, bias_heads=4)
     rows.append(dict(name="B=2 L=8K H=16 KVH=4", B=2, L=8192, Q=8192, **model))
     if not quick:
         rows.append(dict(name="B=4 L=4K H=16 KVH=4", B=4, L=4096, Q=4096, **model))
-        rows.append(dict(name="B=2 L=8K H=16 KVH=4 D=64", B=2, L=8192, Q=8192, **dict(model, D=64)))
         rows.append(dict(name="Doge H=8 KVH=4 L=16K", B=1, L=16384, Q=16384, **dict(model, H=8)))
+        for L in lengths:
+            rows.append(dict(name=f"L={L // 1024}K D=64", B=1, L=L, Q=L, H=2, KVH=1, D=64, W=2048, bias_heads=1))
+        rows.append(dict(name="B=2 L=8K H=16 KVH=4 D=64", B=2, L=8192, Q=8192, **dict(model, D=64)))
         rows.append(
             dict(name="decode Q=1 K=512K", B=1, L=524288, Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1, decode=True)
         )
@@ -201,9 +203,10 @@ def _peak(fn) -> float:
 PEERS = ("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask")
 
 
-def run(quick: bool = False, peers=PEERS, budget: float = 480.0) -> dict:
+def run(quick: bool = False, peers=PEERS, budget: float = 480.0, rows: Optional[list] = None) -> dict:
+    """The kernel rows; appended to `rows` as they finish (the caller saves them as it goes)."""
     t0 = time.time()
-    rows = []
+    rows = [] if rows is None else rows
     for c in cases(quick):
         if budget and time.time() - t0 > budget:
             rows.append(dict(case=c, not_run="time budget"))
@@ -286,7 +289,7 @@ def _without_dynamic_mask():
         hf.flash_dma_attention, kept_sets.MAX_ROWS = saved, rows
 
 
-def doge_rows(lengths=(16384, 65536)) -> List[dict]:
+def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]:
     """transformers' DogeForCausalLM train step (forward + backward, loss on labels), bf16, B=1, with
     A drawn in [0.5, 1.5] (at Doge's init A = 0 every score ties and every row keeps its first W
     keys: contiguous gathers, a case no trained model has): flexdma through patch_doge, the same
@@ -294,7 +297,7 @@ def doge_rows(lengths=(16384, 65536)) -> List[dict]:
     attn_implementation "sdpa" (Doge's own (B, H, Q, K) dynamic mask)."""
     from transformers import DogeConfig, DogeForCausalLM
 
-    rows = []
+    rows = [] if rows is None else rows
     for L in lengths:
         row = dict(case=dict(name=f"Doge train step L={L // 1024}K", L=L, A="U[0.5, 1.5]", **DOGE), peers={})
         for peer in ("flexdma", "no-dynamic-mask", "sdpa"):
@@ -432,6 +435,27 @@ def section(results_dir: str) -> List[str]:
     )
 
 
+class _Saving:
+    """The run's document, saved whenever one of its lists grows."""
+
+    def __init__(self, doc: dict, out: str, env: dict):
+        self.doc, self.out, self.env = doc, out, env
+
+    def save(self) -> str:
+        return save_run(self.doc, self.out, self.env, "topk")
+
+    def list(self, key: str) -> list:
+        saving = self
+
+        class Rows(list):
+            def append(self, row):
+                super().append(row)
+                saving.save()
+
+        self.doc[key] = Rows()
+        return self.doc[key]
+
+
 def main(args, env: dict) -> str:
     peers = PEERS
     if args.peers:
@@ -440,12 +464,17 @@ def main(args, env: dict) -> str:
         if unknown:
             raise SystemExit(f"--peers: topk knows {', '.join(PEERS)} and doge (the train step rows), got {unknown}")
     doge = "doge" in peers or not args.peers
-    doc = run(quick=args.quick, peers=tuple(p for p in peers if p != "doge"), budget=args.budget)
+    # Written after every row, marked unfinished until the last: a run its call's time limit cuts
+    # keeps what it measured.
+    doc = dict(schema=SCHEMA, rows=[], unfinished=True)
+    saving = _Saving(doc, args.out, env)
+    run(quick=args.quick, peers=tuple(p for p in peers if p != "doge"), budget=args.budget, rows=saving.list("rows"))
     if doge and not args.quick:
         try:
-            doc["doge"] = doge_rows()
+            doge_rows(rows=saving.list("doge"))
         except ImportError as e:  # transformers without Doge
             doc["doge_skipped"] = str(e)
-    path = save_run(doc, args.out, env, "topk")
+    del doc["unfinished"]
+    path = saving.save()
     print(f"wrote {path}\n" + markdown(doc), flush=True)
     return path

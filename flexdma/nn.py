@@ -77,21 +77,45 @@ class DMACache(tuple):
         the kept set in O(W) (flexdma.perkey.decode.append): no selection over all keys."""
         return self.extend(key, value, bias, padding[:, None])[0]
 
-    def extend(self, key, value, bias, padding):
-        """Append T keys (key, value (B, T, KVH, D), bias (B, KVH, 1, T), padding (B, T)): the new
-        cache, and the T new rows' kept sets over the old slots and the new keys
-        (flexdma.perkey.decode.Rows), one O(W) update a key."""
-        n, T = self.length, key.shape[1]
-        bufs = (
+    def _appended(self, key, value, bias, padding):
+        n = self.length
+        return (
             _append(self._bufs[0], n, key, 1),
             _append(self._bufs[1], n, value, 1),
             _append(self._bufs[2], n, bias[:, :, 0, :], 2),
             _append(self._bufs[3], n, padding, 1),
         )
+
+    def extend(self, key, value, bias, padding):
+        """Append T keys (key, value (B, T, KVH, D), bias (B, KVH, 1, T), padding (B, T)): the new
+        cache, and the T new rows' kept sets over the old slots and the new keys
+        (flexdma.perkey.decode.Rows), one O(W) update a key."""
+        n, T = self.length, key.shape[1]
+        bufs = self._appended(key, value, bias, padding)
         B, P = self.kept_set.idx.shape[:2]
         s_new = bias[:, :, 0, :].detach().expand(B, P, T)
         rows = decode.append_rows(self.kept_set, s_new, n, padding[:, None, :].expand(B, P, T))
         return DMACache(bufs, n + T, rows.kept), rows
+
+    def attend_one(self, query, key, value, bias, padding, softmax_scale: float):
+        """One new token on CUDA (query (B, 1, H, D), key, value (B, 1, KVH, D), bias (B, KVH, 1, 1),
+        padding (B, 1)): the new cache, its kept set updated in place (a step consumes the cache it
+        extends, as the key / value buffers do), and the row's attention over it (B, 1, H, D), one
+        kernel (flexdma.perkey.decode.attend_one)."""
+        n = self.length
+        bufs = self._appended(key, value, bias, padding)
+        B, P = self.kept_set.idx.shape[:2]
+        out = decode.attend_one(
+            query[:, 0],
+            bufs[0].transpose(1, 2),
+            bufs[1].transpose(1, 2),
+            self.kept_set,
+            bias[:, :, 0, 0].detach(),
+            n,
+            padding[:, :1].expand(B, P),
+            softmax_scale,
+        )
+        return out[:, None], DMACache(bufs, n + 1, self.kept_set)
 
     def kept(self):
         """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
@@ -219,7 +243,12 @@ class DynamicMaskAttention(nn.Module):
                 if attention_mask is None
                 else attention_mask[:, -S:]
             )
-            cache, rows = past_key_value.extend(k, v, dynamic_bias(v, self.dt_proj, self.A).to(q.dtype), pad)
+            bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
+            tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))
+            if S == 1 and not tracked and decode.one_kernel_reason(q[:, 0], k.dtype) is None:
+                out, cache = past_key_value.attend_one(q, k, v, bias, pad, 1.0 / math.sqrt(self.head_dim))
+                return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
+            cache, rows = past_key_value.extend(k, v, bias, pad)
             idx = rows.idx.transpose(1, 2)[..., None].expand(B, rows.idx.shape[-1], rows.idx.shape[1], self.head_dim)
             ks, vs = cache[0].gather(1, idx), cache[1].gather(1, idx)
             # The biases from the cache (not the kept set's detached scores): gradients reach them.

@@ -17,10 +17,10 @@ import flexdma.integrations.transformers as fx  # noqa: E402
 VOCAB, W = 64, 5
 
 
-def _models(dtype, layers=2):
+def _models(dtype, layers=2, hidden=32):
     cfg = transformers.DogeConfig(
         vocab_size=VOCAB,
-        hidden_size=32,
+        hidden_size=hidden,
         intermediate_size=64,
         num_hidden_layers=layers,
         num_attention_heads=4,
@@ -248,6 +248,54 @@ def test_decode_steps_match_the_full_forward(monkeypatch, padded, per_step):
         want.scatter_(-1, top, (s.gather(-1, top) > float("-inf")).long())
         assert torch.equal(got, want), i
     assert len(calls) == -(-(S - S0) // per_step)
+
+
+@torch.no_grad()
+def test_cuda_one_kernel_decode_steps(monkeypatch):
+    # On CUDA a one-token step is one kernel (flexdma.perkey.decode.attend_one): the same kept sets
+    # as the gathered path's O(W) updates, and outputs within FlashAttention's rule of the float64
+    # full sequence (at most 2x the gathered bf16 path's error plus a floor). Head dim 16.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    from flexdma.perkey import decode
+
+    _, patched = _models(torch.bfloat16, layers=1, hidden=64)
+    layer, rotary = patched.model.layers[0].self_attn.cuda(), patched.model.rotary_emb.cuda()
+    wide = copy.deepcopy(layer).double()
+    S0, S = 3, 40
+    hidden = torch.randn(2, S, 64, device="cuda").bfloat16()
+    cos, sin = rotary(hidden.double(), torch.arange(S, device="cuda")[None])
+    am = torch.ones(2, S, dtype=torch.bool, device="cuda")
+    am[1, :2] = False  # left padding
+    full, _ = wide(hidden.double(), (cos, sin), am)
+    one_kernel = []
+    attend_one = decode.attend_one
+    monkeypatch.setattr(decode, "attend_one", lambda *a, **k: one_kernel.append(1) or attend_one(*a, **k))
+    runs = {}
+    for path in ("one kernel", "gathered"):
+        if path == "gathered":
+            monkeypatch.setattr(decode, "one_kernel_reason", lambda *a: "forced")
+        cache = transformers.DynamicCache()
+        c, s = cos[:, :S0].bfloat16(), sin[:, :S0].bfloat16()
+        layer(hidden[:, :S0], (c, s), am[:, :S0], past_key_values=cache)
+        steps, kept = [], []
+        for i in range(S0, S):
+            c, s = cos[:, i : i + 1].bfloat16(), sin[:, i : i + 1].bfloat16()
+            step, _ = layer(hidden[:, i : i + 1], (c, s), am[:, : i + 1], past_key_values=cache)
+            steps.append(step.double())
+            k = fx._kept_state(cache, layer).kept
+            kept.append(
+                torch.zeros(2, 2, i + 1, dtype=torch.int64, device="cuda").scatter_add_(-1, k.idx, k.valid.long())
+            )
+        runs[path] = (torch.cat(steps, 1), kept)
+    assert len(one_kernel) == S - S0
+    for a, b in zip(runs["one kernel"][1], runs["gathered"][1]):
+        assert torch.equal(a, b)
+    want = full[:, S0:]
+    err = (runs["one kernel"][0] - want).abs().max().item()
+    base = (runs["gathered"][0] - want).abs().max().item()
+    assert err <= 2 * base + 1e-2, (err, base)
 
 
 def test_generate_decodes_in_o_w(monkeypatch):

@@ -266,6 +266,54 @@ def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
 
 
+@torch.no_grad()
+def test_cuda_one_kernel_decode_steps(monkeypatch):
+    # bf16 on CUDA: one-token steps take the one-kernel step (the kept set updated in place); the
+    # same kept sets as the gathered path, outputs within FlashAttention's rule of float64.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    from flexdma.perkey import decode
+
+    B, S, P = 2, 60, 5
+    layer = DynamicMaskAttention(128, 8, 2, keep_window_size=9).cuda()
+    layer.A.normal_()
+    wide = DynamicMaskAttention(128, 8, 2, keep_window_size=9, dtype=torch.float64).cuda()
+    wide.load_state_dict(layer.state_dict())
+    layer = layer.bfloat16()
+    x = torch.randn(B, S, 128, device="cuda").bfloat16()
+    pad = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    pad[1, :3] = False
+    rope = lambda a, b, dt: rotary_cos_sin(torch.arange(a, b, device="cuda"), 16, dtype=dt)  # noqa: E731
+    full = wide(x.double(), rope(0, S, torch.float64), attention_mask=pad)
+    calls = []
+    attend_one = decode.attend_one
+    monkeypatch.setattr(decode, "attend_one", lambda *a, **k: calls.append(1) or attend_one(*a, **k))
+    got = {}
+    for path in ("one kernel", "gathered"):
+        if path == "gathered":
+            monkeypatch.setattr(decode, "one_kernel_reason", lambda *a: "forced")
+        out, cache = layer(x[:, :P], rope(0, P, torch.bfloat16), attention_mask=pad[:, :P], use_cache=True)
+        outs, kept = [], []
+        for t in range(P, S):
+            out, cache = layer(
+                x[:, t : t + 1],
+                rope(t, t + 1, torch.bfloat16),
+                attention_mask=pad[:, : t + 1],
+                past_key_value=cache,
+                use_cache=True,
+            )
+            outs.append(out.double())
+            kept.append((cache.sel_idx.clone(), cache.sel_valid.clone()))
+        got[path] = (torch.cat(outs, 1), kept)
+    assert len(calls) == S - P
+    for (i1, v1), (i2, v2) in zip(got["one kernel"][1], got["gathered"][1]):
+        assert torch.equal(v1, v2) and torch.equal(i1[v1], i2[v2])
+    err = (got["one kernel"][0] - full[:, P:]).abs().max().item()
+    base = (got["gathered"][0] - full[:, P:]).abs().max().item()
+    assert err <= 2 * base + 1e-2, (err, base)
+
+
 def test_selection_cache_is_the_last_row_of_the_full_selection():
     B, S, W = 2, 30, 6
     layer = DynamicMaskAttention(32, 4, 2, keep_window_size=W, dtype=torch.float64)

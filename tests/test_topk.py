@@ -248,6 +248,75 @@ def test_triton_attention_at_padded_head_dims_in_the_interpreter():
     _run_in_interpreter("interpret_attention.py", 4)
 
 
+def test_triton_decode_step_in_the_interpreter():
+    # The per-key decode step's Triton kernel (flexdma/perkey/triton_decode.py: the kept set's
+    # in-place update and the new row's attention in one launch) in Triton's interpreter, against
+    # decode.append bit for bit and the float64 reference over the new kept set.
+    _run_in_interpreter("interpret_decode.py", 12)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_step():
+    # The decode step's kernel on the GPU: the interpreter script's checks (with a NaN score the
+    # GPU's max, unlike NumPy's, would skip), then one step captured in a CUDA graph (a static
+    # cache, the position a device tensor) and replayed step after step against eager calls.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    import interpret_decode as idc
+
+    from flexdma.perkey import decode
+    from flexdma.perkey.triton_decode import decode_step
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    kw = dict(special=True, transposed=True, device="cuda")
+    idc.check_step(3, 8, 2, 300, 128, 1000, bf16, tensor_pos=True, softcap=5.0, **kw)
+    idc.check_step(1, 32, 8, 2048, 64, 5000, bf16, seed=1, **kw)  # 16 programs a plane
+    idc.check_step(2, 4, 1, 5, 256, 3, fp16, **kw)
+    idc.check_step(3, 6, 2, 64, 80, 64, fp16, score_dtype=torch.float32, seed=3, **kw)
+    idc.check_step(2, 16, 1, 700, 16, 900, bf16, s_dtype=torch.float32, seed=5, **kw)
+    idc.check_step(1, 2, 2, 1000, 256, 1500, bf16, softcap=5.0, seed=7, device="cuda")
+    idc.check_zeros(fp16, device="cuda")
+    idc.check_loop(2, 8, 2, 130, 128, 120, 20, bf16, device="cuda")
+
+    B, H, KVH, W, D, n = 2, 8, 2, 256, 128, 300
+    q, k, v, kept = idc.make(B, H, KVH, W, D, n, bf16, transposed=True, seed=13, device="cuda")
+    s_new = torch.zeros(B, KVH, dtype=bf16, device="cuda")
+    eligible = torch.ones(B, KVH, dtype=torch.bool, device="cuda")
+    pos = torch.full((1,), n, device="cuda")
+    out = torch.empty(B, H, D, dtype=bf16, device="cuda")
+    counter = torch.zeros(B * KVH, dtype=torch.int32, device="cuda")
+
+    def call(kept_set):
+        return decode_step(q, k, v, kept_set, s_new, pos, eligible, 0.1, out=out, counter=counter)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call(decode.KeptSet(*(t.clone() for t in kept)))  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(kept)
+    want = decode.KeptSet(*(t.clone() for t in kept))
+    for t in range(6):
+        s, e = idc.new_key(want, bf16, 20 + t, special=t % 2 == 1)
+        s_new.copy_(s)
+        eligible.copy_(e)
+        pos.fill_(n + t)
+        q.copy_(torch.randn_like(q))
+        eager = decode.KeptSet(*(x.clone() for x in want))
+        eager_out = decode_step(q, k, v, eager, s_new, n + t, eligible, 0.1)
+        want = decode.append(want, s_new, n + t, eligible)
+        out.fill_(float("nan"))  # poison: the replay must write every element
+        graph.replay()
+        idc.check_kept(kept, want, f"graph step {t}")
+        idc.check_kept(eager, want, f"eager step {t}")
+        assert torch.equal(out.isnan(), eager_out.isnan())
+        assert torch.equal(out.nan_to_num(), eager_out.nan_to_num())
+        assert not counter.any()
+
+
 def _run_in_interpreter(script: str, cases: int) -> None:
     import importlib.util
     import os

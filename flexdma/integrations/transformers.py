@@ -504,6 +504,20 @@ def _doge_decode_step(self, query_states, key_states, value_states, attention_ma
             raise ValueError("patch_doge: a decode step without attention_mask after a padded prompt")
         eligible = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
     s_new = _doge_scores(self, value_states[:, :, K - T :])  # (B, KVH, T)
+    if T == 1 and decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:
+        # One kernel: the kept set updated in place (this cache's own state) and the row attended.
+        out = decode.attend_one(
+            query_states[:, :, 0],
+            key_states,
+            value_states,
+            state.kept,
+            s_new[..., 0],
+            K - 1,
+            eligible.expand(B, KVH),
+            self.scaling,
+        )
+        _set_kept_state(cache, self, _KeptState(state.kept, K, attention_mask))
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
     rows = decode.append_rows(state.kept, s_new, K - T, eligible[:, None, :].expand(B, KVH, T))
     _set_kept_state(cache, self, _KeptState(rows.kept, K, attention_mask))
     gather = rows.idx[..., None].expand(*rows.idx.shape, key_states.shape[-1])

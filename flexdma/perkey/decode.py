@@ -9,13 +9,19 @@ outranks the worst kept key, which it then replaces. A step reads W keys, not K.
 `KeptSet` holds, per (batch, plane), W slots: key index, whether the slot holds a key, and the
 key's score (the bias value the attention adds). Used by flexdma.nn.DMACache and by
 flexdma.integrations.transformers' patched Doge layers.
+
+On CUDA one new row a step goes through `attend_one` (flexdma/perkey/triton_decode.py): the update
+in place and the row's attention over the updated set in one kernel. Elsewhere, and for a few rows a
+step, `append` / `append_rows` and the attention over the gathered entries.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Union
 
 import torch
+
+from .. import _ext
 
 # New rows a cached step takes through the kept sets (a few tokens: speculative decoding, small
 # prefill chunks); one O(W) update a key, so longer chunks run the full selection.
@@ -42,7 +48,8 @@ def last_row(scores: torch.Tensor, window: int) -> KeptSet:
     eligible (padding). Slots past the eligible keys are free."""
     B, P, K = scores.shape
     # Stable: equal scores in index order; descending puts NaN first and -inf last.
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :window]
+    # Contiguous: a decode step updates the slots in place, and a view would pin the whole sort.
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :window].contiguous()
     score = scores.gather(-1, order)
     valid = score != float("-inf")
     if order.shape[-1] < window:  # fewer keys than slots: the rest are free
@@ -113,3 +120,36 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.
 def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
     """The kept sets of the batch rows `index` (a cache reordered or filtered by batch)."""
     return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
+
+
+def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
+    """Why a step of one new row (q (B, H, D)) cannot take the one-kernel decode step (None: it can)."""
+    if q.device.type != "cuda":
+        return f"inputs are on {q.device.type}"
+    if not _ext.HAVE_TRITON or _ext.LOAD_ERROR:
+        return "the one-kernel step needs triton and the built extension"
+    if q.dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q.dtype:
+        return f"dtype {q.dtype} (it takes float16 and bfloat16)"
+    D = q.shape[-1]
+    if D % 16 or not 16 <= D <= 256:
+        return f"head_dim {D} (it takes multiples of 16 from 16 to 256)"
+    return None
+
+
+def attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kept: KeptSet,
+    s_new: torch.Tensor,
+    position: Union[int, torch.Tensor],
+    eligible: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One new row on CUDA: `kept` updated in place to append(kept, s_new, position, eligible), and
+    the row's attention over it, (B, H, D), in one kernel (flexdma/perkey/triton_decode.py). q
+    (B, H, D); k, v (B, KVH, Kcap, D) views of the cache holding the new key at `position`."""
+    from .triton_decode import decode_step
+
+    return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap)

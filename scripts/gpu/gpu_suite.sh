@@ -66,7 +66,7 @@ if has tests; then
 fi
 if has topk; then
   timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
-    tests/test_varlen.py -k "not cpu and not interpreter" --durations=12 > "$out/pytest.tmp" 2>&1
+    tests/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
   tally "gpu tests (per-key, non-finite, varlen)" $?
 fi
 if has sanitizer; then
@@ -75,9 +75,11 @@ if has sanitizer; then
     # One process for every case: forward + backward at the wgmma head dims and both dbias paths
     # (the wide ones on their two-pass dk/dv path), the forward with head pairs, and the split-key
     # decode forward.
-    timeout 240 "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py small 64 small 128 smallkey 128 \
-      small 256 smallkey 192 pairs 128 pairs 64 decode 128 topk 64 topk 128 topkdecode 128 > "$out/san.tmp" 2>&1
-    echo "compute-sanitizer $tool (small 64/128/256, smallkey 128/192, pairs 128/64, decode 128, topk 64/128, topkdecode 128) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+    # SAN_CASES: a subset of kernel_probe's cases (the kernels a change touched).
+    cases=${SAN_CASES:-small 64 small 128 smallkey 128 small 256 smallkey 192 pairs 128 pairs 64 decode 128 topk 64 topk 128 topkdecode 128}
+    timeout $(cap ${SAN_TIMEOUT:-240}) "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py $cases > "$out/san.tmp" 2>&1
+    echo "compute-sanitizer $tool ($cases) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
+    cp "$out/san.tmp" "$out/san_$tool.log"
   done
   rm -f "$out/san.tmp"
 fi

@@ -7,7 +7,8 @@ backward; pairs: B=4, L=333, H=16, KVH=4 (enough 128-row tiles for the forward t
 and bias per kv head, forward and backward, then a forward without either (the paired warpgroups'
 turns); topk: the per-key top-W path (flexdma::topk_fwd_sm90 forward, Triton selection and backward) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
-list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler).
+list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler; topkselect: the
+selection alone over 140000 keys, 4096-key chunks).
 B=1, H=2, KVH=1, D=128, bf16, causal; masks are top-1024 of the bias per row."""
 
 import math
@@ -34,6 +35,7 @@ def main(case, D):
         "topk": 333,
         "topkdecode": 5000,
         "topk32k": 32768,
+        "topkselect": 140000,
         "model": 8192,
     }[case]
     if case.startswith("topk"):
@@ -85,6 +87,13 @@ def main(case, D):
 
 def topk_case(case, L, D):
     dev, dt = "cuda", torch.bfloat16
+    if case == "topkselect":  # the selection alone past 128K keys (its 4096-key chunks), 300 rows
+        from flexdma import topk
+
+        scores = torch.randn(1, 2, L, device=dev, dtype=dt)[:, 1:]
+        topk.select(scores, 2048, 300, True, 128)
+        torch.cuda.synchronize()
+        return
     Q, H, KVH, W = {"topk": (L, 4, 2, 100), "topkdecode": (1, 2, 1, 600), "topk32k": (L, 2, 1, 2048)}[case]
     q = torch.randn(1, Q, H, D, device=dev, dtype=dt, requires_grad=True)
     k = torch.randn(1, L, KVH, D, device=dev, dtype=dt, requires_grad=True)

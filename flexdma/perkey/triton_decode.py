@@ -1,0 +1,260 @@
+"""One decode step of the per-key path on CUDA (one new token): the kept set's O(W) update, in place
+and bit for bit flexdma.perkey.decode.append's, and the new row's attention over the updated set,
+in one kernel launch (after at most the zero fill of its counters): no host synchronisation, so a
+CUDA graph can hold it. Imports triton: loaded by the first call, not by `import flexdma`.
+
+The grid is (batch x kv head, NSPLIT): a plane's W slots are split over NSPLIT programs, so that a
+step with few planes still fills the GPU. Every program reads all W scores of its plane and takes
+the update decision itself (W scores are little next to the K / V rows), so no program waits for
+another. It attends over its slice of the NEW kept set (the replaced slot substituted), the query
+heads of its kv group the rows of one tile, and stores its partial softmax (max, sum, unnormalised
+output) in float32. A per-plane counter elects the program that finishes last: it merges the
+partials, writes the output and the kept set's one changed slot (every program of the plane has
+read the old set by then), and sets the counter back to 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode import KeptSet
+from .triton import _LOG2E, _tanh, _within
+
+# Slots per attention block: at most BLOCK_BUDGET / (query rows x padded head dim). Triton lays
+# chained dots out with every warp along the rows, so with 16 rows each warp holds whole K / V
+# blocks and the whole output block: 64 slots at head dim 64, 16 at 256 stay in registers. BW:
+# slots per block of the update decision.
+BLOCK_BUDGET, BW = 1 << 16, 1024
+CONFIG = dict(num_warps=4, num_stages=2)  # module level, so a benchmark can sweep it
+# Above every packed (order key, index) of a kept key: a free slot's in the search for the worst.
+_NOT_KEPT = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def _order(s):
+    """decode._order_key of float32 scores: the float's order-preserving int32, -0.0 equal to +0.0,
+    every NaN above +inf."""
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(s == 0.0, 0, key)
+    return tl.where(s != s, 0x7FFFFFFF, key)
+
+
+@triton.jit(do_not_specialize=["position"])
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, score_ptr, snew_ptr, elig_ptr, position, out_ptr, part_ptr, count_ptr,
+    sqb, sqh, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sib, sih, siw, sab, sah, saw, ssb, ssh, ssw,
+    snb, snh, seb, seh, sob, soh, sod, KVH, W, CH, scale_log2, softcap,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
+    NSPLIT: tl.constexpr, POS_TENSOR: tl.constexpr, SOFTCAP: tl.constexpr,
+):  # fmt: skip
+    plane = tl.program_id(0)
+    b = (plane // KVH).to(tl.int64)
+    g = (plane % KVH).to(tl.int64)
+    idx_b, val_b, sc_b = idx_ptr + b * sib + g * sih, valid_ptr + b * sab + g * sah, score_ptr + b * ssb + g * ssh
+    if POS_TENSOR:  # a static cache's step under a CUDA graph: the position lives on the device
+        pos = tl.load(position).to(tl.int64)
+    else:
+        pos = position.to(tl.int64)
+
+    # decode.append's decision: the first free slot, else the worst kept key's (the lowest order
+    # key, among equal ones the highest index, then the first such slot), packed into one int64
+    # that is smallest for it. Every program of the plane reaches the same one.
+    worst = tl.full([], _NOT_KEPT, tl.int64)
+    worst_slot = tl.zeros([], tl.int32)
+    first_free = tl.zeros([], tl.int32) + W
+    for w0 in range(0, W, BW):
+        j = w0 + tl.arange(0, BW)
+        ok = tl.load(val_b + j * saw, mask=j < W, other=0) != 0
+        s = tl.load(sc_b + j * ssw, mask=ok, other=0.0).to(tl.float32)
+        ix = tl.load(idx_b + j * siw, mask=ok, other=0)
+        packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
+        low = tl.min(packed, 0)
+        worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
+        worst = tl.minimum(worst, low)
+        first_free = tl.minimum(first_free, tl.min(tl.where((j < W) & ~ok, j, W), 0))
+    free = first_free < W
+    s_new = tl.load(snew_ptr + b * snb + g * snh).to(score_ptr.dtype.element_ty)  # stored as the scores are
+    sn = s_new.to(tl.float32)
+    enter = (tl.load(elig_ptr + b * seb + g * seh) != 0) & (sn != float("-inf"))
+    enter = enter & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
+    slot = tl.where(free, first_free, worst_slot)
+
+    # The kv group's query heads, padded to GP rows (tl.dot's minimum of 16).
+    r = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    rows = _within((r < G)[:, None], d, D, DP)
+    h = g * G + r
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + d[None, :] * sqd, mask=rows, other=0.0)
+    kb, vb = k_ptr + b * skb + g * skh, v_ptr + b * svb + g * svh
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    lo = tl.program_id(1) * CH
+    hi = tl.minimum(lo + CH, W)
+    for n0 in range(lo, hi, BN):
+        j = n0 + tl.arange(0, BN)
+        new = enter & (j == slot)
+        keep = (j < hi) & ((tl.load(val_b + j * saw, mask=j < hi, other=0) != 0) | new)
+        kix = tl.where(new, pos, tl.load(idx_b + j * siw, mask=keep, other=0))
+        bias = tl.where(new, sn, tl.load(sc_b + j * ssw, mask=keep, other=0.0).to(tl.float32))
+        cols = _within(keep[:, None], d, D, DP)
+        k = tl.load(kb + kix[:, None] * skn + d[None, :] * skd, mask=cols, other=0.0)
+        # The reference's order: scale, softcap, then the bias (in log2 units here).
+        s = tl.dot(q, tl.trans(k))
+        if SOFTCAP:
+            s = _tanh(s * (scale_log2 / _LOG2E / softcap)) * (softcap * _LOG2E)
+        else:
+            s = s * scale_log2
+        s += bias[None, :] * _LOG2E
+        # A NaN becomes +inf, so the max and the sum turn NaN and the row comes out NaN (as in the
+        # reference) instead of the max skipping it.
+        s = tl.where(keep[None, :], tl.where(s != s, float("inf"), s), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(vb + kix[:, None] * svn + d[None, :] * svd, mask=cols, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NSPLIT > 1:
+        # A partial: G maxima, G sums, G x D outputs.
+        UNIT: tl.constexpr = G * (D + 2)
+        part = part_ptr + (plane * NSPLIT + tl.program_id(1)).to(tl.int64) * UNIT
+        tl.store(part + r, m_i, mask=r < G)
+        tl.store(part + G + r, l_i, mask=r < G)
+        tl.store(part + 2 * G + r[:, None] * D + d[None, :], acc, mask=rows)
+        # Every thread's stores (and reads of the kept set) before the release; the last program's
+        # acquire then sees every partial, and no program reads the kept set after its update.
+        tl.debug_barrier()
+        last = tl.atomic_add(count_ptr + plane, 1, sem="acq_rel") == NSPLIT - 1
+    else:
+        tl.debug_barrier()  # every thread's reads of the kept set before its update
+        last = True
+    if last:
+        if NSPLIT > 1:
+            # The log-sum-exp merge; .cg reads past L1, which may hold none of the other programs'
+            # stores.
+            base = part_ptr + plane.to(tl.int64) * NSPLIT * UNIT
+            u = tl.arange(0, NSPLIT)
+            ms = tl.load(base + u[:, None] * UNIT + r[None, :], mask=(r < G)[None, :], other=0.0, cache_modifier=".cg")
+            top = tl.max(ms, 0)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            l_i = tl.zeros([GP], tl.float32)
+            acc = tl.zeros([GP, DP], tl.float32)
+            for i in range(NSPLIT):
+                pi = base + i * UNIT
+                w = tl.exp2(tl.load(pi + r, mask=r < G, other=0.0, cache_modifier=".cg") - top)
+                l_i += w * tl.load(pi + G + r, mask=r < G, other=0.0, cache_modifier=".cg")
+                a = tl.load(pi + 2 * G + r[:, None] * D + d[None, :], mask=rows, other=0.0, cache_modifier=".cg")
+                acc += w[:, None] * a
+            tl.store(count_ptr + plane, 0)  # ready for the next step
+        # A row that keeps no key: output 0.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + b * sob + h[:, None] * soh + d[None, :] * sod, out.to(out_ptr.dtype.element_ty), mask=rows)
+        tl.store(idx_b + slot * siw, pos, mask=enter)
+        tl.store(val_b + slot * saw, 1, mask=enter)
+        tl.store(sc_b + slot * ssw, s_new, mask=enter)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: an H100's, so that tests split the slots too
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits(window: int, planes: int, block: int, device: torch.device) -> int:
+    """NSPLIT: programs per plane, a power of two, so that planes x NSPLIT about fills the SMs with
+    at least one block of slots each."""
+    n = max(1, min(_sm_count(device) // max(planes, 1), -(-window // block)))
+    return 1 << (n.bit_length() - 1)
+
+
+def decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kept: KeptSet,
+    s_new: torch.Tensor,
+    position: Union[int, torch.Tensor],
+    eligible: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+    *,
+    out: Optional[torch.Tensor] = None,
+    counter: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One new token against a cache: updates `kept` in place to decode.append(kept, s_new,
+    position, eligible) and returns the new row's attention over it.
+
+    q (B, H, D) the new query rows; k, v (B, KVH, Kcap, D) the cache, the new key already at
+    `position` (any strides: (B, K, KVH, D) caches pass a transposed view); kept: KeptSet of
+    (B, KVH, W); s_new (B, KVH) the new key's score; position an int or a one-element integer tensor
+    on the device (read there: no host synchronisation); eligible (B, KVH) bool. Query head h uses kv
+    head h // (H // KVH); its logits are softcap(softmax_scale * q.k) + score over the valid slots;
+    no valid slot gives output 0. Returns (B, H, D) in q's dtype, written into `out` where given.
+    `counter`: B * KVH int32 zeros that the kernel leaves zero (a static buffer saves the fill a call
+    makes otherwise; calls that may run at once need one each). The position is not checked
+    against the cache's length (that would read it on the host)."""
+    B, H, D = q.shape
+    KVH, W = k.shape[1], kept.idx.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"decode_step takes float16 or bfloat16 q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if D % 16 or not 16 <= D <= 256 or k.dim() != 4 or (k.shape[0], k.shape[3]) != (B, D) or v.shape != k.shape:
+        raise ValueError(f"decode_step: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (head dim 16..256)")
+    if KVH < 1 or H % KVH:
+        raise ValueError(f"decode_step: {H} query heads do not group onto {KVH} kv heads")
+    if (
+        W < 1
+        or kept.idx.shape != (B, KVH, W)
+        or kept.valid.shape != kept.idx.shape
+        or kept.score.shape != kept.idx.shape
+        or kept.idx.dtype != torch.int64
+        or kept.valid.dtype != torch.bool
+    ):
+        raise ValueError(
+            f"decode_step: the kept set is not int64 / bool / scores of (B, KVH, W) = ({B}, {KVH}, W >= 1)"
+        )
+    if s_new.shape != (B, KVH) or eligible.shape != (B, KVH) or eligible.dtype != torch.bool:
+        raise ValueError(f"decode_step: s_new and eligible (bool) must be ({B}, {KVH})")
+    pos_tensor = isinstance(position, torch.Tensor)
+    if pos_tensor and (position.numel() != 1 or position.is_floating_point() or position.device != q.device):
+        raise ValueError("decode_step: a tensor position is one integer on q's device")
+    if out is None:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"decode_step: out must be {tuple(q.shape)} {q.dtype}")
+    if counter is not None and (
+        counter.dtype != torch.int32 or counter.numel() < B * KVH or not counter.is_contiguous()
+    ):
+        raise ValueError(f"decode_step: counter must be {B * KVH} contiguous int32 zeros")
+    if B == 0:
+        return out
+    G = H // KVH
+    GP, DP = max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
+    block = max(16, min(64, BLOCK_BUDGET // (GP * DP), triton.next_power_of_2(W)))
+    nsplit = splits(W, B * KVH, block, q.device)
+    part = count = out  # unused with one program a plane
+    if nsplit > 1:
+        part = torch.empty(B * KVH * nsplit * G * (D + 2), dtype=torch.float32, device=q.device)
+        count = torch.zeros(B * KVH, dtype=torch.int32, device=q.device) if counter is None else counter
+    _decode_kernel[(B * KVH, nsplit)](
+        q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new, eligible.view(torch.uint8),
+        position, out, part, count,
+        *q.stride(), *k.stride(), *v.stride(), *kept.idx.stride(), *kept.valid.stride(), *kept.score.stride(),
+        *s_new.stride(), *eligible.stride(), *out.stride(),
+        KVH, W, -(-W // (nsplit * block)) * block, softmax_scale * _LOG2E.value, softcap,
+        G=G, GP=GP, D=D, DP=DP, BN=block, BW=max(16, min(BW, triton.next_power_of_2(W))),
+        NSPLIT=nsplit, POS_TENSOR=pos_tensor, SOFTCAP=softcap > 0, **CONFIG,
+    )  # fmt: skip
+    return out
