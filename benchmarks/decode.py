@@ -87,8 +87,11 @@ def _peer_fn(peer: str, c: dict):
     cache_v = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
     if peer == "layer-step":
         bias = flexdma.dynamic.dynamic_bias(cache_v[:, :-1], layer.dt_proj, layer.A).to(dt)
-        cache = DMACache.from_full(cache_k[:, :-1], cache_v[:, :-1], bias, None, W)
-        # The same step each call: the cache writes the new key into the same spare slot.
+        cache = DMACache.from_full(cache_k[:, :-2], cache_v[:, :-2], bias[..., :-1], None, W)
+        # One step first: its cache's buffers have spare room (from_full's have none, so a step from
+        # it copies the whole cache into grown buffers). Then the same step each call: the new key
+        # goes into the same spare slot.
+        cache = layer(x, attention_mask=None, past_key_value=cache, use_cache=True)[1]
         return lambda: layer(x, attention_mask=None, past_key_value=cache, use_cache=True)[0]
     if peer == "layer-sdpa":
 

@@ -415,11 +415,12 @@ def markdown(doc: dict) -> str:
             cells = [row["case"]["name"]]
             for p in peers_:
                 r = row["peers"].get(p, {})
-                cells.append(
-                    f"error: {r['error'][:60]}"
-                    if "error" in r
-                    else f"{r.get('ms', float('nan')):.1f} / {r.get('peak_mib', float('nan')):.0f}"
-                )
+                if "error" in r:
+                    cells.append(f"error: {r['error'][:60]}")
+                elif "ms" not in r:  # a run cut before this peer
+                    cells.append("not run")
+                else:
+                    cells.append(f"{r['ms']:.1f} / {r['peak_mib']:.0f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -103,6 +103,10 @@ def limits_reason(
         return f"head_dim {d} is not a power of two >= 16 (FlexAttention's kernels)"
     if device.type == "cpu" and dtype == torch.float16:
         return "float16 on CPU"
+    if device.type == "cuda" and dtype == torch.float64:
+        # Seen on an H100 (torch 2.11): Inductor's FlexAttention kernel fails to compile (its
+        # accumulator's dtype assertion in tl.dot).
+        return "float64 on CUDA"
     if device.type == "cuda" and seqlen_k < 16:
         # Seen on an H100 (torch 2.11): wrong results / dbias for 1..5 keys.
         return f"seqlen_k {seqlen_k} < 16 on CUDA"

@@ -263,6 +263,7 @@ def test_cuda_one_kernel_decode_steps(monkeypatch):
     _, patched = _models(torch.bfloat16, layers=1, hidden=64)
     layer, rotary = patched.model.layers[0].self_attn.cuda(), patched.model.rotary_emb.cuda()
     wide = copy.deepcopy(layer).double()
+    wide._flexdma_backend = "reference"
     S0, S = 3, 40
     hidden = torch.randn(2, S, 64, device="cuda").bfloat16()
     cos, sin = rotary(hidden.double(), torch.arange(S, device="cuda")[None])

@@ -362,3 +362,15 @@ def test_resource_errors_are_recognised_through_wrappers():
     except RuntimeError as e:
         assert flex._is_resource_error(e)
     assert not flex._is_resource_error(ValueError("something else"))
+
+
+def test_limits_name_the_calls_flexattention_cannot_take():
+    # The dispatcher's fallback chain (cuda -> flex -> reference) skips FlexAttention for these, with
+    # the reason in its one-time warning.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert flex.limits_reason(cuda, torch.float64, 64, 64, 64, None) == "float64 on CUDA"
+    assert flex.limits_reason(cpu, torch.float64, 64, 64, 64, None) is None
+    assert flex.limits_reason(cuda, torch.bfloat16, 64, 64, 64, None) is None
+    assert "head_dim 48" in flex.limits_reason(cuda, torch.bfloat16, 64, 64, 48, None)
+    assert flex.limits_reason(cuda, torch.bfloat16, 64, 8, 64, None) == "seqlen_k 8 < 16 on CUDA"
+    assert flex.limits_reason(cpu, torch.float16, 64, 64, 64, None) == "float16 on CPU"
