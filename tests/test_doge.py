@@ -344,6 +344,26 @@ def test_cache_hooks_follow_copies_and_batch_changes():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("padded", [False, True])
+def test_static_cache_is_rejected(padded):
+    # A static cache's update() returns its whole preallocated length: without the check the
+    # patched layers would attend to its unwritten slots (silently wrong tokens).
+    _, patched = _models(torch.float32, layers=1)
+    ids = _ids(2, 5)
+    am = torch.ones(2, 5, dtype=torch.long)
+    if padded:
+        am[0, :2] = 0
+    with pytest.raises(ValueError, match="static cache"):
+        patched.generate(
+            ids,
+            attention_mask=am if padded else None,
+            max_new_tokens=3,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+        )
+
+
 def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     _, patched = _models(torch.float32, layers=1)
     _, other = _models(torch.float32, layers=1)

@@ -177,7 +177,10 @@ def _doge_padding_mask(
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
-        raise ValueError(f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)}")
+        raise ValueError(
+            f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)} (a key "
+            "length past the mask's is a static cache's, which patch_doge does not support)"
+        )
     return attention_mask[:, -kv_length:].bool()
 
 
@@ -208,7 +211,7 @@ def _is_packed_causal(mask_function, causal) -> bool:
 
 # The parameters of transformers' DogeAttention.forward that the patched forward understands. The
 # cache arrives as `past_key_values` (transformers <= 5.23) or `cache` (5.24 on); `cache_position`
-# (<= 5.0) only addresses static caches, which patch_doge rejects through the mask check below.
+# (<= 5.0) only addresses static caches, which the patched forward rejects.
 _DOGE_PARAMS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache", "cache_position")
 # Keyword arguments the decoder layer passes on that do not change attention: ignored.
 # (num_items_in_batch: the Trainer's loss normaliser, passed down with the model's kwargs.)
@@ -281,6 +284,13 @@ def _doge_attention_forward(
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
     if cache is not None:
+        if getattr(cache, "is_compileable", False):
+            # A static cache returns its whole preallocated length from update(), unwritten slots
+            # included: the causal alignment and the kept sets assume the keys seen so far.
+            raise ValueError(
+                f"patch_doge: static caches ({type(cache).__name__}: cache_implementation='static', "
+                "compiled generation) are not supported; generate with the default DynamicCache"
+            )
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
     K = key_states.shape[-2]

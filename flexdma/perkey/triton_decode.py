@@ -178,6 +178,13 @@ def splits(window: int, planes: int, block: int, device: torch.device) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def geometry(window: int, rows: int, head_dim: int, planes: int, device: torch.device) -> tuple:
+    """(slots per attention block, programs per plane) for `rows` padded query rows and a padded
+    head dim (module level, so a benchmark can sweep it)."""
+    block = max(16, min(64, BLOCK_BUDGET // (rows * head_dim), triton.next_power_of_2(window)))
+    return block, splits(window, planes, block, device)
+
+
 def decode_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -242,8 +249,7 @@ def decode_step(
         return out
     G = H // KVH
     GP, DP = max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
-    block = max(16, min(64, BLOCK_BUDGET // (GP * DP), triton.next_power_of_2(W)))
-    nsplit = splits(W, B * KVH, block, q.device)
+    block, nsplit = geometry(W, GP, DP, B * KVH, q.device)
     part = count = out  # unused with one program a plane
     if nsplit > 1:
         part = torch.empty(B * KVH * nsplit * G * (D + 2), dtype=torch.float32, device=q.device)

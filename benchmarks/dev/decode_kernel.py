@@ -1,0 +1,88 @@
+"""The one-token decode kernel alone (flexdma/perkey/triton_decode.py): its time with a cold L2
+(do_bench clears it between calls: the cache a step reads is not in L2 in a real model either)
+and from a CUDA-graph replay (no host time, L2 warm), across its geometry (slots per block,
+programs per plane) and launch options, at several cache lengths: what bounds it, latency or
+bytes.
+
+python -m benchmarks.dev.decode_kernel [--K 32768,131072] [--sweep] [--out FILE.json]
+python -m benchmarks.dev.decode_kernel --K 131072 --once   # one call after warm-up, for ncu
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+from triton.testing import do_bench
+
+from benchmarks.dev.select_bench import graph_us
+from flexdma.perkey import decode, triton_decode
+
+
+def case(B, H, KVH, D, K, W):
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+    v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+    kept = decode.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
+    # Score 0, below every exp(.) score: the new key never enters, so every call does the same work.
+    s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
+    eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
+    counter = torch.zeros(B * KVH, dtype=torch.int32, device=dev)
+    out = torch.empty(B, H, D, device=dev, dtype=dt)
+    return lambda: triton_decode.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+
+
+def variants(sweep: bool, window: int):
+    yield dict(block=None, nsplit=None, num_warps=4, num_stages=2)  # the defaults
+    if sweep:
+        for block, nsplit, warps, stages in itertools.product((16, 32, 64), (8, 16, 32, 64, 128), (2, 4), (1, 2)):
+            if (nsplit - 1) * block < window:  # no program without slots
+                yield dict(block=block, nsplit=nsplit, num_warps=warps, num_stages=stages)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--K", default="8192,32768,131072,524288")
+    ap.add_argument("--B", default="1")
+    ap.add_argument("--H", type=int, default=2)
+    ap.add_argument("--KVH", type=int, default=1)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--W", type=int, default=1024)
+    ap.add_argument("--sweep", action="store_true", help="every geometry and launch option, not only the defaults")
+    ap.add_argument("--once", action="store_true", help="one call after warm-up (under a profiler)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    geometry, config = triton_decode.geometry, dict(triton_decode.CONFIG)
+    results = []
+    for B, K in itertools.product((int(x) for x in a.B.split(",")), (int(x) for x in a.K.split(","))):
+        fn = case(B, a.H, a.KVH, a.D, K, a.W)
+        for var in variants(a.sweep, a.W):
+            if var["block"] is not None:
+                triton_decode.geometry = lambda *args, v=var: (v["block"], v["nsplit"])
+            else:
+                triton_decode.geometry = geometry
+            triton_decode.CONFIG.update(num_warps=var["num_warps"], num_stages=var["num_stages"])
+            fn()
+            torch.cuda.synchronize()
+            if a.once:
+                fn()
+                torch.cuda.synchronize()
+                continue
+            rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, **var)
+            rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            rec["graph_us"] = graph_us(fn)
+            print(json.dumps(rec), flush=True)
+            results.append(rec)
+    triton_decode.geometry = geometry
+    triton_decode.CONFIG.update(config)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
