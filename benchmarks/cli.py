@@ -4,7 +4,9 @@ Subcommands: forward, backward (training lengths at W=1024), window (window swee
 length, forward and backward), decode-mask (one query, long keys, the dense-mask kernels and
 their peers), equivalence (agreement of every implementation with the float64 reference), topk (the
 per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/topk.py), decode
-(decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), all, report
+(decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), varlen (packed
+sequences against per-document calls, a padded batch and dense attention within documents;
+benchmarks/varlen.py), all, report
 (regenerate RESULTS.md from the JSON), cpu (the CPU kernel against SDPA on the CPU, fp32; see
 benchmarks/cpu.py; not part of `all`).
 """
@@ -28,7 +30,7 @@ import torch
 import flexdma
 from flexdma.reference import attention_ref
 
-from . import configs, cpu, decode, report, topk
+from . import configs, cpu, decode, report, topk, varlen
 from . import inputs as inputs_mod
 from . import peers as peers_mod
 from .common import public_argv, write_json
@@ -405,6 +407,7 @@ def _parse(argv=None):
             "equivalence",
             "topk",
             "decode",
+            "varlen",
             "all",
             "report",
             "cpu",
@@ -453,6 +456,9 @@ def main(argv=None) -> int:
         return 0
     if args.subcommand == "decode":
         decode.main(args, environment(args.commit))
+        return 0
+    if args.subcommand == "varlen":
+        varlen.main(args, environment(args.commit))
         return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
     biases = configs.parse_list(args.bias, configs.BIAS_KINDS) or list(configs.BIAS_KINDS)

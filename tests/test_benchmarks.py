@@ -296,7 +296,8 @@ def test_decode_benchmark_table_and_report_section(tmp_path):
     )
     (tmp_path / "d.json").write_text(__import__("json").dumps(doc))
     md = "\n".join(decode.section(str(tmp_path)))
-    assert "| 1.0400 | 0.0213 | error: OOM | – |" in md and "not run: time budget" in md
+    # PEERS' order: api, layer-step, kernel, sdpa, layer-sdpa
+    assert "| 1.0400 | 0.0213 | – | error: OOM | – |" in md and "not run: time budget" in md
     assert "0.50 / 120 / 900" in md and "– (its prefill builds masks)" in md and "commit abc1234" in md
     assert [r["K"] for r in decode.cases()] == [8192, 32768, 131072, 524288, 131072]
 
@@ -330,3 +331,62 @@ def test_cpu_subcommand_and_its_report_section(tmp_path, capsys):
     assert cli.main(["report", "--results", str(tmp_path), "--md", str(md)]) == 0
     text = md.read_text()
     assert "## cpu (cpu)" in text and "| top25-blocks | 128 | fwd+bwd |" in text
+
+
+def test_varlen_benchmark_table_and_report_section(tmp_path):
+    from benchmarks import varlen
+
+    for c in varlen.cases():
+        assert sum(c["lengths"]) == c["total"] == 65536
+        assert all(512 <= n <= 16384 for n in c["lengths"]) and len(c["lengths"]) > 1
+    assert [c["D"] for c in varlen.cases()] == [128, 64] and varlen.cases() == varlen.cases()  # a fixed seed
+    [q] = varlen.cases(quick=True)
+    assert sum(q["lengths"]) == 16384 and all(512 <= n <= 4096 for n in q["lengths"])
+    for seed in range(50):  # a rest shorter than the lower bound never becomes a document
+        lengths = varlen.doc_lengths(4096, 512, 1024, seed)
+        assert sum(lengths) == 4096 and all(512 <= n <= 1024 for n in lengths)
+    c = varlen.cases()[0]
+    doc = dict(
+        schema=varlen.SCHEMA,
+        date="2026-11-26T00:00:00Z",
+        gpu_short="h100",
+        commit="abc1234",
+        rows=[
+            dict(
+                case=c,
+                peers={
+                    "flexdma-packed": dict(
+                        fwd_ms=1.1,
+                        fwd_bwd_ms=3.3,
+                        fwd_launches=40,
+                        fwd_bwd_launches=90,
+                        fwd_peak_mib=300.0,
+                        fwd_bwd_peak_mib=900.0,
+                    ),
+                    "flexdma-per-doc": dict(
+                        fwd_ms=1.0, fwd_bwd_ms=3.0, back_to_back_fwd_ms=1.05, back_to_back_fwd_bwd_ms=3.1
+                    ),
+                    "flexdma-padded": dict(fwd_ms=2.2, fwd_bwd_ms=8.25, fwd_peak_mib=700.0, fwd_bwd_peak_mib=2100.0),
+                    "flex-docmask": dict(error="RuntimeError: boom"),
+                    "sdpa-jagged": dict(
+                        fwd_ms=0.8,
+                        fwd_bwd_ms=2.4,
+                        fwd_backend="FLASH_ATTENTION",
+                        fwd_kv_expanded="enable_gqa: RuntimeError",
+                    ),
+                },
+            ),
+            dict(case=varlen.cases()[1], not_run="time budget"),
+        ],
+    )
+    listed, dense = varlen.flops(c)
+    assert 0 < listed < dense
+    (tmp_path / "v.json").write_text(json.dumps(doc))
+    md = "\n".join(varlen.section(str(tmp_path)))
+    assert "| 1.100 / 3.300 | 1.000 / 3.000 | 1.10x / 1.10x | 1.050 / 3.100 | 2.200 / 8.250 | 2.00x / 2.50x |" in md
+    assert "error: RuntimeError: boom" in md and "FLASH_ATTENTION, KV heads expanded" in md
+    assert "| 40 / 90 | 300 / 900 | 700 / 2100 |" in md and "not run: time budget" in md and "commit abc1234" in md
+    assert f"{0.8 * listed / dense:.3f} / {2.4 * listed / dense:.3f} (at SDPA jagged's rate)" in md
+    assert ", ".join(str(n) for n in c["lengths"]) in md
+    with pytest.raises(SystemExit, match="--peers"):
+        cli.main(["varlen", "--peers", "flexdma-packed,nope", "--out", str(tmp_path), "--commit", "test000"])

@@ -343,7 +343,6 @@ def test_cache_hooks_follow_copies_and_batch_changes():
     assert fx._kept_state(cache, layer) is None  # the next step selects over the cache again
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("padded", [False, True])
 def test_static_cache_is_rejected(padded):
     # A static cache's update() returns its whole preallocated length: without the check the
@@ -364,6 +363,7 @@ def test_static_cache_is_rejected(padded):
         )
 
 
+@torch.no_grad()
 def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     _, patched = _models(torch.float32, layers=1)
     _, other = _models(torch.float32, layers=1)

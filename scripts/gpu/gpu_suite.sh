@@ -13,9 +13,12 @@
 #   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # benchmarks/dev/select_bench.py: the per-key selection alone
 #   bash scripts/gpu/gpu_suite.sh topkbench OUTDIR      # python -m benchmarks topk (PEERS: its --peers; default all)
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
+#   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
+#   bash scripts/gpu/gpu_suite.sh decodekernel OUTDIR   # benchmarks/dev/decode_kernel.py --sweep: the decode kernel alone
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, topk, sanitizer, cudadev, selbench, topkbench, decodebench, tests2, flexcheck, bench, aoti
+#                                                 # tests, topk, sanitizer, cudadev, selbench, decodekernel, topkbench, decodebench, varlenbench,
+#                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
 # runs name every test in the log (-v: a run cut off by the call's limit still says what passed)
@@ -91,6 +94,16 @@ if has selbench; then
   timeout $(cap 200) $PY -m benchmarks.dev.select_bench --out "$out/select_bench.json" > "$out/select_bench.log" 2>&1
   echo "select_bench rc=$?" | tee -a "$log"; grep case "$out/select_bench.log" | cut -c1-240
 fi
+if has decodekernel; then
+  timeout $(cap 300) $PY -m benchmarks.dev.decode_kernel --sweep --K 32768,131072 --out "$out/decode_kernel.json" \
+    > "$out/decode_kernel.log" 2>&1
+  echo "decode_kernel rc=$?" | tee -a "$log"
+  # The defaults and the three fastest variants at each length (cold L2).
+  $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
+for K in sorted({x['K'] for x in r}):
+    rows = [x for x in r if x['K'] == K]
+    for x in rows[:1] + sorted(rows[1:], key=lambda x: x['cold_us'])[:3]: print(x)" "$out/decode_kernel.json" | tee -a "$log"
+fi
 if has topkbench; then
   timeout $(cap 560) $PY -m benchmarks topk ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
     --out "$out" > "$out/topk_bench.log" 2>&1
@@ -100,6 +113,11 @@ if has decodebench; then
   timeout $(cap 560) $PY -m benchmarks decode --budget $(( $(cap 560) - 60 )) --commit "$commit" --out "$out" \
     > "$out/decode_bench.log" 2>&1
   echo "benchmarks decode rc=$?" | tee -a "$log"; grep '^|' "$out/decode_bench.log" | head -20
+fi
+if has varlenbench; then
+  timeout $(cap 560) $PY -m benchmarks varlen ${VARLEN_PEERS:+--peers $VARLEN_PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
+    --out "$out" > "$out/varlen_bench.log" 2>&1
+  echo "benchmarks varlen rc=$?" | tee -a "$log"; grep -E '^(\||- )' "$out/varlen_bench.log" | head -20
 fi
 if has tests2; then
   timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
