@@ -1,11 +1,13 @@
 """Packed sequences (varlen): many documents in one row of tokens, each attending only within itself,
 in FlashAttention's varlen layout (`flash_attn_varlen_func`).
 
-On the CPU (backend "auto" or "cpu") one op, flexdma::varlen_fwd / varlen_bwd (ops/flexdma_ops.cpp),
-runs the C++ kernels sequence by sequence on views of the packed rows: no padded copy, no host
-decision in Python, so torch.compile and torch.export take it whole. Elsewhere (CUDA, FlexAttention,
-the reference) each sequence is one flash_dma_attention call on views, after the offsets are read
-on the host (on CUDA a device wait per call): the CUDA kernels do not read offsets yet. Either way
+One op family on every device, flexdma::varlen_fwd / varlen_bwd: on the CPU the C++ op
+(ops/flexdma_ops.cpp), on CUDA the implementation below (`_varlen_fwd_impl` / `_varlen_bwd_impl`);
+both run the padded path's kernels sequence by sequence on views of the packed rows (no padded
+copy), so torch.compile and torch.export take the call whole. The CUDA kernels do not read offsets
+yet: the CUDA implementation reads them on the host (a device wait per call) and launches each
+sequence's kernels. Where the CUDA kernels do not take a call (and on FlexAttention and the
+reference), each sequence is one flash_dma_attention call on views, with its fallback. Either way
 nothing attends across a boundary, and the per-key selection runs within each sequence.
 """
 
@@ -15,10 +17,10 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _ops
-from ._warnings import warn_once
+from . import _checks, _dispatch, _ops
 from .api import flash_dma_attention
 from .perkey import contract as perkey
+from .perkey import route as perkey_route
 
 
 def _check_offsets(name: str, cu: torch.Tensor, device: torch.device) -> None:
@@ -115,8 +117,11 @@ def flash_dma_attention_varlen(
     scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
     if keep_window_size is not None:
         keep_window_size = perkey.check_window(keep_window_size)
-    if query.device.type == "cpu" and backend in ("auto", "cpu") and _ops.LOADED:
-        out, lse = torch.ops.flexdma.varlen_fwd(
+    if _op_takes(query, key, value, attn_bias, is_causal, softcap, keep_window_size, backend):
+        requires_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+        )
+        out, lse, _ = torch.ops.flexdma.varlen_fwd(
             *(_checks.last_dim_contiguous(t) for t in (query, key, value)),
             cu_seqlens_q,
             cu_seqlens_k,
@@ -127,15 +132,12 @@ def flash_dma_attention_varlen(
             bool(is_causal),
             softcap,
             keep_window_size or 0,
+            bool(deterministic),
+            requires_grad,
         )
         return (out, lse) if return_lse else out
     offs_q = _offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
     offs_k = _offsets("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
-    if query.device.type == "cuda":
-        warn_once(
-            "flash_dma_attention_varlen: the CUDA kernels do not read sequence offsets yet; packed "
-            "sequences run one flash_dma_attention call per sequence",
-        )
     outs, lses = [], []
     for (q0, q1), (k0, k1) in zip(zip(offs_q, offs_q[1:]), zip(offs_k, offs_k[1:])):
         bias = None if attn_bias is None else attn_bias[None, :, None, k0:k1]
@@ -164,39 +166,166 @@ def flash_dma_attention_varlen(
     return (out, lse) if return_lse else out
 
 
+def _op_takes(query, key, value, attn_bias, is_causal, softcap, window, backend: str) -> bool:
+    """Whether the call goes to flexdma::varlen_fwd: on the CPU its C++ kernels, on CUDA where the
+    CUDA kernels take the call's dtype, heads and head dim (asked as for one of its sequences).
+    backend="cuda" on a call they do not take is an error, as in flash_dma_attention."""
+    if not _ops.LOADED:
+        return False
+    if query.device.type == "cpu":
+        return backend in ("auto", "cpu")
+    if query.device.type != "cuda" or backend not in ("auto", "cuda"):
+        return False
+    bias = None if attn_bias is None else attn_bias[None, :, None, :1]
+    call = _dispatch.Call.of(
+        query[None, :1], key[None, :1], value[None, :1], None, bias, is_causal=is_causal, softcap=softcap,
+        keep_window_size=window, requires_grad=False,
+    )  # fmt: skip
+    why = _dispatch.unsupported_reason(call.path, "cuda", call)
+    if why and backend == "cuda":
+        raise ValueError(f"backend='cuda' cannot run this packed call: {why}")
+    return why is None
+
+
+# ---- flexdma::varlen_fwd / varlen_bwd: CUDA implementation (the CPU one is ops/flexdma_ops.cpp) ----
+
+
+def _sequences(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -> List[Tuple[int, int, int, int]]:
+    """(q0, nq, k0, nk) of every sequence, the offsets read on the host and checked as the C++ op
+    checks them."""
+    a = _offsets("cu_seqlens_q", cu_q, total_q, max_q)
+    b = _offsets("cu_seqlens_k", cu_k, total_k, max_k)
+    return [(a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]) for i in range(len(a) - 1)]
+
+
+def _perkey_selection(q, k, v, bias, is_causal, softcap, window):
+    """One sequence's selection (its views (1, n, heads, D), bias (1, heads, 1, nk)), with the tile
+    rows of the forward that reads it (flexdma/perkey/route.py), and whether the lists are read
+    (the CUDA kernels gather by them; the CPU kernel does not)."""
+    call = _dispatch.Call.of(
+        q, k, v, None, bias, is_causal=is_causal, softcap=softcap, keep_window_size=window, requires_grad=False
+    )
+    r = perkey_route.decide("cuda" if q.device.type == "cuda" else "cpu", call)
+    scores = perkey.selection_scores(bias, None, q.shape[2])
+    sel = perkey.select(scores, window, q.shape[1], is_causal, r.tile_rows)
+    return sel, sel.tile_keys if q.device.type == "cuda" else None
+
+
+def _seq_views(q, k, v, bias, s):
+    q0, nq, k0, nk = s
+    b = None if bias is None else bias[None, :, None, k0 : k0 + nk]
+    return q[None, q0 : q0 + nq], k[None, k0 : k0 + nk], v[None, k0 : k0 + nk], b
+
+
+def _varlen_fwd_impl(
+    q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window, deterministic=False,
+    keep_resid=True,
+):  # fmt: skip
+    """flexdma::varlen_fwd sequence by sequence through the padded path's ops (written for CUDA; on
+    CPU tensors it runs the CPU ops, which the tests compare with the C++ op)."""
+    out = q.new_zeros(q.shape)  # rows of a sequence without keys: 0, LSE -inf
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=_ops.acc_dtype(q.dtype))
+    keep = keep_resid and _ops.keeps_residual(q)
+    resid = q.new_zeros(q.shape) if keep else q.new_empty((0,))
+    for s in _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+        q0, nq, _, nk = s
+        if nq == 0 or nk == 0:
+            continue
+        qs, ks, vs, b = _seq_views(q, k, v, attn_bias, s)
+        if window > 0:
+            sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window)
+            o, lse_s, r = torch.ops.flexdma.topk_fwd(
+                qs, ks, vs, b, sel.key_rank, sel.row_thr, softmax_scale, is_causal, softcap, deterministic, lists
+            )
+        else:
+            o, lse_s, r = torch.ops.flexdma.fwd(
+                qs, ks, vs, None, b, softmax_scale, is_causal, softcap, deterministic, None, keep
+            )
+        out[q0 : q0 + nq] = o[0]
+        lse[:, q0 : q0 + nq] = lse_s[0]
+        if keep and r.numel():
+            resid[q0 : q0 + nq] = r[0]
+    return out, lse, resid
+
+
+def _varlen_bwd_impl(
+    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window,
+    bias_requires_grad, deterministic=False, out_resid=None,
+):  # fmt: skip
+    """flexdma::varlen_bwd as _varlen_fwd_impl: each sequence's backward op on views (the per-key
+    selection made again, as the C++ op makes it)."""
+    want = bias_requires_grad and attn_bias is not None
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    dbias = attn_bias.new_zeros(attn_bias.shape) if want else q.new_empty((0,))
+    has_resid = out_resid is not None and out_resid.numel() > 0
+    for s in _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
+        q0, nq, k0, nk = s
+        if nq == 0 or nk == 0:
+            continue
+        qs, ks, vs, b = _seq_views(q, k, v, attn_bias, s)
+        d, o = grad_out[None, q0 : q0 + nq], out[None, q0 : q0 + nq]
+        lse_s = lse[None, :, q0 : q0 + nq].contiguous()
+        r = out_resid[None, q0 : q0 + nq] if has_resid else None
+        if window > 0:
+            sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window)
+            g = torch.ops.flexdma.topk_bwd(
+                d, qs, ks, vs, b, sel.key_rank, sel.row_thr, o, lse_s, softmax_scale, is_causal, softcap, want,
+                deterministic, lists, r,
+            )  # fmt: skip
+        else:
+            g = torch.ops.flexdma.bwd(
+                d, qs, ks, vs, None, b, o, lse_s, softmax_scale, is_causal, softcap, want, deterministic, None, r
+            )
+        dq[q0 : q0 + nq] = g[0][0]
+        dk[k0 : k0 + nk] = g[1][0]
+        dv[k0 : k0 + nk] = g[2][0]
+        if want:
+            dbias[:, k0 : k0 + nk] = g[3].reshape(-1, nk)
+    return dq, dk, dv, dbias
+
+
 # ---- flexdma::varlen_fwd / varlen_bwd: fake kernels and autograd (schemas and CPU kernels: ops/) ----
 
 
-def _varlen_fwd_fake(q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window):
+def _varlen_fwd_fake(
+    q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window, deterministic=False,
+    keep_resid=True,
+):  # fmt: skip
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_ops.acc_dtype(q.dtype))
-    return q.new_empty(q.shape), lse
+    resid = q.new_empty(q.shape) if keep_resid and _ops.keeps_residual(q) else q.new_empty((0,))
+    return q.new_empty(q.shape), lse, resid
 
 
 def _varlen_bwd_fake(
-    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window, want
-):
+    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window, want,
+    deterministic=False, out_resid=None,
+):  # fmt: skip
     return _ops.grads_like(q, k, v, attn_bias, want)
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, bias = inputs[:8]
     ctx.save_for_backward(q, k, v, cu_q, cu_k, bias, *output)
-    ctx.cfg = (max_q, max_k) + tuple(inputs[8:])
-    ctx.mark_non_differentiable(output[1])  # lse: for inspection and merging, not differentiated
+    ctx.cfg = (max_q, max_k) + tuple(inputs[8:13])  # scale, causal, softcap, window, deterministic
+    # lse: for inspection and merging; out_resid: out's rounding error, for the backward.
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, cu_q, cu_k, bias, out, lse = ctx.saved_tensors
-    max_q, max_k, scale, causal, softcap, window = ctx.cfg
+def _backward(ctx, grad_out, grad_lse, grad_resid):
+    q, k, v, cu_q, cu_k, bias, out, lse, resid = ctx.saved_tensors
+    max_q, max_k, scale, causal, softcap, window, deterministic = ctx.cfg
     want = bias is not None and ctx.needs_input_grad[7]
     dq, dk, dv, dbias = torch.ops.flexdma.varlen_bwd(
-        grad_out.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, causal, softcap, window, want
-    )
-    return dq, dk, dv, None, None, None, None, dbias if want else None, None, None, None, None
+        grad_out.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, causal, softcap, window,
+        want, deterministic, resid if resid.numel() else None,
+    )  # fmt: skip
+    return (dq, dk, dv, None, None, None, None, dbias if want else None) + (None,) * 6
 
 
 if _ops.LOADED:
     torch.library.register_fake("flexdma::varlen_fwd")(_varlen_fwd_fake)
     torch.library.register_fake("flexdma::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_kernel("flexdma::varlen_fwd", "cuda", _varlen_fwd_impl)
+    torch.library.register_kernel("flexdma::varlen_bwd", "cuda", _varlen_bwd_impl)
     torch.library.register_autograd("flexdma::varlen_fwd", _backward, setup_context=_setup_context)
     _ops.forbid_double_backward("flexdma::varlen_bwd")

@@ -1,5 +1,6 @@
 // The flexdma op family: schemas (one definition for every device) and the CPU kernels.
 // Fake (meta) kernels and autograd are registered from Python (flexdma/_ops.py).
+#include <limits>
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/library.h>
@@ -238,17 +239,19 @@ std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const S
   return {rank, thr};
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                  const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q,
-                                                  int64_t max_k, const c10::optional<at::Tensor>& bias,
-                                                  double softmax_scale, bool is_causal, double softcap,
-                                                  int64_t window) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
+    double softcap, int64_t window, bool /*deterministic: read by the backward*/,
+    bool /*keep_resid: never kept here*/) {
   varlen_check(q, k, cu_q, cu_k, bias, window);
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(acc_type(q.scalar_type())));
+  // Rows of a sequence without keys are never visited: output 0, LSE -inf.
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(acc_type(q.scalar_type())));
   const auto run = [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); };
   for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
-    if (s.nq == 0) continue;
+    if (s.nq == 0 || s.nk == 0) continue;
     const auto b = s.bias(bias);
     at::Tensor o, l;
     if (window > 0) {
@@ -262,14 +265,15 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& q, const at:
     out.narrow(0, s.q0, s.nq).copy_(o[0]);
     lse.narrow(1, s.q0, s.nq).copy_(l[0]);
   }
-  return {out, lse};
+  // The CPU kernels keep out in the inputs' dtype only: no rounding error to return.
+  return {out, lse, at::empty({0}, q.options())};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
     const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, int64_t window,
-    bool bias_requires_grad) {
+    bool bias_requires_grad, bool deterministic, const c10::optional<at::Tensor>& /*out_resid*/) {
   varlen_check(q, k, cu_q, cu_k, bias, window);
   // Every element is written: rows of a sequence with no keys (and keys no row sees) get zeros.
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
@@ -286,10 +290,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     if (window > 0) {
       auto [rank, thr] = varlen_select(*b, s, window, is_causal);
       g = topk_bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, o, l.contiguous(),
-                        softmax_scale, is_causal, softcap, want_dbias, false, run);
+                        softmax_scale, is_causal, softcap, want_dbias, deterministic, run);
     } else {
       g = bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, o, l.contiguous(),
-                   softmax_scale, is_causal, softcap, want_dbias, false, c10::nullopt, run);
+                   softmax_scale, is_causal, softcap, want_dbias, deterministic, c10::nullopt, run);
     }
     dq.narrow(0, s.q0, s.nq).copy_(std::get<0>(g)[0]);
     dk.narrow(0, s.k0, s.nk).copy_(std::get<1>(g)[0]);
@@ -359,16 +363,17 @@ TORCH_LIBRARY(flexdma, m) {
   // Packed sequences, FlashAttention's varlen layout: q (Tq, H, D), k / v (Tk, KVH, D), int32
   // offsets (batch + 1), attn_bias none or per key (heads, Tk); window > 0: each row keeps its
   // sequence's top-window keys by the bias (the selection never crosses a boundary). lse (H, Tq).
+  // out_resid as fwd's (empty on CPU, and where keep_resid is false).
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window) "
-      "-> (Tensor out, Tensor lse)",
+      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window, "
+      "bool deterministic=False, bool keep_resid=True) -> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? attn_bias, Tensor out, Tensor lse, float softmax_scale, "
-      "bool is_causal, float softcap, int window, bool bias_requires_grad) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+      "bool is_causal, float softcap, int window, bool bias_requires_grad, bool deterministic=False, "
+      "Tensor? out_resid=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "

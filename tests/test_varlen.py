@@ -50,10 +50,12 @@ CASES = [
     ([4, 10], [4, 10], 4, 2, 2, False, 20),  # W above every length
     ([1], [1], 2, 2, 2, True, 1),
 ]
+# Queries without keys: their rows are 0 with LSE -inf.
+NO_KEYS = [([2, 3, 1], [0, 4, 0], 2, 1, 1, True, 2), ([2, 3], [0, 4], 4, 2, 0, False, None)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + NO_KEYS)
 def test_packed_equals_documents_one_by_one(backend, case):
     lq, lk, H, KVH, bh, causal, W = case
     q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, torch.float64, seed=len(lq) + H)
@@ -148,3 +150,25 @@ def test_opcheck_and_compile_and_export():
     q2, k2, v2, b2, cq2, ck2 = _pack(lq2, lq2, 4, 2, 16, 2, torch.float32, seed=6)
     want = f(q2, k2, v2, cq2, ck2, b2)
     torch.testing.assert_close(ep.module()(q2, k2, v2, cq2, ck2, b2), want)
+
+
+@pytest.mark.parametrize("case", CASES + NO_KEYS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_cuda_implementation_equals_the_cpu_op(case, dtype):
+    # flexdma::varlen_fwd / varlen_bwd's CUDA implementation (flexdma/varlen.py: the padded path's
+    # ops sequence by sequence) run on CPU tensors, where its ops are the CPU ones: bit for bit the
+    # C++ op's out, LSE and every gradient.
+    from flexdma import varlen
+
+    lq, lk, H, KVH, bh, causal, W = case
+    q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, dtype, seed=7 * len(lq) + H)
+    args = (q.detach(), k.detach(), v.detach(), cq, ck, max(lq), max(lk), None if bias is None else bias.detach())
+    cfg = (0.25, causal, 0.0, W or 0)
+    want = torch.ops.flexdma.varlen_fwd(*args, *cfg)
+    got = varlen._varlen_fwd_impl(*args, *cfg)
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a, b)
+    do = torch.randn(q.shape, dtype=torch.float64).to(dtype)
+    bwd = (do, *args, want[0], want[1], *cfg, bias is not None)
+    for a, b in zip(varlen._varlen_bwd_impl(*bwd), torch.ops.flexdma.varlen_bwd(*bwd)):
+        assert torch.equal(a, b)
