@@ -120,11 +120,17 @@ def test_rejected_inputs(change, match):
         flexdma.flash_dma_attention_varlen(**kw)
 
 
-def test_opcheck_and_compile_and_export():
-    # On the CPU the packed call is one op (flexdma::varlen_fwd): opcheck, torch.compile with
-    # fullgraph, and torch.export with a dynamic token count and number of sequences.
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_opcheck_and_compile_and_export(device):
+    # The packed call is one op (flexdma::varlen_fwd) on the CPU and, where its kernels take the
+    # call (bf16, a built head dim), on CUDA: opcheck, torch.compile with fullgraph, and
+    # torch.export with a dynamic token count and number of sequences.
+    dtype, D = (torch.float32, 16) if device == "cpu" else (torch.bfloat16, 64)
+
     lq = [5, 0, 3, 8]
-    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 16, 2, torch.float32, seed=5)
+    q, k, v, bias, cq, ck = (
+        t.detach().to(device).requires_grad_(t.is_floating_point()) for t in _pack(lq, lq, 4, 2, D, 2, dtype, seed=5)
+    )
     for window in (0, 4):
         torch.library.opcheck(torch.ops.flexdma.varlen_fwd, (q, k, v, cq, ck, 8, 8, bias, 0.25, True, 0.0, window))
 
@@ -147,7 +153,9 @@ def test_opcheck_and_compile_and_export():
     )
     torch.testing.assert_close(ep.module()(q, k, v, cq, ck, bias), eager)
     lq2 = [2, 8, 6]  # another token count and another number of sequences
-    q2, k2, v2, b2, cq2, ck2 = _pack(lq2, lq2, 4, 2, 16, 2, torch.float32, seed=6)
+    q2, k2, v2, b2, cq2, ck2 = (
+        t.detach().to(device).requires_grad_(t.is_floating_point()) for t in _pack(lq2, lq2, 4, 2, D, 2, dtype, seed=6)
+    )
     want = f(q2, k2, v2, cq2, ck2, b2)
     torch.testing.assert_close(ep.module()(q2, k2, v2, cq2, ck2, b2), want)
 
