@@ -317,6 +317,39 @@ def test_cuda_decode_step():
         assert not counter.any()
 
 
+def test_triton_rows_step_in_the_interpreter():
+    # A step of T new tokens (flexdma/perkey/triton_rows.py) in Triton's interpreter against
+    # decode.append_rows' Python updates, bit for bit.
+    _run_in_interpreter("interpret_rows.py", 8)
+
+
+def test_cuda_rows_step():
+    # The same kernel on the GPU against the Python updates (run on the CPU).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    import interpret_rows as ir
+
+    from flexdma.perkey import decode
+    from flexdma.perkey.triton_rows import append_rows
+
+    for i, (B, P, W, n, T, dtype, kw) in enumerate(
+        [
+            (2, 3, 5, 3, 4, torch.float16, dict(special=True)),
+            (3, 2, 1024, 5000, 64, torch.bfloat16, dict(special=True)),
+            (1, 4, 2048, 1000, 7, torch.bfloat16, dict(s_dtype=torch.float32)),
+        ]
+    ):
+        kept, s_new, eligible = ir.case(B, P, W, n, T, dtype, seed=i, **kw)
+        want = decode.append_rows(kept, s_new, n, eligible)
+        mine = decode.KeptSet(*(t.cuda() for t in kept))
+        got = append_rows(mine, s_new.cuda(), n, eligible.cuda())
+        assert torch.equal(got.idx.cpu(), want.idx) and torch.equal(got.keep.cpu(), want.keep)
+        ir._same_scores(got.score.cpu(), want.score, i)
+        assert torch.equal(mine.idx.cpu(), want.kept.idx) and torch.equal(mine.valid.cpu(), want.kept.valid)
+        ir._same_scores(mine.score.cpu(), want.kept.score, i)
+
+
 def _run_in_interpreter(script: str, cases: int) -> None:
     import importlib.util
     import os

@@ -11,8 +11,9 @@ key's score (the bias value the attention adds). Used by flexdma.nn.DMACache and
 flexdma.integrations.transformers' patched Doge layers.
 
 On CUDA one new row a step goes through `attend_one` (flexdma/perkey/triton_decode.py): the update
-in place and the row's attention over the updated set in one kernel. Elsewhere, and for a few rows a
-step, `append` / `append_rows` and the attention over the gathered entries.
+in place and the row's attention over the updated set in one kernel. A few rows a step go through
+`append_rows` (on CUDA one kernel, flexdma/perkey/triton_rows.py) and the attention over the
+gathered entries.
 """
 
 from __future__ import annotations
@@ -95,7 +96,12 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.
     (B, P, T) False for padding, and the T rows that end at them: row t sees the old keys and new
     keys 0 .. t, so its kept set is the one after appending keys 0 .. t, one O(W) update each. A
     key that leaves never returns (fact 2), so every row's set lies in the old slots plus the new
-    keys (fact 3): W + T entries."""
+    keys (fact 3): W + T entries. On CUDA one kernel (flexdma/perkey/triton_rows.py), which updates
+    `kept` in place (Rows.kept is it: a step consumes the kept set it extends)."""
+    if kept.idx.device.type == "cuda" and _ext.HAVE_TRITON and not _ext.LOAD_ERROR:
+        from .triton_rows import append_rows as one_kernel
+
+        return one_kernel(kept, s_new, start, eligible)
     B, P, W = kept.idx.shape
     T = s_new.shape[-1]
     first = kept
