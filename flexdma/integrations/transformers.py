@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import types
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -485,6 +486,35 @@ def _hooked(method, update):
     return run
 
 
+def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Tensor], earlier: int) -> None:
+    """Raise (on CUDA: a device-side assert, no host wait) unless the step's attention_mask keeps
+    the padding the kept sets were built with in its first `earlier` columns. Once a step: every
+    layer of a step gets the same mask tensor and holds the same earlier one, so the layers after
+    the first skip the O(K) compare (its launches are most of a decode step's extra host time)."""
+    memo = getattr(cache, "_flexdma_checked", None)
+    if memo is not None and memo[0]() is attention_mask and memo[1] is state.padding:
+        return
+    if attention_mask is not None:
+        mask = attention_mask[:, :earlier].bool()
+        same = mask.all() if state.padding is None else (mask == state.padding.bool()).all()
+        what = "patch_doge: the attention_mask's earlier columns changed between decode steps"
+        why = "; the cache's kept sets were selected with the old ones (start again with a new cache)"
+    elif state.padding is not None:
+        same = state.padding.bool().all()
+        what, why = "patch_doge: a decode step without attention_mask after a padded prompt", ""
+    else:
+        same = None
+    if same is not None:
+        if same.device.type == "cpu":
+            if not bool(same):
+                raise ValueError(what + why)
+        else:
+            torch._assert_async(same, what)
+    # A weak reference: the memo must not keep a step's mask alive.
+    ref = (lambda: None) if attention_mask is None else weakref.ref(attention_mask)
+    cache._flexdma_checked = (ref, state.padding)
+
+
 def _doge_decode_step(self, query_states, key_states, value_states, attention_mask, cache, state, input_shape):
     """T new tokens against the cache in O(W) each: their keys' scores, the kept set updated with
     one key after the other (a key enters if a slot is free or it outranks the worst kept key), and
@@ -493,25 +523,10 @@ def _doge_decode_step(self, query_states, key_states, value_states, attention_ma
     K = key_states.shape[-2]
     B, KVH = key_states.shape[:2]
     T = input_shape[1]
+    _check_padding(cache, state, attention_mask, K - T)
     if attention_mask is not None:
-        # The kept sets are only valid for the padding they were built with.
-        earlier = attention_mask[:, : K - T].bool()
-        if state.padding is None:
-            same = earlier.all()
-        else:
-            same = (earlier == state.padding.bool()).all()
-        if earlier.device.type == "cpu":
-            if not bool(same):
-                raise ValueError(
-                    "patch_doge: the attention_mask's earlier columns changed between decode steps; the "
-                    "cache's kept sets were selected with the old ones (start again with a new cache)"
-                )
-        else:
-            torch._assert_async(same, "patch_doge: the attention_mask's earlier columns changed between decode steps")
         eligible = attention_mask[:, K - T :].bool()
     else:
-        if state.padding is not None and state.padding.device.type == "cpu" and not bool(state.padding.all()):
-            raise ValueError("patch_doge: a decode step without attention_mask after a padded prompt")
         eligible = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
     s_new = _doge_scores(self, value_states[:, :, K - T :])  # (B, KVH, T)
     if T == 1 and decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:

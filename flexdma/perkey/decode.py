@@ -158,4 +158,20 @@ def attend_one(
     (B, H, D); k, v (B, KVH, Kcap, D) views of the cache holding the new key at `position`."""
     from .triton_decode import decode_step
 
-    return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap)
+    counter = _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
+    return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap, counter=counter)
+
+
+# The decode kernel's per-plane counters, one zeroed buffer per (device, stream): the kernel leaves
+# them zero, so a step needs no fill launch. Kernels on one stream run in order; another stream gets
+# its own buffer.
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
