@@ -12,7 +12,8 @@ keys, and a 7B-class layer (H=32, KVH=8, D=128) at 128K. Peers, same run:
   the new row's attention over it), what layer-step spends in attention.
 Generation: transformers' DogeForCausalLM (topk.DOGE's config, A drawn in [0.5, 1.5]) generating
 256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
-memory, patch_doge (the kept sets beside the cache) against the same model without its dynamic
+memory, patch_doge (the kept sets beside the cache; with DynamicCache, and with a static cache,
+which transformers generates with a compiled forward) against the same model without its dynamic
 mask (dense SDPA over every key) and eager Doge where it fits.
 """
 
@@ -36,7 +37,9 @@ from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
 PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
-GEN_PEERS = ("flexdma", "no-dynamic-mask", "eager")
+# flexdma-static: patch_doge with cache_implementation="static", which transformers generates with
+# a compiled forward (Inductor, CUDA graphs); its compile is in the first, untimed, generate call.
+GEN_PEERS = ("flexdma", "flexdma-static", "no-dynamic-mask", "eager")
 EAGER_MAX = 8192  # eager Doge builds (B, H, Q, K) masks in its prefill
 
 
@@ -165,8 +168,15 @@ def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256,
                         hf.patch_doge(model)
                     ids = torch.randint(cfg.vocab_size, (B, L), device="cuda")
                     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
+                    if peer == "flexdma-static":
+                        kw["cache_implementation"] = "static"
                     with _without_dynamic_mask() if peer == "no-dynamic-mask" else contextlib.nullcontext():
                         with torch.no_grad():
+                            if peer == "flexdma-static":
+                                # Compiles and captures outside the timed calls, at the full length:
+                                # generate reuses a static cache at least as long (same shapes, no
+                                # recompile), so the shorter prefill call below reuses it too.
+                                model.generate(ids, max_new_tokens=new_tokens, **kw)
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()
                             s = time.perf_counter()

@@ -343,24 +343,95 @@ def test_cache_hooks_follow_copies_and_batch_changes():
     assert fx._kept_state(cache, layer) is None  # the next step selects over the cache again
 
 
+def _count_static_steps(monkeypatch):
+    calls = []
+    step = fx._doge_static_step
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(fx, "_doge_static_step", counted)
+    return calls
+
+
 @pytest.mark.parametrize("padded", [False, True])
-def test_static_cache_is_rejected(padded):
-    # A static cache's update() returns its whole preallocated length: without the check the
-    # patched layers would attend to its unwritten slots (silently wrong tokens).
-    _, patched = _models(torch.float32, layers=1)
-    ids = _ids(2, 5)
-    am = torch.ones(2, 5, dtype=torch.long)
+def test_static_cache_generates_as_eager(monkeypatch, padded):
+    # cache_implementation="static": the cache returns its capacity; the prompt runs on the written
+    # keys, and every later token goes through the kept sets with its position a device tensor.
+    # The same tokens as eager Doge with a static cache and as the patched model with DynamicCache.
+    calls = _count_static_steps(monkeypatch)
+    eager, patched = _models(torch.float32, layers=2)
+    ids = _ids(2, 7)
+    am = torch.ones(2, 7, dtype=torch.long)
     if padded:
         am[0, :2] = 0
-    with pytest.raises(ValueError, match="static cache"):
-        patched.generate(
-            ids,
-            attention_mask=am if padded else None,
-            max_new_tokens=3,
-            do_sample=False,
-            pad_token_id=0,
-            cache_implementation="static",
-        )
+    kw = dict(attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = eager.generate(ids, cache_implementation="static", **kw)
+    assert torch.equal(patched.generate(ids, cache_implementation="static", **kw), want)
+    assert len(calls) == 2 * 7  # 2 layers x the 7 tokens after the prompt's
+    assert torch.equal(patched.generate(ids, **kw), want)
+
+
+def test_static_cache_one_token_prompt():
+    eager, patched = _models(torch.float32, layers=2)
+    ids = _ids(1, 1)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(patched.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+def test_static_cache_compiled_generation():
+    # transformers' compiled generation (a static cache, the forward under torch.compile with
+    # fullgraph=True; forced on the CPU, with the aot_eager backend): no graph break in the patched
+    # layers, the same tokens as uncompiled generation.
+    cc = pytest.importorskip("transformers").CompileConfig(fullgraph=True, backend="aot_eager")
+    if not hasattr(cc, "_compile_all_devices"):
+        pytest.skip("this transformers compiles generation on accelerators only")
+    cc._compile_all_devices = True
+    _, patched = _models(torch.float32, layers=2)
+    ids = _ids(2, 7)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :2] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = patched.generate(ids, **kw)
+    assert torch.equal(patched.generate(ids, cache_implementation="static", compile_config=cc, **kw), want)
+
+
+def test_cuda_static_cache_compiled_generation():
+    # On CUDA transformers compiles generation with a static cache (Inductor, CUDA graphs): the
+    # patched layers' one-token steps (the decode kernel, its position a device tensor) replay in
+    # the graph. Against uncompiled generation with DynamicCache: each step's scores within bf16's
+    # reach while the tokens so far agree.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    _, patched = _models(torch.bfloat16, layers=2, hidden=64)
+    patched = patched.cuda()
+    ids = _ids(2, 7).cuda()
+    am = torch.ones(2, 7, dtype=torch.long, device="cuda")
+    am[0, :2] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    kw.update(return_dict_in_generate=True, output_scores=True)
+    want = patched.generate(ids, **kw)
+    got = patched.generate(ids, cache_implementation="static", **kw)
+    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
+        if not torch.equal(got.sequences[:, : 7 + step], want.sequences[:, : 7 + step]):
+            break
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
+    assert step > 0
+
+
+@torch.no_grad()
+def test_static_cache_rejects_a_changed_mask():
+    _, patched = _models(torch.float32, layers=1)
+    ids = _ids(2, 6)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[1, :2] = 0
+    cache = transformers.StaticCache(config=patched.config, max_cache_len=16)
+    patched(input_ids=ids, attention_mask=am[:, :6], past_key_values=cache, use_cache=True)
+    am[1, :2] = 1
+    with pytest.raises(ValueError, match="earlier columns changed"):
+        patched(input_ids=ids[:, :1], attention_mask=am, past_key_values=cache, use_cache=True)
 
 
 @torch.no_grad()

@@ -177,11 +177,10 @@ def _doge_padding_mask(
         )
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or attention_mask.shape[-1] < kv_length:
-        raise ValueError(
-            f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)} (a key "
-            "length past the mask's is a static cache's, which patch_doge does not support)"
-        )
+    if attention_mask.dim() != 2:
+        raise ValueError(f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)}")
+    # A static cache's key length is its capacity: its mask covers the keys written so far, and the
+    # patched forward (which knows the cache) checks the length against the keys it attends to.
     return attention_mask[:, -kv_length:].bool()
 
 
@@ -284,15 +283,38 @@ def _doge_attention_forward(
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    static = cache is not None and getattr(cache, "is_compileable", False)
+    new_values = value_states
     if cache is not None:
-        if getattr(cache, "is_compileable", False):
-            # A static cache returns its whole preallocated length from update(), unwritten slots
-            # included: the causal alignment and the kept sets assume the keys seen so far.
-            raise ValueError(
-                f"patch_doge: static caches ({type(cache).__name__}: cache_implementation='static', "
-                "compiled generation) are not supported; generate with the default DynamicCache"
+        # transformers <= 5.0 writes a static cache at cache_position (Doge passes it with the rotary
+        # tables); later releases count the keys in the cache's layers.
+        extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, *extra)
+    grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+    if static:
+        # A static cache returns its capacity, unwritten slots included. The keys written so far:
+        # a one-token step with kept sets attends through them, the new key's position a device
+        # tensor (no host wait: a CUDA graph can hold the step); any other call reads the count on
+        # the host and runs on the written keys alone.
+        end = _static_end(cache, self.layer_idx, cache_position)
+        state = _kept_state(cache, self)
+        if (
+            state is not None
+            and not grad
+            and input_shape[1] == 1
+            and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
+        ):
+            return _doge_static_step(
+                self, query_states, key_states, value_states, new_values, attention_mask, cache, state, end
             )
-        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+        n = int(end)
+        key_states, value_states = key_states[:, :, :n], value_states[:, :, :n]
+        if attention_mask is not None:
+            if attention_mask.shape[-1] < n:
+                raise ValueError(
+                    f"patch_doge: the padding mask covers {attention_mask.shape[-1]} keys, the static cache holds {n}"
+                )
+            attention_mask = attention_mask[:, :n]
 
     K = key_states.shape[-2]
     if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != (input_shape[0], K)):
@@ -304,9 +326,9 @@ def _doge_attention_forward(
     state = _kept_state(cache, self) if cache is not None else None
     # With autograd recording, the full path: it recomputes every key's score, so gradients reach
     # them all (the kept sets hold detached scores).
-    grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
     if (
-        state is not None
+        not static
+        and state is not None
         and not grad
         and input_shape[1] <= decode.MAX_ROWS
         and state.length == K - input_shape[1]
@@ -491,7 +513,9 @@ def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Te
     the padding the kept sets were built with in its first `earlier` columns. Once a step: every
     layer of a step gets the same mask tensor and holds the same earlier one, so the layers after
     the first skip the O(K) compare (its launches are most of a decode step's extra host time)."""
-    memo = getattr(cache, "_flexdma_checked", None)
+    # Traced (torch.compile): the compare is in the graph and asserts on the device; no memo.
+    compiling = torch.compiler.is_compiling()
+    memo = None if compiling else getattr(cache, "_flexdma_checked", None)
     if memo is not None and memo[0]() is attention_mask and memo[1] is state.padding:
         return
     if attention_mask is not None:
@@ -505,14 +529,75 @@ def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Te
     else:
         same = None
     if same is not None:
-        if same.device.type == "cpu":
+        if same.device.type == "cpu" and not compiling:
             if not bool(same):
                 raise ValueError(what + why)
         else:
             torch._assert_async(same, what)
+    if compiling:
+        return
     # A weak reference: the memo must not keep a step's mask alive.
     ref = (lambda: None) if attention_mask is None else weakref.ref(attention_mask)
     cache._flexdma_checked = (ref, state.padding)
+
+
+def _static_end(cache, layer_idx: int, cache_position: Optional[torch.Tensor]) -> torch.Tensor:
+    """The number of keys a static cache holds after this call's update, as a device tensor: the
+    position after the last written one (transformers <= 5.0: cache_position; later: the layer's
+    cumulative_length)."""
+    if cache_position is not None:
+        return cache_position[-1] + 1
+    layers = getattr(cache, "layers", None)
+    count = getattr(layers[layer_idx], "cumulative_length", None) if layers is not None else None
+    if not isinstance(count, torch.Tensor):
+        raise ValueError(
+            f"patch_doge: this static cache ({type(cache).__name__}) says neither where it writes "
+            "(cache_position) nor how many keys it holds (cumulative_length)"
+        )
+    return count
+
+
+def _doge_static_step(self, query_states, key_states, value_states, new_values, attention_mask, cache, state, end):
+    """One new token against a static cache (key_states / value_states: its whole capacity): the
+    kept set updated with the new key at `end - 1` (a device tensor) and the row attending to it,
+    with no host wait (on CUDA one kernel); the padding checked as _check_padding checks it, on the
+    columns the kept sets were built with."""
+    B, KVH = key_states.shape[:2]
+    position = end - 1
+    if attention_mask is not None:
+        seen = state.padding.shape[-1] if state.padding is not None else 0
+        if attention_mask.shape[-1] < seen + 1:
+            raise ValueError(
+                f"patch_doge: the padding mask covers {attention_mask.shape[-1]} keys after {seen} were cached"
+            )
+        _check_padding(cache, state, attention_mask, seen)
+        eligible = attention_mask.gather(1, position.reshape(1, 1).expand(B, 1).to(attention_mask.device))
+    else:
+        _check_padding(cache, state, None, 0)
+        eligible = torch.ones(B, 1, dtype=torch.bool, device=key_states.device)
+    s_new = _doge_scores(self, new_values)[..., 0]  # (B, KVH)
+    eligible = eligible.expand(B, KVH)
+    if decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:
+        out = decode.attend_one(
+            query_states[:, :, 0], key_states, value_states, state.kept, s_new, position, eligible, self.scaling
+        )
+        kept = state.kept
+    else:
+        kept = decode.append(state.kept, s_new, position, eligible)
+        rows = kept.idx[..., None].expand(*kept.idx.shape, key_states.shape[-1])
+        ks, vs = key_states.gather(2, rows), value_states.gather(2, rows)
+        out = flash_dma_attention(
+            query_states.transpose(1, 2),
+            ks.transpose(1, 2),
+            vs.transpose(1, 2),
+            kept.valid[:, :, None, :],
+            kept.score[:, :, None, :].to(query_states.dtype),
+            is_causal=False,
+            softmax_scale=self.scaling,
+            backend=getattr(self, "_flexdma_backend", "auto"),
+        )[:, 0]
+    _set_kept_state(cache, self, _KeptState(kept, -1, attention_mask if attention_mask is not None else state.padding))
+    return self.o_proj(out.reshape(B, 1, -1).contiguous()), None
 
 
 def _doge_decode_step(self, query_states, key_states, value_states, attention_mask, cache, state, input_shape):
