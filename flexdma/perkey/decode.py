@@ -158,7 +158,9 @@ def attend_one(
     (B, H, D); k, v (B, KVH, Kcap, D) views of the cache holding the new key at `position`."""
     from .triton_decode import decode_step
 
-    counter = _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
+    # Traced (compiled generation), the kernel's own zero fill: the graph holds it, and a CUDA graph
+    # replays it with the kernel.
+    counter = None if torch.compiler.is_compiling() else _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
     return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap, counter=counter)
 
 

@@ -15,7 +15,6 @@ read the old set by then), and sets the counter back to 0.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Union
 
 import torch
@@ -164,11 +163,18 @@ def _decode_kernel(
         tl.store(sc_b + slot * ssw, s_new, mask=enter)
 
 
-@functools.lru_cache(maxsize=None)
+_SM_COUNTS: dict = {}
+
+
+# Traced by torch.compile (transformers' compiled generation) as a constant of the device, as the
+# dispatcher's kernel check is (flexdma/_dispatch.py): the device query is not traceable.
+@torch.compiler.assume_constant_result
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter: an H100's, so that tests split the slots too
         return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def splits(window: int, planes: int, block: int, device: torch.device) -> int:
