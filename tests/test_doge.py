@@ -373,6 +373,17 @@ def test_static_cache_generates_as_eager(monkeypatch, padded):
     assert torch.equal(patched.generate(ids, **kw), want)
 
 
+def test_static_cache_beam_search():
+    # Beam search reorders a static cache's rows; the kept sets follow (the cache hooks).
+    eager, patched = _models(torch.float32, layers=2)
+    ids = _ids(2, 7)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :2] = 0
+    kw = dict(attention_mask=am, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    kw["cache_implementation"] = "static"
+    assert torch.equal(patched.generate(ids, **kw), eager.generate(ids, **kw))
+
+
 def test_static_cache_one_token_prompt():
     eager, patched = _models(torch.float32, layers=2)
     ids = _ids(1, 1)
