@@ -238,21 +238,21 @@ def test_cuda_selection_at_every_chunk_size():
 def test_triton_selection_in_the_interpreter():
     # The CUDA selection kernel, run by Triton's interpreter on the CPU, against the CPU op. dev.sh
     # test installs triton beside the suite (FLEXDMA_TRITON_PATH) where it is not installed.
-    _run_in_interpreter("interpret_select.py", 15)
+    _run_triton_script("interpret_select.py", 15)
 
 
 def test_triton_attention_at_padded_head_dims_in_the_interpreter():
     # The per-key Triton forward and backward (atomics and deterministic) at head dims 96, 48 and
     # 192 (padded to a power of two inside the kernels) and 64, in Triton's interpreter, against the
     # float64 reference over the same selection.
-    _run_in_interpreter("interpret_attention.py", 4)
+    _run_triton_script("interpret_attention.py", 4)
 
 
 def test_triton_decode_step_in_the_interpreter():
     # The per-key decode step's Triton kernel (flexdma/perkey/triton_decode.py: the kept set's
     # in-place update and the new row's attention in one launch) in Triton's interpreter, against
     # decode.append bit for bit and the float64 reference over the new kept set.
-    _run_in_interpreter("interpret_decode.py", 12)
+    _run_triton_script("interpret_decode.py", 12)
 
 
 @pytest.mark.gpu
@@ -320,7 +320,13 @@ def test_cuda_decode_step():
 def test_triton_rows_step_in_the_interpreter():
     # A step of T new tokens (flexdma/perkey/triton_rows.py) in Triton's interpreter against
     # decode.append_rows' Python updates, bit for bit.
-    _run_in_interpreter("interpret_rows.py", 8)
+    _run_triton_script("interpret_rows.py", 8)
+
+
+def test_decode_kernels_compile_for_sm90():
+    # The decode kernels compiled for an H100 ahead of time (no GPU needed): what the interpreter
+    # does not check (types, layouts, shared memory).
+    _run_triton_script("compile_sm90.py", 4)
 
 
 def test_cuda_rows_step():
@@ -350,7 +356,7 @@ def test_cuda_rows_step():
         ir._same_scores(mine.score.cpu(), want.kept.score, i)
 
 
-def _run_in_interpreter(script: str, cases: int) -> None:
+def _run_triton_script(script: str, cases: int) -> None:
     import importlib.util
     import os
     import subprocess

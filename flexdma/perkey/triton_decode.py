@@ -44,6 +44,31 @@ def _order(s):
     return tl.where(s != s, 0x7FFFFFFF, key)
 
 
+@triton.jit
+def _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW: tl.constexpr):
+    """decode.append's decision for a new key of float32 score sn: (whether it enters, its slot).
+    The slot is the first free one, else the worst kept key's (the lowest order key, among equal
+    ones the highest index, then the first such slot), found as the smallest (order key, index)
+    packed into one int64; the key enters where eligible, not -inf, and a slot is free or it
+    outranks the worst."""
+    worst = tl.full([], _NOT_KEPT, tl.int64)
+    worst_slot = tl.zeros([], tl.int32)
+    first_free = tl.zeros([], tl.int32) + W
+    for w0 in range(0, W, BW):
+        j = w0 + tl.arange(0, BW)
+        ok = tl.load(val_b + j * saw, mask=j < W, other=0) != 0
+        s = tl.load(sc_b + j * ssw, mask=ok, other=0.0).to(tl.float32)
+        ix = tl.load(idx_b + j * siw, mask=ok, other=0)
+        packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
+        low = tl.min(packed, 0)
+        worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
+        worst = tl.minimum(worst, low)
+        first_free = tl.minimum(first_free, tl.min(tl.where((j < W) & ~ok, j, W), 0))
+    free = first_free < W
+    enter = eligible & (sn != float("-inf")) & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
+    return enter, tl.where(free, first_free, worst_slot)
+
+
 @triton.jit(do_not_specialize=["position"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, score_ptr, snew_ptr, elig_ptr, position, out_ptr, part_ptr, count_ptr,
@@ -61,28 +86,11 @@ def _decode_kernel(
     else:
         pos = position.to(tl.int64)
 
-    # decode.append's decision: the first free slot, else the worst kept key's (the lowest order
-    # key, among equal ones the highest index, then the first such slot), packed into one int64
-    # that is smallest for it. Every program of the plane reaches the same one.
-    worst = tl.full([], _NOT_KEPT, tl.int64)
-    worst_slot = tl.zeros([], tl.int32)
-    first_free = tl.zeros([], tl.int32) + W
-    for w0 in range(0, W, BW):
-        j = w0 + tl.arange(0, BW)
-        ok = tl.load(val_b + j * saw, mask=j < W, other=0) != 0
-        s = tl.load(sc_b + j * ssw, mask=ok, other=0.0).to(tl.float32)
-        ix = tl.load(idx_b + j * siw, mask=ok, other=0)
-        packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
-        low = tl.min(packed, 0)
-        worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
-        worst = tl.minimum(worst, low)
-        first_free = tl.minimum(first_free, tl.min(tl.where((j < W) & ~ok, j, W), 0))
-    free = first_free < W
+    # Every program of the plane reaches the same decision.
     s_new = tl.load(snew_ptr + b * snb + g * snh).to(score_ptr.dtype.element_ty)  # stored as the scores are
     sn = s_new.to(tl.float32)
-    enter = (tl.load(elig_ptr + b * seb + g * seh) != 0) & (sn != float("-inf"))
-    enter = enter & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
-    slot = tl.where(free, first_free, worst_slot)
+    eligible = tl.load(elig_ptr + b * seb + g * seh) != 0
+    enter, slot = _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW)
 
     # The kv group's query heads, padded to GP rows (tl.dot's minimum of 16).
     r = tl.arange(0, GP)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .decode import KeptSet, Rows
-from .triton_decode import _NOT_KEPT, _order
+from .triton_decode import _decide
 
 # Entries a block of the kernel's loops holds (module level, so the tests can make several blocks).
 MAX_BLOCK = 1024
@@ -52,26 +52,10 @@ def _rows_kernel(
         tl.store(usc + W + u, s_u.to(uscore_ptr.dtype.element_ty), mask=m)
     tl.debug_barrier()
     for t in range(0, T):
-        # decode.append's decision (as triton_decode's kernel takes it), on the slots as they are.
-        worst = tl.full([], _NOT_KEPT, tl.int64)
-        worst_slot = tl.zeros([], tl.int32)
-        first_free = tl.zeros([], tl.int32) + W
-        for w0 in range(0, W, BW):
-            j = w0 + tl.arange(0, BW)
-            ok = tl.load(val_b + j * saw, mask=j < W, other=0) != 0
-            s = tl.load(sc_b + j * ssw, mask=ok, other=0.0).to(tl.float32)
-            ix = tl.load(idx_b + j * siw, mask=ok, other=0)
-            packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
-            low = tl.min(packed, 0)
-            worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
-            worst = tl.minimum(worst, low)
-            first_free = tl.minimum(first_free, tl.min(tl.where((j < W) & ~ok, j, W), 0))
-        free = first_free < W
+        # decode.append's decision, on the slots as they are.
         s_new = tl.load(snew_ptr + b * snb + p * snp + t * snt).to(score_ptr.dtype.element_ty)
-        sn = s_new.to(tl.float32)
-        enter = (tl.load(elig_ptr + b * seb + p * sep + t * set_) != 0) & (sn != float("-inf"))
-        enter = enter & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
-        slot = tl.where(free, first_free, worst_slot)
+        eligible = tl.load(elig_ptr + b * seb + p * sep + t * set_) != 0
+        enter, slot = _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, s_new.to(tl.float32), eligible, BW)
         tl.debug_barrier()  # every thread's reads of the slots before the update
         tl.store(idx_b + slot * siw, start + t, mask=enter)
         tl.store(val_b + slot * saw, 1, mask=enter)
