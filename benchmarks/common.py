@@ -65,3 +65,15 @@ def save_run(doc: dict, out_dir: str, env: dict, name: str) -> str:
     path = os.path.join(out_dir, f"{env['gpu_short']}_{env['date'][:10].replace('-', '')}_{env['commit']}_{name}.json")
     write_json(path, doc)
     return path
+
+
+def chosen_peers(arg: str, peers: tuple, extra: str, what: str, bench: str) -> tuple:
+    """(peers, whether `extra` runs) of a --peers argument: a subset of `peers` plus the optional
+    `extra` part (`what` says what it is), all of them where the argument is empty."""
+    if not arg:
+        return peers, True
+    names = tuple(arg.split(","))
+    unknown = [p for p in names if p not in peers + (extra,)]
+    if unknown:
+        raise SystemExit(f"--peers: {bench} knows {', '.join(peers)} and {extra} ({what}), got {unknown}")
+    return tuple(p for p in names if p != extra), extra in names

@@ -30,9 +30,8 @@ import torch.nn.functional as F
 import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
-from flexdma.perkey import decode as kept_sets
 
-from .common import newest_section, save_run
+from .common import chosen_peers, newest_section, save_run
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -75,15 +74,9 @@ def _peer_fn(peer: str, c: dict):
         bias = torch.exp(torch.randn(B, KVH, 1, K, device=dev)).to(dt)
         return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
     if peer == "kernel":
-        torch.manual_seed(0)
-        q = torch.randn(B, H, D, device=dev, dtype=dt)
-        k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
-        v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
-        kept = kept_sets.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
-        # Score 0, below every exp(.) score: the new key never enters, so every call does the same work.
-        s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
-        eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
-        return lambda: kept_sets.attend_one(q, k, v, kept, s_new, K - 1, eligible, D**-0.5)
+        from .dev.decode_kernel import case
+
+        return case(B, H, KVH, D, K, W)
     layer = _layer(c)
     x = torch.randn(B, 1, H * D, device=dev, dtype=dt)
     cache_k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
@@ -253,14 +246,8 @@ def section(results_dir: str) -> List[str]:
 
 
 def main(args, env: dict) -> str:
-    peers = PEERS
-    if args.peers:
-        peers = tuple(args.peers.split(","))
-        unknown = [p for p in peers if p not in PEERS + ("generate",)]
-        if unknown:
-            raise SystemExit(f"--peers: decode knows {', '.join(PEERS)} and generate (the Doge rows), got {unknown}")
-    generate = "generate" in peers or not args.peers
-    doc = run(quick=args.quick, peers=tuple(p for p in peers if p != "generate"), budget=args.budget)
+    peers, generate = chosen_peers(args.peers, PEERS, "generate", "the Doge rows", "decode")
+    doc = run(quick=args.quick, peers=peers, budget=args.budget)
     if generate and not args.quick:
         try:
             doc["generate"] = generate_rows()

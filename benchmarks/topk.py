@@ -36,7 +36,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
 
-from .common import newest_section, save_run
+from .common import chosen_peers, newest_section, save_run
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -458,18 +458,12 @@ class _Saving:
 
 
 def main(args, env: dict) -> str:
-    peers = PEERS
-    if args.peers:
-        peers = tuple(args.peers.split(","))
-        unknown = [p for p in peers if p not in PEERS + ("doge",)]
-        if unknown:
-            raise SystemExit(f"--peers: topk knows {', '.join(PEERS)} and doge (the train step rows), got {unknown}")
-    doge = "doge" in peers or not args.peers
+    peers, doge = chosen_peers(args.peers, PEERS, "doge", "the train step rows", "topk")
     # Written after every row, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
     doc = dict(schema=SCHEMA, rows=[], unfinished=True)
     saving = _Saving(doc, args.out, env)
-    run(quick=args.quick, peers=tuple(p for p in peers if p != "doge"), budget=args.budget, rows=saving.list("rows"))
+    run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
     if doge and not args.quick:
         try:
             doge_rows(rows=saving.list("doge"))

@@ -584,18 +584,10 @@ def _doge_static_step(self, query_states, key_states, value_states, new_values, 
         kept = state.kept
     else:
         kept = decode.append(state.kept, s_new, position, eligible)
-        rows = kept.idx[..., None].expand(*kept.idx.shape, key_states.shape[-1])
-        ks, vs = key_states.gather(2, rows), value_states.gather(2, rows)
-        out = flash_dma_attention(
-            query_states.transpose(1, 2),
-            ks.transpose(1, 2),
-            vs.transpose(1, 2),
-            kept.valid[:, :, None, :],
-            kept.score[:, :, None, :].to(query_states.dtype),
-            is_causal=False,
-            softmax_scale=self.scaling,
-            backend=getattr(self, "_flexdma_backend", "auto"),
-        )[:, 0]
+        out = _attend_entries(
+            self, query_states, key_states, value_states, kept.idx, kept.score, kept.valid[:, :, None]
+        )
+        out = out[:, 0]
     _set_kept_state(cache, self, _KeptState(kept, -1, attention_mask if attention_mask is not None else state.padding))
     return self.o_proj(out.reshape(B, 1, -1).contiguous()), None
 
@@ -630,19 +622,26 @@ def _doge_decode_step(self, query_states, key_states, value_states, attention_ma
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
     rows = decode.append_rows(state.kept, s_new, K - T, eligible[:, None, :].expand(B, KVH, T))
     _set_kept_state(cache, self, _KeptState(rows.kept, K, attention_mask))
-    gather = rows.idx[..., None].expand(*rows.idx.shape, key_states.shape[-1])
+    out = _attend_entries(self, query_states, key_states, value_states, rows.idx, rows.score, rows.keep)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _attend_entries(self, query_states, key_states, value_states, idx, score, keep):
+    """The new rows (query_states (B, H, T, D)) attending to the cache entries idx (B, KVH, E) with
+    their scores as the bias, row t to the entries keep (B, KVH, T or 1, E) marks: a gather of E
+    K / V rows and one dense-mask call. (B, T, H, D)."""
+    gather = idx[..., None].expand(*idx.shape, key_states.shape[-1])
     ks, vs = key_states.gather(2, gather), value_states.gather(2, gather)
-    out = flash_dma_attention(
+    return flash_dma_attention(
         query_states.transpose(1, 2),
         ks.transpose(1, 2),
         vs.transpose(1, 2),
-        rows.keep,
-        rows.score[:, :, None, :].to(query_states.dtype),
+        keep,
+        score[:, :, None, :].to(query_states.dtype),
         is_causal=False,
         softmax_scale=self.scaling,
         backend=getattr(self, "_flexdma_backend", "auto"),
     )
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
 def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
