@@ -77,3 +77,15 @@ def chosen_peers(arg: str, peers: tuple, extra: str, what: str, bench: str) -> t
     if unknown:
         raise SystemExit(f"--peers: {bench} knows {', '.join(peers)} and {extra} ({what}), got {unknown}")
     return tuple(p for p in names if p != extra), extra in names
+
+
+def table(head: list, rows: list, cells) -> List[str]:
+    """A markdown table: the header, then a line a row of cells(row), or "not run" and the reason
+    where the run left the row out."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        if "not_run" in row:
+            lines.append(f"| {row['case']['name']} | not run: {row['not_run']} |")
+        else:
+            lines.append("| " + " | ".join(cells(row)) + " |")
+    return lines

@@ -36,7 +36,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
 
-from .common import chosen_peers, newest_section, save_run
+from .common import chosen_peers, newest_section, save_run, table
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -355,13 +355,9 @@ def markdown(doc: dict) -> str:
         "flexdma peak MiB fwd / train",
         "SDPA / flexdma fwd / train",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in doc["rows"]:
-        c = row["case"]
-        if "not_run" in row:
-            lines.append(f"| {c['name']} | not run: {row['not_run']} |")
-            continue
-        P = row["peers"]
+
+    def cells(row) -> list:
+        c, P = row["case"], row["peers"]
 
         def times(peer):
             r = P.get(peer, {})
@@ -384,7 +380,7 @@ def markdown(doc: dict) -> str:
             if listed and f.get(key):
                 tflops[i] = scale * listed / (f[key] * 1e-3) / 1e12
         ratio = [sd[k] / f[k] if sd.get(k) and f.get(k) else None for k in ("fwd_ms", "fwd_bwd_ms")]
-        cells = [
+        return [
             c["name"],
             times("flexdma"),
             times("sdpa"),
@@ -398,7 +394,8 @@ def markdown(doc: dict) -> str:
             _pair(f.get("fwd_peak_mib"), f.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
             _pair(*ratio, fmt="{:.2f}x"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+
+    lines = table(head, doc["rows"], cells)
     if doc.get("doge"):
         names = {"flexdma": "flexdma (patch_doge)", "no-dynamic-mask": "without the dynamic mask (dense SDPA)"}
         names["sdpa"] = 'attn_implementation "sdpa" (Doge\'s dense mask)'

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import flexdma
 from flexdma.flex import kernel_options
 
-from .common import newest_section, save_run
+from .common import newest_section, save_run, table
 from .peers import compiled_flex
 from .topk import _launches, _pair, _peak, _time, kept_per_row
 from .topk import _Saving as _TopkSaving
@@ -400,13 +400,9 @@ def markdown(doc: dict) -> str:
         "flexdma packed peak MiB fwd / train",
         "padded peak MiB fwd / train",
     ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in doc["rows"]:
-        c = row["case"]
-        if "not_run" in row:
-            lines.append(f"| {c['name']} | not run: {row['not_run']} |")
-            continue
-        P = row["peers"]
+
+    def cells(row) -> list:
+        c, P = row["case"], row["peers"]
         packed, per, padded = (P.get(p, {}) for p in ("flexdma-packed", "flexdma-per-doc", "flexdma-padded"))
         jag, flex = P.get("sdpa-jagged", {}), P.get("flex-docmask", {})
         back = _pair(per.get("back_to_back_fwd_ms"), per.get("back_to_back_fwd_bwd_ms")) if per else "not run"
@@ -422,7 +418,7 @@ def markdown(doc: dict) -> str:
         bar, src = (jag, "SDPA jagged") if jag.get("fwd_ms") is not None else (flex, "FlexAttention")
         ideal = [bar[k] * listed / dense if listed and dense and bar.get(k) else None for k in ("fwd_ms", "fwd_bwd_ms")]
         ideal_cell = _pair(*ideal) + (f" (at {src}'s rate)" if any(x is not None for x in ideal) else "")
-        cells = [
+        return [
             c["name"],
             _cell(P.get("flexdma-packed")),
             _cell(P.get("flexdma-per-doc")),
@@ -437,7 +433,8 @@ def markdown(doc: dict) -> str:
             _pair(packed.get("fwd_peak_mib"), packed.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
             _pair(padded.get("fwd_peak_mib"), padded.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+
+    lines = table(head, doc["rows"], cells)
     lines.append("")
     for row in doc["rows"]:
         c = row["case"]
