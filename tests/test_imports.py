@@ -22,6 +22,9 @@ NEEDS_TRITON = {
     "flexdma._block_tiles",
     "flexdma.perkey.triton",
     "flexdma.perkey.triton_select",
+    "flexdma.perkey.triton_decode",
+    "flexdma.perkey.triton_rows",
+    "benchmarks.dev.decode_kernel",
     "benchmarks.dev.select_bench",
     "benchmarks.dev.cuda_dev",
     "benchmarks.dev.flex_check",
@@ -37,6 +40,9 @@ ALLOWED_LOCAL = {
     ("flexdma/_dispatch.py", "flexdma.flex"),  # torch's FlexAttention (and triton), on first use
     ("flexdma/perkey/ops.py", "flexdma.perkey.triton"),  # triton, on the first per-key CUDA call
     ("flexdma/perkey/route.py", "flexdma.perkey.triton"),  # the same
+    ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),  # triton, on the first CUDA decode step
+    ("flexdma/perkey/decode.py", "flexdma.perkey.triton_rows"),  # the same
+    ("benchmarks/decode.py", "benchmarks.dev.decode_kernel"),  # triton, where the kernel peer runs
 }
 
 

@@ -106,7 +106,8 @@ def _decode_kernel(
     hi = tl.minimum(lo + CH, W)
     for n0 in range(lo, hi, BN):
         j = n0 + tl.arange(0, BN)
-        new = enter & (j == slot)
+        # The slot the new key takes (none: -1, below every slot), as one compare.
+        new = j == tl.where(enter, slot, -1)
         keep = (j < hi) & ((tl.load(val_b + j * saw, mask=j < hi, other=0) != 0) | new)
         kix = tl.where(new, pos, tl.load(idx_b + j * siw, mask=keep, other=0))
         bias = tl.where(new, sn, tl.load(sc_b + j * ssw, mask=keep, other=0.0).to(tl.float32))
