@@ -98,7 +98,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.
     key that leaves never returns (fact 2), so every row's set lies in the old slots plus the new
     keys (fact 3): W + T entries. On CUDA one kernel (flexdma/perkey/triton_rows.py), which updates
     `kept` in place (Rows.kept is it: a step consumes the kept set it extends)."""
-    if kept.idx.device.type == "cuda" and _ext.HAVE_TRITON and not _ext.LOAD_ERROR:
+    if _one_kernel_ok(kept.idx.device):
         from .triton_rows import append_rows as one_kernel
 
         return one_kernel(kept, s_new, start, eligible)
@@ -128,12 +128,19 @@ def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
     return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
 
 
+def _one_kernel_ok(device: torch.device) -> bool:
+    """Whether the decode kernels can run here. Not while torch.compile traces: the torch ops of
+    the same step trace (and replay in a CUDA graph) as they are, the kernels' launchers would have
+    to be traced too."""
+    return device.type == "cuda" and _ext.HAVE_TRITON and not _ext.LOAD_ERROR and not torch.compiler.is_compiling()
+
+
 def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
     """Why a step of one new row (q (B, H, D)) cannot take the one-kernel decode step (None: it can)."""
     if q.device.type != "cuda":
         return f"inputs are on {q.device.type}"
-    if not _ext.HAVE_TRITON or _ext.LOAD_ERROR:
-        return "the one-kernel step needs triton and the built extension"
+    if not _one_kernel_ok(q.device):
+        return "the one-kernel step needs triton and the built extension, and runs eagerly"
     if q.dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q.dtype:
         return f"dtype {q.dtype} (it takes float16 and bfloat16)"
     D = q.shape[-1]
@@ -158,9 +165,7 @@ def attend_one(
     (B, H, D); k, v (B, KVH, Kcap, D) views of the cache holding the new key at `position`."""
     from .triton_decode import decode_step
 
-    # Traced (compiled generation), the kernel's own zero fill: the graph holds it, and a CUDA graph
-    # replays it with the kernel.
-    counter = None if torch.compiler.is_compiling() else _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
+    counter = _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
     return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap, counter=counter)
 
 
