@@ -198,15 +198,16 @@ def test_patch_doge_checks_the_forward_it_replaces(monkeypatch):
         fx.patch_doge(eager)
 
 
-def _count_decode_steps(monkeypatch):
+def _count_decode_steps(monkeypatch, name="_doge_decode_step"):
+    """A list that grows by one at each call of the integration's step function `name`."""
     calls = []
-    step = fx._doge_decode_step
+    step = getattr(fx, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(fx, "_doge_decode_step", counted)
+    monkeypatch.setattr(fx, name, counted)
     return calls
 
 
@@ -343,24 +344,12 @@ def test_cache_hooks_follow_copies_and_batch_changes():
     assert fx._kept_state(cache, layer) is None  # the next step selects over the cache again
 
 
-def _count_static_steps(monkeypatch):
-    calls = []
-    step = fx._doge_static_step
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(fx, "_doge_static_step", counted)
-    return calls
-
-
 @pytest.mark.parametrize("padded", [False, True])
 def test_static_cache_generates_as_eager(monkeypatch, padded):
     # cache_implementation="static": the cache returns its capacity; the prompt runs on the written
     # keys, and every later token goes through the kept sets with its position a device tensor.
     # The same tokens as eager Doge with a static cache and as the patched model with DynamicCache.
-    calls = _count_static_steps(monkeypatch)
+    calls = _count_decode_steps(monkeypatch, "_doge_static_step")
     eager, patched = _models(torch.float32, layers=2)
     ids = _ids(2, 7)
     am = torch.ones(2, 7, dtype=torch.long)
