@@ -198,16 +198,15 @@ def test_patch_doge_checks_the_forward_it_replaces(monkeypatch):
         fx.patch_doge(eager)
 
 
-def _count_decode_steps(monkeypatch, name="_doge_decode_step"):
-    """A list that grows by one at each call of the integration's step function `name`."""
+def _count_decode_steps(monkeypatch):
     calls = []
-    step = getattr(fx, name)
+    step = fx._doge_decode_step
 
     def counted(*args, **kwargs):
         calls.append(1)
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(fx, name, counted)
+    monkeypatch.setattr(fx, "_doge_decode_step", counted)
     return calls
 
 
@@ -349,7 +348,7 @@ def test_static_cache_generates_as_eager(monkeypatch, padded):
     # cache_implementation="static": the cache returns its capacity; the prompt runs on the written
     # keys, and every later token goes through the kept sets with its position a device tensor.
     # The same tokens as eager Doge with a static cache and as the patched model with DynamicCache.
-    calls = _count_decode_steps(monkeypatch, "_doge_static_step")
+    calls = _count_decode_steps(monkeypatch)
     eager, patched = _models(torch.float32, layers=2)
     ids = _ids(2, 7)
     am = torch.ones(2, 7, dtype=torch.long)
@@ -371,6 +370,27 @@ def test_static_cache_beam_search():
     kw = dict(attention_mask=am, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
     kw["cache_implementation"] = "static"
     assert torch.equal(patched.generate(ids, **kw), eager.generate(ids, **kw))
+
+
+@torch.no_grad()
+def test_static_cache_steps_of_a_few_tokens(monkeypatch):
+    # Steps of 3 tokens and of 1 against a static cache (the new keys' positions a device tensor)
+    # equal the same steps against DynamicCache, through the kept sets each time.
+    calls = _count_decode_steps(monkeypatch)
+    _, patched = _models(torch.float32, layers=2)
+    ids = _ids(2, 12)
+    am = torch.ones(2, 12, dtype=torch.long)
+    am[0, :2] = 0
+    outs = []
+    for cache in (transformers.StaticCache(config=patched.config, max_cache_len=16), transformers.DynamicCache()):
+        logits = []
+        for a, b in ((0, 5), (5, 8), (8, 9), (9, 12)):
+            pos = torch.arange(a, b)[None].expand(2, -1)
+            logits.append(patched(input_ids=ids[:, a:b], attention_mask=am[:, :b], past_key_values=cache,
+                                  position_ids=pos, cache_position=torch.arange(a, b), use_cache=True).logits)  # fmt: skip
+        outs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * 2 * 3  # both caches, 2 layers, the 3 steps after the prompt
 
 
 def test_static_cache_one_token_prompt():

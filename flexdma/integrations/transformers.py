@@ -211,7 +211,7 @@ def _is_packed_causal(mask_function, causal) -> bool:
 
 # The parameters of transformers' DogeAttention.forward that the patched forward understands. The
 # cache arrives as `past_key_values` (transformers <= 5.23) or `cache` (5.24 on); `cache_position`
-# (<= 5.0) only addresses static caches, which the patched forward rejects.
+# (<= 5.0) tells where a static cache writes.
 _DOGE_PARAMS = ("hidden_states", "position_embeddings", "attention_mask", "past_key_values", "cache", "cache_position")
 # Keyword arguments the decoder layer passes on that do not change attention: ignored.
 # (num_items_in_batch: the Trainer's loss normaliser, passed down with the model's kwargs.)
@@ -298,15 +298,11 @@ def _doge_attention_forward(
         # the host and runs on the written keys alone.
         end = _static_end(cache, self.layer_idx, cache_position)
         state = _kept_state(cache, self)
-        if (
-            state is not None
-            and not grad
-            and input_shape[1] == 1
-            and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
-        ):
-            return _doge_static_step(
-                self, query_states, key_states, value_states, new_values, attention_mask, cache, state, end
-            )
+        if _steps_through(self, state, grad, input_shape, key_states):
+            return _doge_decode_step(
+                self, query_states, key_states, value_states, new_values, attention_mask, cache, state,
+                end - input_shape[1], -1,
+            )  # fmt: skip
         n = int(end)
         key_states, value_states = key_states[:, :, :n], value_states[:, :, :n]
         if attention_mask is not None:
@@ -326,16 +322,10 @@ def _doge_attention_forward(
     state = _kept_state(cache, self) if cache is not None else None
     # With autograd recording, the full path: it recomputes every key's score, so gradients reach
     # them all (the kept sets hold detached scores).
-    if (
-        not static
-        and state is not None
-        and not grad
-        and input_shape[1] <= decode.MAX_ROWS
-        and state.length == K - input_shape[1]
-        and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
-    ):
+    if not static and _steps_through(self, state, grad, input_shape, key_states) and state.length == K - input_shape[1]:
+        T = input_shape[1]
         return _doge_decode_step(
-            self, query_states, key_states, value_states, attention_mask, cache, state, input_shape
+            self, query_states, key_states, value_states, new_values, attention_mask, cache, state, K - T, K
         )
 
     # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
@@ -519,6 +509,11 @@ def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Te
     if memo is not None and memo[0]() is attention_mask and memo[1] is state.padding:
         return
     if attention_mask is not None:
+        if state.padding is not None and state.padding.shape[-1] != earlier:
+            raise ValueError(
+                f"patch_doge: the padding mask covers {earlier} keys before the new tokens, the kept sets "
+                f"were built over {state.padding.shape[-1]}"
+            )
         mask = attention_mask[:, :earlier].bool()
         same = mask.all() if state.padding is None else (mask == state.padding.bool()).all()
         what = "patch_doge: the attention_mask's earlier columns changed between decode steps"
@@ -557,73 +552,51 @@ def _static_end(cache, layer_idx: int, cache_position: Optional[torch.Tensor]) -
     return count
 
 
-def _doge_static_step(self, query_states, key_states, value_states, new_values, attention_mask, cache, state, end):
-    """One new token against a static cache (key_states / value_states: its whole capacity): the
-    kept set updated with the new key at `end - 1` (a device tensor) and the row attending to it,
-    with no host wait (on CUDA one kernel); the padding checked as _check_padding checks it, on the
-    columns the kept sets were built with."""
+def _steps_through(self, state: Optional["_KeptState"], grad: bool, input_shape, key_states) -> bool:
+    """Whether this call's new tokens go through the cache's kept sets (a few tokens, no autograd
+    recording, kept sets of this layer's shape) rather than a selection over every cached key."""
+    return (
+        state is not None
+        and not grad
+        and input_shape[1] <= decode.MAX_ROWS
+        and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
+    )
+
+
+def _doge_decode_step(
+    self, query_states, key_states, value_states, new_values, attention_mask, cache, state, start, length
+):
+    """T new tokens, keys start .. start + T - 1 of the cache, in O(W) each: their scores (from
+    new_values, their value rows), the kept set updated with one key after the other (a key enters
+    if a slot is free or it outranks the worst kept key), and each row attending to its own kept set
+    among the old slots and the new keys; the same kept sets as the full selection's rows
+    (tests/test_doge.py). `start` is an int, or for a static cache (key_states / value_states: its
+    whole capacity) a device tensor: no host wait, so a CUDA graph can hold the step. The padding
+    mask covers the keys written so far (its last T columns: the new tokens); `length`: the key
+    count the kept state records (-1 for a static cache, which counts its keys itself)."""
     B, KVH = key_states.shape[:2]
-    position = end - 1
+    T = query_states.shape[2]
     if attention_mask is not None:
-        seen = state.padding.shape[-1] if state.padding is not None else 0
-        if attention_mask.shape[-1] < seen + 1:
-            raise ValueError(
-                f"patch_doge: the padding mask covers {attention_mask.shape[-1]} keys after {seen} were cached"
-            )
-        _check_padding(cache, state, attention_mask, seen)
-        eligible = attention_mask.gather(1, position.reshape(1, 1).expand(B, 1).to(attention_mask.device))
+        _check_padding(cache, state, attention_mask, attention_mask.shape[-1] - T)
+        eligible = attention_mask[:, -T:].bool()
     else:
         _check_padding(cache, state, None, 0)
-        eligible = torch.ones(B, 1, dtype=torch.bool, device=key_states.device)
-    s_new = _doge_scores(self, new_values)[..., 0]  # (B, KVH)
-    eligible = eligible.expand(B, KVH)
-    if decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:
-        out = decode.attend_one(
-            query_states[:, :, 0], key_states, value_states, state.kept, s_new, position, eligible, self.scaling
-        )
-        kept = state.kept
-    else:
-        kept = decode.append(state.kept, s_new, position, eligible)
-        out = _attend_entries(
-            self, query_states, key_states, value_states, kept.idx, kept.score, kept.valid[:, :, None]
-        )
-        out = out[:, 0]
-    _set_kept_state(cache, self, _KeptState(kept, -1, attention_mask if attention_mask is not None else state.padding))
-    return self.o_proj(out.reshape(B, 1, -1).contiguous()), None
-
-
-def _doge_decode_step(self, query_states, key_states, value_states, attention_mask, cache, state, input_shape):
-    """T new tokens against the cache in O(W) each: their keys' scores, the kept set updated with
-    one key after the other (a key enters if a slot is free or it outranks the worst kept key), and
-    each row attending to its own kept set among the old slots and the new keys (W + T K / V rows
-    gathered). The same kept sets as the full selection's rows (tests/test_doge.py)."""
-    K = key_states.shape[-2]
-    B, KVH = key_states.shape[:2]
-    T = input_shape[1]
-    _check_padding(cache, state, attention_mask, K - T)
-    if attention_mask is not None:
-        eligible = attention_mask[:, K - T :].bool()
-    else:
         eligible = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
-    s_new = _doge_scores(self, value_states[:, :, K - T :])  # (B, KVH, T)
+    s_new = _doge_scores(self, new_values)  # (B, KVH, T)
     if T == 1 and decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:
         # One kernel: the kept set updated in place (this cache's own state) and the row attended.
         out = decode.attend_one(
-            query_states[:, :, 0],
-            key_states,
-            value_states,
-            state.kept,
-            s_new[..., 0],
-            K - 1,
-            eligible.expand(B, KVH),
-            self.scaling,
-        )
-        _set_kept_state(cache, self, _KeptState(state.kept, K, attention_mask))
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
-    rows = decode.append_rows(state.kept, s_new, K - T, eligible[:, None, :].expand(B, KVH, T))
-    _set_kept_state(cache, self, _KeptState(rows.kept, K, attention_mask))
-    out = _attend_entries(self, query_states, key_states, value_states, rows.idx, rows.score, rows.keep)
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+            query_states[:, :, 0], key_states, value_states, state.kept, s_new[..., 0], start,
+            eligible.expand(B, KVH), self.scaling,
+        )  # fmt: skip
+        kept = state.kept
+    else:
+        rows = decode.append_rows(state.kept, s_new, start, eligible[:, None, :].expand(B, KVH, T))
+        out = _attend_entries(self, query_states, key_states, value_states, rows.idx, rows.score, rows.keep)
+        kept = rows.kept
+    padding = attention_mask if attention_mask is not None else state.padding
+    _set_kept_state(cache, self, _KeptState(kept, length, padding))
+    return self.o_proj(out.reshape(B, T, -1).contiguous()), None
 
 
 def _attend_entries(self, query_states, key_states, value_states, idx, score, keep):

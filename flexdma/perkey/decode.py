@@ -91,14 +91,15 @@ class Rows(NamedTuple):
     kept: KeptSet  # the kept set after the last new key
 
 
-def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.Tensor) -> Rows:
+def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tensor], eligible: torch.Tensor) -> Rows:
     """T new keys at positions start .. start + T - 1 with scores s_new (B, P, T), `eligible`
     (B, P, T) False for padding, and the T rows that end at them: row t sees the old keys and new
     keys 0 .. t, so its kept set is the one after appending keys 0 .. t, one O(W) update each. A
     key that leaves never returns (fact 2), so every row's set lies in the old slots plus the new
-    keys (fact 3): W + T entries. On CUDA one kernel (flexdma/perkey/triton_rows.py), which updates
-    `kept` in place (Rows.kept is it: a step consumes the kept set it extends)."""
-    if _one_kernel_ok(kept.idx.device):
+    keys (fact 3): W + T entries. `start` is an int, or a one-element device tensor (a static
+    cache's position). On CUDA with an int start one kernel (flexdma/perkey/triton_rows.py), which
+    updates `kept` in place (Rows.kept is it: a step consumes the kept set it extends)."""
+    if isinstance(start, int) and _one_kernel_ok(kept.idx.device):
         from .triton_rows import append_rows as one_kernel
 
         return one_kernel(kept, s_new, start, eligible)
@@ -114,7 +115,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: int, eligible: torch.
         entry = torch.where(entered | (after.valid & ~kept.valid), W + t, entry)
         kept = after
         keep.append(torch.zeros(B, P, W + T, dtype=torch.bool, device=entry.device).scatter_(-1, entry, kept.valid))
-    new_idx = torch.arange(start, start + T, device=kept.idx.device).expand(B, P, T)
+    new_idx = (start + torch.arange(T, device=kept.idx.device)).expand(B, P, T)
     return Rows(
         torch.cat((first.idx, new_idx), -1),
         torch.cat((first.score, s_new.to(first.score.dtype)), -1),
