@@ -31,7 +31,7 @@ import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 
-from .common import chosen_peers, newest_section, save_run
+from .common import chosen_peers, newest_section, save_run, table
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -194,43 +194,31 @@ def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256,
 
 
 def markdown(doc: dict) -> str:
-    lines = [
-        "| cached keys, layer | " + " | ".join(f"{p} ms" for p in PEERS) + " |",
-        "|---|" + "---|" * len(PEERS),
-    ]
-    for row in doc["rows"]:
-        if "not_run" in row:
-            lines.append(f"| {row['case']['name']} | not run: {row['not_run']} |")
-            continue
+    def step_cells(row) -> list:
         cells = [row["case"]["name"]]
         for p in PEERS:
             r = row["peers"].get(p, {})
             cells.append(f"error: {r['error'][:50]}" if "error" in r else ("–" if "ms" not in r else f"{r['ms']:.4f}"))
-        lines.append("| " + " | ".join(cells) + " |")
+        return cells
+
+    def generate_cells(row) -> list:
+        cells = [row["case"]["name"]]
+        for p in GEN_PEERS:
+            r = row["peers"].get(p, {})
+            if "skipped" in r:
+                cells.append(f"– ({r['skipped']})")
+            elif "error" in r:
+                cells.append(f"error: {r['error'][:50]}")
+            elif r:
+                cells.append(f"{r['prefill_s']:.2f} / {r['decode_tokens_per_s']:.0f} / {r['peak_mib']:.0f}")
+            else:
+                cells.append("–")
+        return cells
+
+    lines = table(["cached keys, layer"] + [f"{p} ms" for p in PEERS], doc["rows"], step_cells)
     if doc.get("generate"):
-        lines += [
-            "",
-            "| Doge generate (256 new tokens) | "
-            + " | ".join(f"{p}: prefill s / decode tok/s / peak MiB" for p in GEN_PEERS)
-            + " |",
-            "|---|" + "---|" * len(GEN_PEERS),
-        ]
-        for row in doc["generate"]:
-            if "not_run" in row:
-                lines.append(f"| {row['case']['name']} | not run: {row['not_run']} |")
-                continue
-            cells = [row["case"]["name"]]
-            for p in GEN_PEERS:
-                r = row["peers"].get(p, {})
-                if "skipped" in r:
-                    cells.append(f"– ({r['skipped']})")
-                elif "error" in r:
-                    cells.append(f"error: {r['error'][:50]}")
-                elif r:
-                    cells.append(f"{r['prefill_s']:.2f} / {r['decode_tokens_per_s']:.0f} / {r['peak_mib']:.0f}")
-                else:
-                    cells.append("–")
-            lines.append("| " + " | ".join(cells) + " |")
+        head = ["Doge generate (256 new tokens)"] + [f"{p}: prefill s / decode tok/s / peak MiB" for p in GEN_PEERS]
+        lines += [""] + table(head, doc["generate"], generate_cells)
     return "\n".join(lines)
 
 

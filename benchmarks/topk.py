@@ -401,14 +401,9 @@ def markdown(doc: dict) -> str:
         names["sdpa"] = 'attn_implementation "sdpa" (Doge\'s dense mask)'
         peers_ = [p for p in names if any(p in r["peers"] for r in doc["doge"])]
         a = doc["doge"][0]["case"].get("A", "0 (Doge's init: every score ties)")
-        lines += [
-            "",
-            f"| transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048, A = {a}) | "
-            + " | ".join(f"{names[p]} ms / peak MiB" for p in peers_)
-            + " |",
-            "|---|" + "---|" * len(peers_),
-        ]
-        for row in doc["doge"]:
+        head = [f"transformers Doge train step (B=1, 4 layers, hidden 1024, W=2048, A = {a})"]
+
+        def doge_cells(row) -> list:
             cells = [row["case"]["name"]]
             for p in peers_:
                 r = row["peers"].get(p, {})
@@ -418,7 +413,9 @@ def markdown(doc: dict) -> str:
                     cells.append("not run")
                 else:
                     cells.append(f"{r['ms']:.1f} / {r['peak_mib']:.0f}")
-            lines.append("| " + " | ".join(cells) + " |")
+            return cells
+
+        lines += [""] + table(head + [f"{names[p]} ms / peak MiB" for p in peers_], doc["doge"], doge_cells)
     return "\n".join(lines)
 
 

@@ -150,36 +150,10 @@ def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
     return None
 
 
-def attend_one(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kept: KeptSet,
-    s_new: torch.Tensor,
-    position: Union[int, torch.Tensor],
-    eligible: torch.Tensor,
-    softmax_scale: float,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """One new row on CUDA: `kept` updated in place to append(kept, s_new, position, eligible), and
-    the row's attention over it, (B, H, D), in one kernel (flexdma/perkey/triton_decode.py). q
-    (B, H, D); k, v (B, KVH, Kcap, D) views of the cache holding the new key at `position`."""
+def attend_one(*args, **kwargs) -> torch.Tensor:
+    """One new row on CUDA in one kernel: flexdma/perkey/triton_decode.py's decode_step (the kept
+    set updated in place to append(kept, s_new, position, eligible), and the row's attention over
+    it), loaded by the first step: it imports triton."""
     from .triton_decode import decode_step
 
-    counter = _counter(q.device, kept.idx.shape[0] * kept.idx.shape[1])
-    return decode_step(q, k, v, kept, s_new, position, eligible, softmax_scale, softcap, counter=counter)
-
-
-# The decode kernel's per-plane counters, one zeroed buffer per (device, stream): the kernel leaves
-# them zero, so a step needs no fill launch. Kernels on one stream run in order; another stream gets
-# its own buffer.
-_COUNTERS: dict = {}
-
-
-def _counter(device: torch.device, n: int) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    return decode_step(*args, **kwargs)

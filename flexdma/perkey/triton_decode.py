@@ -1,6 +1,6 @@
 """One decode step of the per-key path on CUDA (one new token): the kept set's O(W) update, in place
 and bit for bit flexdma.perkey.decode.append's, and the new row's attention over the updated set,
-in one kernel launch (after at most the zero fill of its counters): no host synchronisation, so a
+in one kernel launch (its counters: a zeroed buffer it leaves zero): no host synchronisation, so a
 CUDA graph can hold it. Imports triton: loaded by the first call, not by `import flexdma`.
 
 The grid is (batch x kv head, NSPLIT): a plane's W slots are split over NSPLIT programs, so that a
@@ -193,6 +193,21 @@ def splits(window: int, planes: int, block: int, device: torch.device) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+# The kernel's per-plane counters, one zeroed buffer per (device, stream): the kernel leaves them
+# zero, so a step needs no fill launch. Kernels on one stream run in order; another stream gets its
+# own buffer.
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device, n: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
 def geometry(window: int, rows: int, head_dim: int, planes: int, device: torch.device) -> tuple:
     """(slots per attention block, programs per plane) for `rows` padded query rows and a padded
     head dim (module level, so a benchmark can sweep it)."""
@@ -223,8 +238,8 @@ def decode_step(
     on the device (read there: no host synchronisation); eligible (B, KVH) bool. Query head h uses kv
     head h // (H // KVH); its logits are softcap(softmax_scale * q.k) + score over the valid slots;
     no valid slot gives output 0. Returns (B, H, D) in q's dtype, written into `out` where given.
-    `counter`: B * KVH int32 zeros that the kernel leaves zero (a static buffer saves the fill a call
-    makes otherwise; calls that may run at once need one each). The position is not checked
+    `counter`: B * KVH int32 zeros that the kernel leaves zero (calls that may run at once on one
+    stream need one each); by default a buffer kept per device and stream. The position is not checked
     against the cache's length (that would read it on the host)."""
     B, H, D = q.shape
     KVH, W = k.shape[1], kept.idx.shape[-1]
@@ -268,7 +283,7 @@ def decode_step(
     part = count = out  # unused with one program a plane
     if nsplit > 1:
         part = torch.empty(B * KVH * nsplit * G * (D + 2), dtype=torch.float32, device=q.device)
-        count = torch.zeros(B * KVH, dtype=torch.int32, device=q.device) if counter is None else counter
+        count = _counter(q.device, B * KVH) if counter is None else counter
     _decode_kernel[(B * KVH, nsplit)](
         q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new, eligible.view(torch.uint8),
         position, out, part, count,
