@@ -136,15 +136,13 @@ def flash_dma_attention_varlen(
             requires_grad,
         )
         return (out, lse) if return_lse else out
-    offs_q = _offsets("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
-    offs_k = _offsets("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(offs_q, offs_q[1:]), zip(offs_k, offs_k[1:])):
-        bias = None if attn_bias is None else attn_bias[None, :, None, k0:k1]
+    for s in _sequences(cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], max_seqlen_q, max_seqlen_k):
+        qs, ks, vs, bias = _seq_views(query, key, value, attn_bias, s)
         res = flash_dma_attention(
-            query[None, q0:q1],
-            key[None, k0:k1],
-            value[None, k0:k1],
+            qs,
+            ks,
+            vs,
             None,
             bias,
             is_causal=is_causal,
@@ -162,7 +160,7 @@ def flash_dma_attention_varlen(
         lse = torch.cat(lses, 1)
     else:  # no sequences: no tokens
         out = query.new_zeros(query.shape)
-        lse = query.new_zeros((H, 0), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        lse = query.new_zeros((H, 0), dtype=_ops.acc_dtype(query.dtype))
     return (out, lse) if return_lse else out
 
 
