@@ -38,16 +38,20 @@ _NEG_INF_DESC = tl.constexpr(0x7F800000)
 
 
 @triton.jit
-def _sort_key(s, j):
-    """(score desc, index asc) as one ascending int64: the float's order-preserving integer,
-    negated, above the key index."""
-    s = s.to(tl.float32)
+def _order(s):
+    """The selection's order of float32 scores as int32 (flexdma.perkey.decode._order_key): the
+    float's order-preserving integer, -0.0 equal to +0.0, every NaN above +inf."""
     bits = s.to(tl.int32, bitcast=True)
     # Negative floats order backwards as integers: flip their magnitude bits.
-    asc = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    asc = tl.where(s == 0.0, 0, asc)  # -0.0 ties +0.0
-    asc = tl.where(s != s, 0x7FFFFFFF, asc)  # every NaN above +inf
-    desc = ~asc
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(s == 0.0, 0, key)
+    return tl.where(s != s, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _sort_key(s, j):
+    """(score desc, index asc) as one ascending int64: the order, negated, above the key index."""
+    desc = ~_order(s.to(tl.float32))
     return (desc.to(tl.int64) << 32) | j.to(tl.int64)
 
 
