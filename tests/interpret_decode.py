@@ -171,6 +171,18 @@ def check_zeros(dtype, device="cpu"):
     print("ok signed zeros:", case, flush=True)
 
 
+def check_empty_batch(dtype, device="cpu"):
+    """A batch of 0 rows: an empty output, nothing launched, nothing written."""
+    from flexdma.perkey.triton_decode import decode_step
+
+    q, k, v, kept = make(1, 4, 2, 8, 64, 20, dtype, device=device)
+    q, k, v = q[:0], k[:0], v[:0]
+    kept = decode.KeptSet(*(t[:0] for t in kept))
+    out = decode_step(q, k, v, kept, kept.score[..., 0], 20, kept.valid[..., 0], 0.125)
+    assert out.shape == (0, 4, 64) and out.dtype == dtype
+    print("ok empty batch", flush=True)
+
+
 def check_loop(B, H, KVH, W, D, n, steps, dtype, *, seed=0, device="cpu"):
     """A decode loop: key after key, each step's kept set and output checked, one counter reused."""
     q, k, v, _ = make(B, H, KVH, W, D, n + steps, dtype, transposed=True, seed=seed, device=device)
@@ -205,6 +217,7 @@ if __name__ == "__main__":
     check_step(1, 2, 1, 300, 128, 1000, torch.bfloat16, special=True, softcap=5.0, seed=9)
     triton_decode._sm_count = sms
     check_zeros(torch.bfloat16)
+    check_empty_batch(torch.float16)
     check_loop(1, 4, 2, 130, 64, 120, 14, torch.bfloat16)  # 2 splits: free slots fill, then replacements
     check_loop(3, 2, 1, 5, 64, 2, 10, torch.float16, seed=1)
     sys.exit(0)

@@ -70,6 +70,7 @@ if __name__ == "__main__":
     check(1, 2, 300, 200, 64, torch.float32, seed=2)  # free slots left after T keys
     check(2, 1, 40, 90, 9, torch.bfloat16, s_dtype=torch.float32, special=True, seed=3)  # s_new rounded
     check(1, 1, 8, 0, 5, torch.float16, special=True, seed=4)  # an empty cache
+    check(0, 2, 8, 10, 3, torch.bfloat16, seed=7)  # no batch rows
     from flexdma.perkey import triton_rows
 
     triton_rows.MAX_BLOCK = 16  # the loops over several blocks of slots, entries and new keys

@@ -252,7 +252,7 @@ def test_triton_decode_step_in_the_interpreter():
     # The per-key decode step's Triton kernel (flexdma/perkey/triton_decode.py: the kept set's
     # in-place update and the new row's attention in one launch) in Triton's interpreter, against
     # decode.append bit for bit and the float64 reference over the new kept set.
-    _run_triton_script("interpret_decode.py", 12)
+    _run_triton_script("interpret_decode.py", 13)
 
 
 @pytest.mark.gpu
@@ -320,7 +320,7 @@ def test_cuda_decode_step():
 def test_triton_rows_step_in_the_interpreter():
     # A step of T new tokens (flexdma/perkey/triton_rows.py) in Triton's interpreter against
     # decode.append_rows' Python updates, bit for bit.
-    _run_triton_script("interpret_rows.py", 8)
+    _run_triton_script("interpret_rows.py", 9)
 
 
 def test_decode_kernels_compile_for_sm90():
