@@ -4,9 +4,12 @@ modules."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import List
+
+import torch
 
 
 def public_argv(argv: List[str]) -> List[str]:
@@ -89,3 +92,16 @@ def table(head: list, rows: list, cells) -> List[str]:
         else:
             lines.append("| " + " | ".join(cells(row)) + " |")
     return lines
+
+
+def record(row: dict, peer: str, rec: dict, hide: str = "") -> None:
+    """A peer's record into its row, printed as it lands (a cut run's log keeps it; `hide`: a prefix
+    of keys too long to print), after the peer's memory went back to the device (the next peer's
+    peak starts clean)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    row["peers"][peer] = rec
+    shown = {
+        k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items() if not (hide and k.startswith(hide))
+    }
+    print(row["case"]["name"], peer, shown, flush=True)

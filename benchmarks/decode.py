@@ -20,7 +20,6 @@ mask (dense SDPA over every key) and eager Doge where it fits.
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from typing import List
 
@@ -31,7 +30,7 @@ import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 
-from .common import chosen_peers, newest_section, save_run, table
+from .common import chosen_peers, newest_section, record, save_run, table
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -122,10 +121,7 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
                     rec["peak_mib"] = _peak(fn)
             except Exception as e:  # out of memory is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["peers"][peer] = rec
-            print(c["name"], peer, rec, flush=True)
+            record(row, peer, rec)
         rows.append(row)
     return dict(schema=SCHEMA, rows=rows)
 
@@ -185,10 +181,7 @@ def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256,
                 except Exception as e:
                     rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 del model
-                gc.collect()
-                torch.cuda.empty_cache()
-                row["peers"][peer] = rec
-                print(row["case"]["name"], peer, rec, flush=True)
+                record(row, peer, rec)
             rows.append(row)
     return rows
 

@@ -36,7 +36,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
 
-from .common import chosen_peers, newest_section, save_run, table
+from .common import chosen_peers, newest_section, record, save_run, table
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -246,12 +246,7 @@ def run(quick: bool = False, peers=PEERS, budget: float = 480.0, rows: Optional[
                     del q, k, v, bias
             except Exception as e:  # a peer failing (out of memory, compile error) is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["peers"][peer] = rec
-            print(
-                c["name"], peer, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True
-            )
+            record(row, peer, rec)
         row["listed_flops"], row["dense_flops"] = flops(c)
         rows.append(row)
     return dict(schema=SCHEMA, rows=rows)
@@ -328,10 +323,7 @@ def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
             del model
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["peers"][peer] = rec
-            print(row["case"]["name"], peer, rec, flush=True)
+            record(row, peer, rec)
         rows.append(row)
     return rows
 

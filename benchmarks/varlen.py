@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import flexdma
 from flexdma.flex import kernel_options
 
-from .common import newest_section, save_run, table
+from .common import newest_section, record, save_run, table
 from .peers import compiled_flex
 from .topk import _launches, _pair, _peak, _time, kept_per_row
 from .topk import _Saving as _TopkSaving
@@ -345,20 +345,8 @@ def run(
                 rec["skipped"] = str(e)
             except Exception as e:  # a peer failing (out of memory, compile error) is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            gc.collect()
-            torch.cuda.empty_cache()
-            row["peers"][peer] = rec
+            record(row, peer, rec, hide="per_doc")
             save()
-            print(
-                c["name"],
-                peer,
-                {
-                    k: (round(v, 4) if isinstance(v, float) else v)
-                    for k, v in rec.items()
-                    if not k.startswith("per_doc")
-                },
-                flush=True,
-            )
     return dict(schema=SCHEMA, rows=rows)
 
 
