@@ -6,11 +6,13 @@ bytes.
 
 python -m benchmarks.dev.decode_kernel [--K 32768,131072] [--sweep] [--out FILE.json]
 python -m benchmarks.dev.decode_kernel --K 131072 --once   # one call after warm-up, for ncu
+python -m benchmarks.dev.decode_kernel --baseline OLD.py    # also an earlier triton_decode.py, same run
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 
@@ -21,7 +23,7 @@ from benchmarks.dev.select_bench import graph_us
 from flexdma.perkey import decode, triton_decode
 
 
-def case(B, H, KVH, D, K, W):
+def case(B, H, KVH, D, K, W, module=triton_decode):
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, H, D, device=dev, dtype=dt)
@@ -33,7 +35,15 @@ def case(B, H, KVH, D, K, W):
     eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
     counter = torch.zeros(B * KVH, dtype=torch.int32, device=dev)
     out = torch.empty(B, H, D, device=dev, dtype=dt)
-    return lambda: triton_decode.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+    return lambda: module.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+
+
+def _load(path: str):
+    """A triton_decode.py of another commit, as a module of the package (its relative imports)."""
+    spec = importlib.util.spec_from_file_location("flexdma.perkey._baseline_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def variants(sweep: bool, window: int):
@@ -54,11 +64,20 @@ def main():
     ap.add_argument("--W", type=int, default=1024)
     ap.add_argument("--sweep", action="store_true", help="every geometry and launch option, not only the defaults")
     ap.add_argument("--once", action="store_true", help="one call after warm-up (under a profiler)")
+    ap.add_argument("--baseline", default=None, help="a triton_decode.py to time beside this one (defaults only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     geometry, config = triton_decode.geometry, dict(triton_decode.CONFIG)
     results = []
     for B, K in itertools.product((int(x) for x in a.B.split(",")), (int(x) for x in a.K.split(","))):
+        if a.baseline:
+            fn = case(B, a.H, a.KVH, a.D, K, a.W, _load(a.baseline))
+            fn()
+            rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, kernel="baseline")
+            rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+            rec["graph_us"] = graph_us(fn)
+            print(json.dumps(rec), flush=True)
+            results.append(rec)
         fn = case(B, a.H, a.KVH, a.D, K, a.W)
         for var in variants(a.sweep, a.W):
             if var["block"] is not None:

@@ -41,23 +41,39 @@ def _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW: tl.constexpr
     The slot is the first free one, else the worst kept key's (the lowest order key, among equal
     ones the highest index, then the first such slot), found as the smallest (order key, index)
     packed into one int64; the key enters where eligible, not -inf, and a slot is free or it
-    outranks the worst."""
+    outranks the worst. The slots' validity, scores and indices are loaded side by side (a free
+    slot's are read and ignored): one memory round trip a block, not a load waiting on another."""
     worst = tl.full([], _NOT_KEPT, tl.int64)
     worst_slot = tl.zeros([], tl.int32)
     first_free = tl.zeros([], tl.int32) + W
     for w0 in range(0, W, BW):
         j = w0 + tl.arange(0, BW)
-        ok = tl.load(val_b + j * saw, mask=j < W, other=0) != 0
-        s = tl.load(sc_b + j * ssw, mask=ok, other=0.0).to(tl.float32)
-        ix = tl.load(idx_b + j * siw, mask=ok, other=0)
+        inw = j < W
+        ok = tl.load(val_b + j * saw, mask=inw, other=0) != 0
+        s = tl.load(sc_b + j * ssw, mask=inw, other=0.0).to(tl.float32)
+        ix = tl.load(idx_b + j * siw, mask=inw, other=0)
         packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
         low = tl.min(packed, 0)
         worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
         worst = tl.minimum(worst, low)
-        first_free = tl.minimum(first_free, tl.min(tl.where((j < W) & ~ok, j, W), 0))
+        first_free = tl.minimum(first_free, tl.min(tl.where(inw & ~ok, j, W), 0))
     free = first_free < W
     enter = eligible & (sn != float("-inf")) & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
     return enter, tl.where(free, first_free, worst_slot)
+
+
+@triton.jit
+def _slots(idx_b, val_b, sc_b, siw, saw, ssw, kb, vb, skn, skd, svn, svd, j, hi, d, D: tl.constexpr, DP: tl.constexpr):
+    """Slots j (< hi) of the kept set as it was: validity, scores, and the K / V rows of the valid
+    ones (gathered as soon as the indices arrive; the update decision is not waited for)."""
+    inb = j < hi
+    ok = tl.load(val_b + j * saw, mask=inb, other=0) != 0
+    sc = tl.load(sc_b + j * ssw, mask=inb, other=0.0)
+    kix = tl.load(idx_b + j * siw, mask=inb, other=0)
+    cols = _within(ok[:, None], d, D, DP)
+    k = tl.load(kb + kix[:, None] * skn + d[None, :] * skd, mask=cols, other=0.0)
+    v = tl.load(vb + kix[:, None] * svn + d[None, :] * svd, mask=cols, other=0.0)
+    return ok, sc, k, v
 
 
 @triton.jit(do_not_specialize=["position"])
@@ -77,35 +93,41 @@ def _decode_kernel(
     else:
         pos = position.to(tl.int64)
 
-    # Every program of the plane reaches the same decision.
-    s_new = tl.load(snew_ptr + b * snb + g * snh).to(score_ptr.dtype.element_ty)  # stored as the scores are
-    sn = s_new.to(tl.float32)
-    eligible = tl.load(elig_ptr + b * seb + g * seh) != 0
-    enter, slot = _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW)
-
     # The kv group's query heads, padded to GP rows (tl.dot's minimum of 16).
     r = tl.arange(0, GP)
     d = tl.arange(0, DP)
     rows = _within((r < G)[:, None], d, D, DP)
     h = g * G + r
-    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + d[None, :] * sqd, mask=rows, other=0.0)
     kb, vb = k_ptr + b * skb + g * skh, v_ptr + b * svb + g * svh
+    lo = tl.program_id(1) * CH
+    hi = tl.minimum(lo + CH, W)
+    # Issued first, so that they travel together: this program's first block of the old kept set
+    # with its K / V rows, the new key's K / V row (the key may take a slot of the block), q, and
+    # then the decision's loads. Each later block is fetched while the one before is computed.
+    ok, sc, k, v = _slots(idx_b, val_b, sc_b, siw, saw, ssw, kb, vb, skn, skd, svn, svd, lo + tl.arange(0, BN), hi, d, D, DP)  # fmt: skip
+    s_new = tl.load(snew_ptr + b * snb + g * snh).to(score_ptr.dtype.element_ty)  # stored as the scores are
+    sn = s_new.to(tl.float32)
+    eligible = tl.load(elig_ptr + b * seb + g * seh) != 0
+    dn = d < D
+    k_new = tl.load(kb + pos * skn + d * skd, mask=dn & eligible, other=0.0)
+    v_new = tl.load(vb + pos * svn + d * svd, mask=dn & eligible, other=0.0)
+    q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + d[None, :] * sqd, mask=rows, other=0.0)
+    # Every program of the plane reaches the same decision.
+    enter, slot = _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW)
+    taken = tl.where(enter, slot, -1)  # the slot the new key takes; none: -1, below every slot
+
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
-    lo = tl.program_id(1) * CH
-    hi = tl.minimum(lo + CH, W)
     for n0 in range(lo, hi, BN):
         j = n0 + tl.arange(0, BN)
-        # The slot the new key takes (none: -1, below every slot), as one compare.
-        new = j == tl.where(enter, slot, -1)
-        keep = (j < hi) & ((tl.load(val_b + j * saw, mask=j < hi, other=0) != 0) | new)
-        kix = tl.where(new, pos, tl.load(idx_b + j * siw, mask=keep, other=0))
-        bias = tl.where(new, sn, tl.load(sc_b + j * ssw, mask=keep, other=0.0).to(tl.float32))
-        cols = _within(keep[:, None], d, D, DP)
-        k = tl.load(kb + kix[:, None] * skn + d[None, :] * skd, mask=cols, other=0.0)
+        new = j == taken
+        keep = (j < hi) & (ok | new)
+        kk = tl.where(new[:, None], k_new[None, :], k)
+        vv = tl.where(new[:, None], v_new[None, :], v)
+        bias = tl.where(new, sn, sc.to(tl.float32))
         # The reference's order: scale, softcap, then the bias (in log2 units here).
-        s = tl.dot(q, tl.trans(k))
+        s = tl.dot(q, tl.trans(kk))
         if SOFTCAP:
             s = _tanh(s * (scale_log2 / _LOG2E / softcap)) * (softcap * _LOG2E)
         else:
@@ -119,9 +141,10 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(vb + kix[:, None] * svn + d[None, :] * svd, mask=cols, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
         m_i = m_new
+        # The next block (none past hi: its loads are masked off).
+        ok, sc, k, v = _slots(idx_b, val_b, sc_b, siw, saw, ssw, kb, vb, skn, skd, svn, svd, j + BN, hi, d, D, DP)  # fmt: skip
 
     if NSPLIT > 1:
         # A partial: G maxima, G sums, G x D outputs.
@@ -139,21 +162,22 @@ def _decode_kernel(
         last = True
     if last:
         if NSPLIT > 1:
-            # The log-sum-exp merge; .cg reads past L1, which may hold none of the other programs'
-            # stores.
+            # The log-sum-exp merge, every split's partial of a row in one load (the rows unrolled,
+            # their loads in flight together); .cg reads past L1, which may hold none of the other
+            # programs' stores.
             base = part_ptr + plane.to(tl.int64) * NSPLIT * UNIT
             u = tl.arange(0, NSPLIT)
-            ms = tl.load(base + u[:, None] * UNIT + r[None, :], mask=(r < G)[None, :], other=0.0, cache_modifier=".cg")
+            at = base + u[:, None] * UNIT + r[None, :]
+            ms = tl.load(at, mask=(r < G)[None, :], other=float("-inf"), cache_modifier=".cg")
+            ls = tl.load(at + G, mask=(r < G)[None, :], other=0.0, cache_modifier=".cg")
             top = tl.max(ms, 0)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            l_i = tl.zeros([GP], tl.float32)
+            w = tl.exp2(ms - tl.where(top == float("-inf"), 0.0, top)[None, :])  # (NSPLIT, GP)
+            l_i = tl.sum(w * ls, 0)
             acc = tl.zeros([GP, DP], tl.float32)
-            for i in range(NSPLIT):
-                pi = base + i * UNIT
-                w = tl.exp2(tl.load(pi + r, mask=r < G, other=0.0, cache_modifier=".cg") - top)
-                l_i += w * tl.load(pi + G + r, mask=r < G, other=0.0, cache_modifier=".cg")
-                a = tl.load(pi + 2 * G + r[:, None] * D + d[None, :], mask=rows, other=0.0, cache_modifier=".cg")
-                acc += w[:, None] * a
+            for gi in tl.static_range(G):
+                a = tl.load(base + u[:, None] * UNIT + 2 * G + gi * D + d[None, :], mask=dn[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+                wg = tl.sum(tl.where(r[None, :] == gi, w, 0.0), 1)  # (NSPLIT,)
+                acc += tl.where(r[:, None] == gi, tl.sum(wg[:, None] * a, 0)[None, :], 0.0)
             tl.store(count_ptr + plane, 0)  # ready for the next step
         # A row that keeps no key: output 0.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
