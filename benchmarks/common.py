@@ -105,3 +105,21 @@ def record(row: dict, peer: str, rec: dict, hide: str = "") -> None:
         k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items() if not (hide and k.startswith(hide))
     }
     print(row["case"]["name"], peer, shown, flush=True)
+
+
+def captured(fn):
+    """fn captured in a CUDA graph (after three warm-up calls on a side stream): its replay runs
+    the same kernels without the host's launch time. Timed with do_bench (which clears L2 before
+    each call), it is the GPU time of a step whose inputs come from DRAM."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return g.replay

@@ -30,11 +30,14 @@ import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 
-from .common import chosen_peers, newest_section, record, save_run, table
+from .common import captured, chosen_peers, newest_section, record, save_run, table
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
 PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
+# Also timed as a CUDA-graph replay (do_bench: L2 cleared before each): the GPU time without the
+# host's launch, which a one-kernel step under do_bench otherwise partly measures.
+GRAPHED = ("kernel", "sdpa")
 # flexdma-static: patch_doge with cache_implementation="static", which transformers generates with
 # a compiled forward (Inductor, CUDA graphs); its compile is in the first, untimed, generate call.
 GEN_PEERS = ("flexdma", "flexdma-static", "no-dynamic-mask", "eager")
@@ -118,6 +121,8 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
                     fn = _peer_fn(peer, c)
                     fn()
                     rec["ms"] = _time(fn)
+                    if peer in GRAPHED:
+                        rec["gpu_ms"] = _time(captured(fn))
                     rec["peak_mib"] = _peak(fn)
             except Exception as e:  # out of memory is a result too
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -164,8 +169,14 @@ def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256,
                             if peer == "flexdma-static":
                                 # Compiles and captures outside the timed calls, at the full length:
                                 # generate reuses a static cache at least as long (same shapes, no
-                                # recompile), so the shorter prefill call below reuses it too.
+                                # recompile), so the shorter prefill call below reuses it too. A
+                                # fresh compile a row: another batch size would recompile with
+                                # symbolic shapes.
+                                torch._dynamo.reset()
                                 model.generate(ids, max_new_tokens=new_tokens, **kw)
+                            else:
+                                # Kernels compiled (Triton) and caches warm outside the timed calls.
+                                model.generate(ids, max_new_tokens=2, **dict(kw, min_new_tokens=2))
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()
                             s = time.perf_counter()
@@ -191,7 +202,12 @@ def markdown(doc: dict) -> str:
         cells = [row["case"]["name"]]
         for p in PEERS:
             r = row["peers"].get(p, {})
-            cells.append(f"error: {r['error'][:50]}" if "error" in r else ("–" if "ms" not in r else f"{r['ms']:.4f}"))
+            if "error" in r:
+                cells.append(f"error: {r['error'][:50]}")
+            elif "ms" not in r:
+                cells.append("–")
+            else:
+                cells.append(f"{r['ms']:.4f}" + (f" (GPU {r['gpu_ms']:.4f})" if "gpu_ms" in r else ""))
         return cells
 
     def generate_cells(row) -> list:
@@ -220,8 +236,9 @@ def section(results_dir: str) -> List[str]:
         results_dir,
         SCHEMA,
         "per-key decoding",
-        "`python -m benchmarks decode`: bf16, one new token a step, W=1024; peak = the call's memory above "
-        "its inputs (generate: the process's peak).",
+        "`python -m benchmarks decode`: bf16, one new token a step, W=1024; do_bench medians (GPU: of the "
+        "step captured in a CUDA graph, no host time); peak = the call's memory above its inputs "
+        "(generate: the process's peak).",
         markdown,
     )
 
@@ -231,7 +248,7 @@ def main(args, env: dict) -> str:
     doc = run(quick=args.quick, peers=peers, budget=args.budget)
     if generate and not args.quick:
         try:
-            doc["generate"] = generate_rows()
+            doc["generate"] = generate_rows(budget=args.budget)
         except ImportError as e:  # transformers without Doge
             doc["generate_skipped"] = str(e)
     path = save_run(doc, args.out, env, "decode")

@@ -400,10 +400,12 @@ def test_static_cache_one_token_prompt():
     assert torch.equal(patched.generate(ids, **kw), eager.generate(ids, **kw))
 
 
-def test_static_cache_compiled_generation():
+def test_static_cache_compiled_generation(monkeypatch):
     # transformers' compiled generation (a static cache, the forward under torch.compile with
     # fullgraph=True; forced on the CPU, with the aot_eager backend): no graph break in the patched
-    # layers, the same tokens as uncompiled generation.
+    # layers, the same tokens as uncompiled generation. The compiled steps keep each layer's kept
+    # set in the prefill's buffers (what a step returns is a CUDA graph's memory, overwritten by its
+    # next replay on a GPU).
     cc = pytest.importorskip("transformers").CompileConfig(fullgraph=True, backend="aot_eager")
     if not hasattr(cc, "_compile_all_devices"):
         pytest.skip("this transformers compiles generation on accelerators only")
@@ -414,7 +416,18 @@ def test_static_cache_compiled_generation():
     am[0, :2] = 0
     kw = dict(attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = patched.generate(ids, **kw)
+    kept = {}
+    set_state = fx._set_kept_state
+
+    def recorded(cache, layer, state):
+        kept.setdefault(layer.layer_idx, []).append(state.kept)
+        set_state(cache, layer, state)
+
+    monkeypatch.setattr(fx, "_set_kept_state", recorded)
     assert torch.equal(patched.generate(ids, cache_implementation="static", compile_config=cc, **kw), want)
+    assert sorted(kept) == [0, 1] and all(len(sets) == 6 for sets in kept.values())
+    for sets in kept.values():
+        assert all(t is t0 for later in sets[1:] for t, t0 in zip(later, sets[0])), "kept set moved to new buffers"
 
 
 def test_cuda_static_cache_compiled_generation():

@@ -1,6 +1,7 @@
 """The one-token decode kernel alone (flexdma/perkey/triton_decode.py): its time with a cold L2
-(do_bench clears it between calls: the cache a step reads is not in L2 in a real model either)
-and from a CUDA-graph replay (no host time, L2 warm), across its geometry (slots per block,
+(do_bench clears it between calls: the cache a step reads is not in L2 in a real model either;
+cold_us: the Python call, whose launch time shows where it exceeds the L2 clear; cold_graph_us:
+a CUDA-graph replay of it) and from back-to-back graph replays (no host time, L2 warm), across its geometry (slots per block,
 programs per plane) and launch options, at several cache lengths: what bounds it, latency or
 bytes.
 
@@ -19,6 +20,7 @@ import json
 import torch
 from triton.testing import do_bench
 
+from benchmarks.common import captured
 from benchmarks.dev.select_bench import graph_us
 from flexdma.perkey import decode, triton_decode
 
@@ -76,6 +78,7 @@ def main():
             rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, kernel="baseline")
             rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
             rec["graph_us"] = graph_us(fn)
+            rec["cold_graph_us"] = do_bench(captured(fn), warmup=25, rep=100, return_mode="median") * 1e3
             print(json.dumps(rec), flush=True)
             results.append(rec)
         fn = case(B, a.H, a.KVH, a.D, K, a.W)
@@ -94,6 +97,7 @@ def main():
             rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, **var)
             rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
             rec["graph_us"] = graph_us(fn)
+            rec["cold_graph_us"] = do_bench(captured(fn), warmup=25, rep=100, return_mode="median") * 1e3
             print(json.dumps(rec), flush=True)
             results.append(rec)
     triton_decode.geometry = geometry

@@ -13,6 +13,7 @@ import torch
 from triton.testing import do_bench
 
 import flexdma  # noqa: F401  (loads the ops)
+from benchmarks.common import captured
 from benchmarks.topk import _launches as launches
 from flexdma import topk
 
@@ -30,21 +31,11 @@ CASES = [
 
 def graph_us(fn, reps=50) -> float:
     """GPU time of one call, replayed from a CUDA graph (what the kernels take without host time)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
+    replay = captured(fn)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(reps):
-        g.replay()
+        replay()
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b) * 1e3 / reps
