@@ -4,7 +4,7 @@ Attention with an additive (learnable) bias and a boolean key mask, computed Fla
 (O(N) memory) with gradients for query, key, value and the bias.
 """
 
-import warnings as _warnings
+import warnings as _py_warnings
 
 from . import _ext, nn
 from ._dispatch import available_backends
@@ -18,10 +18,10 @@ __version__ = "0.1.0"
 
 # Load the op family now, so torch.ops.flexdma.* exists once flexdma is imported.
 if _ext.LOAD_ERROR is not None:  # pragma: no cover - only without a built extension
-    _warnings.warn(f"flexdma: {_ext.LOAD_ERROR}; only the 'flex' and 'reference' backends work")
+    _py_warnings.warn(f"flexdma: {_ext.LOAD_ERROR}; only the 'flex' and 'reference' backends work")
 elif getattr(_ext.BUILD_INFO, "STATIC_LIBSTDCXX", False):  # pragma: no cover - toolchain-specific
     # The failure it warns of is a crash, which no test can catch in-process: say it up front.
-    _warnings.warn(
+    _py_warnings.warn(
         "flexdma: flexdma._C was built with a compiler that links libstdc++ statically; an input "
         "error detected inside the C++ ops will crash the process instead of raising. Rebuild "
         "with CXX set to a compiler that has a shared libstdc++."
