@@ -276,12 +276,13 @@ def _without_dynamic_mask():
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2)
 
-    saved, rows = hf.flash_dma_attention, kept_sets.MAX_ROWS
-    hf.flash_dma_attention, kept_sets.MAX_ROWS = sdpa, 0
+    saved = hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state
+    # No kept sets either: a decode step would otherwise still select over every key to build them.
+    hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = sdpa, 0, lambda *args: None
     try:
         yield
     finally:
-        hf.flash_dma_attention, kept_sets.MAX_ROWS = saved, rows
+        hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = saved
 
 
 def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]:

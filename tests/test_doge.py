@@ -432,13 +432,14 @@ def test_static_cache_compiled_generation(monkeypatch):
 
 def test_cuda_static_cache_compiled_generation():
     # On CUDA transformers compiles generation with a static cache (Inductor, CUDA graphs): the
-    # patched layers' one-token steps (the decode kernel, its position a device tensor) replay in
-    # the graph. Against uncompiled generation with DynamicCache: each step's scores within bf16's
-    # reach while the tokens so far agree.
+    # patched layers' steps (traced: the kept set's torch ops, updated in place in the prefill's
+    # buffers) replay in the graph. Against uncompiled generation with DynamicCache, in float32:
+    # the same tokens and scores. (In bf16 Inductor's fused ops round otherwise than eager ones,
+    # and a tiny random model's near-tied logits then pick other tokens after a few steps.)
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
-    _, patched = _models(torch.bfloat16, layers=2, hidden=64)
+    _, patched = _models(torch.float32, layers=2, hidden=64)
     patched = patched.cuda()
     ids = _ids(2, 7).cuda()
     am = torch.ones(2, 7, dtype=torch.long, device="cuda")
@@ -447,11 +448,9 @@ def test_cuda_static_cache_compiled_generation():
     kw.update(return_dict_in_generate=True, output_scores=True)
     want = patched.generate(ids, **kw)
     got = patched.generate(ids, cache_implementation="static", **kw)
-    for step, (a, b) in enumerate(zip(got.scores, want.scores)):
-        if not torch.equal(got.sequences[:, : 7 + step], want.sequences[:, : 7 + step]):
-            break
-        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
-    assert step > 0
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @torch.no_grad()

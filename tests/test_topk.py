@@ -235,6 +235,31 @@ def test_cuda_selection_at_every_chunk_size():
             assert torch.equal(la * keep, lb * keep)
 
 
+def test_cuda_selection_repeats_at_unaligned_plane_strides():
+    # Key counts that are no multiple of a cache line put two planes' ranks and prefix orders in
+    # one line: a walk of one plane must not read another's from L1 before that plane's rank items
+    # wrote it. Repeated calls over the same scores, with differently sized calls between them (the
+    # allocator hands their memory back with other contents), against the first call and the CPU
+    # op: every call equal, none faults.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator().manual_seed(0)
+    for K, W in ((1175, 2048), (3001, 1024), (777, 256)):
+        scores = torch.randn(2, 4, K, generator=g).exp().to(torch.bfloat16)
+        want = topk.select(scores, W, K, True, 128)
+        first = topk.select(scores.cuda(), W, K, True, 128)
+        assert torch.equal(want.key_rank, first.key_rank.cpu()) and torch.equal(want.row_thr, first.row_thr.cpu())
+        lf = topk.tile_lists(first, K, 128)
+        listed = torch.arange(lf.shape[-1], device="cuda") <= lf[..., :1]  # entries past a list's end are unspecified
+        other = torch.randn(1, 3, K + 517, device="cuda")
+        for _ in range(60):
+            topk.select(other, W, K + 517, True, 128)
+            got = topk.select(scores.cuda(), W, K, True, 128)
+            assert torch.equal(got.key_rank, first.key_rank) and torch.equal(got.row_thr, first.row_thr)
+            assert torch.equal(topk.tile_lists(got, K, 128) * listed, lf * listed)
+        torch.cuda.synchronize()
+
+
 def test_triton_selection_in_the_interpreter():
     # The CUDA selection kernel, run by Triton's interpreter on the CPU, against the CPU op. dev.sh
     # test installs triton beside the suite (FLEXDMA_TRITON_PATH) where it is not installed.
