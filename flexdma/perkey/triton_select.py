@@ -62,7 +62,11 @@ def _wait(counter, target):
     # published their stores before counting.
     while tl.load(counter, volatile=True) < target:
         pass
-    tl.atomic_add(counter, 0, sem="acquire")
+    # Then an acquire, its result used: Triton drops an atomic add of 0 whose result is not, and
+    # without the acquire (and the L1 invalidation that comes with it) the item's loads could be
+    # served from L1 lines cached before the publishing items wrote them.
+    while tl.atomic_add(counter, 0, sem="acquire") < target:
+        pass
     tl.debug_barrier()
 
 
@@ -218,11 +222,8 @@ def _walk_tile(
     more = p_last >= 0
     while more & (r < n_lvl) & (seen < W):
         offs = r + tl.arange(0, SCAN)
-        # .cg (L2 only): other programs of this launch wrote these, and a plane's order and ranks
-        # need not start on a cache line, so this SM's L1 may hold a line of them read by a walk
-        # of the plane before, from before this plane's rank items wrote it.
-        pos = tl.load(order + offs, mask=offs < n_lvl, other=0, cache_modifier=".cg")
-        rk = tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER, cache_modifier=".cg")
+        pos = tl.load(order + offs, mask=offs < n_lvl, other=0)
+        rk = tl.load(ranks + pos, mask=offs < n_lvl, other=_NEVER)
         valid = (offs < n_lvl) & (rk != _NEVER)
         more = tl.sum(valid.to(tl.int32), 0) == SCAN
         is_base = valid & (pos <= p_first)
