@@ -123,3 +123,25 @@ def captured(fn):
     g.replay()
     torch.cuda.synchronize()
     return g.replay
+
+
+class Saving:
+    """A run's document, saved (save_run, under `name`) whenever one of its lists grows: a run its
+    call's time limit cuts keeps what it measured."""
+
+    def __init__(self, doc: dict, out: str, env: dict, name: str):
+        self.doc, self.out, self.env, self.name = doc, out, env, name
+
+    def save(self) -> str:
+        return save_run(self.doc, self.out, self.env, self.name)
+
+    def list(self, key: str) -> list:
+        saving = self
+
+        class Rows(list):
+            def append(self, row):
+                super().append(row)
+                saving.save()
+
+        self.doc[key] = Rows()
+        return self.doc[key]

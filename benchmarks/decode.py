@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 
-from .common import captured, chosen_peers, newest_section, record, save_run, table
+from .common import Saving, captured, chosen_peers, newest_section, record, table
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -106,9 +106,10 @@ def _peer_fn(peer: str, c: dict):
     raise ValueError(peer)
 
 
-def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
+def run(quick: bool = False, peers=PEERS, budget: float = 300.0, rows: Optional[list] = None) -> list:
+    """The layer-step rows; appended to `rows` as they finish (the caller saves them as it goes)."""
     t0 = time.time()
-    rows = []
+    rows = [] if rows is None else rows
     for c in cases(quick):
         if budget and time.time() - t0 > budget:
             rows.append(dict(case=c, not_run="time budget"))
@@ -128,14 +129,16 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0) -> dict:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             record(row, peer, rec)
         rows.append(row)
-    return dict(schema=SCHEMA, rows=rows)
+    return rows
 
 
-def generate_rows(prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0) -> List[dict]:
+def generate_rows(
+    prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0, rows: Optional[list] = None
+) -> List[dict]:
     from transformers import DogeConfig, DogeForCausalLM
 
     t0 = time.time()
-    rows = []
+    rows = [] if rows is None else rows
     for L in prompts:
         for B in batches:
             row = dict(case=dict(name=f"Doge generate B={B} prompt={L // 1024}K", B=B, L=L, new=new_tokens), peers={})
@@ -245,12 +248,17 @@ def section(results_dir: str) -> List[str]:
 
 def main(args, env: dict) -> str:
     peers, generate = chosen_peers(args.peers, PEERS, "generate", "the Doge rows", "decode")
-    doc = run(quick=args.quick, peers=peers, budget=args.budget)
+    # Written after every row, marked unfinished until the last: a run its call's time limit cuts
+    # keeps what it measured.
+    doc = dict(schema=SCHEMA, rows=[], unfinished=True)
+    saving = Saving(doc, args.out, env, "decode")
+    run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
     if generate and not args.quick:
         try:
-            doc["generate"] = generate_rows(budget=args.budget)
+            generate_rows(budget=args.budget, rows=saving.list("generate"))
         except ImportError as e:  # transformers without Doge
             doc["generate_skipped"] = str(e)
-    path = save_run(doc, args.out, env, "decode")
+    del doc["unfinished"]
+    path = saving.save()
     print(f"wrote {path}\n" + markdown(doc), flush=True)
     return path

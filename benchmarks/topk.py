@@ -36,7 +36,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
 
-from .common import chosen_peers, newest_section, record, save_run, table
+from .common import Saving, chosen_peers, newest_section, record, table
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -423,33 +423,12 @@ def section(results_dir: str) -> List[str]:
     )
 
 
-class _Saving:
-    """The run's document, saved whenever one of its lists grows."""
-
-    def __init__(self, doc: dict, out: str, env: dict):
-        self.doc, self.out, self.env = doc, out, env
-
-    def save(self) -> str:
-        return save_run(self.doc, self.out, self.env, "topk")
-
-    def list(self, key: str) -> list:
-        saving = self
-
-        class Rows(list):
-            def append(self, row):
-                super().append(row)
-                saving.save()
-
-        self.doc[key] = Rows()
-        return self.doc[key]
-
-
 def main(args, env: dict) -> str:
     peers, doge = chosen_peers(args.peers, PEERS, "doge", "the train step rows", "topk")
     # Written after every row, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
     doc = dict(schema=SCHEMA, rows=[], unfinished=True)
-    saving = _Saving(doc, args.out, env)
+    saving = Saving(doc, args.out, env, "topk")
     run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
     if doge and not args.quick:
         try:

@@ -39,10 +39,9 @@ import torch.nn.functional as F
 import flexdma
 from flexdma.flex import kernel_options
 
-from .common import newest_section, record, save_run, table
+from .common import Saving, newest_section, record, table
 from .peers import compiled_flex
 from .topk import _launches, _pair, _peak, _time, kept_per_row
-from .topk import _Saving as _TopkSaving
 
 SCHEMA = "flexdma-varlen-bench/1"
 PEERS = ("flexdma-packed", "flexdma-per-doc", "flexdma-padded", "flex-docmask", "sdpa-jagged")
@@ -444,11 +443,6 @@ def section(results_dir: str) -> List[str]:
     )
 
 
-class _Saving(_TopkSaving):
-    def save(self) -> str:
-        return save_run(self.doc, self.out, self.env, "varlen")
-
-
 def main(args, env: dict) -> str:
     peers = PEERS
     if args.peers:
@@ -461,7 +455,7 @@ def main(args, env: dict) -> str:
     # Written after every peer, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
     doc = dict(schema=SCHEMA, rows=[], unfinished=True)
-    saving = _Saving(doc, args.out, env)
+    saving = Saving(doc, args.out, env, "varlen")
     run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"), save=saving.save)
     del doc["unfinished"]
     path = saving.save()
