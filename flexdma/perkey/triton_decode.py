@@ -109,8 +109,11 @@ def _decode_kernel(
     sn = s_new.to(tl.float32)
     eligible = tl.load(elig_ptr + b * seb + g * seh) != 0
     dn = d < D
-    k_new = tl.load(kb + pos * skn + d * skd, mask=dn & eligible, other=0.0)
-    v_new = tl.load(vb + pos * svn + d * svd, mask=dn & eligible, other=0.0)
+    # The real head dims where the key is eligible, as one compare (Triton's interpreter makes a
+    # scalar-and-tensor mask uint8, which its loads reject).
+    row_new = d < tl.where(eligible, D, 0)
+    k_new = tl.load(kb + pos * skn + d * skd, mask=row_new, other=0.0)
+    v_new = tl.load(vb + pos * svn + d * svd, mask=row_new, other=0.0)
     q = tl.load(q_ptr + b * sqb + h[:, None] * sqh + d[None, :] * sqd, mask=rows, other=0.0)
     # Every program of the plane reaches the same decision.
     enter, slot = _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW)
