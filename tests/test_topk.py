@@ -76,6 +76,69 @@ def test_matches_create_mask_and_reference(device, case):
     _check_case(device, case, torch.float64 if device == "cpu" else torch.bfloat16)
 
 
+# A few query rows (at most decode.MAX_ROWS): the route through the kept sets of decode.py and one
+# dense-mask call (flexdma/perkey/attention.py's few_rows) instead of the selection over all keys.
+FEW_ROWS_CASES = [
+    (2, 1, 300, 4, 2, 64, True, "KVH", True, False),
+    (2, 7, 300, 4, 2, 64, True, "H", True, False),  # per query head planes: K / V gathered per head
+    (1, 64, 200, 4, 1, 16, True, "1", False, False),
+    (2, 5, 12, 4, 2, 3, True, "KVH", True, True),  # a batch row with every key padded
+    (2, 9, 40, 4, 2, 30, True, "1", True, False),  # fewer eligible keys than W: free slots fill
+    (2, 6, 80, 4, 2, 10, False, "H", True, False),  # every row the same set
+    (1, 6, 5, 2, 1, 4, False, "KVH", False, False),  # Q > K without causality
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_few_rows_route_matches_the_reference(device, case, monkeypatch):
+    from flexdma.perkey import attention
+
+    taken = []
+    few_rows = attention.few_rows
+    monkeypatch.setattr(attention, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    _check_case(device, case, dtype, backends=["cpu"] if device == "cpu" else ["cuda"])
+    assert taken, "the call did not take the few-rows route"
+
+
+def test_few_rows_route_equals_the_selection_route(monkeypatch):
+    # Against the per-key op over the selection, bf16 with ties and -inf scores: the same kept keys,
+    # so outputs, LSE and gradients agree to the dense-mask kernel's rounding.
+    from flexdma.perkey import attention
+
+    g = torch.Generator().manual_seed(3)
+    B, Q, K, H, KVH, D, W = 2, 6, 500, 4, 2, 32, 40
+    q, k, v = (torch.randn(B, n, h, D, generator=g).bfloat16() for n, h in ((Q, H), (K, KVH), (K, KVH)))
+    bias = (torch.randn(B, KVH, 1, K, generator=g) * 2).round().bfloat16()  # many ties
+    bias[0, 0, 0, 7::50] = float("-inf")
+    pad = torch.rand(B, K, generator=g) < 0.9
+    runs = []
+    for few in (True, False):
+        if not few:
+            monkeypatch.setattr(attention, "few_rows_ok", lambda call: False)
+        ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out, lse = flexdma.flash_dma_attention(
+            *ins[:3], pad[:, None, None, :], ins[3], is_causal=True, keep_window_size=W, return_lse=True, backend="cpu"
+        )
+        runs.append((out, lse) + torch.autograd.grad(out, ins, torch.ones_like(out)))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dbias"), *runs):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def test_few_rows_route_compiles_fullgraph():
+    # Traced (decoding under torch.compile): the sort, the O(W) updates and the dense-mask op.
+    q, k, v, bias, pad = _inputs((2, 3, 200, 4, 2, 16, True, "KVH", True, False), "cpu", torch.float32)
+    mask = pad[:, None, None, :]
+
+    def f(q, k, v, bias):
+        return flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=True, keep_window_size=16)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, bias)
+    torch.testing.assert_close(got, f(q, k, v, bias))
+
+
 # Head dims 64 / 128: on an sm_90a build the forward is the C++ kernel (flexdma::topk_fwd_sm90)
 # over 64-row query tiles; fp16 and a softcap on some of them; a decode whose keys split.
 SM90_CASES = CASES + [(1, 1, 2000, 2, 1, 600, True, "1", True, False)]
