@@ -76,12 +76,13 @@ def test_matches_create_mask_and_reference(device, case):
     _check_case(device, case, torch.float64 if device == "cpu" else torch.bfloat16)
 
 
-# A few query rows (at most decode.MAX_ROWS): the route through the kept sets of decode.py and one
-# dense-mask call (flexdma/perkey/attention.py's few_rows) instead of the selection over all keys.
+# A few query rows (at most attention.FEW_ROWS) after a long context: the route through the kept
+# sets of decode.py and one dense-mask call (flexdma/perkey/attention.py's few_rows) instead of the
+# selection over all keys.
 FEW_ROWS_CASES = [
     (2, 1, 300, 4, 2, 64, True, "KVH", True, False),
     (2, 7, 300, 4, 2, 64, True, "H", True, False),  # per query head planes: K / V gathered per head
-    (1, 64, 200, 4, 1, 16, True, "1", False, False),
+    (1, 16, 200, 4, 1, 16, True, "1", False, False),
     (2, 5, 12, 4, 2, 3, True, "KVH", True, True),  # a batch row with every key padded
     (2, 9, 40, 4, 2, 30, True, "1", True, False),  # fewer eligible keys than W: free slots fill
     (2, 6, 80, 4, 2, 10, False, "H", True, False),  # every row the same set

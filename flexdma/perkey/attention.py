@@ -5,6 +5,7 @@ calls with a few query rows (`few_rows`): the kept sets of decode.py and one den
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..reference import expand_heads
 from . import contract, decode, naive, ops, route
@@ -63,13 +64,21 @@ def _reference(r, call, sel, query, key, value, attn_bias, scale, deterministic,
 _FORWARDS = {"sm90": _op, "triton": _op, "cpu": _op, "flex": _flex, "reference": _reference}
 
 
+# Query rows `few_rows` takes at most: its later rows' updates run one after another (on CUDA in
+# one program a plane, a few microseconds each), so past a few rows the selection costs less.
+FEW_ROWS = 16
+
+
 def few_rows_ok(call) -> bool:
-    """Whether `few_rows` takes the call: at most decode.MAX_ROWS query rows whose first row sees
-    more than W keys (causal: K - Q + 1 of them): a decode step or a short chunk after a long
-    context. Shorter contexts (a prefill, a short training sequence) keep the selection: it is
-    cheap there, and their rows would be a chain of one update each."""
+    """Whether `few_rows` takes the call: at most FEW_ROWS query rows whose first row sees more
+    than W keys (causal: K - Q + 1 of them): a decode step or a short chunk after a long context.
+    Shorter contexts (a prefill, a short training sequence) keep the selection: it is cheap there,
+    and their rows would be a chain of one update each."""
     seen = call.seqlen_k - call.seqlen_q + 1 if call.is_causal else call.seqlen_k
-    return 0 < call.seqlen_q <= decode.MAX_ROWS and seen > call.keep_window_size
+    # Decided only where the sizes settle it: traced with symbolic sizes (torch.export, dynamic
+    # shapes) a branch on them would add guards, narrowing the range the graph holds for.
+    conditions = (seen > call.keep_window_size, call.seqlen_q > 0, call.seqlen_q <= FEW_ROWS)
+    return all(statically_known_true(c) for c in conditions)
 
 
 def few_rows(call, query, key, value, attn_mask, attn_bias, dense):
