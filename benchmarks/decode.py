@@ -132,6 +132,50 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0, rows: Optional[
     return rows
 
 
+# The API with a few new rows after a long context (a chunk, speculative decoding): the few-rows
+# route (flexdma/perkey/attention.py: kept sets and one dense-mask call) against the selection over
+# every key, same inputs, same run; what FEW_ROWS (the largest row count the route takes) rests on.
+API_ROWS = (1, 4, 16, 64)
+
+
+def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1024, rows: Optional[list] = None):
+    from flexdma.perkey import attention
+
+    rows = [] if rows is None else rows
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    k = torch.randn(1, K, KVH, D, device=dev, dtype=dt)
+    v = torch.randn(1, K, KVH, D, device=dev, dtype=dt)
+    bias = torch.exp(torch.randn(1, KVH, 1, K, device=dev)).to(dt)
+    taken = attention.few_rows_ok
+    for Q in API_ROWS:
+        row = dict(
+            case=dict(name=f"K={K // 1024}K H={H} KVH={KVH}, {Q} new rows", K=K, Q=Q, H=H, KVH=KVH, D=D, W=W), peers={}
+        )
+        q = torch.randn(1, Q, H, D, device=dev, dtype=dt)
+
+        def call():
+            return flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
+
+        for peer, route in (("few-rows", lambda c: True), ("selection", lambda c: False)):
+            rec = {}
+            # The route forced either way (few_rows takes any such call; the default takes it up to
+            # attention.FEW_ROWS rows).
+            attention.few_rows_ok = route
+            try:
+                with torch.no_grad():
+                    call()
+                    rec["ms"] = _time(call)
+                    rec["gpu_ms"] = _time(captured(call))
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                attention.few_rows_ok = taken
+            record(row, peer, rec)
+        rows.append(row)
+    return rows
+
+
 def generate_rows(
     prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0, rows: Optional[list] = None
 ) -> List[dict]:
@@ -228,6 +272,20 @@ def markdown(doc: dict) -> str:
         return cells
 
     lines = table(["cached keys, layer"] + [f"{p} ms" for p in PEERS], doc["rows"], step_cells)
+    if doc.get("api_rows"):
+
+        def api_cells(row) -> list:
+            cells = [row["case"]["name"]]
+            for p in ("few-rows", "selection"):
+                r = row["peers"].get(p, {})
+                if "error" in r:
+                    cells.append(f"error: {r['error'][:50]}")
+                else:
+                    cells.append("–" if "ms" not in r else f"{r['ms']:.4f} (GPU {r['gpu_ms']:.4f})")
+            return cells
+
+        head = ["flash_dma_attention, new rows after the cache", "few-rows route ms", "selection over every key ms"]
+        lines += [""] + table(head, doc["api_rows"], api_cells)
     if doc.get("generate"):
         head = ["Doge generate (256 new tokens)"] + [f"{p}: prefill s / decode tok/s / peak MiB" for p in GEN_PEERS]
         lines += [""] + table(head, doc["generate"], generate_cells)
@@ -253,6 +311,8 @@ def main(args, env: dict) -> str:
     doc = dict(schema=SCHEMA, rows=[], unfinished=True)
     saving = Saving(doc, args.out, env, "decode")
     run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
+    if "api" in peers:
+        api_rows(rows=saving.list("api_rows"))
     if generate and not args.quick:
         try:
             generate_rows(budget=args.budget, rows=saving.list("generate"))
