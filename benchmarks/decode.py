@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
+from flexdma.perkey import attention
 
 from .common import Saving, captured, chosen_peers, newest_section, record, table
 from .topk import DOGE, _peak, _time, _without_dynamic_mask
@@ -139,8 +140,6 @@ API_ROWS = (1, 4, 16, 64)
 
 
 def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1024, rows: Optional[list] = None):
-    from flexdma.perkey import attention
-
     rows = [] if rows is None else rows
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
