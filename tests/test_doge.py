@@ -3,6 +3,7 @@ attention through flash_dma_attention(keep_window_size=...) and matches the eage
 the (B, H, Q, K) dynamic mask), in logits, gradients and greedy generation, without a Q x K tensor."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -36,6 +37,15 @@ def _models(dtype, layers=2, hidden=32):
         for layer in eager.model.layers:
             layer.self_attn.A.normal_()
     return eager, fx.patch_doge(copy.deepcopy(eager))
+
+
+def _cache_kw(cache):
+    # The model's cache argument: `cache` from transformers 5.24 on (`past_key_values` deprecated
+    # there), `past_key_values` before.
+    name = (
+        "cache" if "cache" in inspect.signature(transformers.DogeForCausalLM.forward).parameters else "past_key_values"
+    )
+    return {name: cache}
 
 
 def _ids(B, S):
@@ -330,7 +340,7 @@ def test_cache_hooks_follow_copies_and_batch_changes():
     # The kept sets follow the cache's batch methods, on the cache itself and on a deep copy of it.
     _, patched = _models(torch.float32, layers=1)
     cache = transformers.DynamicCache()
-    patched(input_ids=_ids(2, 6), past_key_values=cache, use_cache=True)
+    patched(input_ids=_ids(2, 6), **_cache_kw(cache), use_cache=True)
     layer = patched.model.layers[0].self_attn
     before = fx._kept_state(cache, layer).kept.idx.clone()
     twin = copy.deepcopy(cache)
@@ -386,7 +396,7 @@ def test_static_cache_steps_of_a_few_tokens(monkeypatch):
         logits = []
         for a, b in ((0, 5), (5, 8), (8, 9), (9, 12)):
             pos = torch.arange(a, b)[None].expand(2, -1)
-            logits.append(patched(input_ids=ids[:, a:b], attention_mask=am[:, :b], past_key_values=cache,
+            logits.append(patched(input_ids=ids[:, a:b], attention_mask=am[:, :b], **_cache_kw(cache),
                                   position_ids=pos, cache_position=torch.arange(a, b), use_cache=True).logits)  # fmt: skip
         outs.append(torch.cat(logits, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
@@ -460,10 +470,10 @@ def test_static_cache_rejects_a_changed_mask():
     am = torch.ones(2, 7, dtype=torch.long)
     am[1, :2] = 0
     cache = transformers.StaticCache(config=patched.config, max_cache_len=16)
-    patched(input_ids=ids, attention_mask=am[:, :6], past_key_values=cache, use_cache=True)
+    patched(input_ids=ids, attention_mask=am[:, :6], **_cache_kw(cache), use_cache=True)
     am[1, :2] = 1
     with pytest.raises(ValueError, match="earlier columns changed"):
-        patched(input_ids=ids[:, :1], attention_mask=am, past_key_values=cache, use_cache=True)
+        patched(input_ids=ids[:, :1], attention_mask=am, **_cache_kw(cache), use_cache=True)
 
 
 @torch.no_grad()
@@ -472,17 +482,17 @@ def test_decode_rejects_a_cache_of_another_model_and_a_changed_mask():
     _, other = _models(torch.float32, layers=1)
     ids = _ids(1, 6)
     cache = transformers.DynamicCache()
-    patched(input_ids=ids, past_key_values=cache, use_cache=True)
+    patched(input_ids=ids, **_cache_kw(cache), use_cache=True)
     with pytest.raises(ValueError, match="another model"):
-        other(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+        other(input_ids=ids[:, :1], **_cache_kw(cache), use_cache=True)
     am = torch.ones(2, 7, dtype=torch.long)
     am[1, :2] = 0
     ids = _ids(2, 6)
     cache = transformers.DynamicCache()
-    patched(input_ids=ids, attention_mask=am[:, :6], past_key_values=cache, use_cache=True)
+    patched(input_ids=ids, attention_mask=am[:, :6], **_cache_kw(cache), use_cache=True)
     am[1, :2] = 1  # the padding the kept sets were selected under, changed
     with pytest.raises(ValueError, match="earlier columns changed"):
-        patched(input_ids=ids[:, :1], attention_mask=am, past_key_values=cache, use_cache=True)
+        patched(input_ids=ids[:, :1], attention_mask=am, **_cache_kw(cache), use_cache=True)
 
 
 @pytest.mark.parametrize("form", ["position_ids", "flash_kwargs"])
