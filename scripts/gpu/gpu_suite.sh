@@ -15,9 +15,10 @@
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
 #   bash scripts/gpu/gpu_suite.sh decodekernel OUTDIR   # benchmarks/dev/decode_kernel.py --sweep: the decode kernel alone
+#   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # benchmarks/dev/doge_decode_profile.py: a Doge decode token, profiled
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, topk, sanitizer, cudadev, selbench, decodekernel, topkbench, decodebench, varlenbench,
+#                                                 # tests, topk, sanitizer, cudadev, selbench, decodekernel, dogeprofile, topkbench, decodebench, varlenbench,
 #                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
@@ -103,6 +104,10 @@ if has decodekernel; then
 for K in sorted({x['K'] for x in r}):
     rows = [x for x in r if x['K'] == K]
     for x in rows[:1] + sorted(rows[1:], key=lambda x: x['cold_graph_us'])[:3]: print(x)" "$out/decode_kernel.json" | tee -a "$log"
+fi
+if has dogeprofile; then
+  timeout $(cap 400) $PY -m benchmarks.dev.doge_decode_profile > "$out/doge_profile.log" 2>&1
+  echo "doge_decode_profile rc=$?" | tee -a "$log"; grep '^==' "$out/doge_profile.log"
 fi
 if has topkbench; then
   timeout $(cap 560) $PY -m benchmarks topk ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
