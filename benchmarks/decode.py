@@ -243,18 +243,18 @@ def generate_rows(
     return rows
 
 
+def _ms_cell(r: dict) -> str:
+    """A timed peer's cell: ms (and its GPU time where graph-timed), its error, or a dash."""
+    if "error" in r:
+        return f"error: {r['error'][:50]}"
+    if "ms" not in r:
+        return "–"
+    return f"{r['ms']:.4f}" + (f" (GPU {r['gpu_ms']:.4f})" if "gpu_ms" in r else "")
+
+
 def markdown(doc: dict) -> str:
     def step_cells(row) -> list:
-        cells = [row["case"]["name"]]
-        for p in PEERS:
-            r = row["peers"].get(p, {})
-            if "error" in r:
-                cells.append(f"error: {r['error'][:50]}")
-            elif "ms" not in r:
-                cells.append("–")
-            else:
-                cells.append(f"{r['ms']:.4f}" + (f" (GPU {r['gpu_ms']:.4f})" if "gpu_ms" in r else ""))
-        return cells
+        return [row["case"]["name"]] + [_ms_cell(row["peers"].get(p, {})) for p in PEERS]
 
     def generate_cells(row) -> list:
         cells = [row["case"]["name"]]
@@ -274,14 +274,7 @@ def markdown(doc: dict) -> str:
     if doc.get("api_rows"):
 
         def api_cells(row) -> list:
-            cells = [row["case"]["name"]]
-            for p in ("few-rows", "selection"):
-                r = row["peers"].get(p, {})
-                if "error" in r:
-                    cells.append(f"error: {r['error'][:50]}")
-                else:
-                    cells.append("–" if "ms" not in r else f"{r['ms']:.4f} (GPU {r['gpu_ms']:.4f})")
-            return cells
+            return [row["case"]["name"]] + [_ms_cell(row["peers"].get(p, {})) for p in ("few-rows", "selection")]
 
         head = ["flash_dma_attention, new rows after the cache", "few-rows route ms", "selection over every key ms"]
         lines += [""] + table(head, doc["api_rows"], api_cells)

@@ -23,7 +23,6 @@ from . import _ext, _ops, _tilebits
 from ._device import device_capability
 from ._warnings import warn_once as _warn_once
 from .perkey import attention as perkey_attention
-from .perkey import contract as perkey_contract
 from .perkey import route as perkey_route
 from .reference import attention_ref
 
@@ -253,39 +252,16 @@ def _dense_reference(call: Call, q, k, v, mask, bias, scale, deterministic, need
     return attention_ref(q, k, v, mask, bias, is_causal=call.is_causal, softmax_scale=scale, softcap=call.softcap)
 
 
-def _few_rows_dense_call(call: Call) -> Call:
-    """The dense-mask call perkey.attention.few_rows makes for `call`: its gathered entries as the
-    keys (kv heads: one per plane where the planes are the query heads), its keep rows as the mask."""
-    mask_b, mask_h = (1, 1) if call.mask_shape is None else call.mask_shape[:2]
-    P1 = max(call.bias_shape[0], mask_b)
-    P2 = perkey_contract.plane_heads(call.num_heads, call.bias_shape[1], mask_h)
-    rows = call.seqlen_q if call.is_causal and call.seqlen_q > 1 else 1
-    E = min(call.keep_window_size, call.seqlen_k) + (call.seqlen_q - 1 if call.is_causal else 0)
-    heads = call.num_heads if P2 == call.num_heads else call.num_kv_heads
-    return call._replace(
-        seqlen_k=E,
-        num_kv_heads=heads,
-        is_causal=False,
-        mask_shape=(P1, P2, rows, E),
-        bias_shape=(P1, P2, 1, E),
-        keep_window_size=None,
-    )
-
-
 def _perkey(backend: str) -> Callable:
     def run(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
         # A few query rows (decoding through the API, a short chunk): their kept sets from one sort
         # of the keys and O(W) updates, then the dense-mask kernels over the gathered entries,
         # where this backend's dense path takes that call. The reference stays the dense mask.
         if backend in ("cuda", "cpu") and perkey_attention.few_rows_ok(call):
-            dense_call = _few_rows_dense_call(call)
-            if unsupported_reason("dense", backend, dense_call) is None:
-                impl = IMPLEMENTATIONS[("dense", backend)]
-
-                def dense(q_, k_, v_, mask_, bias_):
-                    return impl(dense_call, q_, k_, v_, mask_, bias_, scale, deterministic, need_lse)
-
-                return perkey_attention.few_rows(call, q, k, v, mask, bias, dense)
+            args = perkey_attention.few_rows(call, q, k, v, mask, bias)
+            dense = Call.of(*args, is_causal=False, softcap=call.softcap, requires_grad=call.requires_grad)
+            if unsupported_reason("dense", backend, dense) is None:
+                return IMPLEMENTATIONS[("dense", backend)](dense, *args, scale, deterministic, need_lse)
         # FlexAttention loaded only where it runs the call.
         flex = _flex_module()[0] if backend == "flex" else None
         return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=flex)

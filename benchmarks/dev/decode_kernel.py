@@ -48,6 +48,16 @@ def _load(path: str):
     return module
 
 
+def measure(fn, rec: dict) -> dict:
+    """rec with fn's times (cold: the Python call; cold_graph: its graph replay; graph: back-to-back
+    replays), printed as it lands."""
+    rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    rec["graph_us"] = graph_us(fn)
+    rec["cold_graph_us"] = do_bench(captured(fn), warmup=25, rep=100, return_mode="median") * 1e3
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
 def variants(sweep: bool, window: int):
     yield dict(block=None, nsplit=None, num_warps=4, num_stages=2)  # the defaults
     if sweep:
@@ -75,12 +85,7 @@ def main():
         if a.baseline:
             fn = case(B, a.H, a.KVH, a.D, K, a.W, _load(a.baseline))
             fn()
-            rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, kernel="baseline")
-            rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-            rec["graph_us"] = graph_us(fn)
-            rec["cold_graph_us"] = do_bench(captured(fn), warmup=25, rep=100, return_mode="median") * 1e3
-            print(json.dumps(rec), flush=True)
-            results.append(rec)
+            results.append(measure(fn, dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, kernel="baseline")))
         fn = case(B, a.H, a.KVH, a.D, K, a.W)
         for var in variants(a.sweep, a.W):
             if var["block"] is not None:
@@ -94,12 +99,7 @@ def main():
                 fn()
                 torch.cuda.synchronize()
                 continue
-            rec = dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, **var)
-            rec["cold_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-            rec["graph_us"] = graph_us(fn)
-            rec["cold_graph_us"] = do_bench(captured(fn), warmup=25, rep=100, return_mode="median") * 1e3
-            print(json.dumps(rec), flush=True)
-            results.append(rec)
+            results.append(measure(fn, dict(B=B, K=K, H=a.H, KVH=a.KVH, D=a.D, W=a.W, **var)))
     triton_decode.geometry = geometry
     triton_decode.CONFIG.update(config)
     if a.out:

@@ -81,31 +81,28 @@ def few_rows_ok(call) -> bool:
     return all(statically_known_true(c) for c in conditions)
 
 
-def few_rows(call, query, key, value, attn_mask, attn_bias, dense):
-    """(out, lse) of a few query rows against K keys without the selection over all of them: the
-    kept set of the first row (one sort of the keys it sees: decode.last_row), then one O(W) update
-    a later row's new key (decode.append_rows, causal only: without causality every row keeps the
-    first row's set), the kept entries' K / V rows and biases gathered, and one dense-mask call
-    over those at most W + Q - 1 entries, `dense(q, k, v, mask, bias)` (the dispatcher's dense
-    path). The same kept sets as the selection (tests/test_topk.py); gradients reach q, k, v and
-    the bias through the gathers."""
+def few_rows(call, query, key, value, attn_mask, attn_bias) -> tuple:
+    """A few query rows against K keys without the selection over all of them, as the operands of
+    one dense-mask call (q, k, v, mask, bias) over at most W + Q - 1 gathered entries: the kept set
+    of the first row (one sort of the keys it sees: decode.last_row), then one O(W) update a later
+    row's new key (decode.append_rows, causal only: without causality every row keeps the first
+    row's set), the kept entries' K / V rows and biases gathered. The same kept sets as the
+    selection (tests/test_topk.py); gradients reach q, k, v and the bias through the gathers."""
     B, Q, H, _ = query.shape
     K, KVH = key.shape[1], key.shape[2]
-    W = call.keep_window_size
     scores = contract.selection_scores(attn_bias.detach(), attn_mask, H)  # (P1, P2, K)
     P1, P2 = scores.shape[:2]
-    first = K - Q + 1 if call.is_causal else K  # the keys the first row sees
-    # Slots for every key any row may keep: while fewer than W keys are seen, all are kept.
-    kept = decode.last_row(scores[..., :first], min(W, K))
-    first_keep = kept.valid.clone()  # append_rows on CUDA updates `kept` in place
+    first = K - Q + 1 if call.is_causal else K  # the keys the first row sees: more than W
+    kept = decode.last_row(scores[..., :first], call.keep_window_size)
     if call.is_causal and Q > 1:
+        first_keep = kept.valid.clone()  # append_rows on CUDA updates `kept` in place
         new = scores[..., first:]
         rows = decode.append_rows(kept, new, first, torch.ones_like(new, dtype=torch.bool))
         idx = rows.idx
         pad = first_keep.new_zeros(*first_keep.shape[:2], Q - 1)
         keep = torch.cat((torch.cat((first_keep, pad), -1)[:, :, None], rows.keep), 2)
     else:
-        idx, keep = kept.idx, first_keep[:, :, None]
+        idx, keep = kept.idx, kept.valid[:, :, None]
     # The gathered K / V heads: one per plane where the planes are the query heads, else the kv heads.
     heads = H if P2 == H else KVH
     c = torch.arange(heads, device=idx.device)
@@ -116,4 +113,4 @@ def few_rows(call, query, key, value, attn_mask, attn_bias, dense):
     k_g, v_g = key[b, rows_of, kv], value[b, rows_of, kv]  # (B, E, heads, D)
     bias = expand_heads(attn_bias, P2) if attn_bias.shape[1] not in (1, P2) else attn_bias
     bias = bias.expand(P1, P2, 1, K).gather(-1, idx[:, :, None, :])
-    return dense(query, k_g, v_g, keep, bias)
+    return query, k_g, v_g, keep, bias
