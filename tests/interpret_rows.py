@@ -45,8 +45,8 @@ def check(B, P, W, n, T, dtype, **kw):
 
     kept, s_new, eligible = case(B, P, W, n, T, dtype, **kw)
     label = f"B={B} P={P} W={W} n={n} T={T} {dtype} {kw}"
-    want = decode.append_rows(kept, s_new, n, eligible)
     mine = decode.KeptSet(*(t.clone() for t in kept))
+    want = decode.append_rows(kept, s_new, n, eligible)
     got = append_rows(mine, s_new, n, eligible)
     assert got.kept is mine, label
     for name in ("idx", "keep"):

@@ -436,8 +436,8 @@ def test_cuda_rows_step():
         ]
     ):
         kept, s_new, eligible = ir.case(B, P, W, n, T, dtype, seed=i, **kw)
-        want = decode.append_rows(kept, s_new, n, eligible)
         mine = decode.KeptSet(*(t.cuda() for t in kept))
+        want = decode.append_rows(kept, s_new, n, eligible)
         got = append_rows(mine, s_new.cuda(), n, eligible.cuda())
         assert torch.equal(got.idx.cpu(), want.idx) and torch.equal(got.keep.cpu(), want.keep)
         ir._same_scores(got.score.cpu(), want.score, i)

@@ -599,13 +599,6 @@ def _doge_decode_step(
         rows = decode.append_rows(state.kept, s_new, start, eligible[:, None, :].expand(B, KVH, T))
         out = _attend_entries(self, query_states, key_states, value_states, rows.idx, rows.score, rows.keep)
         kept = rows.kept
-        if torch.compiler.is_compiling():
-            # Traced (transformers' compiled generation): what a compiled step returns lives in the
-            # CUDA graph's memory, which its next replay overwrites. The kept set stays in the
-            # buffers the (eager) prefill allocated, static addresses updated in place.
-            for old, new in zip(state.kept, rows.kept):
-                old.copy_(new)
-            kept = state.kept
     padding = attention_mask if attention_mask is not None else state.padding
     _set_kept_state(cache, self, _KeptState(kept, length, padding))
     return self.o_proj(out.reshape(B, T, -1).contiguous()), None

@@ -95,7 +95,7 @@ def few_rows(call, query, key, value, attn_mask, attn_bias) -> tuple:
     first = K - Q + 1 if call.is_causal else K  # the keys the first row sees: more than W
     kept = decode.last_row(scores[..., :first], call.keep_window_size)
     if call.is_causal and Q > 1:
-        first_keep = kept.valid.clone()  # append_rows on CUDA updates `kept` in place
+        first_keep = kept.valid.clone()  # append_rows updates `kept` in place
         new = scores[..., first:]
         rows = decode.append_rows(kept, new, first, torch.ones_like(new, dtype=torch.bool))
         idx = rows.idx

@@ -97,8 +97,11 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     keys 0 .. t, so its kept set is the one after appending keys 0 .. t, one O(W) update each. A
     key that leaves never returns (fact 2), so every row's set lies in the old slots plus the new
     keys (fact 3): W + T entries. `start` is an int, or a one-element device tensor (a static
-    cache's position). On CUDA with an int start one kernel (flexdma/perkey/triton_rows.py), which
-    updates `kept` in place (Rows.kept is it: a step consumes the kept set it extends)."""
+    cache's position). `kept` is updated in place (Rows.kept is it: a step consumes the kept set it
+    extends): on CUDA with an int start by one kernel (flexdma/perkey/triton_rows.py), else by
+    torch ops, which then write their result back (under transformers' compiled generation the set
+    so stays in the buffers the prefill allocated: a CUDA graph's outputs are overwritten by its
+    next replay)."""
     if isinstance(start, int) and _one_kernel_ok(kept.idx.device):
         from .triton_rows import append_rows as one_kernel
 
@@ -116,12 +119,15 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
         kept = after
         keep.append(torch.zeros(B, P, W + T, dtype=torch.bool, device=entry.device).scatter_(-1, entry, kept.valid))
     new_idx = (start + torch.arange(T, device=kept.idx.device)).expand(B, P, T)
-    return Rows(
+    rows = Rows(
         torch.cat((first.idx, new_idx), -1),
         torch.cat((first.score, s_new.to(first.score.dtype)), -1),
         torch.stack(keep, 2),
-        kept,
+        first,
     )
+    for old, new in zip(first, kept):
+        old.copy_(new)
+    return rows
 
 
 def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
