@@ -103,6 +103,24 @@ def test_few_rows_route_matches_the_reference(device, case, monkeypatch):
     assert taken, "the call did not take the few-rows route"
 
 
+def test_few_rows_route_empty_batch(monkeypatch):
+    # A batch of 0 rows through the route: empty outputs and gradients of the inputs' shapes.
+    from flexdma.perkey import attention
+
+    taken = []
+    few_rows = attention.few_rows
+    monkeypatch.setattr(attention, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
+    q, k, v = torch.randn(0, 2, 4, 16), torch.randn(0, 300, 2, 16), torch.randn(0, 300, 2, 16)
+    bias = torch.randn(1, 2, 1, 300)
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+    out, lse = flexdma.flash_dma_attention(
+        *ins[:3], None, ins[3], is_causal=True, keep_window_size=8, return_lse=True, backend="cpu"
+    )
+    assert taken and out.shape == (0, 2, 4, 16) and lse.shape == (0, 4, 2)
+    grads = torch.autograd.grad(out.sum(), ins, allow_unused=True)
+    assert all(g is None or (g.shape == t.shape and not g.any()) for g, t in zip(grads, ins))
+
+
 def test_few_rows_route_equals_the_selection_route(monkeypatch):
     # Against the per-key op over the selection, bf16 with ties and -inf scores: the same kept keys,
     # so outputs, LSE and gradients agree to the dense-mask kernel's rounding.
