@@ -210,7 +210,7 @@ def generate_rows(
                     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
                     if peer == "flexdma-static":
                         kw["cache_implementation"] = "static"
-                    with _without_dynamic_mask() if peer == "no-dynamic-mask" else contextlib.nullcontext():
+                    with _without_dynamic_mask(scores=False) if peer == "no-dynamic-mask" else contextlib.nullcontext():
                         with torch.no_grad():
                             if peer == "flexdma-static":
                                 # Compiles and captures outside the timed calls, at the full length:

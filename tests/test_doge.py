@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from utils import LargestTensor
 
 transformers = pytest.importorskip("transformers")
@@ -433,7 +434,13 @@ def test_static_cache_compiled_generation(monkeypatch):
         kept.setdefault(layer.layer_idx, []).append(state.kept)
         set_state(cache, layer, state)
 
-    monkeypatch.setattr(fx, "_set_kept_state", recorded)
+    torch._dynamo.reset()
+    counters.clear()
+    assert torch.equal(patched.generate(ids, cache_implementation="static", compile_config=cc, **kw), want)
+    # Every decode step through one traced graph: a shape that changed from token to token (a mask
+    # as wide as the tokens so far) would retrace step after step, and on CUDA record a graph each.
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(fx, "_set_kept_state", recorded)  # (its growing lists retrace each step)
     assert torch.equal(patched.generate(ids, cache_implementation="static", compile_config=cc, **kw), want)
     assert sorted(kept) == [0, 1] and all(len(sets) == 6 for sets in kept.values())
     for sets in kept.values():

@@ -179,9 +179,13 @@ def _doge_padding_mask(
         return None
     if attention_mask.dim() != 2:
         raise ValueError(f"patch_doge needs a (batch, {kv_length}) padding mask, got {tuple(attention_mask.shape)}")
-    # A static cache's key length is its capacity: its mask covers the keys written so far, and the
-    # patched forward (which knows the cache) checks the length against the keys it attends to.
-    return attention_mask[:, -kv_length:].bool()
+    mask = attention_mask[:, -kv_length:].bool()
+    if mask.shape[-1] < kv_length:
+        # A static cache's key length is its capacity, and its mask covers the keys written so far:
+        # padded with False to the capacity (as transformers pads its own masks), so a compiled
+        # step's mask has one width from token to token and nothing retraces.
+        mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]))
+    return mask
 
 
 def _is_packed_causal(mask_function, causal) -> bool:
@@ -291,6 +295,8 @@ def _doge_attention_forward(
         extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, *extra)
     grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+    # The mask the kept sets remember: a static cache's at its capacity's width, as its steps get it.
+    kept_padding = attention_mask
     if static:
         # A static cache returns its capacity, unwritten slots included. The keys written so far:
         # a one-token step with kept sets attends through them, the new key's position a device
@@ -375,7 +381,7 @@ def _doge_attention_forward(
             # The compiled decode steps update these in place: static addresses to CUDA graphs.
             for t in kept:
                 torch._dynamo.mark_static_address(t)
-        _set_kept_state(cache, self, _KeptState(kept, K, attention_mask))
+        _set_kept_state(cache, self, _KeptState(kept, K, kept_padding))
     return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
 
 
@@ -503,9 +509,10 @@ def _hooked(method, update):
     return run
 
 
-def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Tensor], earlier: int) -> None:
+def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Tensor], earlier) -> None:
     """Raise (on CUDA: a device-side assert, no host wait) unless the step's attention_mask keeps
-    the padding the kept sets were built with in its first `earlier` columns. Once a step: every
+    the padding the kept sets were built with in its first `earlier` columns. `earlier` is an int,
+    or for a static cache (whose masks span its capacity) a device tensor. Once a step: every
     layer of a step gets the same mask tensor and holds the same earlier one, so the layers after
     the first skip the O(K) compare (its launches are most of a decode step's extra host time)."""
     # Traced (torch.compile): the compare is in the graph and asserts on the device; no memo.
@@ -514,13 +521,25 @@ def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Te
     if memo is not None and memo[0]() is attention_mask and memo[1] is state.padding:
         return
     if attention_mask is not None:
-        if state.padding is not None and state.padding.shape[-1] != earlier:
-            raise ValueError(
-                f"patch_doge: the padding mask covers {earlier} keys before the new tokens, the kept sets "
-                f"were built over {state.padding.shape[-1]}"
-            )
-        mask = attention_mask[:, :earlier].bool()
-        same = mask.all() if state.padding is None else (mask == state.padding.bool()).all()
+        if isinstance(earlier, torch.Tensor):
+            # Both masks span the static cache's capacity: the columns before `earlier` compared.
+            if state.padding is not None and state.padding.shape != attention_mask.shape:
+                raise ValueError(
+                    f"patch_doge: the padding mask is {tuple(attention_mask.shape)}, the kept sets were built "
+                    f"with a {tuple(state.padding.shape)} one"
+                )
+            later = torch.arange(attention_mask.shape[-1], device=attention_mask.device) >= earlier
+            mask = attention_mask.bool()
+            same = (mask | later) if state.padding is None else ((mask == state.padding.bool()) | later)
+            same = same.all()
+        else:
+            if state.padding is not None and state.padding.shape[-1] != earlier:
+                raise ValueError(
+                    f"patch_doge: the padding mask covers {earlier} keys before the new tokens, the kept "
+                    f"sets were built over {state.padding.shape[-1]}"
+                )
+            mask = attention_mask[:, :earlier].bool()
+            same = mask.all() if state.padding is None else (mask == state.padding.bool()).all()
         what = "patch_doge: the attention_mask's earlier columns changed between decode steps"
         why = "; the cache's kept sets were selected with the old ones (start again with a new cache)"
     elif state.padding is not None:
@@ -581,7 +600,12 @@ def _doge_decode_step(
     count the kept state records (-1 for a static cache, which counts its keys itself)."""
     B, KVH = key_states.shape[:2]
     T = query_states.shape[2]
-    if attention_mask is not None:
+    if attention_mask is not None and isinstance(start, torch.Tensor):
+        # A static cache: the mask spans its capacity, the new tokens' columns start at `start`.
+        _check_padding(cache, state, attention_mask, start)
+        cols = start + torch.arange(T, device=attention_mask.device)
+        eligible = attention_mask.index_select(1, cols).bool()
+    elif attention_mask is not None:
         _check_padding(cache, state, attention_mask, attention_mask.shape[-1] - T)
         eligible = attention_mask[:, -T:].bool()
     else:
