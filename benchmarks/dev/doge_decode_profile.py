@@ -61,7 +61,7 @@ def main():
         with torch.no_grad():
             # Compiles, captures and warms outside the profiled calls (the static cache's length
             # and shapes are the profiled call's: no recompile there).
-            model.generate(ids, max_new_tokens=a.tokens, min_new_tokens=a.tokens, **kw)
+            model.generate(ids, max_new_tokens=a.tokens + 1, min_new_tokens=a.tokens + 1, **kw)
             sync()
             # One call of the prompt alone and one with the new tokens: the difference is theirs.
             times = []
