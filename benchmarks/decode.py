@@ -14,17 +14,18 @@ Generation: transformers' DogeForCausalLM (topk.DOGE's config, A drawn in [0.5, 
 256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
 memory, patch_doge (the kept sets beside the cache; with DynamicCache, and with a static cache,
 which transformers generates with a compiled forward) against the same model without its dynamic
-mask (dense SDPA over every key) and eager Doge where it fits.
+mask (plain SDPA over every cached key; with either cache) and eager Doge where it fits.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
+import types
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flexdma
 import flexdma.integrations.transformers as hf
@@ -32,7 +33,7 @@ from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import attention
 
 from .common import Saving, captured, chosen_peers, newest_section, record, table
-from .topk import DOGE, _peak, _time, _without_dynamic_mask
+from .topk import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
 PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
@@ -41,7 +42,12 @@ PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
 GRAPHED = ("kernel", "sdpa")
 # flexdma-static: patch_doge with cache_implementation="static", which transformers generates with
 # a compiled forward (Inductor, CUDA graphs); its compile is in the first, untimed, generate call.
-GEN_PEERS = ("flexdma", "flexdma-static", "no-dynamic-mask", "eager")
+# no-dynamic-mask(-static): the same model's layers with plain SDPA over every cached key
+# (_plain_sdpa_forward), with DynamicCache and with a static cache (compiled, as flexdma-static).
+GEN_PEERS = ("flexdma", "flexdma-static", "no-dynamic-mask", "no-dynamic-mask-static", "eager")
+# cuDNN's SDPA builds an execution plan for every new key length (one per token when the cache
+# grows); the plain peers' decode steps run at their best without it.
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EAGER_MAX = 8192  # eager Doge builds (B, H, Q, K) masks in its prefill
 
 
@@ -175,6 +181,47 @@ def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1
     return rows
 
 
+def _plain_sdpa_forward(
+    self, hidden_states, position_embeddings, attention_mask=None, past_key_values=None, cache=None,
+    cache_position=None, **kwargs,
+):  # fmt: skip
+    """A Doge layer without its dynamic mask, for generation: the same projections, rotary and cache
+    update, then SDPA over every cached key. A prompt (several rows, no earlier keys: the
+    benchmark's unpadded prompts) runs causal; a decode step's row attends to the keys its padding
+    mask keeps (a static cache's: the written ones), the query heads of a group stacked as rows."""
+    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+
+    cache = cache if cache is not None else past_key_values
+    B, T = hidden_states.shape[:-1]
+    shape = (B, T, -1, self.head_dim)
+    q_norm, k_norm = getattr(self, "q_norm", torch.nn.Identity()), getattr(self, "k_norm", torch.nn.Identity())
+    q = q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+    k = k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    if cache is not None:
+        extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
+        k, v = cache.update(k, v, self.layer_idx, *extra)
+    H, KVH = q.shape[1], k.shape[1]
+    if T > 1:
+        k, v = k[:, :, :T], v[:, :, :T]  # a prompt is the cache's first keys
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        out = out.transpose(1, 2)
+    else:
+        mask = None
+        if getattr(cache, "is_compileable", False):
+            # A static cache returns its capacity: the written keys (a device count, no host wait).
+            end = hf._static_end(cache, self.layer_idx, cache_position)
+            mask = (torch.arange(k.shape[2], device=k.device) < end)[None, None, None, :]
+        if attention_mask is not None:
+            pad = attention_mask[:, None, None, : k.shape[2]].bool()
+            mask = pad if mask is None else mask & pad
+        with sdpa_kernel(_DECODE_BACKENDS):
+            out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, -1), k, v, mask, scale=self.scaling)
+    return self.o_proj(out.reshape(B, T, -1)), None
+
+
 def generate_rows(
     prompts=(8192, 32768, 131072), batches=(1, 8), new_tokens=256, budget: float = 600.0, rows: Optional[list] = None
 ) -> List[dict]:
@@ -205,34 +252,38 @@ def generate_rows(
                     if peer == "eager":
                         model.set_attn_implementation("eager")
                     else:
+                        # (the plain peers keep patch_doge's mask interface: (B, K) padding masks)
                         hf.patch_doge(model)
+                    if peer.startswith("no-dynamic-mask"):
+                        for layer in model.model.layers:
+                            layer.self_attn.forward = types.MethodType(_plain_sdpa_forward, layer.self_attn)
                     ids = torch.randint(cfg.vocab_size, (B, L), device="cuda")
                     kw = dict(do_sample=False, pad_token_id=0, min_new_tokens=new_tokens)
-                    if peer == "flexdma-static":
+                    static = peer.endswith("-static")
+                    if static:
                         kw["cache_implementation"] = "static"
-                    with _without_dynamic_mask(scores=False) if peer == "no-dynamic-mask" else contextlib.nullcontext():
-                        with torch.no_grad():
-                            if peer == "flexdma-static":
-                                # Compiles and captures outside the timed calls, at the full length:
-                                # generate reuses a static cache at least as long (same shapes, no
-                                # recompile), so the shorter prefill call below reuses it too. A
-                                # fresh compile a row: another batch size would recompile with
-                                # symbolic shapes.
-                                torch._dynamo.reset()
-                                model.generate(ids, max_new_tokens=new_tokens, **kw)
-                            else:
-                                # Kernels compiled (Triton) and caches warm outside the timed calls.
-                                model.generate(ids, max_new_tokens=2, **dict(kw, min_new_tokens=2))
-                            torch.cuda.synchronize()
-                            torch.cuda.reset_peak_memory_stats()
-                            s = time.perf_counter()
-                            model.generate(ids, max_new_tokens=1, **dict(kw, min_new_tokens=1))
-                            torch.cuda.synchronize()
-                            rec["prefill_s"] = time.perf_counter() - s
-                            s = time.perf_counter()
+                    with torch.no_grad():
+                        if static:
+                            # Compiles and captures outside the timed calls, at the full length:
+                            # generate reuses a static cache at least as long (same shapes, no
+                            # recompile), so the shorter prefill call below reuses it too. A
+                            # fresh compile a row: another batch size would recompile with
+                            # symbolic shapes.
+                            torch._dynamo.reset()
                             model.generate(ids, max_new_tokens=new_tokens, **kw)
-                            torch.cuda.synchronize()
-                            total = time.perf_counter() - s
+                        else:
+                            # Kernels compiled (Triton) and caches warm outside the timed calls.
+                            model.generate(ids, max_new_tokens=2, **dict(kw, min_new_tokens=2))
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        s = time.perf_counter()
+                        model.generate(ids, max_new_tokens=1, **dict(kw, min_new_tokens=1))
+                        torch.cuda.synchronize()
+                        rec["prefill_s"] = time.perf_counter() - s
+                        s = time.perf_counter()
+                        model.generate(ids, max_new_tokens=new_tokens, **kw)
+                        torch.cuda.synchronize()
+                        total = time.perf_counter() - s
                     rec["decode_tokens_per_s"] = B * (new_tokens - 1) / max(total - rec["prefill_s"], 1e-9)
                     rec["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
                 except Exception as e:

@@ -265,12 +265,10 @@ DOGE = dict(
 
 
 @contextlib.contextmanager
-def _without_dynamic_mask(scores: bool = True):
+def _without_dynamic_mask():
     """patch_doge's layers with dense causal SDPA over all keys in place of the per-key path, and no
-    kept sets (a cached call would otherwise still build them by a selection over every key): the
-    same model (projections, rotary) without its dynamic mask. `scores`: whether its layers still
-    compute dt_states (the train step here keeps them; generation in benchmarks/decode.py does not:
-    a model without the dynamic mask has no use for a score per cached key at every token)."""
+    kept-set decode steps: the same model (projections, rotary, dt_states computed) without its
+    dynamic mask (the train step here, generation in benchmarks/decode.py)."""
 
     def sdpa(q, k, v, mask, bias, *, is_causal, softmax_scale, backend, keep_window_size=None):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -278,22 +276,13 @@ def _without_dynamic_mask(scores: bool = True):
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2)
 
-    def no_scores(layer, value_states):
-        B, KVH, K, _ = value_states.shape
-        return value_states.new_zeros(()).expand(B, KVH, K)
-
-    names = ("flash_dma_attention", "_set_kept_state") + (() if scores else ("_doge_scores",))
-    saved = {n: getattr(hf, n) for n in names}
-    saved_rows, saved_last = kept_sets.MAX_ROWS, kept_sets.last_row
-    for n, f in zip(names, (sdpa, lambda *args: None, no_scores)):
-        setattr(hf, n, f)
-    kept_sets.MAX_ROWS, kept_sets.last_row = 0, lambda *args: None
+    saved = hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state
+    # No kept sets either: a decode step would otherwise still select over every key to build them.
+    hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = sdpa, 0, lambda *args: None
     try:
         yield
     finally:
-        for n, f in saved.items():
-            setattr(hf, n, f)
-        kept_sets.MAX_ROWS, kept_sets.last_row = saved_rows, saved_last
+        hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = saved
 
 
 def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]:
