@@ -25,7 +25,6 @@ from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flexdma
 import flexdma.integrations.transformers as hf
@@ -45,9 +44,6 @@ GRAPHED = ("kernel", "sdpa")
 # no-dynamic-mask(-static): the same model's layers with plain SDPA over every cached key
 # (_plain_sdpa_forward), with DynamicCache and with a static cache (compiled, as flexdma-static).
 GEN_PEERS = ("flexdma", "flexdma-static", "no-dynamic-mask", "no-dynamic-mask-static", "eager")
-# cuDNN's SDPA builds an execution plan for every new key length (one per token when the cache
-# grows); the plain peers' decode steps run at their best without it.
-_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 EAGER_MAX = 8192  # eager Doge builds (B, H, Q, K) masks in its prefill
 
 
@@ -187,8 +183,9 @@ def _plain_sdpa_forward(
 ):  # fmt: skip
     """A Doge layer without its dynamic mask, for generation: the same projections, rotary and cache
     update, then SDPA over every cached key. A prompt (several rows, no earlier keys: the
-    benchmark's unpadded prompts) runs causal; a decode step's row attends to the keys its padding
-    mask keeps (a static cache's: the written ones), the query heads of a group stacked as rows."""
+    benchmark's unpadded prompts) runs causal through SDPA; a decode step's row attends to the keys
+    its padding mask keeps (a static cache's: the written ones), the query heads of a group stacked
+    as rows."""
     from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
 
     cache = cache if cache is not None else past_key_values
@@ -217,8 +214,13 @@ def _plain_sdpa_forward(
         if attention_mask is not None:
             pad = attention_mask[:, None, None, : k.shape[2]].bool()
             mask = pad if mask is None else mask & pad
-        with sdpa_kernel(_DECODE_BACKENDS):
-            out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, -1), k, v, mask, scale=self.scaling)
+        # Two matmuls and a softmax: cuBLAS splits the reduction over the cached keys. (SDPA's flash
+        # and efficient kernels give each head one CTA over every key, and cuDNN's builds an
+        # execution plan for every new key length: the perf log has both.)
+        s = torch.matmul(q.reshape(B, KVH, H // KVH, -1), k.transpose(-1, -2)).float() * self.scaling
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(s.softmax(-1).to(v.dtype), v)
     return self.o_proj(out.reshape(B, T, -1)), None
 
 
