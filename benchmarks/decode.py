@@ -31,7 +31,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import attention
 
-from .common import Saving, captured, chosen_peers, newest_section, record, table
+from .common import Saving, captured, chosen_peers, record, runs_of, table
 from .topk import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -305,7 +305,7 @@ def _ms_cell(r: dict) -> str:
     return f"{r['ms']:.4f}" + (f" (GPU {r['gpu_ms']:.4f})" if "gpu_ms" in r else "")
 
 
-def markdown(doc: dict) -> str:
+def markdown(doc: dict, parts=("rows", "api_rows", "generate")) -> str:
     def step_cells(row) -> list:
         return [row["case"]["name"]] + [_ms_cell(row["peers"].get(p, {})) for p in PEERS]
 
@@ -323,30 +323,42 @@ def markdown(doc: dict) -> str:
                 cells.append("–")
         return cells
 
-    lines = table(["cached keys, layer"] + [f"{p} ms" for p in PEERS], doc["rows"], step_cells)
-    if doc.get("api_rows"):
+    lines = []
+    if "rows" in parts and doc.get("rows"):
+        lines += table(["cached keys, layer"] + [f"{p} ms" for p in PEERS], doc["rows"], step_cells)
+    if "api_rows" in parts and doc.get("api_rows"):
 
         def api_cells(row) -> list:
             return [row["case"]["name"]] + [_ms_cell(row["peers"].get(p, {})) for p in ("few-rows", "selection")]
 
         head = ["flash_dma_attention, new rows after the cache", "few-rows route ms", "selection over every key ms"]
-        lines += [""] + table(head, doc["api_rows"], api_cells)
-    if doc.get("generate"):
+        lines += [""] * bool(lines) + table(head, doc["api_rows"], api_cells)
+    if "generate" in parts and doc.get("generate"):
         head = ["Doge generate (256 new tokens)"] + [f"{p}: prefill s / decode tok/s / peak MiB" for p in GEN_PEERS]
-        lines += [""] + table(head, doc["generate"], generate_cells)
+        lines += [""] * bool(lines) + table(head, doc["generate"], generate_cells)
     return "\n".join(lines)
 
 
 def section(results_dir: str) -> List[str]:
-    return newest_section(
-        results_dir,
-        SCHEMA,
-        "per-key decoding",
+    """The newest run's layer-step and API tables and the newest run's generate table (a run may
+    measure only one part: `--peers generate`)."""
+    runs = runs_of(results_dir, SCHEMA)
+    steps = next((d for d in runs if any(r.get("peers") for r in d.get("rows", []))), None)
+    gen = next((d for d in runs if d.get("generate")), None)
+    note = (
         "`python -m benchmarks decode`: bf16, one new token a step, W=1024; do_bench medians (GPU: of the "
         "step captured in a CUDA graph, no host time); peak = the call's memory above its inputs "
-        "(generate: the process's peak).",
-        markdown,
+        "(generate: the process's peak)."
     )
+    out = []
+    for doc, title, parts in (
+        (steps, "per-key decoding", ("rows", "api_rows") + (("generate",) if gen is steps else ())),
+        (None if gen is steps else gen, "per-key decoding: Doge generate", ("generate",)),
+    ):
+        if doc is not None:
+            head = f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})"
+            out += [head, "", note, "", markdown(doc, parts), ""]
+    return out
 
 
 def main(args, env: dict) -> str:

@@ -300,6 +300,16 @@ def test_decode_benchmark_table_and_report_section(tmp_path):
     assert "| 1.0400 | 0.0213 | – | error: OOM | – |" in md and "not run: time budget" in md
     assert "0.50 / 120 / 900" in md and "– (its prefill builds masks)" in md and "commit abc1234" in md
     assert [r["K"] for r in decode.cases()] == [8192, 32768, 131072, 524288, 131072]
+    # A later run of the generate rows alone (--peers generate: its layer rows unmeasured): the
+    # layer steps stay those of the run that measured them, the generate table is the newer one's.
+    later = dict(doc, date="2026-11-26T00:00:00Z", commit="def5678", rows=[dict(case=c, peers={})])
+    later["generate"] = [dict(case=dict(name="Doge generate B=1 prompt=8K"), peers={"flexdma": dict(
+        prefill_s=0.25, decode_tokens_per_s=800.0, peak_mib=700.0)})]  # fmt: skip
+    (tmp_path / "e.json").write_text(__import__("json").dumps(later))
+    md = "\n".join(decode.section(str(tmp_path)))
+    steps, gen = md.split("## per-key decoding: Doge generate")
+    assert "commit abc1234" in steps and "| 1.0400 | 0.0213 |" in steps and "120" not in steps
+    assert "commit def5678" in gen and "0.25 / 800 / 700" in gen
 
 
 def test_topk_flop_count():

@@ -4,7 +4,7 @@
 #   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
 #                                                 # FlexAttention)
 #   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's, the non-finite inputs' and packed sequences'
-#                                                 # GPU tests (~3 min; the interpreter tests are CPU tests)
+#                                                 # GPU tests (~7 min with XDIST=4; the interpreter tests are CPU tests)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/dev/flex_check.py)
@@ -69,7 +69,7 @@ if has tests; then
   tally "gpu tests" $?
 fi
 if has topk; then
-  timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
+  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
     tests/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
   tally "gpu tests (per-key, non-finite, varlen)" $?
 fi
