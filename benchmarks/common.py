@@ -58,8 +58,13 @@ def newest_section(results_dir: str, schema: str, title: str, note: str, markdow
     the performance log): a heading with the GPU and commit, a note, the run's table."""
     out = []
     for doc in runs_of(results_dir, schema)[:1]:
-        out += [f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})", "", note, "", markdown(doc), ""]
+        out += run_section(doc, title, note, markdown(doc))
     return out
+
+
+def run_section(doc: dict, title: str, note: str, text: str) -> List[str]:
+    """One run's RESULTS.md section: a heading with its GPU and commit, a note, its tables."""
+    return [f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})", "", note, "", text, ""]
 
 
 def save_run(doc: dict, out_dir: str, env: dict, name: str) -> str:

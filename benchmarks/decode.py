@@ -31,7 +31,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import attention
 
-from .common import Saving, captured, chosen_peers, record, runs_of, table
+from .common import Saving, captured, chosen_peers, record, run_section, runs_of, table
 from .topk import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
@@ -182,24 +182,13 @@ def _plain_sdpa_forward(
     cache_position=None, **kwargs,
 ):  # fmt: skip
     """A Doge layer without its dynamic mask, for generation: the same projections, rotary and cache
-    update, then SDPA over every cached key. A prompt (several rows, no earlier keys: the
-    benchmark's unpadded prompts) runs causal through SDPA; a decode step's row attends to the keys
-    its padding mask keeps (a static cache's: the written ones), the query heads of a group stacked
-    as rows."""
-    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
-
+    update (patch_doge's), then attention over every cached key. A prompt (several rows, no earlier
+    keys: the benchmark's unpadded prompts) runs causal through SDPA; a decode step's row attends to
+    the keys its padding mask keeps (a static cache's: the written ones), the query heads of a group
+    stacked as rows."""
     cache = cache if cache is not None else past_key_values
     B, T = hidden_states.shape[:-1]
-    shape = (B, T, -1, self.head_dim)
-    q_norm, k_norm = getattr(self, "q_norm", torch.nn.Identity()), getattr(self, "k_norm", torch.nn.Identity())
-    q = q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
-    k = k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
-    v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    if cache is not None:
-        extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
-        k, v = cache.update(k, v, self.layer_idx, *extra)
+    q, k, v, _ = hf._doge_projections(self, hidden_states, position_embeddings, cache, cache_position)
     H, KVH = q.shape[1], k.shape[1]
     if T > 1:
         k, v = k[:, :, :T], v[:, :, :T]  # a prompt is the cache's first keys
@@ -356,8 +345,7 @@ def section(results_dir: str) -> List[str]:
         (None if gen is steps else gen, "per-key decoding: Doge generate", ("generate",)),
     ):
         if doc is not None:
-            head = f"## {title} ({doc.get('gpu_short')}, commit {doc.get('commit')})"
-            out += [head, "", note, "", markdown(doc, parts), ""]
+            out += run_section(doc, title, note, markdown(doc, parts))
     return out
 
 

@@ -245,6 +245,28 @@ def _check_doge_signature(forward) -> None:
         )
 
 
+def _doge_projections(layer, hidden_states, position_embeddings, cache, cache_position):
+    """A DogeAttention's rows as transformers computes them: (query, key, value, new values), the
+    queries (B, H, T, D) with q_norm and rotary, the keys and values (B, KVH, K, D) as the cache
+    holds them after its update (the new rows alone without a cache), and the new rows' values
+    before it (what their scores come from)."""
+    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
+
+    shape = (*hidden_states.shape[:-1], -1, layer.head_dim)
+    q_norm, k_norm = getattr(layer, "q_norm", torch.nn.Identity()), getattr(layer, "k_norm", torch.nn.Identity())
+    query_states = q_norm(layer.q_proj(hidden_states).view(shape)).transpose(1, 2)
+    key_states = k_norm(layer.k_proj(hidden_states).view(shape)).transpose(1, 2)
+    new_values = value_states = layer.v_proj(hidden_states).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    if cache is not None:
+        # transformers <= 5.0 writes a static cache at cache_position (Doge passes it with the rotary
+        # tables); later releases count the keys in the cache's layers.
+        extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
+        key_states, value_states = cache.update(key_states, value_states, layer.layer_idx, *extra)
+    return query_states, key_states, value_states, new_values
+
+
 def _doge_attention_forward(
     self,
     hidden_states: torch.Tensor,
@@ -258,8 +280,6 @@ def _doge_attention_forward(
     """DogeAttention.forward with the dynamic mask as flexdma's keep_window_size selection: the same
     projections, rotary, cache update and dt_states as transformers' Doge, then one
     flash_dma_attention call with the per-key dt_states as the bias; no (B, H, Q, K) tensor."""
-    from transformers.models.doge.modeling_doge import apply_rotary_pos_emb
-
     if past_key_values is not None and cache is not None and past_key_values is not cache:
         raise ValueError("patch_doge: got two different caches (past_key_values and cache)")
     cache = cache if cache is not None else past_key_values
@@ -280,20 +300,10 @@ def _doge_attention_forward(
     if self.training and self.attention_dropout:
         raise ValueError(f"patch_doge: flexdma attention has no dropout; attention_dropout={self.attention_dropout}")
     input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    q_norm, k_norm = getattr(self, "q_norm", torch.nn.Identity()), getattr(self, "k_norm", torch.nn.Identity())
-    query_states = q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    key_states = k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
-    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    query_states, key_states, value_states, new_values = _doge_projections(
+        self, hidden_states, position_embeddings, cache, cache_position
+    )
     static = cache is not None and getattr(cache, "is_compileable", False)
-    new_values = value_states
-    if cache is not None:
-        # transformers <= 5.0 writes a static cache at cache_position (Doge passes it with the rotary
-        # tables); later releases count the keys in the cache's layers.
-        extra = () if cache_position is None else ({"sin": sin, "cos": cos, "cache_position": cache_position},)
-        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, *extra)
     grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
     # The mask the kept sets remember: a static cache's at its capacity's width, as its steps get it.
     kept_padding = attention_mask
