@@ -363,6 +363,45 @@ def test_triton_decode_step_in_the_interpreter():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_cuda_decode_step_traced(mode):
+    # Under torch.compile (transformers' compiled generation) the step launches through a
+    # triton_op that Inductor inlines, also replayed from a CUDA graph: steps of new keys against
+    # the eager kernel, the output and the kept set bit for bit, the set in its own buffers.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    import interpret_decode as idc
+
+    from flexdma.perkey import decode
+    from flexdma.perkey.triton_decode import decode_step
+
+    torch._dynamo.reset()
+    B, H, KVH, W, D, n = 2, 8, 2, 256, 128, 1000
+    q, k, v, kept = idc.make(B, H, KVH, W, D, n, torch.bfloat16, transposed=True, seed=17, device="cuda")
+    k, v = k[:, :, : n + 1], v[:, :, : n + 1]  # the new key's row at position n
+    traced = decode.KeptSet(*(t.clone() for t in kept))
+    for t in traced:
+        torch._dynamo.mark_static_address(t)
+    where = [t.data_ptr() for t in traced]
+    pos = torch.full((1,), n, device="cuda")
+
+    @torch.compile(fullgraph=True, mode=mode)
+    def step(q, s_new, eligible):
+        return decode_step(q, k, v, traced, s_new, pos, eligible, 0.1) * 1  # (an op after it)
+
+    for i in range(4):
+        s_new, eligible = idc.new_key(kept, torch.bfloat16, 40 + i)
+        s_new, eligible = s_new.cuda(), eligible.cuda()
+        q = torch.randn_like(q)
+        want = decode_step(q, k, v, kept, s_new, pos, eligible, 0.1)
+        got = step(q, s_new, eligible).clone()
+        assert torch.equal(got, want), f"step {i}"
+        assert all(torch.equal(a, b) for a, b in zip(traced, kept)), f"step {i}: kept sets differ"
+    assert [t.data_ptr() for t in traced] == where
+
+
+@pytest.mark.gpu
 def test_cuda_decode_step():
     # The decode step's kernel on the GPU: the interpreter script's checks (with a NaN score the
     # GPU's max, unlike NumPy's, would skip), then one step captured in a CUDA graph (a static

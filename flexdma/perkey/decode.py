@@ -135,19 +135,24 @@ def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
     return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
 
 
-def _one_kernel_ok(device: torch.device) -> bool:
-    """Whether the decode kernels can run here. Not while torch.compile traces: the torch ops of
-    the same step trace (and replay in a CUDA graph) as they are, the kernels' launchers would have
-    to be traced too."""
-    return device.type == "cuda" and _ext.HAVE_TRITON and not _ext.LOAD_ERROR and not torch.compiler.is_compiling()
+def _one_kernel_ok(device: torch.device, traced: bool = False) -> bool:
+    """Whether the decode kernels can run here. While torch.compile traces, only those whose
+    launch is a traceable op (`traced`: the one-row step's); the others' torch ops trace (and
+    replay in a CUDA graph) as they are."""
+    return (
+        device.type == "cuda"
+        and _ext.HAVE_TRITON
+        and not _ext.LOAD_ERROR
+        and (traced or not torch.compiler.is_compiling())
+    )
 
 
 def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
     """Why a step of one new row (q (B, H, D)) cannot take the one-kernel decode step (None: it can)."""
     if q.device.type != "cuda":
         return f"inputs are on {q.device.type}"
-    if not _one_kernel_ok(q.device):
-        return "the one-kernel step needs triton and the built extension, and runs eagerly"
+    if not _one_kernel_ok(q.device, traced=True):
+        return "the one-kernel step needs triton and the built extension"
     if q.dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q.dtype:
         return f"dtype {q.dtype} (it takes float16 and bfloat16)"
     D = q.shape[-1]

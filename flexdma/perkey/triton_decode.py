@@ -1,7 +1,9 @@
 """One decode step of the per-key path on CUDA (one new token): the kept set's O(W) update, in place
 and bit for bit flexdma.perkey.decode.append's, and the new row's attention over the updated set,
 in one kernel launch (its counters: a zeroed buffer it leaves zero): no host synchronisation, so a
-CUDA graph can hold it. Imports triton: loaded by the first call, not by `import flexdma`.
+CUDA graph can hold it. Imports triton: loaded by the first call, not by `import flexdma`. Under
+torch.compile the launch is a triton_op (flexdma::decode_step), which Inductor inlines into its
+graph: transformers' compiled generation replays the one kernel from its CUDA graph.
 
 The grid is (batch x kv head, NSPLIT): a plane's W slots are split over NSPLIT programs, so that a
 step with few planes still fills the GPU. Every program reads all W scores of its plane and takes
@@ -295,20 +297,58 @@ def decode_step(
         raise ValueError(f"decode_step: counter must be {B * KVH} contiguous int32 zeros")
     if B == 0:
         return out
+    if torch.compiler.is_compiling():
+        # Traced (transformers' compiled generation): the launch as a custom op that Inductor
+        # inlines and a CUDA graph holds. Its counters are zeroed in the graph (a memset).
+        if not pos_tensor:
+            position = torch.full((1,), position, dtype=torch.int64, device=q.device)
+        got = torch.ops.flexdma.decode_step(
+            q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new, eligible.view(torch.uint8),
+            position.reshape(1), softmax_scale, softcap,
+        )  # fmt: skip
+        return got if out is None else out.copy_(got)
+    count = (_counter(q.device, B * KVH) if counter is None else counter) if _splits(q, k, W) > 1 else out
+    _launch(_decode_kernel, q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new,
+            eligible.view(torch.uint8), position, out, count, softmax_scale, softcap)  # fmt: skip
+    return out
+
+
+def _splits(q: torch.Tensor, k: torch.Tensor, W: int) -> int:
+    """Programs per plane of this step's launch."""
+    B, H, D = q.shape
+    GP, DP = max(16, triton.next_power_of_2(H // k.shape[1])), triton.next_power_of_2(D)
+    return geometry(W, GP, DP, B * k.shape[1], q.device)[1]
+
+
+def _launch(kernel, q, k, v, idx, valid, score, s_new, eligible, position, out, count, softmax_scale, softcap):
+    """The kernel's launch (eager: the kernel; traced: wrap_triton's), valid / eligible as uint8."""
+    B, H, D = q.shape
+    KVH, W = k.shape[1], idx.shape[-1]
     G = H // KVH
     GP, DP = max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
     block, nsplit = geometry(W, GP, DP, B * KVH, q.device)
-    part = count = out  # unused with one program a plane
+    part = out  # unused with one program a plane
     if nsplit > 1:
         part = torch.empty(B * KVH * nsplit * G * (D + 2), dtype=torch.float32, device=q.device)
-        count = _counter(q.device, B * KVH) if counter is None else counter
-    _decode_kernel[(B * KVH, nsplit)](
-        q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new, eligible.view(torch.uint8),
-        position, out, part, count,
-        *q.stride(), *k.stride(), *v.stride(), *kept.idx.stride(), *kept.valid.stride(), *kept.score.stride(),
+    kernel[(B * KVH, nsplit)](
+        q, k, v, idx, valid, score, s_new, eligible, position, out, part, count,
+        *q.stride(), *k.stride(), *v.stride(), *idx.stride(), *valid.stride(), *score.stride(),
         *s_new.stride(), *eligible.stride(), *out.stride(),
         KVH, W, -(-W // (nsplit * block)) * block, softmax_scale * _LOG2E.value, softcap,
         G=G, GP=GP, D=D, DP=DP, BN=block, BW=max(16, min(BW, triton.next_power_of_2(W))),
-        NSPLIT=nsplit, POS_TENSOR=pos_tensor, SOFTCAP=softcap > 0, **CONFIG,
+        NSPLIT=nsplit, POS_TENSOR=isinstance(position, torch.Tensor), SOFTCAP=softcap > 0, **CONFIG,
     )  # fmt: skip
+
+
+@torch.library.triton_op("flexdma::decode_step", mutates_args={"idx", "valid", "score"})
+def _decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, score: torch.Tensor,
+    s_new: torch.Tensor, eligible: torch.Tensor, position: torch.Tensor, softmax_scale: float, softcap: float,
+) -> torch.Tensor:  # fmt: skip
+    """decode_step's launch as an op torch.compile traces (valid / eligible as uint8, the position
+    a one-element device tensor); the checks are decode_step's."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    count = torch.zeros(q.shape[0] * k.shape[1], dtype=torch.int32, device=q.device)
+    _launch(torch.library.wrap_triton(_decode_kernel), q, k, v, idx, valid, score, s_new, eligible, position, out,
+            count, softmax_scale, softcap)  # fmt: skip
     return out
