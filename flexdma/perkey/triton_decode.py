@@ -303,9 +303,8 @@ def decode_step(
         if not pos_tensor:
             position = torch.full((1,), position, dtype=torch.int64, device=q.device)
         got = torch.ops.flexdma.decode_step(
-            q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new, eligible.view(torch.uint8),
-            position.reshape(1), softmax_scale, softcap,
-        )  # fmt: skip
+            q, k, v, kept.idx, kept.valid, kept.score, s_new, eligible, position.reshape(1), softmax_scale, softcap
+        )
         return got if out is None else out.copy_(got)
     count = (_counter(q.device, B * KVH) if counter is None else counter) if _splits(q, k, W) > 1 else out
     _launch(_decode_kernel, q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new,
@@ -345,10 +344,14 @@ def _decode_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor, score: torch.Tensor,
     s_new: torch.Tensor, eligible: torch.Tensor, position: torch.Tensor, softmax_scale: float, softcap: float,
 ) -> torch.Tensor:  # fmt: skip
-    """decode_step's launch as an op torch.compile traces (valid / eligible as uint8, the position
-    a one-element device tensor); the checks are decode_step's."""
+    """decode_step's launch as an op torch.compile traces (the position a one-element device
+    tensor); the checks are decode_step's. The kernel reads and writes bytes where torch keeps
+    bools: Inductor cannot lower a bool tensor's uint8 view, so valid and eligible pass as uint8
+    copies (W bytes a plane), and valid is copied back."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     count = torch.zeros(q.shape[0] * k.shape[1], dtype=torch.int32, device=q.device)
-    _launch(torch.library.wrap_triton(_decode_kernel), q, k, v, idx, valid, score, s_new, eligible, position, out,
-            count, softmax_scale, softcap)  # fmt: skip
+    valid8 = valid.to(torch.uint8)
+    _launch(torch.library.wrap_triton(_decode_kernel), q, k, v, idx, valid8, score, s_new, eligible.to(torch.uint8),
+            position, out, count, softmax_scale, softcap)  # fmt: skip
+    valid.copy_(valid8 != 0)
     return out
