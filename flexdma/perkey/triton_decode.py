@@ -86,6 +86,9 @@ def _decode_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr,
     NSPLIT: tl.constexpr, POS_TENSOR: tl.constexpr, SOFTCAP: tl.constexpr,
 ):  # fmt: skip
+    # Float arguments in float32 however the launcher types them (Inductor's, float64).
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     plane = tl.program_id(0)
     b = (plane // KVH).to(tl.int64)
     g = (plane % KVH).to(tl.int64)
