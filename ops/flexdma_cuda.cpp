@@ -125,6 +125,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
   return {out, lse, resid};
 }
 
+// flexdma::topk_bwd_sm90: the per-key backward over the same lists (bwd_ws_kernel.cuh). dK / dV
+// and the per-key dbias are sums over the query tiles that list a key: the kernel adds them into
+// one zeroed float buffer, cast here to the operands' dtypes.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
+    const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& tile_keys, int64_t tile_rows,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal,
+    bool bias_requires_grad) {
+  c10::cuda::CUDAGuard guard(q.device());
+  check_qkv(q, k, v);
+  FwdParams rule;
+  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
+  const bool resid = out_resid.defined() && out_resid.numel() > 0;
+  if (resid)
+    TORCH_CHECK_VALUE(out_resid.sizes() == out.sizes() && out_resid.strides() == out.strides() &&
+                          out_resid.scalar_type() == out.scalar_type() && out_resid.device() == out.device(),
+                      "flexdma::topk_bwd_sm90: out_resid must have out's shape, strides, dtype and device");
+  // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
+  const auto rows16 = [](const at::Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+           t.stride(2) % 8 == 0;
+  };
+  const at::Tensor dout = rows16(dout_in) ? dout_in : dout_in.contiguous();
+  TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0,
+                    "flexdma::topk_bwd_sm90: out's strides must be even (its rows are read in pairs), got ",
+                    out.strides());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  const int64_t nk = k.numel(), nb = bias_requires_grad ? bias.numel() : 0;
+  at::Tensor acc = at::zeros({2 * nk + nb}, q.options().dtype(at::kFloat));
+  at::Tensor dk = acc.narrow(0, 0, nk).view(k.sizes()), dv = acc.narrow(0, nk, nk).view(v.sizes());
+  c10::optional<at::Tensor> db;
+  if (bias_requires_grad) db = acc.narrow(0, 2 * nk, nb).view(bias.sizes());
+  at::Tensor unused = at::empty({0}, q.options().dtype(at::kFloat));
+  BwdParams p;
+  fill_bwd_params(p, dout, q, k, v, c10::nullopt, bias, out, lse, softmax_scale, is_causal, 0.0, dq, dk, dv, db,
+                  unused);
+  p.key_rank = rule.key_rank;
+  p.row_thr = rule.row_thr;
+  p.tile_keys = keys;
+  p.topk_tile_rows = tile_rows;
+  p.out_resid = resid ? const_cast<void*>(out_resid.const_data_ptr()) : nullptr;
+  if (q.numel() > 0 && k.numel() > 0)
+    launch_bwd(p, q);
+  else
+    dq.zero_();
+  at::Tensor dbias = bias_requires_grad ? db->to(bias.scalar_type()) : at::empty({0}, q.options());
+  return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
+}
+
 }  // namespace
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
@@ -132,6 +182,7 @@ const bool kSupportCheckSet = (cuda_support_check() = &cuda::unsupported_reason,
 
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
   m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
+  m.impl("topk_bwd_sm90", &topk_bwd_sm90_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("tile_meta", &tile_meta_cuda);

@@ -360,6 +360,15 @@ TORCH_LIBRARY(flexdma, m) {
       "Tensor tile_keys, int tile_rows, float softmax_scale, bool is_causal, float softcap) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
+  // topk_bwd's C++ CUDA kernel (the same builds and head dims as topk_fwd_sm90, no softcap, not
+  // deterministic): the lists of the forward's call, out_resid as it returned it (empty: none).
+  // Returns (dq, dk, dv, dbias), dbias empty unless bias_requires_grad. No other device implements it.
+  m.def(
+      "topk_bwd_sm90(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
+      "Tensor row_thr, Tensor tile_keys, int tile_rows, Tensor out, Tensor lse, Tensor out_resid, "
+      "float softmax_scale, bool is_causal, bool bias_requires_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor "
+      "dbias)",
+      {at::Tag::pt2_compliant_tag});
   // Packed sequences, FlashAttention's varlen layout: q (Tq, H, D), k / v (Tk, KVH, D), int32
   // offsets (batch + 1), attn_bias none or per key (heads, Tk); window > 0: each row keeps its
   // sequence's top-window keys by the bias (the selection never crosses a boundary). lse (H, Tq).

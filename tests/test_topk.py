@@ -158,9 +158,15 @@ def test_few_rows_route_compiles_fullgraph():
     torch.testing.assert_close(got, f(q, k, v, bias))
 
 
-# Head dims 64 / 128: on an sm_90a build the forward is the C++ kernel (flexdma::topk_fwd_sm90)
-# over 64-row query tiles; fp16 and a softcap on some of them; a decode whose keys split.
-SM90_CASES = CASES + [(1, 1, 2000, 2, 1, 600, True, "1", True, False)]
+# Head dims 64 / 128: on an sm_90a build the forward and the backward are the C++ kernels
+# (flexdma::topk_fwd_sm90 / topk_bwd_sm90) over 128-row query tiles (the backward Triton's under a
+# softcap); fp16 and a softcap on some of them; a decode whose keys split; lists of several 64-entry
+# pieces over several query tiles, causal with GQA and per-query-head planes without causality.
+SM90_CASES = CASES + [
+    (1, 1, 2000, 2, 1, 600, True, "1", True, False),
+    (2, 700, 700, 4, 2, 150, True, "KVH", True, False),
+    (1, 300, 500, 4, 1, 100, False, "H", False, False),
+]
 
 
 @pytest.mark.gpu
@@ -222,6 +228,7 @@ def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False, backends=Non
             from flexdma.perkey import route
 
             assert route.sm90_takes(*ins[:4], softcap), "the C++ forward must take this call"
+            assert route.sm90_bwd_takes(*ins[:4], softcap, False) == (softcap == 0), "the C++ backward's choice"
         _poison_cuda_allocator()
         out, lse = flexdma.flash_dma_attention(
             ins[0],

@@ -1,8 +1,8 @@
 """Kernel-level check and timing of the per-key top-W GPU path (no extension build needed).
 
 python -m benchmarks.dev.topk_dev --out results.json [--lengths 32768,131072] [--check]
-Times selection, forward and backward of flexdma/perkey/triton.py against dense causal SDPA over
-all keys in the same run (do_bench medians), and with --check compares bf16 results against the
+Times selection, forward and backward (the C++ sm_90a backward where it applies, and the Triton one)
+against dense causal SDPA over all keys in the same run (do_bench medians), and with --check compares bf16 results against the
 float64 reference at small shapes (FlashAttention's 2x rule).
 """
 
@@ -45,6 +45,12 @@ def _fwd(q, k, v, bias, sel, scale, causal):
     return route.cuda_fwd(q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, False, sel.tile_keys)
 
 
+def _bwd(do, q, k, v, bias, sel, out, lse, res, scale, causal, sm90):
+    # topk_bwd's CUDA implementation (the C++ sm_90a kernel where it applies), or the Triton one.
+    args = (do, q, k, v, bias, *sel[:2], out, lse, scale, causal, 0.0, True, False, sel.tile_keys, res)
+    return route.cuda_bwd(*args) if sm90 else T.bwd(*args)
+
+
 def check():
     rows = []
     for B, L, H, KVH, D, W, ph, causal in [
@@ -59,9 +65,7 @@ def check():
         scale = 1 / math.sqrt(D)
         do = torch.randn_like(q)
         out, lse, res = _fwd(q, k, v, bias, sel, scale, causal)
-        dq, dk, dv, db = T.bwd(
-            do, q, k, v, bias, *sel[:2], out, lse, scale, causal, 0.0, True, False, sel.tile_keys, res
-        )
+        dq, dk, dv, db = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, causal, True)
         errs = {}
         for prec in (torch.float64, torch.bfloat16):
             ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
@@ -117,10 +121,21 @@ def bench(lengths, Ws, Ds, model=True):
         out, lse, res = _fwd(q, k, v, bias, sel, scale, True)
         do = torch.randn_like(q)
         r["bwd_ms"] = do_bench(
-            lambda: T.bwd(do, q, k, v, bias, *sel[:2], out, lse, scale, True, 0.0, True, False, sel.tile_keys, res),
-            warmup=10,
-            rep=50,
+            lambda: _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, False), warmup=10, rep=50
         )
+        r["sm90_bwd"] = route.sm90_bwd_takes(q, k, v, bias, 0.0, False)
+        if r["sm90_bwd"]:
+            r["bwd_sm90_ms"] = do_bench(
+                lambda: _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, True), warmup=10, rep=50
+            )
+            # The two backwards on the same call: the largest difference of each gradient,
+            # relative to its largest magnitude.
+            a = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, True)
+            b = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, False)
+            r["sm90_vs_triton_rel"] = [
+                ((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30)).item()
+                for x, y in zip(a, b)
+            ]
         for name, cfgs, fn in (
             ("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
             (
@@ -157,7 +172,7 @@ def bench(lengths, Ws, Ds, model=True):
         base = torch.cuda.memory_allocated()
         s2 = _select(q, k, bias, W, True)
         o2, l2, r2 = _fwd(q, k, v, bias, s2, scale, True)
-        T.bwd(do, q, k, v, bias, *s2[:2], o2, l2, scale, True, 0.0, True, False, s2.tile_keys, r2)
+        _bwd(do, q, k, v, bias, s2, o2, l2, r2, scale, True, True)
         r["extra_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
         print(r, flush=True)
         rows.append(r)

@@ -5,6 +5,7 @@
 #include "bwd_dbias.cuh"
 #include "bwd_kernel.cuh"
 #include "bwd_prepost.cuh"
+#include "bwd_ws_kernel.cuh"
 #include "launch.h"
 
 namespace flexdma {
@@ -26,12 +27,30 @@ struct BwdWorkspace {
 
 template <typename T, int D>
 int64_t bwd_workspace_bytes(const BwdParams& p) {
-  return (int64_t)BwdWorkspace<D>(p).bytes();
+  return p.tile_keys.ptr ? 0 : (int64_t)BwdWorkspace<D>(p).bytes();
+}
+
+// The per-key backward (tile_keys set; unsupported_reason admits it at the warp-specialized head
+// dims only): one CTA per (128-row query tile, head, batch), heaviest tiles first. p.dk / p.dv
+// point to zeroed float (B, K, KVH, D) accumulators and p.dbias_accum, where set, to a zeroed float
+// one in the bias's layout; the caller casts them.
+template <typename T, int D>
+void launch_topk_bwd(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (fwd_warp_specialized<D>()) {
+    constexpr int kSmem = BwdWsSmem<T, D>::kBytes;
+    cudaFuncSetAttribute(bwd_ws_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const dim3 grid((unsigned)(ceil_div(p.seqlen_q, 2 * kBlockM) * p.num_heads), (unsigned)p.batch);
+    bwd_ws_kernel<T, D><<<grid, kBwdWsThreads, kSmem, stream>>>(p);
+  }
 }
 
 // p.workspace holds bwd_workspace_bytes(p) bytes (the caller's allocation).
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
+  if (p.tile_keys.ptr) {
+    launch_topk_bwd<T, D>(p, stream);
+    return;
+  }
   constexpr int kSmem = BwdSmem<T, D>::kBytes;
   // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dQ, dbias) pass above.
   constexpr bool kSplit = D > 128;

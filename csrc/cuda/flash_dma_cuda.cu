@@ -47,17 +47,17 @@ const char* unsupported_reason(const FwdParams& p) {
   if (p.key_rank.ptr || p.row_thr.ptr || p.tile_keys.ptr) {
     if (!p.key_rank.ptr || !p.row_thr.ptr || !p.tile_keys.ptr)
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";
-    if (!topk_head_dim(p.head_dim)) return "the top-k forward takes head dims 64 and 128, on sm_90a builds";
-    if (p.mask.ptr) return "the top-k forward takes no attn_mask (the selection holds it)";
+    if (!topk_head_dim(p.head_dim)) return "the top-k kernels take head dims 64 and 128, on sm_90a builds";
+    if (p.mask.ptr) return "the top-k kernels take no attn_mask (the selection holds it)";
     if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTopkTileRows != 0)
-      return "the top-k forward reads lists of query tiles of a multiple of 128 rows (its CTA's rows)";
+      return "the top-k kernels read lists of query tiles of a multiple of 128 rows (their CTAs' rows)";
     if (!aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) ||
         !aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) ||
         !aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride))
-      return "the top-k forward needs 16-byte aligned q / k / v rows";
+      return "the top-k kernels need 16-byte aligned q / k / v rows";
     const int64_t rs = p.k_row_stride > p.v_row_stride ? p.k_row_stride : p.v_row_stride;
     if (p.k_row_stride < 0 || p.v_row_stride < 0 || rs >= (int64_t(1) << 31) || p.seqlen_k * rs >= (int64_t(1) << 31))
-      return "the top-k forward indexes key / value rows in 32 bits: seqlen_k x row stride must be below 2^31";
+      return "the top-k kernels index key / value rows in 32 bits: seqlen_k x row stride must be below 2^31";
   }
   return nullptr;
 }

@@ -63,6 +63,7 @@ enum class NamedBarrier : int {
   kLoad = 1,         // the loading warpgroup (warp-specialized forward): its key indices in every loader's view
   kTurn0 = 2,        // computing warpgroup 0's turn to issue its products (paired warp-specialized forward)
   kTurn1 = 3,        // computing warpgroup 1's
+  kBwdPiece = 4,     // per-key backward: both computing warpgroups' P / dS of a list piece staged
 };
 // Computing warpgroup wg's turn barrier.
 __device__ inline NamedBarrier turn_barrier(int wg) {

@@ -1,6 +1,7 @@
 """The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::topk_select,
-topk_fwd, topk_bwd and topk_fwd_sm90, and their CUDA implementations (Triton, registered here;
-topk_fwd's is flexdma/perkey/route.py's cuda_fwd, which picks the C++ sm_90a forward or Triton).
+topk_fwd, topk_bwd, topk_fwd_sm90 and topk_bwd_sm90, and their CUDA implementations (registered
+here: topk_select's is Triton; topk_fwd's / topk_bwd's are flexdma/perkey/route.py's cuda_fwd /
+cuda_bwd, which pick the C++ sm_90a kernels or Triton).
 The schemas and the CPU kernels are the C++ extension's (ops/). Nothing is registered without it.
 """
 
@@ -65,6 +66,13 @@ def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_r
     return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=torch.float32), q.new_empty(q.shape)
 
 
+def _topk_bwd_sm90_fake(
+    grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, out, lse, out_resid, softmax_scale,
+    is_causal, bias_requires_grad,
+):  # fmt: skip
+    return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
+
+
 def _triton_kernel(module, name):
     def run(*args, **kwargs):
         # triton is an optional dependency, imported by the first call, not by `import flexdma`.
@@ -80,12 +88,13 @@ if LOADED:
     torch.library.register_fake("flexdma::topk_fwd")(_topk_fwd_fake)
     torch.library.register_fake("flexdma::topk_bwd")(_topk_bwd_fake)
     torch.library.register_fake("flexdma::topk_fwd_sm90")(_topk_fwd_sm90_fake)
+    torch.library.register_fake("flexdma::topk_bwd_sm90")(_topk_bwd_sm90_fake)
     _ops.register_autograd("flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3)
     _ops.forbid_double_backward("flexdma::topk_bwd")
     # The per-key path's GPU kernels are Triton (flexdma/perkey/triton.py), registered as the CUDA
-    # implementations of the op family's schemas; topk_fwd's hands the calls the C++ sm_90a kernel
-    # takes to flexdma::topk_fwd_sm90 (route.cuda_fwd).
+    # implementations of the op family's schemas; topk_fwd's and topk_bwd's hand the calls the C++
+    # sm_90a kernels take to flexdma::topk_fwd_sm90 / topk_bwd_sm90 (route.cuda_fwd / cuda_bwd).
     if _ext.HAVE_TRITON:
         torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("triton_select", "select"))
         torch.library.register_kernel("flexdma::topk_fwd", "cuda", route.cuda_fwd)
-        torch.library.register_kernel("flexdma::topk_bwd", "cuda", _triton_kernel("triton", "bwd"))
+        torch.library.register_kernel("flexdma::topk_bwd", "cuda", route.cuda_bwd)

@@ -106,16 +106,17 @@ def cuda_unsupported_reason(call) -> Optional[str]:
 class Route(NamedTuple):
     backend: str  # cuda, cpu, flex, reference
     forward: str  # sm90, triton, cpu, flex, reference
-    backward: str  # triton, cpu, flex, reference
+    backward: str  # sm90, triton, cpu, flex, reference
     tile_rows: int  # rows per query tile of the selection's lists
 
 
-_BACKWARD = {"sm90": "triton", "triton": "triton", "cpu": "cpu", "flex": "flex", "reference": "reference"}
+_BACKWARD = {"sm90": "sm90", "triton": "triton", "cpu": "cpu", "flex": "flex", "reference": "reference"}
 
 
 def decide(backend: str, call) -> Route:
     """The route of a call (a flexdma._dispatch.Call) the dispatcher gave `backend`. "sm90": the
-    C++ forward where the operands are aligned for it (cuda_fwd checks them), else Triton."""
+    C++ kernels where the operands are aligned for them (cuda_fwd / cuda_bwd check them), else
+    Triton."""
     mask_heads = 1 if call.mask_shape is None else call.mask_shape[1]
     ph = plane_heads(call.num_heads, call.bias_shape[1], mask_heads)
     tile_rows = tile_rows_for(call.device, call.num_heads, call.num_kv_heads, ph, call.head_dim, call.dtype)
@@ -153,3 +154,47 @@ def cuda_fwd(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, so
             q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap
         )
     return kernels.fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)
+
+
+def sm90_bwd_takes(q, k, v, attn_bias, softcap, deterministic) -> bool:
+    """The C++ backward's conditions besides the forward's: no softcap, and its float atomics
+    allowed (not deterministic, torch's deterministic algorithms off)."""
+    if softcap != 0 or deterministic or torch.are_deterministic_algorithms_enabled():
+        return False
+    return sm90_takes(q, k, v, attn_bias, softcap)
+
+
+def cuda_bwd(
+    grad_out,
+    q,
+    k,
+    v,
+    attn_bias,
+    key_rank,
+    row_thr,
+    out,
+    lse,
+    softmax_scale,
+    is_causal,
+    softcap,
+    bias_requires_grad,
+    deterministic,
+    tile_keys=None,
+    out_resid=None,
+):
+    """flexdma::topk_bwd on CUDA: the C++ sm_90a backward where it takes the call, else Triton
+    (softcap, the deterministic mode, unaligned operands, the other head dims)."""
+    from . import triton as kernels
+
+    tile_keys = kernels._need_tiles(tile_keys)
+    if sm90_bwd_takes(q, k, v, attn_bias, softcap, deterministic):
+        tile_rows = kernels._geometry(q, k, attn_bias, key_rank, tile_keys)["meta"]["TILE_ROWS"]
+        resid = out_resid if out_resid is not None else out.new_empty((0,))
+        return torch.ops.flexdma.topk_bwd_sm90(
+            grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, out, lse, resid,
+            softmax_scale, is_causal, bias_requires_grad,
+        )  # fmt: skip
+    return kernels.bwd(
+        grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+        bias_requires_grad, deterministic, tile_keys, out_resid,
+    )  # fmt: skip

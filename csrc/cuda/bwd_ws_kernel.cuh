@@ -1,0 +1,387 @@
+// Per-key backward, warp-specialized (sm_90a, head dims 64 / 128; flexdma::topk_bwd_sm90): one CTA
+// of three warpgroups per (128-row query tile, head, batch), walking the query tile's key list
+// (ListedKeys, the forward's key source) in 64-entry pieces.
+//   warpgroup 0 loads: Q and dO of the tile once, then each piece's gathered K and V rows with its
+//     slot (key indices, ranks, biases) into a ring of stages, as the forward's loader does;
+//   warpgroups 1 and 2 own rows [0, 64) and [64, 128): S = Q K^T and dP = dO V^T (both operands in
+//     smem), P and dS in registers, dQ += dS K in registers for the whole walk (the CTA owns its
+//     rows' dQ: no dQ reduction at all), and P / dS staged in smem. Then the piece's dV = P^T dO
+//     (warpgroup 1) and dK = dS^T Q (warpgroup 2) over all 128 rows, each added to a float
+//     accumulator per (batch, key, kv head) with 8-byte vector reductions.
+// Why this ownership (query-major): the rows of a query tile share one list of at most W + 127
+// keys, so its products are dense tiles; the key-major alternative covers 1.3-4x the listed pairs
+// (the perf log's measurement). What query-major pays is the dK / dV reduction, one float row per
+// list entry and 128 rows; it halves with every doubling of the rows that share a list.
+// dbias (a per-key bias) is the column sum of dS, reduced over each warp's 16 rows by shuffles and
+// added per key. The float accumulators are zeroed before and cast after the kernel (the op).
+#pragma once
+#include <math_constants.h>
+
+#include "../flash_dma_params.h"
+#include "constants.cuh"
+#include "copy.cuh"
+#include "fwd_key_source.cuh"
+#include "mask.cuh"
+#include "mma_sm80.cuh"
+#include "mma_sm90.cuh"
+#include "pipeline.cuh"
+#include "seq_info.cuh"
+#include "smem_layout.cuh"
+#include "softmax.cuh"
+
+namespace flexdma {
+namespace cuda {
+
+constexpr int kBwdWsThreads = 3 * kThreads;
+// Registers after the hand-over (setmaxnreg, within the launch's 384 x 168): the computing warps
+// hold dQ (D / 2), S and dP (32 each) and then a piece's dK or dV (D / 2); the loader's gathers
+// need few.
+constexpr int kBwdLoadRegs = 72, kBwdComputeRegs = 216;
+static_assert(kThreads * kBwdLoadRegs + 2 * kThreads * kBwdComputeRegs <=
+                  kBwdWsThreads * (65536 / kBwdWsThreads / 8 * 8),
+              "setmaxnreg cannot hand out more registers than the CTA was launched with");
+
+template <typename T, int D>
+struct BwdWsSmem {
+  static constexpr int kStages = 2;
+  static constexpr int kTileKV = tile_bytes<D>();                  // 64 rows x D, swizzled
+  static constexpr int kKeepSlot = KeyList<T, D>::kSlotWords * 4;  // a stage's slot (ListedKeys' name)
+  static constexpr int kPTile = kBlockM * kBlockN * 2;             // 64 rows x 64 keys, swizzled
+  static constexpr int kBars = 0;   // full / empty barriers of the K and the V stages, then Q / dO's
+  static constexpr int kIdx = 256;  // the loader's index ring: 4 pieces of 64 words
+  static constexpr int kSlot = kIdx + 4 * 256;
+  static constexpr int kQ = (kSlot + kStages * kKeepSlot + 1023) / 1024 * 1024;  // two 64-row tiles
+  static constexpr int kDO = kQ + 2 * kTileKV;                                   // two 64-row tiles
+  static constexpr int kK = kDO + 2 * kTileKV;
+  static constexpr int kV = kK + kStages * kTileKV;
+  static constexpr int kP = kV + kStages * kTileKV;       // two buffers x two 64-row halves
+  static constexpr int kDS = kP + 4 * kPTile;             // the same for dS
+  static constexpr int kBytes = kDS + 4 * kPTile + 1024;  // + room to align the base to 1024
+  static_assert(kBytes <= kMaxSmemPerBlock, "per-key backward smem layout too large");
+  static_assert((4 * kStages + 1) * 8 <= kIdx, "barriers must fit before the index ring");
+};
+
+// What the warpgroups of a CTA derive alike (ListedKeys reads b, h, kvh, m0 and sets list).
+struct BwdWsTile {
+  int64_t b, h, kvh, m0;
+  const int32_t* list;
+};
+
+template <typename T, int D>
+__device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64_t n_pieces, unsigned char* smem) {
+  using L = BwdWsSmem<T, D>;
+  constexpr int S = L::kStages;
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
+  uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S, *full_q = full_k + 4 * S;
+  T* sK = reinterpret_cast<T*>(smem + L::kK);
+  T* sV = reinterpret_cast<T*>(smem + L::kV);
+  const SeqInfo seq(c.b);
+  const FwdFlags none{};
+  typename ListedKeys::template Loader<T, D, BwdWsTile> keys(p, none, c, seq,
+                                                             reinterpret_cast<int32_t*>(smem + L::kIdx));
+
+  // Q and dO of both halves, once; rows past seqlen_q are zero (their P and dS come out 0).
+  for (int half = 0; half < 2; ++half) {
+    const int64_t mh = c.m0 + half * kBlockM;
+    const int valid = (int)imax(0, imin(kBlockM, p.seqlen_q - mh));
+    const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.h * p.q_head_stride + mh * p.q_row_stride;
+    const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + c.h * p.do_head_stride + mh * p.do_row_stride;
+    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + half * L::kTileKV / 2, q, p.q_row_stride, valid, true);
+    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kDO) + half * L::kTileKV / 2, d, p.do_row_stride, valid, true);
+  }
+  mbar_arrive_copies(full_q);
+  mbar_arrive(full_q);
+  if (n_pieces == 0) {
+    cp_async_wait<0>();  // no copy may land in the smem of a later CTA
+    return;
+  }
+  keys.start(0);
+  RingPos<S> pk, pv;
+  for (int64_t t = 0; t < n_pieces; ++t) {
+    // Both products of a piece need its K and its V: they are requested together.
+    mbar_wait(&empty_k[pk.stage], pk.phase ^ 1u);
+    keys.template load_k<L>(t, pk.stage, sK, smem + L::kSlot, nullptr);
+    mbar_arrive_copies(&full_k[pk.stage]);
+    mbar_arrive(&full_k[pk.stage]);
+    pk.advance();
+    mbar_wait(&empty_v[pv.stage], pv.phase ^ 1u);
+    keys.template load_v<L>(t, pv.stage, sV);
+    mbar_arrive_copies(&full_v[pv.stage]);
+    pv.advance();
+  }
+  cp_async_wait<0>();
+}
+
+// An 8-byte float reduction into global memory (sm_90's vector red).
+__device__ inline void red_add2(float* dst, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+}
+
+// Computing warpgroup wg: rows [64 wg, 64 wg + 64) of the tile over every piece of the list.
+template <typename T, int D>
+__device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, int64_t n_pieces, unsigned char* smem,
+                                      int wg) {
+  using L = BwdWsSmem<T, D>;
+  constexpr int S = L::kStages;
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
+  uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S, *full_q = full_k + 4 * S;
+  const T* sK = reinterpret_cast<const T*>(smem + L::kK);
+  const T* sV = reinterpret_cast<const T*>(smem + L::kV);
+  const T* sQ = reinterpret_cast<const T*>(smem + L::kQ);
+  const T* sDO = reinterpret_cast<const T*>(smem + L::kDO);
+  T* sP = reinterpret_cast<T*>(smem + L::kP);
+  T* sDS = reinterpret_cast<T*>(smem + L::kDS);
+  const int tid = threadIdx.x - kThreads * (1 + wg);
+  const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
+  const int64_t mc = c.m0 + wg * kBlockM;
+  const SeqInfo seq(c.b);
+
+  int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
+  ListedKeys::row_terms(p, c.b, c.h, mc, w, g, thr, lim);
+  // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
+  // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
+  // row each sum a quarter of it.
+  float l2[2], delta[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t r = mc + w * 16 + g + 8 * hh;
+    l2[hh] = CUDART_INF_F;
+    float acc = 0.f;
+    if (r < p.seqlen_q) {
+      l2[hh] = lse_log2(static_cast<const float*>(p.lse)[(c.b * p.num_heads + c.h) * p.seqlen_q + r]);
+      const int64_t ro = seq.o_offset(p) + c.h * p.o_head_stride + r * p.o_row_stride;
+      const T* o = static_cast<const T*>(p.out) + ro;
+      const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + ro : nullptr;
+      const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + c.h * p.do_head_stride + r * p.do_row_stride;
+#pragma unroll
+      for (int u = 0; u < D / 4; u += 2) {
+        const int col = qc * (D / 4) + u;
+        const float2 dv = unpack2<T>(*reinterpret_cast<const uint32_t*>(d + col));
+        float2 ov = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + col));
+        if (res) {
+          const float2 rv = unpack2<T>(*reinterpret_cast<const uint32_t*>(res + col));
+          ov.x += rv.x;
+          ov.y += rv.y;
+        }
+        acc = fmaf(dv.x, ov.x, fmaf(dv.y, ov.y, acc));
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    delta[hh] = acc;
+  }
+  const float scale_l2 = p.softmax_scale * kLog2eF, scale = p.softmax_scale;
+  const bool want_db = p.dbias_accum.ptr != nullptr;
+  float* db_row = want_db ? const_cast<float*>(static_cast<const float*>(p.dbias_accum.ptr)) +
+                                c.b * p.dbias_accum.batch_stride +
+                                c.h / p.dbias_accum.head_ratio * p.dbias_accum.head_stride
+                          : nullptr;
+  // This warpgroup's piece product: dV (wg 0) from P and dO, dK (wg 1) from dS and Q.
+  float* acc_base = static_cast<float*>(wg == 0 ? p.dv : p.dk) +
+                    c.b * (wg == 0 ? p.dv_batch_stride : p.dk_batch_stride) +
+                    c.kvh * (wg == 0 ? p.dv_head_stride : p.dk_head_stride);
+  const int64_t acc_rs = wg == 0 ? p.dv_row_stride : p.dk_row_stride;
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[j][e] = 0.f;
+  float s[kBlockN / 8][4], dp[kBlockN / 8][4];
+  uint32_t dsa[kBlockN / 16][4];
+  float acc[D / 8][4];
+
+  const uint64_t dq0 = desc_k_major<kBlockM>(sQ + wg * L::kTileKV / 2, 0);
+  const uint64_t ddo0 = desc_k_major<kBlockM>(sDO + wg * L::kTileKV / 2, 0);
+  // The piece product's operands: A = P or dS staged [row][key] (MN-major: the keys are its M),
+  // B = dO or Q [row][d] (MN-major), the reduction over the 128 rows in 16-row steps.
+  const T* prod_a = wg == 0 ? sP : sDS;
+  const T* prod_b = wg == 0 ? sDO : sQ;
+
+  if (n_pieces > 0) mbar_wait(full_q, 0);
+  RingPos<S> at;
+  for (int64_t t = 0; t < n_pieces; ++t) {
+    const int st = at.stage, buf = (int)(t & 1);
+    mbar_wait(&full_k[st], at.phase);
+    mbar_wait(&full_v[st], at.phase);
+    // K / V rows (and Q / dO) were written by cp.async (generic proxy) and are read by wgmma
+    // (async proxy).
+    fence_proxy_async();
+    const uint64_t dk = desc_k_major<kBlockN>(sK + st * L::kTileKV / 2, 0);
+    const uint64_t dv = desc_k_major<kBlockN>(sV + st * L::kTileKV / 2, 0);
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
+    fence_regs(s);
+    fence_regs(dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(s, desc_advance(dq0, k_major_offset<kBlockM>(kk)), desc_advance(dk, k_major_offset<kBlockN>(kk)),
+                    kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_ss64<T>(dp, desc_advance(ddo0, k_major_offset<kBlockM>(kk)), desc_advance(dv, k_major_offset<kBlockN>(kk)),
+                    kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+    // P = exp2(S scaled + bias - lse) under the rank rule; dS = P (dP - delta).
+    const int32_t* slot = reinterpret_cast<const int32_t*>(smem + L::kSlot + st * L::kKeepSlot);
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
+    apply_rank_keep(s, slot, thr, lim, qc);
+    float colsum[kBlockN / 8][2];
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pe = exp2f(s[n][e] - l2[e / 2]);
+        s[n][e] = pe;
+        dp[n][e] = pe * (dp[n][e] - delta[e / 2]);
+      }
+      colsum[n][0] = dp[n][0] + dp[n][2];
+      colsum[n][1] = dp[n][1] + dp[n][3];
+    }
+    if (want_db) {
+      // Column sums over the warp's 16 rows (lanes of one qc hold one column pair), one
+      // reduction per listed key and warp.
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) {
+          float v = colsum[n][x];
+          v += __shfl_xor_sync(0xffffffffu, v, 4);
+          v += __shfl_xor_sync(0xffffffffu, v, 8);
+          v += __shfl_xor_sync(0xffffffffu, v, 16);
+          colsum[n][x] = v;
+        }
+      if (g == 0) {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int x = 0; x < 2; ++x) {
+            const int32_t j = slot[n * 8 + 2 * qc + x];
+            if (j != KeyList<T, D>::kNever) atomicAdd(db_row + j * p.dbias_accum.col_stride, colsum[n][x]);
+          }
+      }
+    }
+    // P and dS (scaled: the products of dQ and dK take scale * dS) into this buffer's half, as the
+    // fragments lie: element (row, key) of the 64-row half at sw128_offset(64, row, key).
+    T* sp = sP + (2 * buf + wg) * (L::kPTile / 2);
+    T* sds = sDS + (2 * buf + wg) * (L::kPTile / 2);
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int r = w * 16 + g + 8 * hh, col = n * 8 + 2 * qc;
+        dp[n][2 * hh] *= scale;
+        dp[n][2 * hh + 1] *= scale;
+        *reinterpret_cast<uint32_t*>(sp + sw128_offset(kBlockM, r, col) / 2) = pack2<T>(s[n][2 * hh], s[n][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sds + sw128_offset(kBlockM, r, col) / 2) =
+            pack2<T>(dp[n][2 * hh], dp[n][2 * hh + 1]);
+      }
+    c_to_a<T>(dp, dsa);
+    // dQ += dS K (K read MN-major: the keys are the reduction), left in flight.
+    fence_regs(dq);
+    fence_regs(dsa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(dq, dsa[kk], sK + st * L::kTileKV / 2, kk);
+    wgmma_commit();
+    // Both halves of P / dS written (and visible to the async proxy) before either piece product
+    // reads them.
+    fence_proxy_async();
+    named_barrier(NamedBarrier::kBwdPiece, 2 * kThreads);
+    fence_regs(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2 * kBlockM / 16; ++kk) {
+      const int half = kk / 4, k4 = kk % 4;
+      const uint64_t da = desc_mn_major<kBlockM>(prod_a + (2 * buf + half) * (L::kPTile / 2), k4);
+#pragma unroll
+      for (int nb = 0; nb < D / 64; ++nb) {
+        float (&an)[8][4] = *reinterpret_cast<float (*)[8][4]>(&acc[8 * nb][0]);
+        wgmma_ss64<T, 1>(an, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2 + nb * kBlockM * 64, k4),
+                         kk > 0);
+      }
+    }
+    wgmma_commit();
+    // The piece's key indices of this thread's accumulator rows, read before the stage is freed.
+    const int32_t key0 = slot[w * 16 + g], key1 = slot[w * 16 + g + 8];
+    wgmma_wait<0>();
+    fence_regs(dq);
+    fence_regs(acc);
+    mbar_arrive(&empty_k[st]);
+    mbar_arrive(&empty_v[st]);
+    at.advance();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int32_t j = hh ? key1 : key0;
+      if (j == KeyList<T, D>::kNever) continue;
+      float* row = acc_base + (int64_t)j * acc_rs;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) red_add2(row + n * 8 + 2 * qc, acc[n][2 * hh], acc[n][2 * hh + 1]);
+    }
+  }
+
+  // dQ (already scaled) out, rows inside seqlen_q.
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t r = mc + w * 16 + g + 8 * hh;
+    if (r >= p.seqlen_q) continue;
+    T* out = static_cast<T*>(p.dq) + seq.dq_offset(p) + c.h * p.dq_head_stride + r * p.dq_row_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + 2 * qc) = pack2<T>(dq[n][2 * hh], dq[n][2 * hh + 1]);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParams p) {
+  static_assert(fwd_warp_specialized<D>(), "the per-key backward is built for D = 64 / 128 on sm_90a");
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
+  using L = BwdWsSmem<T, D>;
+
+  if (threadIdx.x == 0) {
+    // full_k (two arrivals of every loading thread: copies landed, slot stored), empty_k, full_v
+    // (copies landed), empty_v (every computing thread), full_q (two arrivals of every loader).
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
+    constexpr int S = L::kStages;
+#pragma unroll
+    for (int st = 0; st < S; ++st) {
+      mbar_init(&bars[st], 2 * kThreads);
+      mbar_init(&bars[S + st], 2 * kThreads);
+      mbar_init(&bars[2 * S + st], kThreads);
+      mbar_init(&bars[3 * S + st], 2 * kThreads);
+    }
+    mbar_init(&bars[4 * S], 2 * kThreads);
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  // Heaviest query tiles first (the last tiles' lists are the longest under causality).
+  BwdWsTile c;
+  const int units = (int)p.num_heads;
+  c.h = (int)blockIdx.x % units;
+  c.m0 = ((int64_t)(gridDim.x / units) - 1 - (int)blockIdx.x / units) * (2 * kBlockM);
+  c.b = blockIdx.y;
+  c.kvh = c.h / (p.num_heads / p.num_heads_k);
+  const int64_t n_pieces = ListedKeys::tiles(p, c);
+  if (threadIdx.x < kThreads) {
+    regs_release<kBwdLoadRegs>();
+    bwd_ws_load<T, D>(p, c, n_pieces, smem);
+  } else {
+    regs_claim<kBwdComputeRegs>();
+    bwd_ws_compute<T, D>(p, c, n_pieces, smem, threadIdx.x / kThreads - 1);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma
