@@ -7,17 +7,19 @@
 //     smem), P and dS in registers, dQ += dS K in registers for the whole walk (the CTA owns its
 //     rows' dQ: no dQ reduction at all), and P / dS staged in smem. Then the piece's dV = P^T dO
 //     (warpgroup 1) and dK = dS^T Q (warpgroup 2) over all 128 rows, each added to a float
-//     accumulator per (batch, key, kv head) with 8-byte vector reductions.
+//     accumulator per (batch, key, kv head) with 16-byte vector reductions.
 // Why this ownership (query-major): the rows of a query tile share one list of at most W + 127
 // keys, so its products are dense tiles; the key-major alternative covers 1.3-4x the listed pairs
 // (the perf log's measurement). What query-major pays is the dK / dV reduction, one float row per
 // list entry and 128 rows; it halves with every doubling of the rows that share a list.
-// dbias (a per-key bias) is the column sum of dS, reduced over each warp's 16 rows by shuffles and
-// added per key. The float accumulators are zeroed before and cast after the kernel (the op).
+// dbias (a per-key bias) is the column sum of dS, reduced over each warp's 16 rows by shuffles,
+// over the eight warps in smem, and added once per key. The float accumulators are zeroed before
+// and cast after the kernel (the op).
 #pragma once
 #include <math_constants.h>
 
 #include "../flash_dma_params.h"
+#include "bwd_dq_accum.cuh"  // red_add4
 #include "constants.cuh"
 #include "copy.cuh"
 #include "fwd_key_source.cuh"
@@ -54,9 +56,11 @@ struct BwdWsSmem {
   static constexpr int kDO = kQ + 2 * kTileKV;                                   // two 64-row tiles
   static constexpr int kK = kDO + 2 * kTileKV;
   static constexpr int kV = kK + kStages * kTileKV;
-  static constexpr int kP = kV + kStages * kTileKV;       // two buffers x two 64-row halves
-  static constexpr int kDS = kP + 4 * kPTile;             // the same for dS
-  static constexpr int kBytes = kDS + 4 * kPTile + 1024;  // + room to align the base to 1024
+  static constexpr int kP = kV + kStages * kTileKV;  // two buffers x two 64-row halves
+  static constexpr int kDS = kP + 4 * kPTile;        // the same for dS
+  // dbias: each warp's column sums of a piece, two buffers x 8 warps x 64 keys (float).
+  static constexpr int kDB = kDS + 4 * kPTile;
+  static constexpr int kBytes = kDB + 2 * 8 * kBlockN * 4 + 1024;  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "per-key backward smem layout too large");
   static_assert((4 * kStages + 1) * 8 <= kIdx, "barriers must fit before the index ring");
 };
@@ -110,11 +114,6 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
     pv.advance();
   }
   cp_async_wait<0>();
-}
-
-// An 8-byte float reduction into global memory (sm_90's vector red).
-__device__ inline void red_add2(float* dst, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 }
 
 // Computing warpgroup wg: rows [64 wg, 64 wg + 64) of the tile over every piece of the list.
@@ -261,14 +260,13 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
           v += __shfl_xor_sync(0xffffffffu, v, 16);
           colsum[n][x] = v;
         }
+      // Lanes g = 0 of each warp hold its 64 column sums: into this piece's buffer, summed over the
+      // eight warps after the barrier below (one reduction per key instead of eight).
       if (g == 0) {
+        float* db = reinterpret_cast<float*>(smem + L::kDB) + (buf * 8 + wg * 4 + w) * kBlockN;
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            const int32_t j = slot[n * 8 + 2 * qc + x];
-            if (j != KeyList<T, D>::kNever) atomicAdd(db_row + j * p.dbias_accum.col_stride, colsum[n][x]);
-          }
+          *reinterpret_cast<float2*>(db + n * 8 + 2 * qc) = make_float2(colsum[n][0], colsum[n][1]);
       }
     }
     // P and dS (scaled: the products of dQ and dK take scale * dS) into this buffer's half, as the
@@ -298,6 +296,14 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     // reads them.
     fence_proxy_async();
     named_barrier(NamedBarrier::kBwdPiece, 2 * kThreads);
+    if (want_db && wg == 0 && tid < kBlockN) {
+      const float* db = reinterpret_cast<const float*>(smem + L::kDB) + buf * 8 * kBlockN + tid;
+      float v = 0.f;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v += db[u * kBlockN];
+      const int32_t j = slot[tid];
+      if (j != KeyList<T, D>::kNever) atomicAdd(db_row + j * p.dbias_accum.col_stride, v);
+    }
     fence_regs(acc);
     wgmma_fence();
 #pragma unroll
@@ -314,6 +320,12 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     wgmma_commit();
     // The piece's key indices of this thread's accumulator rows, read before the stage is freed.
     const int32_t key0 = slot[w * 16 + g], key1 = slot[w * 16 + g + 8];
+    // The product's rows are added to the float accumulator 16 bytes a reduction: lanes qc and
+    // qc ^ 1 trade halves, so that the even one holds four columns of row g and the odd one the
+    // same four of row g + 8.
+    const bool odd = qc & 1;
+    const int32_t my_key = odd ? key1 : key0;
+    float* my_row = acc_base + (int64_t)my_key * acc_rs + 4 * (qc >> 1);
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(acc);
@@ -321,12 +333,15 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     mbar_arrive(&empty_v[st]);
     at.advance();
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int32_t j = hh ? key1 : key0;
-      if (j == KeyList<T, D>::kNever) continue;
-      float* row = acc_base + (int64_t)j * acc_rs;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) red_add2(row + n * 8 + 2 * qc, acc[n][2 * hh], acc[n][2 * hh + 1]);
+    for (int n = 0; n < D / 8; ++n) {
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][0] : acc[n][2], 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][1] : acc[n][3], 1);
+      if (my_key != KeyList<T, D>::kNever) {
+        if (odd)
+          red_add4(my_row + n * 8, r0, r1, acc[n][2], acc[n][3]);
+        else
+          red_add4(my_row + n * 8, acc[n][0], acc[n][1], r0, r1);
+      }
     }
   }
 
