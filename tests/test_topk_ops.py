@@ -336,3 +336,28 @@ def test_rejected_inputs(which, name, override, message):
                 True,
                 True,
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_requires_grad", [False, True])
+def test_opcheck_sm90_ops(bias_requires_grad):
+    # The C++ CUDA kernels' ops (sm_90a builds): schema, fake kernels and dispatch of topk_fwd_sm90
+    # and topk_bwd_sm90 on lists from topk_select with the kernels' 128-row tiles.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flexdma.perkey import route
+
+    dev = torch.device("cuda")
+    if not route.sm90_forward(64, torch.bfloat16, dev):
+        pytest.skip("the C++ per-key kernels are not built for this device")
+    g = torch.Generator(device=dev).manual_seed(0)
+    B, L, H, KVH, D, W = 2, 200, 4, 2, 64, 50
+    q = torch.randn(B, L, H, D, device=dev, generator=g).bfloat16()
+    k, v = (torch.randn(B, L, KVH, D, device=dev, generator=g).bfloat16() for _ in range(2))
+    bias = torch.randn(B, KVH, 1, L, device=dev, generator=g).bfloat16()
+    rank, thr, keys = torch.ops.flexdma.topk_select(bias[:, :, 0], W, L, True, 128)
+    fwd_args = (q, k, v, bias, rank, thr, keys, 128, 0.125, True, 0.0)
+    torch.library.opcheck(torch.ops.flexdma.topk_fwd_sm90, fwd_args)
+    out, lse, resid = torch.ops.flexdma.topk_fwd_sm90(*fwd_args)
+    bwd_args = (torch.randn_like(out), q, k, v, bias, rank, thr, keys, 128, out, lse, resid, 0.125, True)
+    torch.library.opcheck(torch.ops.flexdma.topk_bwd_sm90, bwd_args + (bias_requires_grad,))
