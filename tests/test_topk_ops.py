@@ -361,3 +361,23 @@ def test_opcheck_sm90_ops(bias_requires_grad):
     out, lse, resid = torch.ops.flexdma.topk_fwd_sm90(*fwd_args)
     bwd_args = (torch.randn_like(out), q, k, v, bias, rank, thr, keys, 128, out, lse, resid, 0.125, True)
     torch.library.opcheck(torch.ops.flexdma.topk_bwd_sm90, bwd_args + (bias_requires_grad,))
+
+
+def test_sm90_backward_choice(monkeypatch):
+    # Where the C++ forward takes a call, the C++ backward takes it too unless a softcap or the
+    # deterministic mode (the flag, or torch's deterministic algorithms) asks for the Triton one.
+    from flexdma.perkey import route
+
+    monkeypatch.setattr(route, "sm90_takes", lambda *args: True)
+    ops = (None,) * 4
+    assert route.sm90_bwd_takes(*ops, 0.0, False)
+    assert not route.sm90_bwd_takes(*ops, 5.0, False)
+    assert not route.sm90_bwd_takes(*ops, 0.0, True)
+    prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not route.sm90_bwd_takes(*ops, 0.0, False)
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn)
+    monkeypatch.setattr(route, "sm90_takes", lambda *args: False)
+    assert not route.sm90_bwd_takes(*ops, 0.0, False)
