@@ -73,6 +73,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, con
   return {out, lse, resid};
 }
 
+// out_resid's data (null where it is absent or empty): the backward kernels index it with out's
+// strides, so it must have out's shape, strides, dtype and device.
+void* resid_ptr(const c10::optional<at::Tensor>& out_resid, const at::Tensor& out, const char* op) {
+  if (!out_resid.has_value() || !out_resid->defined() || out_resid->numel() == 0) return nullptr;
+  TORCH_CHECK_VALUE(out_resid->sizes() == out.sizes() && out_resid->strides() == out.strides() &&
+                        out_resid->scalar_type() == out.scalar_type(),
+                    op, ": out_resid must have out's shape, strides and dtype (", out.sizes(), ", ", out.strides(),
+                    ", ", out.scalar_type(), "), got ", out_resid->sizes(), ", ", out_resid->strides(), ", ",
+                    out_resid->scalar_type());
+  TORCH_CHECK_VALUE(out_resid->device() == out.device(), op, ": out_resid must be on out's device (", out.device(),
+                    "), got ", out_resid->device());
+  return const_cast<void*>(out_resid->const_data_ptr());
+}
+
 // Without out_resid (or with an empty one) the kernel's row sums use out alone.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -80,18 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& out_resid) {
   c10::cuda::CUDAGuard guard(q.device());
-  void* resid = nullptr;
-  if (out_resid.has_value() && out_resid->defined() && out_resid->numel() > 0) {
-    // The kernel indexes it with out's strides.
-    TORCH_CHECK_VALUE(out_resid->sizes() == out.sizes() && out_resid->strides() == out.strides() &&
-                          out_resid->scalar_type() == out.scalar_type(),
-                      "flexdma::bwd: out_resid must have out's shape, strides and dtype (", out.sizes(), ", ",
-                      out.strides(), ", ", out.scalar_type(), "), got ", out_resid->sizes(), ", ", out_resid->strides(),
-                      ", ", out_resid->scalar_type());
-    TORCH_CHECK_VALUE(out_resid->device() == out.device(), "flexdma::bwd: out_resid must be on out's device (",
-                      out.device(), "), got ", out_resid->device());
-    resid = const_cast<void*>(out_resid->const_data_ptr());
-  }
+  void* resid = resid_ptr(out_resid, out, "flexdma::bwd");
   return bwd_impl(
       dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
       meta_for(mask, tile_meta, q, k, is_causal),
@@ -138,11 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
   const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  const bool resid = out_resid.defined() && out_resid.numel() > 0;
-  if (resid)
-    TORCH_CHECK_VALUE(out_resid.sizes() == out.sizes() && out_resid.strides() == out.strides() &&
-                          out_resid.scalar_type() == out.scalar_type() && out_resid.device() == out.device(),
-                      "flexdma::topk_bwd_sm90: out_resid must have out's shape, strides, dtype and device");
+  void* resid = resid_ptr(out_resid, out, "flexdma::topk_bwd_sm90");
   // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
   const auto rows16 = [](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
@@ -166,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   p.row_thr = rule.row_thr;
   p.tile_keys = keys;
   p.topk_tile_rows = tile_rows;
-  p.out_resid = resid ? const_cast<void*>(out_resid.const_data_ptr()) : nullptr;
+  p.out_resid = resid;
   if (q.numel() > 0 && k.numel() > 0)
     launch_bwd(p, q);
   else

@@ -39,7 +39,7 @@ void launch_topk_bwd(const BwdParams& p, cudaStream_t stream) {
   if constexpr (fwd_warp_specialized<D>()) {
     constexpr int kSmem = BwdWsSmem<T, D>::kBytes;
     cudaFuncSetAttribute(bwd_ws_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    const dim3 grid((unsigned)(ceil_div(p.seqlen_q, 2 * kBlockM) * p.num_heads), (unsigned)p.batch);
+    const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, 2 * kBlockM), p.num_heads, p.batch, 1);
     bwd_ws_kernel<T, D><<<grid, kBwdWsThreads, kSmem, stream>>>(p);
   }
 }

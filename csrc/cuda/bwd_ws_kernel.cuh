@@ -30,6 +30,7 @@
 #include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -171,10 +172,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   }
   const float scale_l2 = p.softmax_scale * kLog2eF, scale = p.softmax_scale;
   const bool want_db = p.dbias_accum.ptr != nullptr;
-  float* db_row = want_db ? const_cast<float*>(static_cast<const float*>(p.dbias_accum.ptr)) +
-                                c.b * p.dbias_accum.batch_stride +
-                                c.h / p.dbias_accum.head_ratio * p.dbias_accum.head_stride
-                          : nullptr;
+  // dbias's accumulator row (the bias's layout, float) of this batch and head; null without it.
+  float* db_row = const_cast<float*>(Plane<float>(p.dbias_accum, c.b, c.h).base);
   // This warpgroup's piece product: dV (wg 0) from P and dO, dK (wg 1) from dS and Q.
   float* acc_base = static_cast<float*>(wg == 0 ? p.dv : p.dk) +
                     c.b * (wg == 0 ? p.dv_batch_stride : p.dk_batch_stride) +
@@ -365,28 +364,20 @@ __global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParam
   using L = BwdWsSmem<T, D>;
 
   if (threadIdx.x == 0) {
-    // full_k (two arrivals of every loading thread: copies landed, slot stored), empty_k, full_v
-    // (copies landed), empty_v (every computing thread), full_q (two arrivals of every loader).
+    // The K / V ring's barriers, then full_q (two arrivals of every loader).
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
-    constexpr int S = L::kStages;
-#pragma unroll
-    for (int st = 0; st < S; ++st) {
-      mbar_init(&bars[st], 2 * kThreads);
-      mbar_init(&bars[S + st], 2 * kThreads);
-      mbar_init(&bars[2 * S + st], kThreads);
-      mbar_init(&bars[3 * S + st], 2 * kThreads);
-    }
-    mbar_init(&bars[4 * S], 2 * kThreads);
+    mbar_init_kv_ring<L::kStages>(bars, kThreads, 2 * kThreads);
+    mbar_init(&bars[4 * L::kStages], 2 * kThreads);
     mbar_init_fence();
   }
   __syncthreads();
 
   // Heaviest query tiles first (the last tiles' lists are the longest under causality).
   BwdWsTile c;
-  const int units = (int)p.num_heads;
-  c.h = (int)blockIdx.x % units;
-  c.m0 = ((int64_t)(gridDim.x / units) - 1 - (int)blockIdx.x / units) * (2 * kBlockM);
-  c.b = blockIdx.y;
+  const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
+  c.h = work.unit;
+  c.m0 = (int64_t)work.m_tile * (2 * kBlockM);
+  c.b = work.b;
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
   const int64_t n_pieces = ListedKeys::tiles(p, c);
   if (threadIdx.x < kThreads) {

@@ -367,18 +367,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
   using L = FwdWsSmem<T, D>;
 
   if (threadIdx.x == 0) {
-    // full_k, empty_k, full_v, empty_v. A K stage is full after two arrivals of every loading
-    // thread (its copies landed; its plain stores done), a V stage after one; a stage is empty
-    // after every computing thread has arrived.
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBars);
-    constexpr int S = L::kStages;
-#pragma unroll
-    for (int st = 0; st < S; ++st) {
-      mbar_init(&bars[st], 2 * kThreads);
-      mbar_init(&bars[S + st], 2 * kThreads);
-      mbar_init(&bars[2 * S + st], kThreads);
-      mbar_init(&bars[3 * S + st], 2 * kThreads);
-    }
+    mbar_init_kv_ring<L::kStages>(reinterpret_cast<uint64_t*>(smem + L::kBars), kThreads, 2 * kThreads);
     mbar_init(reinterpret_cast<uint64_t*>(smem + L::kQBar), 2 * kThreads);
     mbar_init_fence();
   }

@@ -57,6 +57,21 @@ struct RingPos {
   }
 };
 
+// The barriers of a warp-specialized kernel's K / V rings of S stages, at `bars`: full_k (two
+// arrivals of every loading thread: its copies landed, its plain stores done), empty_k, full_v (its
+// copies landed), empty_v (every thread of the two computing warpgroups). Run by one thread,
+// before the mbar_init_fence.
+template <int S>
+__device__ inline void mbar_init_kv_ring(uint64_t* bars, int loaders, int computers) {
+#pragma unroll
+  for (int st = 0; st < S; ++st) {
+    mbar_init(&bars[st], 2 * loaders);
+    mbar_init(&bars[S + st], computers);
+    mbar_init(&bars[2 * S + st], loaders);
+    mbar_init(&bars[3 * S + st], computers);
+  }
+}
+
 // The CTA's named barriers (bar.sync ids), one list so that no two roles take one id. 16 exist.
 enum class NamedBarrier : int {
   kSyncThreads = 0,  // __syncthreads'

@@ -164,24 +164,8 @@ def sm90_bwd_takes(q, k, v, attn_bias, softcap, deterministic) -> bool:
     return sm90_takes(q, k, v, attn_bias, softcap)
 
 
-def cuda_bwd(
-    grad_out,
-    q,
-    k,
-    v,
-    attn_bias,
-    key_rank,
-    row_thr,
-    out,
-    lse,
-    softmax_scale,
-    is_causal,
-    softcap,
-    bias_requires_grad,
-    deterministic,
-    tile_keys=None,
-    out_resid=None,
-):
+def cuda_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+             bias_requires_grad, deterministic, tile_keys=None, out_resid=None):  # fmt: skip
     """flexdma::topk_bwd on CUDA: the C++ sm_90a backward where it takes the call, else Triton
     (softcap, the deterministic mode, unaligned operands, the other head dims)."""
     from . import triton as kernels
