@@ -138,6 +138,7 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   ListedKeys::row_terms(p, c.b, c.h, mc, w, g, thr, lim);
+  const int lim_warp = p.is_causal ? (int)(mc + w * 16 + p.seqlen_k - p.seqlen_q) : 0x7fffffff;
   // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
   // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
   // row each sum a quarter of it.
@@ -229,11 +230,7 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 
     // P = exp2(S scaled + bias - lse) under the rank rule; dS = P (dP - delta).
     const int32_t* slot = reinterpret_cast<const int32_t*>(smem + L::kSlot + st * L::kKeepSlot);
-#pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= scale_l2;
-    apply_rank_keep(s, slot, thr, lim, qc);
+    apply_rank_keep(s, slot, thr, lim, lim_warp, scale_l2, qc);
     float colsum[kBlockN / 8][2];
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) {

@@ -26,6 +26,9 @@ __device__ inline void cp_async_wait() {
 // Launch-time facts about operand alignment (16-byte cp.async / vector loads allowed or not).
 struct FwdFlags {
   bool qkv_vec, mask_vec, bias_vec, out_vec;
+  // out (and out_resid, which has out's strides) in 16-byte row pieces: the warp-specialized
+  // forward's epilogue stores its rows through shared memory (fwd_epilogue's `stage`).
+  bool out_vec16 = false;
   // The warp-specialized forward's CTA takes 64 rows of two query heads that share every operand
   // (fwd_ws_tile); set by the launcher.
   bool pair = false;
@@ -50,7 +53,9 @@ __device__ inline void cp_async4(void* dst, const void* src) {
 template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
-  static constexpr int kSlotWords = 192;
+  // Keys, ranks and biases of the tile's 64 entries, then each half's largest key (kMaxKey).
+  static constexpr int kSlotWords = 196;
+  static constexpr int kMaxKey = 192;
   // An entry past the list ranks as a key no row keeps (its index slot is never gathered).
   static constexpr int32_t kNever = kNeverKept;
   const int32_t* keys;  // the list's first key index
@@ -77,19 +82,24 @@ struct KeyList {
   }
 
   // The rank rule's operands of tile n0 into `slot`: indices, ranks, and this thread's key's
-  // bias (loaded by the caller).
+  // bias (loaded by the caller), in log2 units (apply_rank_keep adds it unscaled); and the largest
+  // listed key of each 32-entry half (the list is in rank order, not key order), which tells
+  // apply_rank_keep whether the tile reaches any row's causal limit. Threads 0-63: two whole warps.
   template <typename RankPlane>
   __device__ inline void issue_slot(const int32_t* idx, int32_t* slot, int64_t n0, const RankPlane& ranks,
                                     float bias) const {
     if (threadIdx.x < 64) {
       const bool ok = n0 + threadIdx.x < n;
       const int32_t j = idx[threadIdx.x];
+      // Entries past the list are never kept: they need no causal compare.
+      const int32_t top = __reduce_max_sync(0xffffffffu, ok ? j : 0);
+      if (threadIdx.x % 32 == 0) slot[kMaxKey + threadIdx.x / 32] = top;
       slot[threadIdx.x] = ok ? j : kNever;
       if (ok)
         cp_async4(slot + 64 + threadIdx.x, ranks.at(0, j));
       else
         slot[64 + threadIdx.x] = kNever;
-      reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias;
+      reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias * kLog2eF;
     }
   }
 };

@@ -65,6 +65,8 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
                aligned16(p.bias.ptr, p.bias.batch_stride, p.bias.head_stride, p.bias.row_stride);
   f.out_vec = reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.o_batch_stride % 2 == 0 && p.o_row_stride % 2 == 0 &&
               p.o_head_stride % 2 == 0;
+  f.out_vec16 = aligned16(p.out, p.o_batch_stride, p.o_row_stride, p.o_head_stride) &&
+                reinterpret_cast<uintptr_t>(p.out_resid) % 16 == 0;
   // The scheduler's units: heads, or head pairs when paired.
   plan.units = f.pair ? p.num_heads / 2 : p.num_heads;
   const int64_t ctas = ceil_div(p.seqlen_q, plan.rows) * plan.units * p.batch;

@@ -197,6 +197,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   Keys::row_terms(p, c.b, head, mc, w, g, thr, lim);
+  const int lim_warp = p.is_causal ? (int)(mc + w * 16 + p.seqlen_k - p.seqlen_q) : 0x7fffffff;
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
   const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
   const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
@@ -258,7 +259,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
     const float later = fwd_scores<Keys::kRankRule, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step,
-                                                       keep, slot, thr, lim, w * 16 + g, qc);
+                                                       keep, slot, thr, lim, lim_warp, w * 16 + g, qc);
     softmax_step(s, row_max, row_sum, alpha, later);
   };
 
@@ -331,7 +332,14 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wait(full_v, at);
     release(empty_v, at);
   }
-  if (!idle) fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq(), head, mc, tid);
+  if (!idle) {
+    // This warpgroup's Q tile stages its output rows: every product that read it has completed,
+    // and Q has landed (a warpgroup with no tile to walk has not waited for it yet; its copies
+    // must not land on the staged rows).
+    mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
+    T* stage = reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2;
+    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq(), head, mc, tid, stage);
+  }
 }
 
 // This CTA's tile, heaviest first (tile_scheduler.cuh).

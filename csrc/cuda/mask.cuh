@@ -169,25 +169,44 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
 
 // The per-key rank rule on a warp's C fragments (rows of thr / lim: g and g + 8 of the thread):
 // column c of the tile keeps its score iff rank[c] <= thr (the row's largest kept rank) and
-// key[c] <= lim (the row's causal limit; INT32_MAX without causality), and adds the key's bias
-// (log2 units) first. slot: the tile's keys, ranks and float biases (KeyList's layout).
-__device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
-                                       const int (&lim)[2], int qc) {
+// key[c] <= lim (the row's causal limit; INT32_MAX without causality); a kept score becomes
+// s * mul + the key's bias (the slot holds it in log2 units, so with mul = scale * log2 e one FFMA
+// per element scales and biases). slot: the tile's keys, ranks and biases (KeyList's layout).
+// lim_warp: the smallest causal limit of the warp's 16 rows. Where the tile's largest listed key
+// (KeyList::kMaxKey) is at or below it (most tiles: only keys near the diagonal reach a row's
+// limit), the causal compare is dropped for the whole tile: a warp-uniform branch instead of a
+// compare per element.
+template <bool kCut>
+__device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
+                                      const int (&lim)[2], float mul, int qc) {
   const float* bias = reinterpret_cast<const float*>(slot + 128);
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n) {
     const int col = n * 8 + 2 * qc;
-    const int2 key = *reinterpret_cast<const int2*>(slot + col);
     const int2 rank = *reinterpret_cast<const int2*>(slot + 64 + col);
     const float2 bv = *reinterpret_cast<const float2*>(bias + col);
+    int2 key = make_int2(0, 0);
+    if (kCut) key = *reinterpret_cast<const int2*>(slot + col);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const bool k0 = (rank.x <= thr[hh]) & (key.x <= lim[hh]);
-      const bool k1 = (rank.y <= thr[hh]) & (key.y <= lim[hh]);
-      s[n][2 * hh] = k0 ? fmaf(bv.x, kLog2eF, s[n][2 * hh]) : -CUDART_INF_F;
-      s[n][2 * hh + 1] = k1 ? fmaf(bv.y, kLog2eF, s[n][2 * hh + 1]) : -CUDART_INF_F;
+      bool k0 = rank.x <= thr[hh], k1 = rank.y <= thr[hh];
+      if (kCut) {
+        k0 &= key.x <= lim[hh];
+        k1 &= key.y <= lim[hh];
+      }
+      s[n][2 * hh] = k0 ? fmaf(s[n][2 * hh], mul, bv.x) : -CUDART_INF_F;
+      s[n][2 * hh + 1] = k1 ? fmaf(s[n][2 * hh + 1], mul, bv.y) : -CUDART_INF_F;
     }
   }
+}
+
+__device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
+                                       const int (&lim)[2], int lim_warp, float mul, int qc) {
+  const int2 top = *reinterpret_cast<const int2*>(slot + 192);  // KeyList::kMaxKey
+  if (max(top.x, top.y) <= lim_warp)
+    rank_keep_tile<false>(s, slot, thr, lim, mul, qc);
+  else
+    rank_keep_tile<true>(s, slot, thr, lim, mul, qc);
 }
 
 }  // namespace cuda

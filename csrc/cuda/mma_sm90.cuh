@@ -62,7 +62,10 @@ __device__ inline uint64_t desc_mn_major(const void* tile, int kk) {
 // bits in 16-byte units, and shared-memory addresses (< 2^18) never carry out of its 14 bits. A
 // loop that builds its descriptors once and moves them by constants spends one add per wgmma
 // instead of the address masking and shifts of sw128_desc.
-__device__ inline uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
+// The add is on the low word alone: a 64-bit add costs a carry (IADD3 + IMAD.X) per descriptor.
+__device__ inline uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xffffffff00000000ull) | (uint32_t)((uint32_t)desc + (bytes >> 4));
+}
 
 // Orders the warpgroup's register accesses before / after the async MMAs (wgmma.fence), closes a
 // group of them, and waits until at most N groups are pending.
