@@ -31,6 +31,7 @@ NEEDS_TRITON = {
     "benchmarks.dev.flex_options",
     "benchmarks.dev.topk_dev",
     "benchmarks.dev.flex_probe",
+    "benchmarks.dev.host_parts",
 }
 ENTRY_SCRIPTS = {"benchmarks.__main__"}
 

@@ -20,116 +20,113 @@ from benchmarks.dev import topk_dev as TD
 from flexdma.perkey import contract, route
 from flexdma.perkey import triton_select as TS
 
-L = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
-D = 128
-torch.manual_seed(0)
-q, k, v, bias = TD._inputs(1, L, 2, 1, D, 1)
-s = 1 / math.sqrt(D)
-sel = TD._select(q, k, bias, 2048, True)
-tr = TD._tile_rows(q, k, 1)
-sc = contract.selection_scores(bias, None, 2)
-o, lse, res = TD._fwd(q, k, v, bias, sel, s, True)
-do = torch.randn_like(q)
-qg, kg, vg, bg = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
 
+def main():
+    L = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    D = 128
+    torch.manual_seed(0)
+    q, k, v, bias = TD._inputs(1, L, 2, 1, D, 1)
+    s = 1 / math.sqrt(D)
+    sel = TD._select(q, k, bias, 2048, True)
+    tr = TD._tile_rows(q, k, 1)
+    sc = contract.selection_scores(bias, None, 2)
+    o, lse, res = TD._fwd(q, k, v, bias, sel, s, True)
+    do = torch.randn_like(q)
+    qg, kg, vg, bg = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
 
-def host(fn, n=200):
-    for _ in range(10):
-        fn()
+    def host(fn, n=200):
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        h = (time.perf_counter() - t0) / n
+        torch.cuda.synchronize()
+        w = (time.perf_counter() - t0) / n
+        return round(h * 1e6, 1), round(w * 1e6, 1)
+
+    def api_fwd():
+        with torch.no_grad():
+            return flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=2048)
+
+    def api_train():
+        out = flexdma.flash_dma_attention(qg, kg, vg, None, bg, is_causal=True, keep_window_size=2048)
+        return torch.autograd.grad(out, (qg, kg, vg, bg), do)
+
+    def sdpa_train():
+        out = F.scaled_dot_product_attention(
+            qg.transpose(1, 2),
+            kg.transpose(1, 2).expand(-1, 2, -1, -1),
+            vg.transpose(1, 2).expand(-1, 2, -1, -1),
+            is_causal=True,
+        )
+        return torch.autograd.grad(out, (qg, kg, vg), do.transpose(1, 2))
+
+    def api_fwd_grad():
+        return flexdma.flash_dma_attention(qg, kg, vg, None, bg, is_causal=True, keep_window_size=2048)
+
+    _keep = {}
+
+    def bwd_only():
+        if "out" not in _keep:
+            _keep["out"] = api_fwd_grad()
+        return torch.autograd.grad(_keep["out"], (qg, kg, vg, bg), do, retain_graph=True)
+
+    def topk_bwd_op():
+        return torch.ops.flexdma.topk_bwd(
+            do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
+        )
+
+    parts = {
+        "api_fwd_grad": api_fwd_grad,
+        "bwd_only": bwd_only,
+        "topk_bwd_op": topk_bwd_op,
+        "sdpa_fwd": lambda: F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2).expand(-1, 2, -1, -1),
+            v.transpose(1, 2).expand(-1, 2, -1, -1),
+            is_causal=True,
+        ),
+        "empty_x3": lambda: (
+            torch.empty(10, device="cuda"),
+            torch.empty(10, device="cuda"),
+            torch.empty(10, device="cuda"),
+        ),
+        "selection_scores": lambda: contract.selection_scores(bias, None, 2),
+        "triton_select_direct": lambda: TS.select(sc, 2048, L, True, tr),
+        "topk_select_op": lambda: torch.ops.flexdma.topk_select(sc, 2048, L, True, tr),
+        "contract_select": lambda: contract.select(sc, 2048, L, True, tr),
+        "fwd_sm90_op": lambda: torch.ops.flexdma.topk_fwd_sm90(
+            q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, s, True, 0.0
+        ),
+        "route_cuda_fwd": lambda: route.cuda_fwd(
+            q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
+        ),
+        "topk_fwd_op_nograd": lambda: torch.ops.flexdma.topk_fwd(
+            q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
+        ),
+        "bwd_sm90_op": lambda: torch.ops.flexdma.topk_bwd_sm90(
+            do, q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, o, lse, res, s, True, True
+        ),
+        "route_cuda_bwd": lambda: route.cuda_bwd(
+            do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
+        ),
+        "api_fwd": api_fwd,
+        "api_train": api_train,
+        "sdpa_train": sdpa_train,
+    }
+    for name, fn in parts.items():
+        print(f"{name:24s} host/wall us {host(fn)}", flush=True)
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(100):
+        api_train()
+    pr.disable()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    h = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    w = (time.perf_counter() - t0) / n
-    return round(h * 1e6, 1), round(w * 1e6, 1)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(45)
 
 
-def api_fwd():
-    with torch.no_grad():
-        return flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=2048)
-
-
-def api_train():
-    out = flexdma.flash_dma_attention(qg, kg, vg, None, bg, is_causal=True, keep_window_size=2048)
-    return torch.autograd.grad(out, (qg, kg, vg, bg), do)
-
-
-def sdpa_train():
-    out = F.scaled_dot_product_attention(
-        qg.transpose(1, 2),
-        kg.transpose(1, 2).expand(-1, 2, -1, -1),
-        vg.transpose(1, 2).expand(-1, 2, -1, -1),
-        is_causal=True,
-    )
-    return torch.autograd.grad(out, (qg, kg, vg), do.transpose(1, 2))
-
-
-def api_fwd_grad():
-    return flexdma.flash_dma_attention(qg, kg, vg, None, bg, is_causal=True, keep_window_size=2048)
-
-
-_keep = {}
-
-
-def bwd_only():
-    if "out" not in _keep:
-        _keep["out"] = api_fwd_grad()
-    return torch.autograd.grad(_keep["out"], (qg, kg, vg, bg), do, retain_graph=True)
-
-
-def topk_bwd_op():
-    return torch.ops.flexdma.topk_bwd(
-        do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
-    )
-
-
-parts = {
-    "api_fwd_grad": api_fwd_grad,
-    "bwd_only": bwd_only,
-    "topk_bwd_op": topk_bwd_op,
-    "sdpa_fwd": lambda: F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2).expand(-1, 2, -1, -1),
-        v.transpose(1, 2).expand(-1, 2, -1, -1),
-        is_causal=True,
-    ),
-    "empty_x3": lambda: (
-        torch.empty(10, device="cuda"),
-        torch.empty(10, device="cuda"),
-        torch.empty(10, device="cuda"),
-    ),
-    "selection_scores": lambda: contract.selection_scores(bias, None, 2),
-    "triton_select_direct": lambda: TS.select(sc, 2048, L, True, tr),
-    "topk_select_op": lambda: torch.ops.flexdma.topk_select(sc, 2048, L, True, tr),
-    "contract_select": lambda: contract.select(sc, 2048, L, True, tr),
-    "fwd_sm90_op": lambda: torch.ops.flexdma.topk_fwd_sm90(
-        q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, s, True, 0.0
-    ),
-    "route_cuda_fwd": lambda: route.cuda_fwd(
-        q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
-    ),
-    "topk_fwd_op_nograd": lambda: torch.ops.flexdma.topk_fwd(
-        q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
-    ),
-    "bwd_sm90_op": lambda: torch.ops.flexdma.topk_bwd_sm90(
-        do, q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, o, lse, res, s, True, True
-    ),
-    "route_cuda_bwd": lambda: route.cuda_bwd(
-        do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
-    ),
-    "api_fwd": api_fwd,
-    "api_train": api_train,
-    "sdpa_train": sdpa_train,
-}
-for name, fn in parts.items():
-    print(f"{name:24s} host/wall us {host(fn)}", flush=True)
-
-pr = cProfile.Profile()
-pr.enable()
-for _ in range(100):
-    api_train()
-pr.disable()
-torch.cuda.synchronize()
-pstats.Stats(pr).sort_stats("cumulative").print_stats(45)
+if __name__ == "__main__":
+    main()
