@@ -82,8 +82,8 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   const SeqInfo seq(c.b);
   const FwdFlags none{};
-  typename ListedKeys::template Loader<T, D, BwdWsTile> keys(p, none, c, seq,
-                                                             reinterpret_cast<int32_t*>(smem + L::kIdx));
+  typename ListedKeys::template Loader<T, D, BwdWsTile, false> keys(p, none, c, seq,
+                                                                    reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q and dO of both halves, once; rows past seqlen_q are zero (their P and dS come out 0).
   for (int half = 0; half < 2; ++half) {
@@ -138,7 +138,6 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   ListedKeys::row_terms(p, c.b, c.h, mc, w, g, thr, lim);
-  const int lim_warp = p.is_causal ? (int)(mc + w * 16 + p.seqlen_k - p.seqlen_q) : 0x7fffffff;
   // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
   // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
   // row each sum a quarter of it.
@@ -230,7 +229,9 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 
     // P = exp2(S scaled + bias - lse) under the rank rule; dS = P (dP - delta).
     const int32_t* slot = reinterpret_cast<const int32_t*>(smem + L::kSlot + st * L::kKeepSlot);
-    apply_rank_keep(s, slot, thr, lim, lim_warp, scale_l2, qc);
+    // Every piece takes the causal compare: this loader writes no largest keys (the skip did not
+    // measure in the backward, and the loader's registers have no room for it).
+    rank_keep_tile<true>(s, slot, thr, lim, scale_l2, qc);
     float colsum[kBlockN / 8][2];
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) {

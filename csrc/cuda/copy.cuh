@@ -83,17 +83,20 @@ struct KeyList {
 
   // The rank rule's operands of tile n0 into `slot`: indices, ranks, and this thread's key's
   // bias (loaded by the caller), in log2 units (apply_rank_keep adds it unscaled); and the largest
-  // listed key of each 32-entry half (the list is in rank order, not key order), which tells
-  // apply_rank_keep whether the tile reaches any row's causal limit. Threads 0-63: two whole warps.
-  template <typename RankPlane>
+  // listed key of each 32-entry half where kTopKeys (the list is in rank order, not key order),
+  // which tells apply_rank_keep whether the tile reaches any row's causal limit. Threads 0-63: two
+  // whole warps.
+  template <bool kTopKeys, typename RankPlane>
   __device__ inline void issue_slot(const int32_t* idx, int32_t* slot, int64_t n0, const RankPlane& ranks,
                                     float bias) const {
     if (threadIdx.x < 64) {
       const bool ok = n0 + threadIdx.x < n;
       const int32_t j = idx[threadIdx.x];
-      // Entries past the list are never kept: they need no causal compare.
-      const int32_t top = __reduce_max_sync(0xffffffffu, ok ? j : 0);
-      if (threadIdx.x % 32 == 0) slot[kMaxKey + threadIdx.x / 32] = top;
+      if constexpr (kTopKeys) {
+        // Entries past the list are never kept: they need no causal compare.
+        const int32_t top = __reduce_max_sync(0xffffffffu, ok ? j : 0);
+        if (threadIdx.x % 32 == 0) slot[kMaxKey + threadIdx.x / 32] = top;
+      }
       slot[threadIdx.x] = ok ? j : kNever;
       if (ok)
         cp_async4(slot + 64 + threadIdx.x, ranks.at(0, j));

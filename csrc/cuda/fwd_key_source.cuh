@@ -130,11 +130,11 @@ struct ListedKeys {
     }
   }
 
-  // The loading warpgroup's copies: tile t's 64 key indices are held in an smem ring (idx(t); four
-  // tiles of 64 words) a tile ahead, stored while K(t - 1) is requested, so that the gathers of
-  // tile t issue after a shared-memory read; V(t) is requested after K(t + 1), so three of the
-  // four entries are live.
-  template <typename T, int D, typename Tile>
+  // The loading warpgroup's copies (kTopKeys: with each slot's largest keys, for apply_rank_keep;
+  // the backward's loader, at 72 registers, goes without them): tile t's 64 key indices are held in an smem ring
+  // (idx(t); four tiles of 64 words) a tile ahead, stored while K(t - 1) is requested, so that the gathers of tile t
+  // issue after a shared-memory read; V(t) is requested after K(t + 1), so three of the four entries are live.
+  template <typename T, int D, typename Tile, bool kTopKeys = true>
   struct Loader {
     const FwdParams& p;
     const T *kp, *vp;
@@ -176,7 +176,7 @@ struct ListedKeys {
       named_barrier(NamedBarrier::kLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
       int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
       kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
-      kl.issue_slot(idx(t), slot, n0, ranks, key_bias);
+      kl.template issue_slot<kTopKeys>(idx(t), slot, n0, ranks, key_bias);
       if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
       key_bias = bias_of(next_key, n0 + kBlockN);
       next_key = kl.entry(n0 + 2 * kBlockN);

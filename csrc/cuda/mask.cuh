@@ -200,6 +200,7 @@ __device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t*
   }
 }
 
+// Needs the slot's largest keys (KeyList::issue_slot<true>); without them rank_keep_tile<true>.
 __device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
                                        const int (&lim)[2], int lim_warp, float mul, int qc) {
   const int2 top = *reinterpret_cast<const int2*>(slot + 192);  // KeyList::kMaxKey
