@@ -53,9 +53,7 @@ __device__ inline void cp_async4(void* dst, const void* src) {
 template <typename T, int D>
 struct KeyList {
   static constexpr int kChunks = D / 8;
-  // Keys, ranks and biases of the tile's 64 entries, then each half's largest key (kMaxKey).
-  static constexpr int kSlotWords = 196;
-  static constexpr int kMaxKey = 192;
+  static constexpr int kSlotWords = KeySlot::kWords;
   // An entry past the list ranks as a key no row keeps (its index slot is never gathered).
   static constexpr int32_t kNever = kNeverKept;
   const int32_t* keys;  // the list's first key index
@@ -95,14 +93,14 @@ struct KeyList {
       if constexpr (kTopKeys) {
         // Entries past the list are never kept: they need no causal compare.
         const int32_t top = __reduce_max_sync(0xffffffffu, ok ? j : 0);
-        if (threadIdx.x % 32 == 0) slot[kMaxKey + threadIdx.x / 32] = top;
+        if (threadIdx.x % 32 == 0) slot[KeySlot::kTop + threadIdx.x / 32] = top;
       }
       slot[threadIdx.x] = ok ? j : kNever;
       if (ok)
-        cp_async4(slot + 64 + threadIdx.x, ranks.at(0, j));
+        cp_async4(slot + KeySlot::kRank + threadIdx.x, ranks.at(0, j));
       else
-        slot[64 + threadIdx.x] = kNever;
-      reinterpret_cast<float*>(slot)[128 + threadIdx.x] = bias * kLog2eF;
+        slot[KeySlot::kRank + threadIdx.x] = kNever;
+      reinterpret_cast<float*>(slot)[KeySlot::kBias + threadIdx.x] = bias * kLog2eF;
     }
   }
 };

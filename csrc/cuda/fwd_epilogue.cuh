@@ -9,6 +9,7 @@
 #include "copy.cuh"
 #include "mma_sm80.cuh"
 #include "seq_info.cuh"
+#include "smem_layout.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -22,56 +23,59 @@ struct FwdSplit {
   float* lse_part = nullptr;
 };
 
-// Element (r, col) of a warp's 16 x D staging tile: 16-byte chunks XOR-swizzled by row, so that
-// the fragment writes (8 rows x 4 lanes) and the row reads (8 lanes x 16 bytes of one row) both
-// touch 32 distinct banks.
-template <int D>
-__device__ inline int stage_index(int r, int col) {
-  return r * D + ((((col >> 3) ^ (r & 7))) << 3) + (col & 7);
-}
-
-// A warp's staged 16 x D tile to rows [row0, row0 + 16) of dst (row stride rs), 16 bytes a lane:
-// each store instruction writes whole rows (D = 128: two 256-byte rows), where the fragments'
-// own stores write 4 bytes into each of 8 rows. Rows at or past `valid` are not written.
+// Rows [r0, r0 + 16) of a staged 64-row tile (tile_index's layout, 16-byte chunks swizzled by
+// row: the fragments' 4-byte writes and the row reads are free of bank conflicts) to rows
+// [0, valid) of dst (row stride rs), 16 bytes a lane: each store instruction writes whole rows
+// (D = 128: two 256-byte rows), where the fragments' own stores write 4 bytes into each of 8 rows.
 template <typename T, int D>
-__device__ inline void store_staged_rows(const T* st, T* dst, int64_t rs, int valid, int lane) {
+__device__ inline void store_staged_rows(const T* tile, int r0, T* dst, int64_t rs, int valid, int lane) {
   constexpr int kChunks = D / 8;
 #pragma unroll
   for (int u = 0; u < 16 * kChunks / 32; ++u) {
     const int i = u * 32 + lane, r = i / kChunks, c = i % kChunks;
     if (r < valid)
-      *reinterpret_cast<uint4*>(dst + r * rs + c * 8) = *reinterpret_cast<const uint4*>(st + stage_index<D>(r, c * 8));
+      *reinterpret_cast<uint4*>(dst + r * rs + c * 8) =
+          *reinterpret_cast<const uint4*>(tile + tile_index<D>(r0 + r, c * 8));
   }
 }
 
 // A warp's rows of one 64-row query tile (m0) of head h, batch seq.b: the O accumulator (16 x D,
 // rows g and g + 8 of the thread), the row max (log2 units) and the per-thread row sums; tid is
-// the thread's index in the warpgroup that owns the tile. stage (or null): 64 x D elements of
-// shared memory the warpgroup may overwrite (its Q tile, once its products are done); with it and
-// 16-byte aligned rows, out and out_resid go through it (store_staged_rows).
+// the thread's index in the warpgroup that owns the tile. stage (or null): the warpgroup's 64-row
+// tile of shared memory in tile_index's layout that it may overwrite (its Q tile, once its
+// products are done); with it and 16-byte aligned rows, out and out_resid go through it
+// (store_staged_rows).
 template <typename T, int D>
 __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp,
                                     const float (&o)[D / 8][4], const float (&row_max)[2], const float (&row_sum)[2],
                                     const SeqInfo& seq, int64_t h, int64_t m0, int tid, T* stage = nullptr) {
+  // Non-negative: tile_index's divisions and remainders by powers of two compile to shifts and masks.
+  __builtin_assume(tid >= 0);
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
-  if (stage && sp.n == 1 && f.out_vec16) {
-    T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride + (m0 + w * 16) * p.o_row_stride;
-    float* lse = static_cast<float*>(p.lse) + (seq.b * p.num_heads + h) * p.seqlen_q;
-    T* st = stage + w * 16 * D;
-    float inv[2];
+  const int64_t b = seq.b;
+  T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride;
+  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
+  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+  // Rows g and g + 8: 1 / rowsum and the LSE.
+  float inv[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float l = row_sum[hh];
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float m = row_max[hh];
-      const bool empty = m == -CUDART_INF_F;  // as below
-      inv[hh] = empty ? 0.f : 1.f / l;
-      const int64_t i = m0 + w * 16 + g + 8 * hh;
-      if (qc == 0 && i < p.seqlen_q) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
-    }
+  for (int hh = 0; hh < 2; ++hh) {
+    float l = row_sum[hh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const float m = row_max[hh];
+    // A finite max means some p = 1, so l >= 1: only a row that kept nothing is empty. A NaN row
+    // (max and sum NaN) is not, and comes out NaN.
+    const bool empty = m == -CUDART_INF_F;
+    inv[hh] = empty ? 0.f : 1.f / l;
+    // row_max is in log2 units: lse = ln 2 * (m + log2 l).
+    const int64_t i = m0 + w * 16 + g + 8 * hh;
+    if (qc == 0 && i < p.seqlen_q) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
+  }
+  if (stage && sp.n == 1 && f.out_vec16) {
+    T* orows = out + (m0 + w * 16) * p.o_row_stride;
     const int valid = (int)imin(16, p.seqlen_q - (m0 + w * 16));
-    // The rounded output, then (reusing the tile) its rounding error.
+    // The rounded output, then (reusing the warp's rows of the tile) its rounding error.
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
       if (pass == 1 && !p.out_resid) break;
@@ -85,59 +89,45 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
             const float2 back = unpack2<T>(v);
             v = pack2<T>(x0 - back.x, x1 - back.y);
           }
-          *reinterpret_cast<uint32_t*>(st + stage_index<D>(g + 8 * hh, d * 8 + 2 * qc)) = v;
+          *reinterpret_cast<uint32_t*>(stage + tile_index<D>(w * 16 + g + 8 * hh, d * 8 + 2 * qc)) = v;
         }
       __syncwarp();
-      T* dst = pass == 0 ? out : static_cast<T*>(p.out_resid) + (out - static_cast<T*>(p.out));
-      store_staged_rows<T, D>(st, dst, p.o_row_stride, valid, lane);
-      __syncwarp();  // the tile's reads before the next pass's writes
+      T* dst = pass == 0 ? orows : static_cast<T*>(p.out_resid) + (orows - static_cast<T*>(p.out));
+      store_staged_rows<T, D>(stage, w * 16, dst, p.o_row_stride, valid, lane);
+      __syncwarp();  // the rows' reads before the next pass's writes
     }
     return;
   }
-  const int64_t b = seq.b;
-  T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride;
-  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
-  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
-    float l = row_sum[hh];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int64_t i = m0 + w * 16 + g + 8 * hh;
-    if (i < p.seqlen_q) {
-      const float m = row_max[hh];
-      // A finite max means some p = 1, so l >= 1: only a row that kept nothing is empty. A NaN row
-      // (max and sum NaN) is not, and comes out NaN.
-      const bool empty = m == -CUDART_INF_F;
-      const float inv = empty ? 0.f : 1.f / l;
-      if (sp.n > 1) {
-        float* orow = sp.o_part + (row0 + i) * D;
+    if (i >= p.seqlen_q) continue;
+    if (sp.n > 1) {
+      float* orow = sp.o_part + (row0 + i) * D;
 #pragma unroll
-        for (int d = 0; d < D / 8; ++d)
-          *reinterpret_cast<float2*>(orow + d * 8 + 2 * qc) = make_float2(o[d][2 * hh] * inv, o[d][2 * hh + 1] * inv);
-      } else {
-        T* orow = out + i * p.o_row_stride;
-        T* rrow = p.out_resid ? static_cast<T*>(p.out_resid) + (orow - static_cast<T*>(p.out)) : nullptr;
+      for (int d = 0; d < D / 8; ++d)
+        *reinterpret_cast<float2*>(orow + d * 8 + 2 * qc) =
+            make_float2(o[d][2 * hh] * inv[hh], o[d][2 * hh + 1] * inv[hh]);
+    } else {
+      T* orow = out + i * p.o_row_stride;
+      T* rrow = p.out_resid ? static_cast<T*>(p.out_resid) + (orow - static_cast<T*>(p.out)) : nullptr;
 #pragma unroll
-        for (int d = 0; d < D / 8; ++d) {
-          const int col = d * 8 + 2 * qc;
-          const float x0 = o[d][2 * hh] * inv, x1 = o[d][2 * hh + 1] * inv;
-          const uint32_t lo = pack2<T>(x0, x1);
-          if (f.out_vec) {
-            *reinterpret_cast<uint32_t*>(orow + col) = lo;
-          } else {
-            orow[col] = from_float<T>(x0);
-            orow[col + 1] = from_float<T>(x1);
-          }
-          if (rrow) {
-            const float2 back = unpack2<T>(lo);
-            rrow[col] = from_float<T>(x0 - back.x);
-            rrow[col + 1] = from_float<T>(x1 - back.y);
-          }
+      for (int d = 0; d < D / 8; ++d) {
+        const int col = d * 8 + 2 * qc;
+        const float x0 = o[d][2 * hh] * inv[hh], x1 = o[d][2 * hh + 1] * inv[hh];
+        const uint32_t lo = pack2<T>(x0, x1);
+        if (f.out_vec) {
+          *reinterpret_cast<uint32_t*>(orow + col) = lo;
+        } else {
+          orow[col] = from_float<T>(x0);
+          orow[col + 1] = from_float<T>(x1);
+        }
+        if (rrow) {
+          const float2 back = unpack2<T>(lo);
+          rrow[col] = from_float<T>(x0 - back.x);
+          rrow[col + 1] = from_float<T>(x1 - back.y);
         }
       }
-      // row_max is in log2 units: lse = ln 2 * (m + log2 l).
-      if (qc == 0) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
     }
   }
 }

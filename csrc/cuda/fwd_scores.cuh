@@ -42,30 +42,26 @@ __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCon
                                    const int32_t* key_slot, const int (&thr)[2], const int (&lim)[2], int lim_warp,
                                    int r0, int qc) {
   float later = 1.f;
-  if constexpr (kRankRule) {
-    // The scale folds into the rank rule's bias FFMA (apply_rank_keep); softcap's factor is
-    // applied with the tanh.
-    if (sc.softcap_on) {
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = sc.cap_l2 * tanhf(s[n][e] * sc.scale_over_cap);
-    }
-    apply_rank_keep(s, key_slot, thr, lim, lim_warp, sc.softcap_on ? 1.f : sc.scale_l2, qc);
-    return later;
-  }
   if (sc.softcap_on) {
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = sc.cap_l2 * tanhf(s[n][e] * sc.scale_over_cap);
-  } else if (sb || !(sc.scale_l2 > 0.f)) {
+  }
+  if constexpr (kRankRule) {
+    // The scale folds into the rank rule's bias FFMA (softcap's scores are scaled already).
+    apply_rank_keep(s, key_slot, thr, lim, lim_warp, sc.softcap_on ? 1.f : sc.scale_l2, qc);
+    return later;
+  }
+  if (!sc.softcap_on) {
+    if (sb || !(sc.scale_l2 > 0.f)) {
 #pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n)
+      for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= sc.scale_l2;
-  } else {
-    later = sc.scale_l2;
+        for (int e = 0; e < 4; ++e) s[n][e] *= sc.scale_l2;
+    } else {
+      later = sc.scale_l2;
+    }
   }
   if (sb) {
 #pragma unroll

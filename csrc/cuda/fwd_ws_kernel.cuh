@@ -197,7 +197,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   Keys::row_terms(p, c.b, head, mc, w, g, thr, lim);
-  const int lim_warp = p.is_causal ? (int)(mc + w * 16 + p.seqlen_k - p.seqlen_q) : 0x7fffffff;
+  const int lim_warp = __shfl_sync(0xffffffffu, lim[0], 0);  // of the warp's first row (lane 0's g = 0)
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
   const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
   const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;

@@ -167,23 +167,30 @@ __device__ inline void apply_keep(float (&s)[kBlockN / 8][4], const uint8_t* kee
     }
 }
 
+// A per-key list tile's slot (int32 words), written by the loader (KeyList::issue_slot), read by
+// the rank rule: the 64 entries' key indices, their ranks, their biases (float, log2 units), then
+// the largest key of each 32-entry half (where the loader writes them).
+struct KeySlot {
+  static constexpr int kRank = 64, kBias = 128, kTop = 192, kWords = 196;
+};
+
 // The per-key rank rule on a warp's C fragments (rows of thr / lim: g and g + 8 of the thread):
 // column c of the tile keeps its score iff rank[c] <= thr (the row's largest kept rank) and
 // key[c] <= lim (the row's causal limit; INT32_MAX without causality); a kept score becomes
 // s * mul + the key's bias (the slot holds it in log2 units, so with mul = scale * log2 e one FFMA
 // per element scales and biases). slot: the tile's keys, ranks and biases (KeyList's layout).
 // lim_warp: the smallest causal limit of the warp's 16 rows. Where the tile's largest listed key
-// (KeyList::kMaxKey) is at or below it (most tiles: only keys near the diagonal reach a row's
+// (KeySlot::kTop) is at or below it (most tiles: only keys near the diagonal reach a row's
 // limit), the causal compare is dropped for the whole tile: a warp-uniform branch instead of a
 // compare per element.
 template <bool kCut>
 __device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
                                       const int (&lim)[2], float mul, int qc) {
-  const float* bias = reinterpret_cast<const float*>(slot + 128);
+  const float* bias = reinterpret_cast<const float*>(slot + KeySlot::kBias);
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n) {
     const int col = n * 8 + 2 * qc;
-    const int2 rank = *reinterpret_cast<const int2*>(slot + 64 + col);
+    const int2 rank = *reinterpret_cast<const int2*>(slot + KeySlot::kRank + col);
     const float2 bv = *reinterpret_cast<const float2*>(bias + col);
     int2 key = make_int2(0, 0);
     if (kCut) key = *reinterpret_cast<const int2*>(slot + col);
@@ -203,7 +210,7 @@ __device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t*
 // Needs the slot's largest keys (KeyList::issue_slot<true>); without them rank_keep_tile<true>.
 __device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
                                        const int (&lim)[2], int lim_warp, float mul, int qc) {
-  const int2 top = *reinterpret_cast<const int2*>(slot + 192);  // KeyList::kMaxKey
+  const int2 top = *reinterpret_cast<const int2*>(slot + KeySlot::kTop);
   if (max(top.x, top.y) <= lim_warp)
     rank_keep_tile<false>(s, slot, thr, lim, mul, qc);
   else
