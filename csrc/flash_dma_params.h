@@ -91,6 +91,24 @@ struct FwdParams {
   void* workspace = nullptr;
 };
 
+// The per-key selection (flexdma::topk_select; flexdma/perkey/contract.py states its outputs) of
+// every plane of a (P1, P2, K) score tensor, -inf = ineligible. Planes are numbered p = p1 * P2 + p2;
+// the outputs are contiguous: key_rank (P, K), row_thr (P, Q), tile_keys (P, n_tiles, 1 + cap).
+struct SelectParams {
+  const void* scores = nullptr;
+  DType dtype = DType::kFloat32;                   // kFloat32, kFloat16 or kBFloat16
+  int64_t planes2 = 1, planes = 0;                 // P2 and P = P1 * P2
+  int64_t stride1 = 0, stride2 = 0, stride_k = 0;  // of scores, in elements
+  int64_t seqlen_q = 0, seqlen_k = 0, window = 1, tile_rows = 1, list_cap = 0;
+  bool is_causal = false;
+  int32_t* key_rank = nullptr;
+  int32_t* row_thr = nullptr;
+  int32_t* tile_keys = nullptr;
+  // Scratch of cuda::select_workspace_bytes(params) bytes; its first 4 (1 + 2 P) bytes zeroed by
+  // the caller (the kernel's work counters).
+  void* workspace = nullptr;
+};
+
 struct BwdParams : FwdParams {
   // Inputs of the backward besides FwdParams' (out and lse are read, not written).
   const void* dout = nullptr;

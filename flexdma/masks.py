@@ -185,11 +185,12 @@ class _ChunkTiles:
 
 
 def _per_key_ok(device: torch.device) -> bool:
-    # The selection op has a C++ cpu kernel (the built extension) and a Triton cuda one.
+    # The selection op's kernels are the built extension's: C++ on the CPU, CUDA where it was built
+    # with CUDA.
     if _ext.LOAD_ERROR is not None:
         return False
     if device.type == "cuda":
-        return _ext.HAVE_TRITON
+        return _ext.with_cuda()
     return device.type == "cpu"
 
 

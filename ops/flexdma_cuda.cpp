@@ -174,12 +174,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
 }
 
+// flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
+// topk_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& scores, int64_t window,
+                                                                int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
+  c10::cuda::CUDAGuard guard(scores.device());
+  topk_select_check(scores, window, seqlen_q, tile_rows);
+  SelectParams p;
+  p.scores = scores.const_data_ptr();
+  p.dtype = to_dtype(scores.scalar_type());
+  p.planes2 = scores.size(1);
+  p.planes = scores.size(0) * scores.size(1);
+  p.stride1 = scores.stride(0);
+  p.stride2 = scores.stride(1);
+  p.stride_k = scores.stride(2);
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = scores.size(2);
+  p.window = window;
+  p.tile_rows = tile_rows;
+  p.list_cap = topk_list_cap(p.seqlen_k, window, tile_rows);
+  p.is_causal = is_causal;
+  const char* why = cuda::select_unsupported_reason(p);
+  TORCH_CHECK_VALUE(why == nullptr, "flexdma::topk_select on CUDA does not take this call: ", why);
+  const auto opts = scores.options().dtype(at::kInt);
+  const int64_t n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
+  at::Tensor key_rank = at::empty(scores.sizes(), opts);
+  at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
+  at::Tensor tile_keys = at::empty({scores.size(0), scores.size(1), n_tiles * (1 + p.list_cap)}, opts);
+  p.key_rank = key_rank.data_ptr<int32_t>();
+  p.row_thr = row_thr.data_ptr<int32_t>();
+  p.tile_keys = tile_keys.data_ptr<int32_t>();
+  at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, scores.options().dtype(at::kByte));
+  p.workspace = ws.data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
+  cuda::run_select(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {key_rank, row_thr, tile_keys};
+}
+
 }  // namespace
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
 const bool kSupportCheckSet = (cuda_support_check() = &cuda::unsupported_reason, true);
 
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
+  m.impl("topk_select", &topk_select_cuda);
   m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
   m.impl("topk_bwd_sm90", &topk_bwd_sm90_cuda);
   m.impl("fwd", &fwd_cuda);

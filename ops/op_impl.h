@@ -109,4 +109,17 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_impl(
                   deterministic, c10::nullopt, run, device_stores_dbias_dtype, rule.key_rank, rule.row_thr);
 }
 
+// flexdma::topk_select's arguments, checked by every device's implementation.
+inline void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
+  const auto dt = scores.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+                   "flexdma::topk_select: scores must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::topk_select: scores must be 3-D (planes, planes, K), got shape ",
+                    scores.sizes());
+  TORCH_CHECK_VALUE(window > 0, "flexdma::topk_select: window must be positive, got ", window);
+  TORCH_CHECK_VALUE(seqlen_q >= 0, "flexdma::topk_select: seqlen_q must be >= 0, got ", seqlen_q);
+  TORCH_CHECK_VALUE(tile_rows > 0, "flexdma::topk_select: tile_rows must be positive, got ", tile_rows);
+  TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::topk_select: more keys than int32 ranks");
+}
+
 }  // namespace flexdma

@@ -11,10 +11,10 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import interpret_select  # noqa: E402, F401  (the interpreter's NumPy patch)
+import interpret_patch  # noqa: E402, F401  (the interpreter's NumPy patch)
 import torch  # noqa: E402
 
-from flexdma.perkey import naive, route, triton_select  # noqa: E402
+from flexdma.perkey import contract, naive, route  # noqa: E402
 from flexdma.perkey import triton as kernels  # noqa: E402
 
 
@@ -26,8 +26,8 @@ def check(B, L, H, KVH, D, W, causal, deterministic, seed):
     bias = torch.randn(B, KVH, 1, L, generator=g) * 2
     dout = torch.randn(B, L, H, D, generator=g)
     tile_rows = route.tile_rows_for(q.device, H, KVH, KVH, D, q.dtype)
-    sel = triton_select.select(bias[:, :, 0, :], W, L, causal, tile_rows)
-    sel = naive.Selection(*sel)
+    # The CPU op's selection: the lists the CUDA kernel would give (the same contract).
+    sel = contract.select(bias[:, :, 0, :], W, L, causal, tile_rows)
     scale = 1 / math.sqrt(D)
     out, lse, resid = kernels.fwd(q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, scale, causal, 0.0)
     grads = kernels.bwd(

@@ -10,7 +10,7 @@ import sys
 if __name__ == "__main__":
     os.environ["TRITON_INTERPRET"] = "1"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import interpret_select  # noqa: F401  (the interpreter's NumPy patch)
+    import interpret_patch  # noqa: F401  (the interpreter's NumPy patch)
 
 import torch  # noqa: E402
 

@@ -55,7 +55,7 @@ def _instantiations(dims):
     ]
 
 
-@pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu"])
+@pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/topk_select.cu"])
 def test_kernels_compile_without_spills(src, tmp_path):
     spills = _spills(_nvcc(src, tmp_path))
     assert spills, "ptxas reported no kernels"

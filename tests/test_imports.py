@@ -21,7 +21,6 @@ PACKAGES = ("flexdma", "benchmarks")
 NEEDS_TRITON = {
     "flexdma._block_tiles",
     "flexdma.perkey.triton",
-    "flexdma.perkey.triton_select",
     "flexdma.perkey.triton_decode",
     "flexdma.perkey.triton_rows",
     "benchmarks.dev.decode_kernel",

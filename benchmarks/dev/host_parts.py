@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import flexdma
 from benchmarks.dev import topk_dev as TD
 from flexdma.perkey import contract, route
-from flexdma.perkey import triton_select as TS
 
 
 def main():
@@ -94,7 +93,6 @@ def main():
             torch.empty(10, device="cuda"),
         ),
         "selection_scores": lambda: contract.selection_scores(bias, None, 2),
-        "triton_select_direct": lambda: TS.select(sc, 2048, L, True, tr),
         "topk_select_op": lambda: torch.ops.flexdma.topk_select(sc, 2048, L, True, tr),
         "contract_select": lambda: contract.select(sc, 2048, L, True, tr),
         "fwd_sm90_op": lambda: torch.ops.flexdma.topk_fwd_sm90(

@@ -1,8 +1,8 @@
 """The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::topk_select,
-topk_fwd, topk_bwd, topk_fwd_sm90 and topk_bwd_sm90, and their CUDA implementations (registered
-here: topk_select's is Triton; topk_fwd's / topk_bwd's are flexdma/perkey/route.py's cuda_fwd /
-cuda_bwd, which pick the C++ sm_90a kernels or Triton).
-The schemas and the CPU kernels are the C++ extension's (ops/). Nothing is registered without it.
+topk_fwd, topk_bwd, topk_fwd_sm90 and topk_bwd_sm90, and the CUDA implementations of topk_fwd /
+topk_bwd (flexdma/perkey/route.py's cuda_fwd / cuda_bwd, which pick the C++ sm_90a kernels or
+Triton). The schemas, the CPU kernels and the CUDA kernels of topk_select, topk_fwd_sm90 and
+topk_bwd_sm90 are the C++ extension's (ops/). Nothing is registered without it.
 """
 
 from __future__ import annotations
@@ -73,16 +73,6 @@ def _topk_bwd_sm90_fake(
     return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
 
 
-def _triton_kernel(module, name):
-    def run(*args, **kwargs):
-        # triton is an optional dependency, imported by the first call, not by `import flexdma`.
-        import importlib
-
-        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(*args, **kwargs)
-
-    return run
-
-
 if LOADED:
     torch.library.register_fake("flexdma::topk_select")(_topk_select_fake)
     torch.library.register_fake("flexdma::topk_fwd")(_topk_fwd_fake)
@@ -91,10 +81,9 @@ if LOADED:
     torch.library.register_fake("flexdma::topk_bwd_sm90")(_topk_bwd_sm90_fake)
     _ops.register_autograd("flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3)
     _ops.forbid_double_backward("flexdma::topk_bwd")
-    # The per-key path's GPU kernels are Triton (flexdma/perkey/triton.py), registered as the CUDA
-    # implementations of the op family's schemas; topk_fwd's and topk_bwd's hand the calls the C++
-    # sm_90a kernels take to flexdma::topk_fwd_sm90 / topk_bwd_sm90 (route.cuda_fwd / cuda_bwd).
+    # topk_fwd's and topk_bwd's CUDA implementations hand the calls the C++ sm_90a kernels take to
+    # flexdma::topk_fwd_sm90 / topk_bwd_sm90 (route.cuda_fwd / cuda_bwd), the others to Triton
+    # (flexdma/perkey/triton.py).
     if _ext.HAVE_TRITON:
-        torch.library.register_kernel("flexdma::topk_select", "cuda", _triton_kernel("triton_select", "select"))
         torch.library.register_kernel("flexdma::topk_fwd", "cuda", route.cuda_fwd)
         torch.library.register_kernel("flexdma::topk_bwd", "cuda", route.cuda_bwd)

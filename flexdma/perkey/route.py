@@ -93,6 +93,10 @@ def cuda_unsupported_reason(call) -> Optional[str]:
         return f"inputs are on {call.device.type}, not cuda"
     if _ext.LOAD_ERROR:  # every per-key backend needs the selection op
         return _ext.LOAD_ERROR
+    if not _ext.with_cuda():  # the selection's CUDA kernel is the extension's
+        return (
+            "flexdma was built without its CUDA kernels (FLEXDMA_SKIP_CUDA=1, or torch or nvcc without CUDA at install)"
+        )
     if not _ext.HAVE_TRITON:  # pragma: no cover - a torch without triton
         return "triton is unavailable (the per-key CUDA kernels are Triton)"
     if call.dtype not in (torch.float16, torch.bfloat16):

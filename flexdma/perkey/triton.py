@@ -3,7 +3,7 @@ implement; docs/kernels.md describes them), and their launchers. Imports triton:
 first per-key CUDA call (flexdma/perkey/ops.py), not by `import flexdma`. Which forward runs and
 the selection's tile rows are flexdma/perkey/route.py's.
 
-- `select`: flexdma/perkey/triton_select.py (one launch after its counters' fill).
+- the selection they read: flexdma::topk_select's CUDA kernel (csrc/cuda/topk_select.cu).
 - `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
   a selection plane). The pack's rows share every gathered K / V tile; each element still gets the
   exact keep test (rank <= the row's threshold, causal cut), so the union list costs compute but

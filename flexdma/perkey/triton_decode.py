@@ -25,7 +25,6 @@ import triton.language as tl
 
 from .decode import KeptSet
 from .triton import _LOG2E, _tanh, _within
-from .triton_select import _order
 
 # Slots per attention block: at most BLOCK_BUDGET / (query rows x padded head dim). Triton lays
 # chained dots out with every warp along the rows, so with 16 rows each warp holds whole K / V
@@ -35,6 +34,17 @@ BLOCK_BUDGET, BW = 1 << 16, 1024
 CONFIG = dict(num_warps=4, num_stages=2)  # module level, so a benchmark can sweep it
 # Above every packed (order key, index) of a kept key: a free slot's in the search for the worst.
 _NOT_KEPT = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def _order(s):
+    """The selection's order of float32 scores as int32 (flexdma.perkey.decode._order_key): the
+    float's order-preserving integer, -0.0 equal to +0.0, every NaN above +inf."""
+    bits = s.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flip their magnitude bits.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(s == 0.0, 0, key)
+    return tl.where(s != s, 0x7FFFFFFF, key)
 
 
 @triton.jit

@@ -1,0 +1,479 @@
+// The per-key selection on CUDA (flexdma::topk_select): key_rank, row_thr and tile_keys of every
+// plane (flexdma/perkey/contract.py states them) in one kernel launch after the zero fill of its
+// counters: no sort by the host, no host synchronisation, so a CUDA graph holds it.
+//
+// One launch runs three kinds of work item, handed out in order by an atomic counter, so an item
+// waits only for items that resident CTAs already hold (the waits cannot deadlock):
+// 1. sort (plane, chunk of kChunk keys): the chunk's order values sorted in shared memory (a stable
+//    block radix sort: equal values stay in key order).
+// 2. rank (plane, kRankKeys keys of one sorted chunk; waits for the plane's sorts): a key's rank is
+//    the sum over the plane's sorted chunks of its count there, by binary searches in shared
+//    memory (each chunk staged once per item, the next one loaded during this one's searches).
+//    Summed over the chunks of a prefix level [0, T) (levels are whole chunks), the same count is
+//    the key's place in that level's rank order: the key is written there.
+// 3. walk (plane, query tile; waits for the plane's ranks): the tile's candidates in rank order
+//    from the smallest prefix level that holds its last row's keys, the rows' thresholds, the list
+//    cut to the keys some row keeps. About 2 W level entries are read whatever the position.
+//
+// Everything an item reads that another item wrote is loaded from L2 (ld.global.cg): a line that
+// an earlier CTA on the same SM cached in L1 before the writer finished would be stale.
+#include <cub/block/block_radix_sort.cuh>
+#include <cuda_runtime.h>
+
+#include "constants.cuh"
+#include "flash_dma_cuda.h"
+
+namespace flexdma {
+namespace cuda {
+namespace {
+
+constexpr int kSelectThreads = 256;
+constexpr int kChunk = 4096;                          // keys per sorted chunk (its order values fill 16 KiB)
+constexpr int kSortPer = kChunk / kSelectThreads;     // keys a thread sorts
+constexpr int kRankKeys = 1024;                       // keys of one rank item
+constexpr int kRankPer = kRankKeys / kSelectThreads;  // keys a thread ranks
+constexpr int kScanPer = 8;                           // level entries a thread reads per step of a walk
+constexpr int kMaxTileRows = 128;                     // the window's visibility is 8 ballots a row
+
+using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t>;
+
+// Sizes of one launch, computed once on the host (select_geometry).
+struct Geometry {
+  int64_t n_chunks = 0;      // per plane
+  int64_t lvl0 = 1;          // the first prefix level's size (a power of two, whole chunks)
+  int n_levels = 1;          // levels [0, lvl0 << l), the last one all K
+  int64_t plane_stride = 0;  // entries of one plane's level orders
+  int32_t window = 1;        // min(W, K): rows keep every key they see when W >= K
+  int64_t n_tiles = 0;
+  int64_t n_sort = 0, n_rank = 0, n_walk = 0;
+  // Scratch: work counters ([0] the next item, [1, 1 + P) each plane's finished sorts, [1 + P,
+  // 1 + 2 P) its finished ranks), sorted order values and key indices, the level orders.
+  int64_t counters_bytes = 0, sorted_off = 0, keys_off = 0, orders_off = 0, bytes = 0;
+};
+
+constexpr int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
+
+Geometry select_geometry(const SelectParams& p) {
+  Geometry g;
+  const int64_t K = p.seqlen_k;
+  g.n_chunks = ceil_div(K, kChunk);
+  g.window = static_cast<int32_t>(p.window < K ? p.window : (K > 0 ? K : 1));
+  if (p.is_causal) {
+    int64_t lvl0 = kChunk;
+    while (lvl0 < 2 * g.window || lvl0 < 2 * p.tile_rows) lvl0 *= 2;
+    g.lvl0 = lvl0;
+    while ((lvl0 << (g.n_levels - 1)) < K) ++g.n_levels;
+  } else {
+    g.lvl0 = K > 0 ? K : 1;
+  }
+  g.plane_stride = g.lvl0 * ((int64_t(1) << (g.n_levels - 1)) - 1) + K;
+  g.n_tiles = ceil_div(p.seqlen_q, p.tile_rows);
+  g.n_sort = p.planes * g.n_chunks;
+  g.n_rank = g.n_sort * (kChunk / kRankKeys);
+  g.n_walk = p.planes * g.n_tiles;
+  g.counters_bytes = align16(4 * (1 + 2 * p.planes));
+  g.sorted_off = g.counters_bytes;
+  g.keys_off = g.sorted_off + align16(4 * g.n_sort * kChunk);
+  g.orders_off = g.keys_off + align16(4 * g.n_sort * kChunk);
+  g.bytes = g.orders_off + align16(4 * p.planes * g.plane_stride);
+  return g;
+}
+
+// ---- order values ----
+
+// A score's place in the selection's order as an unsigned value that sorts ascending: score
+// descending, every NaN first (above +inf), -0.0 equal to +0.0, -inf after every eligible score.
+// From the bits alone (the build's fast math may fold float NaN tests). kHalf = 0x7fffffff for
+// float32; 16-bit scores order by their own 16 bits (kHalf = 0x7fff), which float16 needs (its
+// 10-bit mantissa does not fit a float32's top 16 bits).
+template <uint32_t kHalf, uint32_t kInf>
+__device__ inline uint32_t order_value(uint32_t bits) {
+  const uint32_t mag = bits & kHalf;
+  if (mag > kInf) return 0;
+  if (mag == 0) return kHalf;
+  return (bits & (kHalf + 1)) ? kHalf + 1 + mag : kHalf - mag;
+}
+
+// -inf's order value: keys at or above it are ineligible.
+__device__ inline uint32_t ineligible_from(DType t) {
+  return t == DType::kFloat32 ? 0x7fffffffu + 1 + 0x7f800000u
+                              : (t == DType::kBFloat16 ? 0x7fffu + 1 + 0x7f80u : 0x7fffu + 1 + 0x7c00u);
+}
+
+__device__ inline uint32_t load_order(const SelectParams& p, int64_t p1, int64_t p2, int64_t j) {
+  const int64_t at = p1 * p.stride1 + p2 * p.stride2 + j * p.stride_k;
+  if (p.dtype == DType::kFloat32)
+    return order_value<0x7fffffffu, 0x7f800000u>(static_cast<const uint32_t*>(p.scores)[at]);
+  const uint32_t bits = static_cast<const uint16_t*>(p.scores)[at];
+  return p.dtype == DType::kBFloat16 ? order_value<0x7fffu, 0x7f80u>(bits) : order_value<0x7fffu, 0x7c00u>(bits);
+}
+
+// ---- item ordering ----
+
+__device__ inline uint32_t ld_acquire(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Until `target` items have counted at `counter`; their stores are visible to the whole CTA after.
+__device__ inline void wait_for(const uint32_t* counter, uint32_t target) {
+  if (threadIdx.x == 0)
+    while (ld_acquire(counter) < target) __nanosleep(64);
+  __syncthreads();
+}
+
+// Every thread's stores of this item, then one count.
+__device__ inline void publish(uint32_t* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+struct Scratch {
+  uint32_t* counters;
+  uint32_t* sorted;  // (P, n_chunks, kChunk) order values, each chunk ascending
+  int32_t* keys;     // their key indices
+  int32_t* orders;   // (P, plane_stride): each level's keys in rank order, levels side by side
+};
+
+union alignas(16) Smem {
+  typename Sorter::TempStorage sort;
+  uint32_t chunk[2][kChunk];  // a rank item's staged chunks (double buffer)
+  struct {
+    int32_t new_at[kMaxTileRows];  // list index of each key the first row does not see (or NEVER)
+    int32_t early[kMaxTileRows];   // per row: new keys it sees listed before the window
+    int32_t win_row[2 * kMaxTileRows], win_rank[2 * kMaxTileRows];
+    int32_t warp_base[kSelectThreads / 32], warp_cand[kSelectThreads / 32];
+    int32_t start, last_base, n_cut, top, cut;
+  } walk;
+};
+
+// ---- 1. sort ----
+
+__device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, int64_t plane, int64_t c) {
+  const int64_t K = p.seqlen_k, p1 = plane / p.planes2, p2 = plane % p.planes2;
+  uint32_t u[kSortPer];
+  int32_t j[kSortPer];
+  // Blocked: thread t holds keys t * kSortPer + i, the order the sort keeps among equal values.
+#pragma unroll
+  for (int i = 0; i < kSortPer; ++i) {
+    const int64_t key = c * kChunk + threadIdx.x * kSortPer + i;
+    j[i] = static_cast<int32_t>(key);
+    u[i] = key < K ? load_order(p, p1, p2, key) : 0xffffffffu;  // past K: after every key
+  }
+  // 16-bit scores' values fit the low 16 bits (and the slots past K sort last by them too).
+  const int end_bit = p.dtype == DType::kFloat32 ? 32 : 16;
+  Sorter(sm.sort).SortBlockedToStriped(u, j, 0, end_bit);
+  const int64_t base = (plane * ((K + kChunk - 1) / kChunk) + c) * kChunk;
+#pragma unroll
+  for (int i = 0; i < kSortPer; ++i) {
+    s.sorted[base + i * kSelectThreads + threadIdx.x] = u[i];
+    s.keys[base + i * kSelectThreads + threadIdx.x] = j[i];
+  }
+}
+
+// ---- 2. rank ----
+
+// Entries of a sorted chunk below x.
+__device__ inline int32_t count_below(const uint32_t* chunk, uint32_t x) {
+  int32_t pos = 0;
+#pragma unroll
+  for (int step = kChunk / 2; step >= 1; step /= 2) pos += chunk[pos + step - 1] < x ? step : 0;
+  return pos + (chunk[pos] < x ? 1 : 0);
+}
+
+__device__ void rank_keys(const SelectParams& p, const Geometry& g, const Scratch& s, Smem& sm, int64_t plane,
+                          int64_t a, int sub) {
+  const int64_t K = p.seqlen_k, NC = g.n_chunks;
+  const uint32_t* sorted = s.sorted + plane * NC * kChunk;
+  const int32_t* keys = s.keys + plane * NC * kChunk;
+  int32_t* order = s.orders + plane * g.plane_stride;
+  uint32_t u[kRankPer];
+  int32_t j[kRankPer], cnt[kRankPer];
+#pragma unroll
+  for (int i = 0; i < kRankPer; ++i) {
+    const int e = sub * kRankKeys + i * kSelectThreads + threadIdx.x;
+    u[i] = __ldcg(sorted + a * kChunk + e);
+    j[i] = __ldcg(keys + a * kChunk + e);
+    cnt[i] = e;  // the keys before it in its own sorted chunk (ties there are in key order)
+  }
+  constexpr int kVec = kChunk / 4 / kSelectThreads;  // 16-byte loads a thread stages per chunk
+  uint4 next[kVec];
+  const auto fetch = [&](int64_t b) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v)
+      next[v] = __ldcg(reinterpret_cast<const uint4*>(sorted + b * kChunk) + v * kSelectThreads + threadIdx.x);
+  };
+  const auto stage = [&](int buf) {
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) reinterpret_cast<uint4*>(sm.chunk[buf])[v * kSelectThreads + threadIdx.x] = next[v];
+  };
+  fetch(0);
+  stage(0);
+  __syncthreads();
+  int level = 0;
+  for (int64_t b = 0; b < NC; ++b) {
+    if (b + 1 < NC) fetch(b + 1);
+    if (b != a) {
+      // Equal values of an earlier chunk have lower key indices: they come first.
+      const uint32_t tie = b < a ? 1u : 0u;
+      // Independent searches: the item is bound by their latency, not by their loads.
+#pragma unroll
+      for (int i = 0; i < kRankPer; ++i) cnt[i] += count_below(sm.chunk[b & 1], u[i] + tie);
+    }
+    // A level [0, lvl0 << level) other than the last ends after this chunk: its members (keys of
+    // chunks up to b) are placed in its order by their counts so far.
+    if (level < g.n_levels - 1 && ((g.lvl0 << level) / kChunk) == b + 1) {
+      if (a <= b) {  // (no slot past K: every level but the last ends before the last chunk)
+        int32_t* lvl = order + g.lvl0 * ((int64_t(1) << level) - 1);
+#pragma unroll
+        for (int i = 0; i < kRankPer; ++i) lvl[cnt[i]] = j[i];
+      }
+      ++level;
+    }
+    if (b + 1 < NC) stage((b + 1) & 1);
+    __syncthreads();
+  }
+  // The last level is every key: its order is the rank order.
+  int32_t* last = order + g.lvl0 * ((int64_t(1) << (g.n_levels - 1)) - 1);
+  const uint32_t ineligible = ineligible_from(p.dtype);
+#pragma unroll
+  for (int i = 0; i < kRankPer; ++i) {
+    if (j[i] >= K) continue;  // a slot past K
+    last[cnt[i]] = j[i];
+    p.key_rank[plane * K + j[i]] = u[i] < ineligible ? cnt[i] : kNeverKept;
+  }
+}
+
+// ---- 3. walk ----
+
+__device__ inline unsigned lanes_below() { return (1u << (threadIdx.x % 32)) - 1; }
+
+__device__ void walk_tile(const SelectParams& p, const Geometry& g, const Scratch& s, Smem& sm, int64_t plane,
+                          int64_t t) {
+  auto& w = sm.walk;
+  const int64_t K = p.seqlen_k, Q = p.seqlen_q, off = K - Q;
+  const int TR = static_cast<int>(p.tile_rows);
+  const int32_t W = g.window;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t r0 = t * TR, r1 = (r0 + TR < Q ? r0 + TR : Q) - 1;
+  const int64_t p_first = p.is_causal ? r0 + off : K - 1, p_last = p.is_causal ? r1 + off : K - 1;
+  // The smallest prefix level that holds every key the tile's last row sees.
+  int level = 0;
+  int64_t size = g.lvl0;
+  while (level < g.n_levels - 1 && size <= p_last) ++level, size *= 2;
+  const int32_t* order = s.orders + plane * g.plane_stride + g.lvl0 * ((int64_t(1) << level) - 1);
+  const int64_t n_level = size < K ? size : K;
+  const int32_t* ranks = p.key_rank + plane * K;
+  int32_t* head = p.tile_keys + (plane * g.n_tiles + t) * (1 + p.list_cap);
+  int32_t* list = head + 1;
+  for (int i = threadIdx.x; i < TR; i += kSelectThreads) w.new_at[i] = kNeverKept;
+  if (threadIdx.x == 0) w.start = kNeverKept, w.last_base = 0, w.top = -1, w.cut = 0;
+
+  // Candidates in rank order until the first row has seen W keys (every row's threshold is at most
+  // that rank): the keys the last row sees. A key visible to the last row but not the first ("new",
+  // at most TR - 1) leaves its list index in new_at. Base keys (seen by the first row) are seen by
+  // every row, and a row sees at most TR - 1 keys more than the first, so every row's threshold
+  // lies between the (W - TR + 1)-th base key and the W-th: a window of < 2 TR list entries from
+  // `start`. Ineligible keys (rank NEVER) follow the eligible ones in a level: the first ends it.
+  // A step reads kScanPer x 32 consecutive entries a warp, lane-strided (coalesced); the counts
+  // before an entry are ballots within the warp plus the earlier warps' totals.
+  const int64_t s_need = int64_t(W) - TR + 1;
+  int32_t seen = 0, n = 0;
+  bool more = p_last >= 0;
+  constexpr int kStep = kSelectThreads * kScanPer, kWarps = kSelectThreads / 32;
+  for (int64_t r = 0; more && r < n_level && seen < W; r += kStep) {
+    int32_t pos[kScanPer];
+    unsigned base_m[kScanPer], cand_m[kScanPer];
+    bool all_valid = true;
+#pragma unroll
+    for (int i = 0; i < kScanPer; ++i) {
+      const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
+      pos[i] = e < n_level ? __ldcg(order + e) : 0;
+    }
+    int32_t base_w = 0, cand_w = 0;
+#pragma unroll
+    for (int i = 0; i < kScanPer; ++i) {
+      const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
+      const bool valid = e < n_level && __ldcg(ranks + pos[i]) != kNeverKept;
+      all_valid &= valid;
+      base_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_first);
+      cand_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_last);
+      base_w += __popc(base_m[i]);
+      cand_w += __popc(cand_m[i]);
+    }
+    if (lane == 0) w.warp_base[warp] = base_w, w.warp_cand[warp] = cand_w;
+    more = __syncthreads_and(all_valid);
+    int32_t before = seen, at = n, base_all = 0, cand_all = 0;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) {
+      before += v < warp ? w.warp_base[v] : 0;
+      at += v < warp ? w.warp_cand[v] : 0;
+      base_all += w.warp_base[v];
+      cand_all += w.warp_cand[v];
+    }
+    const unsigned below = lanes_below();
+    int32_t last_base = 0;  // the list index of this lane's last listed base key
+#pragma unroll
+    for (int i = 0; i < kScanPer; ++i) {
+      const bool base = base_m[i] >> lane & 1, cand = cand_m[i] >> lane & 1;
+      const int32_t my_before = before + __popc(base_m[i] & below), my_at = at + __popc(cand_m[i] & below);
+      if (cand && my_before < W) {
+        list[my_at] = pos[i];
+        if (pos[i] > p_first) w.new_at[pos[i] - p_first - 1] = my_at;
+        if (base) {
+          if (my_before == s_need - 1) w.start = my_at;
+          if (my_before == W - 1) w.n_cut = my_at + 1;
+          last_base = my_at;
+        }
+      }
+      before += __popc(base_m[i]);
+      at += __popc(cand_m[i]);
+    }
+    // One shared-memory atomic a warp (a lane each would serialise on the one address).
+    last_base = __reduce_max_sync(0xffffffffu, last_base);
+    if (lane == 0 && last_base > 0) atomicMax(&w.last_base, last_base);
+    // The W-th base key ends the list: the candidates after it in rank order are not listed.
+    const bool cut = seen + base_all >= W;
+    seen = min(seen + base_all, W);
+    __syncthreads();  // new_at, start, n_cut written; warp totals read before the next step's
+    n = cut ? w.n_cut : n + cand_all;
+  }
+  __syncthreads();
+
+  // W < TR: new keys alone can fill a row, the window starts at the list's start. Fewer base keys
+  // than s_need: no row reaches W, each keeps up to its last visible key, and only new keys follow
+  // the last base key (`seen` counts the listed base keys).
+  const bool full = w.start != kNeverKept;
+  const int32_t start = s_need <= 0 ? 0 : (full ? w.start : w.last_base);
+  const int32_t base_before = s_need <= 0 ? 0 : (full ? static_cast<int32_t>(s_need - 1) : max(seen - 1, 0));
+  const int32_t win = min(n - start, 2 * TR);
+  // Per window entry: the first row of the tile that sees it (0 for a base key), and its rank.
+  for (int e = threadIdx.x; e < 2 * kMaxTileRows; e += kSelectThreads) {
+    int32_t first_row = kNeverKept, rank = 0;
+    if (e < win) {
+      const int32_t pos = __ldcg(list + start + e);
+      first_row = pos <= p_first ? 0 : static_cast<int32_t>(pos - p_first);
+      rank = __ldcg(ranks + pos);
+    }
+    w.win_row[e] = first_row;
+    w.win_rank[e] = rank;
+  }
+  if (warp == 0) {
+    // early[i]: new keys row i sees (those before it in key order) listed before the window.
+    int32_t run = 0;
+    for (int q0 = 0; q0 < TR; q0 += 32) {
+      const int q = q0 + lane;
+      const unsigned m = __ballot_sync(0xffffffffu, q < TR && w.new_at[q < TR ? q : 0] < start);
+      if (q < TR) w.early[q] = run + __popc(m & lanes_below());
+      run += __popc(m);
+    }
+  }
+  __syncthreads();
+
+  // Row i's threshold: the rank of the window entry where its count of visible keys reaches W (or
+  // of its last visible one). The window's visibility to a row is kWinWords ballots, independent
+  // of each other, so a warp's rows do not wait on one another.
+  constexpr int kWinWords = 2 * kMaxTileRows / 32;
+  int32_t first_row[kWinWords];  // of this lane's window entries, read once for all the warp's rows
+#pragma unroll
+  for (int k = 0; k < kWinWords; ++k) first_row[k] = w.win_row[k * 32 + lane];
+  int32_t top = -1;  // the warp's largest threshold
+#pragma unroll 2
+  for (int rl = warp; rl < TR && r0 + rl < Q; rl += kWarps) {
+    const int64_t p_row = p.is_causal ? r0 + rl + off : K - 1;
+    int32_t thr = -1;
+    if (p_row >= 0) {
+      const int32_t need = W - base_before - (p.is_causal ? w.early[rl] : 0);  // >= 1
+      unsigned vis[kWinWords];
+#pragma unroll
+      for (int k = 0; k < kWinWords; ++k) vis[k] = __ballot_sync(0xffffffffu, first_row[k] <= rl);
+      // The word holding the need-th visible entry (its mask and the count before it), else the
+      // last word with a visible entry (selects, not an indexed array: vis stays in registers).
+      int32_t acc = 0, word = -1, last_word = -1;
+      unsigned m = 0, last_m = 0;
+#pragma unroll
+      for (int k = 0; k < kWinWords; ++k) {
+        const int32_t c = __popc(vis[k]);
+        if (word < 0 && acc + c >= need) word = k, m = vis[k];
+        if (word < 0) acc += c;
+        if (c) last_word = k, last_m = vis[k];
+      }
+      int32_t entry = -1;
+      if (word >= 0) {
+        const bool hit = (m >> lane & 1) && __popc(m & lanes_below()) == need - acc - 1;
+        entry = word * 32 + __ffs(__ballot_sync(0xffffffffu, hit)) - 1;
+      } else if (last_word >= 0) {
+        entry = last_word * 32 + 31 - __clz(last_m);
+      }
+      if (entry >= 0) thr = w.win_rank[entry];
+    }
+    if (lane == 0) p.row_thr[plane * Q + r0 + rl] = thr;
+    top = max(top, thr);
+  }
+  if (lane == 0 && top >= 0) atomicMax(&w.top, top);
+  __syncthreads();
+  // Keep the prefix of the list some row keeps: the list is in rank order and the largest
+  // threshold is the rank of a window entry, so the prefix ends at that entry.
+  top = w.top;
+  int32_t cut = 0;
+  for (int e = threadIdx.x; e < win; e += kSelectThreads)
+    if (w.win_rank[e] <= top) cut = max(cut, start + e + 1);
+  cut = __reduce_max_sync(0xffffffffu, cut);
+  if (lane == 0 && cut > 0) atomicMax(&w.cut, cut);
+  __syncthreads();
+  if (threadIdx.x == 0) head[0] = w.cut;
+}
+
+__global__ void __launch_bounds__(kSelectThreads, 2) select_kernel(const SelectParams p, const Geometry g, Scratch s) {
+  __shared__ Smem sm;
+  __shared__ int64_t item_s;
+  if (threadIdx.x == 0) item_s = atomicAdd(s.counters, 1u);
+  __syncthreads();
+  const int64_t item = item_s, P = p.planes;
+  constexpr int kSubs = kChunk / kRankKeys;
+  if (item < g.n_sort) {
+    const int64_t plane = item / g.n_chunks;
+    sort_chunk(p, s, sm, plane, item % g.n_chunks);
+    publish(s.counters + 1 + plane);
+  } else if (item < g.n_sort + g.n_rank) {
+    const int64_t i = item - g.n_sort, plane = i / (g.n_chunks * kSubs), c = i % (g.n_chunks * kSubs);
+    wait_for(s.counters + 1 + plane, static_cast<uint32_t>(g.n_chunks));
+    rank_keys(p, g, s, sm, plane, c / kSubs, static_cast<int>(c % kSubs));
+    publish(s.counters + 1 + P + plane);
+  } else {
+    const int64_t i = item - g.n_sort - g.n_rank, plane = i / g.n_tiles;
+    wait_for(s.counters + 1 + P + plane, static_cast<uint32_t>(g.n_chunks * kSubs));
+    walk_tile(p, g, s, sm, plane, i % g.n_tiles);
+  }
+}
+
+}  // namespace
+
+int64_t select_workspace_bytes(const SelectParams& p) { return select_geometry(p).bytes; }
+
+int64_t select_counter_bytes(const SelectParams& p) { return select_geometry(p).counters_bytes; }
+
+const char* select_unsupported_reason(const SelectParams& p) {
+  if (p.tile_rows > kMaxTileRows) return "tile_rows above 128";
+  if (p.seqlen_k >= (int64_t(1) << 31) - kChunk) return "more keys than int32 ranks";
+  const Geometry g = select_geometry(p);
+  if (g.n_sort + g.n_rank + g.n_walk >= (int64_t(1) << 31)) return "more work items than one grid holds";
+  return nullptr;
+}
+
+void run_select(const SelectParams& p, void* stream) {
+  const Geometry g = select_geometry(p);
+  const int64_t items = g.n_sort + g.n_rank + g.n_walk;
+  if (items == 0) return;
+  char* ws = static_cast<char*>(p.workspace);
+  Scratch s{reinterpret_cast<uint32_t*>(ws), reinterpret_cast<uint32_t*>(ws + g.sorted_off),
+            reinterpret_cast<int32_t*>(ws + g.keys_off), reinterpret_cast<int32_t*>(ws + g.orders_off)};
+  select_kernel<<<static_cast<unsigned>(items), kSelectThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, g, s);
+}
+
+}  // namespace cuda
+}  // namespace flexdma
