@@ -294,11 +294,18 @@ __device__ void walk_tile(const SelectParams& p, const Geometry& g, const Scratc
       const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
       pos[i] = e < n_level ? __ldcg(order + e) : 0;
     }
-    int32_t base_w = 0, cand_w = 0;
+    // Every rank requested before any is tested: a ballot between two loads would wait for the
+    // first (the compiler keeps loads in order around warp votes).
+    int32_t rank[kScanPer];
 #pragma unroll
     for (int i = 0; i < kScanPer; ++i) {
       const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
-      const bool valid = e < n_level && __ldcg(ranks + pos[i]) != kNeverKept;
+      rank[i] = e < n_level ? __ldcg(ranks + pos[i]) : kNeverKept;
+    }
+    int32_t base_w = 0, cand_w = 0;
+#pragma unroll
+    for (int i = 0; i < kScanPer; ++i) {
+      const bool valid = rank[i] != kNeverKept;
       all_valid &= valid;
       base_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_first);
       cand_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_last);
