@@ -95,8 +95,13 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int) 
         # LSE is an output for inspection (and for merging partial results), not a differentiable
         # one; out_resid only feeds the backward's row sums.
         ctx.mark_non_differentiable(lse, resid)
+        # Their gradients stay None instead of zero tensors the engine would fill every backward
+        # (one of them out's size).
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_out, grad_lse, grad_resid):
+        if grad_out is None:  # out did not reach what is differentiated: no input gets a gradient
+            return (None,) * ctx.n_inputs
         *tensors, out, lse, tiles, resid = ctx.saved_tensors
         bias_grad = tensors[bias_index] is not None and ctx.needs_input_grad[bias_index]
         if grad_out.stride(-1) != 1:
