@@ -173,13 +173,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
     launch_bwd(p, q);
   else
     dq.zero_();
-  if (k.scalar_type() == v.scalar_type() && (!bias_requires_grad || bias.scalar_type() == k.scalar_type())) {
-    // One cast of the whole buffer; the gradients are views of it (a leaf's .grad keeps the
-    // buffer, which holds only the other gradients of the same call).
-    const at::Tensor cast = acc.to(k.scalar_type());
-    return {dq, cast.narrow(0, 0, nk).view(k.sizes()), cast.narrow(0, nk, nk).view(v.sizes()),
-            bias_requires_grad ? cast.narrow(0, 2 * nk, nb).view(bias.sizes()) : at::empty({0}, q.options())};
-  }
   at::Tensor dbias = bias_requires_grad ? db->to(bias.scalar_type()) : at::empty({0}, q.options());
   return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
 }
