@@ -36,7 +36,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
 
-from .common import Saving, chosen_peers, newest_section, record, table
+from .common import Saving, chosen_peers, record, run_section, runs_of, table
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-topk-bench/1"
@@ -409,18 +409,27 @@ def markdown(doc: dict) -> str:
             return cells
 
         lines += [""] + table(head + [f"{names[p]} ms / peak MiB" for p in peers_], doc["doge"], doge_cells)
+        if doc.get("doge_commit"):
+            lines += ["", f"The Doge rows are commit {doc['doge_commit']}'s run (the newest that ran them)."]
     return "\n".join(lines)
 
 
 def section(results_dir: str) -> List[str]:
-    return newest_section(
-        results_dir,
-        SCHEMA,
-        "per-key top-W",
+    """The newest run's tables; where that run left the Doge rows out (--peers without doge), the
+    newest run's that has them, named."""
+    runs = runs_of(results_dir, SCHEMA)
+    if not runs:
+        return []
+    doc = runs[0]
+    if not doc.get("doge"):
+        earlier = next((d for d in runs[1:] if d.get("doge")), None)
+        if earlier is not None:
+            doc = dict(doc, doge=earlier["doge"], doge_commit=earlier.get("commit"))
+    note = (
         "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
-        "peak = the call's memory above its inputs.",
-        markdown,
+        "peak = the call's memory above its inputs."
     )
+    return run_section(doc, "per-key top-W", note, markdown(doc))
 
 
 def main(args, env: dict) -> str:
