@@ -203,17 +203,17 @@ inline void fill_topk_params(FwdParams& p, const at::Tensor& q, const at::Tensor
 // as rows of 1 + cap words, one a query tile.
 inline Broadcast4d tile_keys_operand(const at::Tensor& x, const at::Tensor& key_rank, const at::Tensor& q,
                                      int64_t tile_rows) {
-  TORCH_CHECK(tile_rows > 0 && tile_rows % kTileSize == 0, "flexdma: tile_rows must be a positive multiple of ",
-              kTileSize, ", got ", tile_rows);
+  TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % kTileSize == 0, "flexdma: tile_rows must be a positive multiple of ",
+                    kTileSize, ", got ", tile_rows);
   const int64_t n_tiles = (q.size(1) + tile_rows - 1) / tile_rows;
-  TORCH_CHECK(x.scalar_type() == at::kInt && x.dim() == 3 && x.is_contiguous() && x.device() == q.device(),
-              "flexdma: tile_keys must be a contiguous 3-D int32 tensor on ", q.device(), ", got ", x.scalar_type(),
-              " ", x.sizes());
-  TORCH_CHECK(x.size(0) == key_rank.size(0) && x.size(1) == key_rank.size(1), "flexdma: tile_keys planes ", x.sizes(),
-              " differ from key_rank's ", key_rank.sizes());
-  TORCH_CHECK(n_tiles > 0 && x.size(2) % n_tiles == 0 && x.size(2) / n_tiles >= 1, "flexdma: tile_keys of shape ",
-              x.sizes(), " does not hold ", n_tiles, " lists of ", tile_rows,
-              "-row query tiles (flexdma::topk_select with tile_rows=", tile_rows, ")");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kInt && x.dim() == 3 && x.is_contiguous() && x.device() == q.device(),
+                    "flexdma: tile_keys must be a contiguous 3-D int32 tensor on ", q.device(), ", got ",
+                    x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(0) == key_rank.size(0) && x.size(1) == key_rank.size(1), "flexdma: tile_keys planes ",
+                    x.sizes(), " differ from key_rank's ", key_rank.sizes());
+  TORCH_CHECK_VALUE(n_tiles > 0 && x.size(2) % n_tiles == 0 && x.size(2) / n_tiles >= 1, "flexdma: tile_keys of shape ",
+                    x.sizes(), " does not hold ", n_tiles, " lists of ", tile_rows,
+                    "-row query tiles (flexdma::topk_select with tile_rows=", tile_rows, ")");
   Broadcast4d b = plane_dims(x, q.size(2));
   b.row_stride = x.size(2) / n_tiles;
   b.col_stride = 1;

@@ -153,9 +153,10 @@ def cuda_fwd(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, so
 
     tile_keys = kernels._need_tiles(tile_keys)
     if sm90_takes(q, k, v, attn_bias, softcap):
-        tile_rows = kernels._geometry(q, k, attn_bias, key_rank, tile_keys)["meta"]["TILE_ROWS"]
+        # The lists of the C++ kernels' calls are of SM90_TILE_ROWS-row tiles (`plan`'s tile rows
+        # wherever sm90_forward holds); the op checks that tile_keys holds them.
         return torch.ops.flexdma.topk_fwd_sm90(
-            q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap
+            q, k, v, attn_bias, key_rank, row_thr, tile_keys, SM90_TILE_ROWS, softmax_scale, is_causal, softcap
         )
     return kernels.fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)
 
@@ -176,10 +177,9 @@ def cuda_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_
 
     tile_keys = kernels._need_tiles(tile_keys)
     if sm90_bwd_takes(q, k, v, attn_bias, softcap, deterministic):
-        tile_rows = kernels._geometry(q, k, attn_bias, key_rank, tile_keys)["meta"]["TILE_ROWS"]
         resid = out_resid if out_resid is not None else out.new_empty((0,))
         return torch.ops.flexdma.topk_bwd_sm90(
-            grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, out, lse, resid,
+            grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, SM90_TILE_ROWS, out, lse, resid,
             softmax_scale, is_causal, bias_requires_grad,
         )  # fmt: skip
     return kernels.bwd(
