@@ -195,25 +195,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
   p.seqlen_k = scores.size(2);
   p.window = window;
   p.tile_rows = tile_rows;
-  p.list_cap = topk_list_cap(p.seqlen_k, window, tile_rows);
   p.is_causal = is_causal;
   const char* why = cuda::select_unsupported_reason(p);
   TORCH_CHECK_VALUE(why == nullptr, "flexdma::topk_select on CUDA does not take this call: ", why);
-  const auto opts = scores.options().dtype(at::kInt);
-  const int64_t n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
-  at::Tensor key_rank = at::empty(scores.sizes(), opts);
-  at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
-  at::Tensor tile_keys = at::empty({scores.size(0), scores.size(1), n_tiles * (1 + p.list_cap)}, opts);
-  p.key_rank = key_rank.data_ptr<int32_t>();
-  p.row_thr = row_thr.data_ptr<int32_t>();
-  p.tile_keys = tile_keys.data_ptr<int32_t>();
+  const SelectOutputs o = alloc_select_outputs(scores, window, seqlen_q, tile_rows, /*zero_lists=*/false);
+  p.list_cap = o.list_cap;
+  p.key_rank = o.key_rank.data_ptr<int32_t>();
+  p.row_thr = o.row_thr.data_ptr<int32_t>();
+  p.tile_keys = o.tile_keys.data_ptr<int32_t>();
   at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, scores.options().dtype(at::kByte));
   p.workspace = ws.data_ptr();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
   cuda::run_select(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {key_rank, row_thr, tile_keys};
+  return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
 }  // namespace

@@ -156,20 +156,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor&
                                                                int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
   topk_select_check(scores, window, seqlen_q, tile_rows);
   const int64_t K = scores.size(2), P = scores.size(0) * scores.size(1);
-  const int64_t cap = topk_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
   const at::Tensor s = scores.to(at::kFloat).contiguous();
-  auto opts = scores.options().dtype(at::kInt);
-  at::Tensor key_rank = at::empty(scores.sizes(), opts);
-  at::Tensor row_thr = at::empty({scores.size(0), scores.size(1), seqlen_q}, opts);
-  // Zero past each list's end, so the output is a function of the input (no stale memory).
-  at::Tensor tile_keys = at::zeros({scores.size(0), scores.size(1), n_tiles * (1 + cap)}, opts);
+  const SelectOutputs o = alloc_select_outputs(scores, window, seqlen_q, tile_rows, /*zero_lists=*/true);
+  const int64_t per_plane = o.tile_keys.size(2);
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t pl = b; pl < e; ++pl)
-      cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, cap,
-                             key_rank.data_ptr<int32_t>() + pl * K, row_thr.data_ptr<int32_t>() + pl * seqlen_q,
-                             tile_keys.data_ptr<int32_t>() + pl * n_tiles * (1 + cap));
+      cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, o.list_cap,
+                             o.key_rank.data_ptr<int32_t>() + pl * K, o.row_thr.data_ptr<int32_t>() + pl * seqlen_q,
+                             o.tile_keys.data_ptr<int32_t>() + pl * per_plane);
   });
-  return {key_rank, row_thr, tile_keys};
+  return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
 // Packed sequences (flexdma::varlen_fwd / varlen_bwd): q (Tq, H, D), k / v (Tk, KVH, D), int32

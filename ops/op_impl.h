@@ -3,6 +3,7 @@
 #pragma once
 #include <functional>
 #include <tuple>
+#include <vector>
 
 #include "params_from_tensors.h"
 
@@ -122,4 +123,20 @@ inline void topk_select_check(const at::Tensor& scores, int64_t window, int64_t 
   TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::topk_select: more keys than int32 ranks");
 }
 
+// flexdma::topk_select's outputs for scores (P1, P2, K) (flexdma/perkey/contract.py's shapes) and
+// its lists' capacity. tile_keys is zero-filled where `zero_lists` says so (the CPU op: entries past
+// a list's length then depend on nothing but the input); the CUDA kernel leaves them unwritten.
+struct SelectOutputs {
+  at::Tensor key_rank, row_thr, tile_keys;
+  int64_t list_cap;
+};
+inline SelectOutputs alloc_select_outputs(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows,
+                                          bool zero_lists) {
+  const int64_t P1 = scores.size(0), P2 = scores.size(1), K = scores.size(2);
+  const int64_t cap = topk_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
+  const auto opts = scores.options().dtype(at::kInt);
+  const std::vector<int64_t> lists{P1, P2, n_tiles * (1 + cap)};
+  return {at::empty({P1, P2, K}, opts), at::empty({P1, P2, seqlen_q}, opts),
+          zero_lists ? at::zeros(lists, opts) : at::empty(lists, opts), cap};
+}
 }  // namespace flexdma
