@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 from typing import List
 
 import torch
@@ -27,6 +28,21 @@ def public_argv(argv: List[str]) -> List[str]:
         else:
             out.append(a)
     return out
+
+
+def issue_time(fn, n: int, warmup: int = 0) -> tuple:
+    """(host, wall) seconds a call of `fn`, issued n times back to back: host is the time to issue
+    them, wall adds draining the GPU. Where host is near wall the GPU waited on the host (or the
+    launch queue filled)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return host, (time.perf_counter() - t0) / n
 
 
 def write_json(path: str, doc: dict) -> None:

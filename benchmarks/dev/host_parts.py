@@ -10,12 +10,12 @@ import cProfile
 import math
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import flexdma
+from benchmarks.common import issue_time
 from benchmarks.dev import topk_dev as TD
 from flexdma.perkey import contract, route
 
@@ -34,15 +34,7 @@ def main():
     qg, kg, vg, bg = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
 
     def host(fn, n=200):
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        h = (time.perf_counter() - t0) / n
-        torch.cuda.synchronize()
-        w = (time.perf_counter() - t0) / n
+        h, w = issue_time(fn, n, warmup=10)
         return round(h * 1e6, 1), round(w * 1e6, 1)
 
     def api_fwd():

@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexdma
+from benchmarks.common import issue_time
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -44,12 +44,7 @@ if __name__ == "__main__":
         torch.cuda.synchronize()
         if a.host:
             n = 50
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            host = (time.perf_counter() - t0) / n
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t0) / n
+            host, wall = issue_time(fn, n)
             print(f"==== {name}: host {host * 1e3:.3f} ms a call, host + drain {wall * 1e3:.3f} ms a call")
             pr = cProfile.Profile()
             pr.enable()
