@@ -214,14 +214,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     fence_regs(s);
     fence_regs(dp);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(s, desc_advance(dq0, k_major_offset<kBlockM>(kk)), desc_advance(dk, k_major_offset<kBlockN>(kk)),
-                    kk > 0);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(dp, desc_advance(ddo0, k_major_offset<kBlockM>(kk)), desc_advance(dv, k_major_offset<kBlockN>(kk)),
-                    kk > 0);
+    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dq0, dk);
+    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(dp, ddo0, dv);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(s);

@@ -234,10 +234,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
     fence_regs(s);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(s, desc_advance(dqh, k_major_offset<kBlockM>(kk)), desc_advance(dk, k_major_offset<kBlockN>(kk)),
-                    kk > 0);
+    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dqh, dk);
     wgmma_commit();
   };
   // O += P V of stage st, issued and left in flight (one wgmma of width D per 16 keys).

@@ -178,6 +178,18 @@ __device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t de
         : FLEXDMA_ACC_N64
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
 }
+
+// d = A B^T over a reduction of D columns, both operands K-major swizzled tiles in shared memory
+// given by their first k step's descriptors (A kRowsA rows, B kRowsB rows): D / 16 wgmmas, the
+// first overwriting d. What the warp-specialized kernels' S = Q K^T (and the backward's
+// dP = dO V^T) issue.
+template <typename T, int D, int kRowsA, int kRowsB>
+__device__ inline void wgmma_ss64_k_major(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss64<T>(d, desc_advance(desc_a, k_major_offset<kRowsA>(kk)), desc_advance(desc_b, k_major_offset<kRowsB>(kk)),
+                  kk > 0);
+}
 #undef FLEXDMA_WGMMA_RS
 #undef FLEXDMA_SETP_N64
 #undef FLEXDMA_OPS_N64
