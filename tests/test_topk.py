@@ -305,6 +305,24 @@ def test_cpu_and_cuda_selection_agree():
                 assert torch.equal(la[p1, p2, t, : 1 + m], lb[p1, p2, t, : 1 + m])
 
 
+def test_cuda_selection_at_empty_and_one_key_sizes():
+    # No keys, no rows, no planes, one key: the CUDA selection against the CPU op (no work items:
+    # the kernel is not launched; keys without rows: only sorts and ranks; rows without keys: walks
+    # that list nothing).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for P2, K, Q in ((2, 0, 0), (2, 0, 5), (2, 5, 0), (0, 7, 7), (2, 1, 1), (2, 1, 3), (1, 3, 1)):
+        scores = torch.randn(1, P2, K)
+        for causal in (True, False):
+            a = topk.select(scores, 4, Q, causal, 128)
+            b = topk.select(scores.cuda(), 4, Q, causal, 128)
+            assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
+            la, lb = topk.tile_lists(a, Q, 128), topk.tile_lists(b, Q, 128).cpu()
+            assert torch.equal(la[..., 0], lb[..., 0])
+            keep = torch.arange(la.shape[-1]) <= la[..., :1]
+            assert torch.equal(la * keep, lb * keep)
+
+
 def test_cuda_selection_at_every_chunk_count():
     # One to 35 of the CUDA selection's 4096-key chunks (csrc/cuda/topk_select.cu), bf16 scores
     # read through a strided view, against the CPU op.

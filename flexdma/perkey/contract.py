@@ -87,7 +87,9 @@ def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, ti
 def tile_lists(sel: Selection, seqlen_q: int, tile_rows: int) -> torch.Tensor:
     """tile_keys as (P1, P2, n_tiles, 1 + cap): [..., 0] is each tile's list length."""
     n_tiles = -(-seqlen_q // tile_rows)
-    return sel.tile_keys.view(*sel.tile_keys.shape[:2], n_tiles, -1)
+    # The width spelled out: a view with -1 of an empty tensor (no rows, or no planes) is ambiguous.
+    width = sel.tile_keys.shape[2] // n_tiles if n_tiles else 0
+    return sel.tile_keys.view(*sel.tile_keys.shape[:2], n_tiles, width)
 
 
 def check_window(keep_window_size) -> int:
