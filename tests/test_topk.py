@@ -305,6 +305,17 @@ def test_cpu_and_cuda_selection_agree():
                 assert torch.equal(la[p1, p2, t, : 1 + m], lb[p1, p2, t, : 1 + m])
 
 
+def _assert_cuda_selection_is_the_cpu_op(scores, W, Q, causal, rows=128):
+    # Ranks, thresholds and every list entry up to its length (the entries past it are unspecified).
+    a = topk.select(scores, W, Q, causal, rows)
+    b = topk.select(scores.cuda(), W, Q, causal, rows)
+    assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
+    la, lb = topk.tile_lists(a, Q, rows), topk.tile_lists(b, Q, rows).cpu()
+    assert torch.equal(la[..., 0], lb[..., 0])
+    keep = torch.arange(la.shape[-1]) <= la[..., :1]
+    assert torch.equal(la * keep, lb * keep)
+
+
 def test_cuda_selection_at_empty_and_one_key_sizes():
     # No keys, no rows, no planes, one key: the CUDA selection against the CPU op (no work items:
     # the kernel is not launched; keys without rows: only sorts and ranks; rows without keys: walks
@@ -314,13 +325,7 @@ def test_cuda_selection_at_empty_and_one_key_sizes():
     for P2, K, Q in ((2, 0, 0), (2, 0, 5), (2, 5, 0), (0, 7, 7), (2, 1, 1), (2, 1, 3), (1, 3, 1)):
         scores = torch.randn(1, P2, K)
         for causal in (True, False):
-            a = topk.select(scores, 4, Q, causal, 128)
-            b = topk.select(scores.cuda(), 4, Q, causal, 128)
-            assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
-            la, lb = topk.tile_lists(a, Q, 128), topk.tile_lists(b, Q, 128).cpu()
-            assert torch.equal(la[..., 0], lb[..., 0])
-            keep = torch.arange(la.shape[-1]) <= la[..., :1]
-            assert torch.equal(la * keep, lb * keep)
+            _assert_cuda_selection_is_the_cpu_op(scores, 4, Q, causal)
 
 
 def test_cuda_selection_at_every_chunk_count():
@@ -333,13 +338,7 @@ def test_cuda_selection_at_every_chunk_count():
         bias[0, 0, 0, ::5] = float("-inf")
         scores = bias[:, :, 0, :]
         for Q in (K, 300):
-            a = topk.select(scores, 2048, Q, True, 128)
-            b = topk.select(scores.cuda(), 2048, Q, True, 128)
-            assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
-            la, lb = topk.tile_lists(a, Q, 128), topk.tile_lists(b, Q, 128).cpu()
-            assert torch.equal(la[..., 0], lb[..., 0])
-            keep = torch.arange(la.shape[-1]) <= la[..., :1]
-            assert torch.equal(la * keep, lb * keep)
+            _assert_cuda_selection_is_the_cpu_op(scores, 2048, Q, True)
 
 
 def test_cuda_selection_repeats_at_unaligned_plane_strides():
