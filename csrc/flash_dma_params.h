@@ -77,6 +77,17 @@ struct FwdParams {
   // its 64-row tiles read the list of the tile they lie in (topk_tile_rows a multiple of 64).
   Broadcast4d tile_keys;
   int64_t topk_tile_rows = 64;
+  // Packed sequences (FlashAttention's varlen layout; the per-key kernels only, tile_keys set): where
+  // set, batch b is the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out and
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 device offsets, batch + 1 of them), the
+  // batch strides are 0, and seqlen_q / seqlen_k are the longest sequence's (they size the grid).
+  // The per-key operands are packed along their rows / keys alike (batch strides 0): bias and
+  // key_rank (heads, total_k), row_thr (heads, total_q); tile_keys holds sequence b's query tile t
+  // in row cu_seqlens_q[b] / topk_tile_rows + b + t (total_q / topk_tile_rows + batch rows a head:
+  // a sequence's tiles never reach the next one's); lse is (H, total_q).
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0;
   // out's rounding error (out - out rounded to its dtype, in out's dtype and strides), written
   // where non-null: the per-key backward's rowsum(dout * out) needs out in float.
   void* out_resid = nullptr;
@@ -94,8 +105,16 @@ struct FwdParams {
 // The per-key selection (flexdma::topk_select; flexdma/perkey/contract.py states its outputs) of
 // every plane of a (P1, P2, K) score tensor, -inf = ineligible. Planes are numbered p = p1 * P2 + p2;
 // the outputs are contiguous: key_rank (P, K), row_thr (P, Q), tile_keys (P, n_tiles, 1 + cap).
+//
+// Packed sequences (cu_seqlens_q / cu_seqlens_k set: P1 = batch, the sequences): plane (b, p2)'s
+// keys are scores[p2, cu_seqlens_k[b] + j] (stride1 unused), seqlen_q / seqlen_k the longest
+// sequence's; the outputs are packed as FwdParams states: key_rank (P2, total_k), row_thr
+// (P2, total_q), tile_keys (P2, total_q / tile_rows + batch, 1 + cap).
 struct SelectParams {
   const void* scores = nullptr;
+  const int32_t* cu_seqlens_q = nullptr;
+  const int32_t* cu_seqlens_k = nullptr;
+  int64_t total_q = 0, total_k = 0;
   DType dtype = DType::kFloat32;                   // kFloat32, kFloat16 or kBFloat16
   int64_t planes2 = 1, planes = 0;                 // P2 and P = P1 * P2
   int64_t stride1 = 0, stride2 = 0, stride_k = 0;  // of scores, in elements

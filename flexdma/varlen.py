@@ -2,13 +2,17 @@
 in FlashAttention's varlen layout (`flash_attn_varlen_func`).
 
 One op family on every device, flexdma::varlen_fwd / varlen_bwd: on the CPU the C++ op
-(ops/flexdma_ops.cpp), on CUDA the implementation below (`_varlen_fwd_impl` / `_varlen_bwd_impl`);
-both run the padded path's kernels sequence by sequence on views of the packed rows (no padded
-copy), so torch.compile and torch.export take the call whole. The CUDA kernels do not read offsets
-yet: the CUDA implementation reads them on the host (a device wait per call) and launches each
-sequence's kernels. Where the CUDA kernels do not take a call (and on FlexAttention and the
-reference), each sequence is one flash_dma_attention call on views, with its fallback. Either way
-nothing attends across a boundary, and the per-key selection runs within each sequence.
+(ops/flexdma_ops.cpp), on CUDA the implementation below (`_varlen_fwd_impl` / `_varlen_bwd_impl`),
+so torch.compile and torch.export take the call whole. On CUDA, a per-key call (keep_window_size)
+the C++ sm_90a kernels take runs flexdma::varlen_fwd_sm90 / varlen_bwd_sm90: the selection and the
+attention kernels read each sequence's offsets on the device, one launch each for all sequences,
+no host synchronisation (the offsets are trusted there, as FlashAttention's varlen kernels trust
+them). Other CUDA calls (no window, other head dims or dtypes, softcap or the deterministic mode in
+the backward) read the offsets on the host (a device wait per call) and run the padded path's
+kernels sequence by sequence on views of the packed rows (no padded copy); the CPU op does the
+same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
+sequence is one flash_dma_attention call on views, with its fallback. Either way nothing attends
+across a boundary, and the per-key selection runs within each sequence.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _dispatch, _ops
+from . import _checks, _dispatch, _ext, _ops
 from .api import flash_dma_attention
 from .perkey import contract as perkey
 from .perkey import route as perkey_route
@@ -196,6 +200,20 @@ def _sequences(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -
     return [(a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]) for i in range(len(a) - 1)]
 
 
+def _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=False, deterministic=False) -> bool:
+    """Whether flexdma::varlen_fwd_sm90 (varlen_bwd_sm90 where `backward`) takes the call: the
+    C++ per-key kernels' conditions on the packed rows seen as one batch, and a grid row per
+    sequence."""
+    if window <= 0 or attn_bias is None or q.device.type != "cuda" or not _ext.with_cuda():
+        return False
+    if cu_q.numel() - 1 > _ext.MAX_GRID_DIM:
+        return False
+    views = (q[None], k[None], v[None], attn_bias[None, :, None, :])
+    if backward:
+        return perkey_route.sm90_bwd_takes(*views, softcap, deterministic)
+    return perkey_route.sm90_takes(*views, softcap)
+
+
 def _perkey_selection(q, k, v, bias, is_causal, softcap, window):
     """One sequence's selection (its views (1, n, heads, D), bias (1, heads, 1, nk)), with the tile
     rows of the forward that reads it (flexdma/perkey/route.py), and whether the lists are read
@@ -221,9 +239,14 @@ def _varlen_fwd_impl(
 ):  # fmt: skip
     """flexdma::varlen_fwd sequence by sequence through the padded path's ops (written for CUDA; on
     CPU tensors it runs the CPU ops, which the tests compare with the C++ op)."""
+    keep = keep_resid and _ops.keeps_residual(q)
+    if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window):
+        out, lse, resid = torch.ops.flexdma.varlen_fwd_sm90(
+            q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window
+        )
+        return out, lse, resid if keep else q.new_empty((0,))
     out = q.new_zeros(q.shape)  # rows of a sequence without keys: 0, LSE -inf
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=_ops.acc_dtype(q.dtype))
-    keep = keep_resid and _ops.keeps_residual(q)
     resid = q.new_zeros(q.shape) if keep else q.new_empty((0,))
     for s in _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         q0, nq, _, nk = s
@@ -253,9 +276,15 @@ def _varlen_bwd_impl(
     """flexdma::varlen_bwd as _varlen_fwd_impl: each sequence's backward op on views (the per-key
     selection made again, as the C++ op makes it)."""
     want = bias_requires_grad and attn_bias is not None
+    has_resid = out_resid is not None and out_resid.numel() > 0
+    if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=True, deterministic=deterministic):
+        resid = out_resid if has_resid else q.new_empty((0,))
+        return torch.ops.flexdma.varlen_bwd_sm90(
+            grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, resid, softmax_scale, is_causal, window,
+            want,
+        )  # fmt: skip
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     dbias = attn_bias.new_zeros(attn_bias.shape) if want else q.new_empty((0,))
-    has_resid = out_resid is not None and out_resid.numel() > 0
     for s in _sequences(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k):
         q0, nq, k0, nk = s
         if nq == 0 or nk == 0:
@@ -301,6 +330,18 @@ def _varlen_bwd_fake(
     return _ops.grads_like(q, k, v, attn_bias, want)
 
 
+def _varlen_fwd_sm90_fake(
+    q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window
+):  # fmt: skip
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), q.new_empty(q.shape)
+
+
+def _varlen_bwd_sm90_fake(
+    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, out_resid, softmax_scale, is_causal, window, want
+):  # fmt: skip
+    return _ops.grads_like(q, k, v, attn_bias, want)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, bias = inputs[:8]
     ctx.save_for_backward(q, k, v, cu_q, cu_k, bias, *output)
@@ -323,6 +364,8 @@ def _backward(ctx, grad_out, grad_lse, grad_resid):
 if _ops.LOADED:
     torch.library.register_fake("flexdma::varlen_fwd")(_varlen_fwd_fake)
     torch.library.register_fake("flexdma::varlen_bwd")(_varlen_bwd_fake)
+    torch.library.register_fake("flexdma::varlen_fwd_sm90")(_varlen_fwd_sm90_fake)
+    torch.library.register_fake("flexdma::varlen_bwd_sm90")(_varlen_bwd_sm90_fake)
     torch.library.register_kernel("flexdma::varlen_fwd", "cuda", _varlen_fwd_impl)
     torch.library.register_kernel("flexdma::varlen_bwd", "cuda", _varlen_bwd_impl)
     torch.library.register_autograd("flexdma::varlen_fwd", _backward, setup_context=_setup_context)

@@ -106,7 +106,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       /*device_stores_dbias_dtype=*/true);
 }
 
-// flexdma::topk_fwd_sm90: the per-key forward over each query tile's listed keys.
+// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_sm90); `adjust`
+// sets what the operands alone do not say (packed sequences).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_run(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& bias,
+                                                            const at::Tensor& key_rank, const at::Tensor& row_thr,
+                                                            const Broadcast4d& keys, int64_t tile_rows,
+                                                            double softmax_scale, bool is_causal, double softcap,
+                                                            const std::function<void(FwdParams&)>& adjust) {
+  at::Tensor resid = alloc_out(q);
+  auto [out, lse] =
+      topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, [&](const FwdParams& rule) {
+        FwdParams p = rule;
+        p.tile_keys = keys;
+        p.topk_tile_rows = tile_rows;
+        p.out_resid = resid.data_ptr();
+        adjust(p);
+        launch_fwd(p, q);
+      });
+  return {out, lse, resid};
+}
+
+// flexdma::topk_fwd_sm90.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
                                                                   const at::Tensor& v, const at::Tensor& bias,
                                                                   const at::Tensor& key_rank, const at::Tensor& row_thr,
@@ -116,32 +137,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   check_qkv(q, k, v);
   const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  at::Tensor resid = alloc_out(q);
-  auto [out, lse] =
-      topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, [&](const FwdParams& rule) {
-        FwdParams p = rule;
-        p.tile_keys = keys;
-        p.topk_tile_rows = tile_rows;
-        p.out_resid = resid.data_ptr();
-        launch_fwd(p, q);
-      });
-  return {out, lse, resid};
+  return topk_fwd_run(q, k, v, bias, key_rank, row_thr, keys, tile_rows, softmax_scale, is_causal, softcap,
+                      [](FwdParams&) {});
 }
 
-// flexdma::topk_bwd_sm90: the per-key backward over the same lists (bwd_ws_kernel.cuh). dK / dV
-// and the per-key dbias are sums over the query tiles that list a key: the kernel adds them into
+// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_sm90). dK /
+// dV and the per-key dbias are sums over the query tiles that list a key: the kernel adds them into
 // one zeroed float buffer, cast here to the operands' dtypes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& tile_keys, int64_t tile_rows,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal,
-    bool bias_requires_grad) {
-  c10::cuda::CUDAGuard guard(q.device());
-  check_qkv(q, k, v);
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
+    const at::Tensor& out, const at::Tensor& lse, void* resid, double softmax_scale, bool is_causal,
+    bool bias_requires_grad, const std::function<void(BwdParams&)>& adjust) {
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
-  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  void* resid = resid_ptr(out_resid, out, "flexdma::topk_bwd_sm90");
   // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
   const auto rows16 = [](const at::Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
@@ -169,12 +178,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   p.tile_keys = keys;
   p.topk_tile_rows = tile_rows;
   p.out_resid = resid;
+  adjust(p);
   if (q.numel() > 0 && k.numel() > 0)
     launch_bwd(p, q);
   else
     dq.zero_();
   at::Tensor dbias = bias_requires_grad ? db->to(bias.scalar_type()) : at::empty({0}, q.options());
   return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
+}
+
+// flexdma::topk_bwd_sm90.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& tile_keys, int64_t tile_rows,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal,
+    bool bias_requires_grad) {
+  c10::cuda::CUDAGuard guard(q.device());
+  check_qkv(q, k, v);
+  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
+  void* resid = resid_ptr(out_resid, out, "flexdma::topk_bwd_sm90");
+  return topk_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, tile_rows, out, lse, resid, softmax_scale,
+                      is_causal, bias_requires_grad, [](BwdParams&) {});
 }
 
 // flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
@@ -212,6 +236,143 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
+// ---- Packed sequences on the per-key kernels: flexdma::varlen_fwd_sm90 / varlen_bwd_sm90 ----
+// The selection, the forward and the backward read each sequence's offsets on the device
+// (SelectParams / FwdParams' cu_seqlens): a call is one selection launch and one kernel launch for
+// all its sequences, with no host synchronisation (as FlashAttention's varlen kernels, the offsets
+// are trusted: the host never reads them). The packed rows go through the padded path's parameter
+// fills as one batch (q (1, Tq, H, D), the bias (1, heads, 1, Tk), key_rank (1, heads, Tk),
+// row_thr (1, heads, Tq)); packed_params then makes the sequences of that batch.
+
+struct Packed {
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  int64_t batch, max_q, max_k, total_q, total_k;
+};
+
+Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+                    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const at::Tensor& bias, int64_t window,
+                    const char* op) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
+                    ": q, k, v must be (tokens, heads, head_dim), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  for (const at::Tensor* cu : {&cu_q, &cu_k})
+    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1 && cu->is_contiguous() &&
+                          cu->device() == q.device(),
+                      op, ": cu_seqlens must be contiguous 1-D int32 (batch + 1) on ", q.device(), ", got ",
+                      cu->scalar_type(), " ", cu->sizes(), " on ", cu->device());
+  TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
+                    cu_q.numel(), " and ", cu_k.numel(), ")");
+  TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
+  TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(1) == k.size(0), op, ": attn_bias must be per key (heads, Tk=",
+                    k.size(0), "), got ", bias.sizes());
+  TORCH_CHECK_VALUE(window > 0, op, ": window must be positive, got ", window);
+  return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), cu_q.numel() - 1, max_q, max_k, q.size(0), k.size(0)};
+}
+
+// The selection of every (sequence, bias head) plane: key_rank (heads, Tk), row_thr (heads, Tq),
+// tile_keys (heads, Tq / 128 + batch, 1 + cap) (SelectParams states the layout).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> select_packed(const at::Tensor& bias, const Packed& s, int64_t window,
+                                                             bool is_causal) {
+  SelectParams p;
+  p.scores = bias.const_data_ptr();
+  p.dtype = to_dtype(bias.scalar_type());
+  p.cu_seqlens_q = s.cu_q;
+  p.cu_seqlens_k = s.cu_k;
+  p.total_q = s.total_q;
+  p.total_k = s.total_k;
+  const int64_t heads = bias.size(0);
+  p.planes2 = heads;
+  p.planes = s.batch * heads;
+  p.stride2 = bias.stride(0);
+  p.stride_k = bias.stride(1);
+  p.seqlen_q = s.max_q;
+  p.seqlen_k = s.max_k;
+  p.window = window;
+  p.tile_rows = kTopkTileRows;
+  p.is_causal = is_causal;
+  const char* why = cuda::select_unsupported_reason(p);
+  TORCH_CHECK_VALUE(why == nullptr, "flexdma: the packed per-key selection on CUDA does not take this call: ", why);
+  p.list_cap = topk_list_cap(s.max_k, window, kTopkTileRows);
+  const auto opts = bias.options().dtype(at::kInt);
+  at::Tensor key_rank = at::empty({heads, s.total_k}, opts), row_thr = at::empty({heads, s.total_q}, opts);
+  at::Tensor lists = at::empty({heads, s.total_q / kTopkTileRows + s.batch, 1 + p.list_cap}, opts);
+  p.key_rank = key_rank.data_ptr<int32_t>();
+  p.row_thr = row_thr.data_ptr<int32_t>();
+  p.tile_keys = lists.data_ptr<int32_t>();
+  at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, bias.options().dtype(at::kByte));
+  p.workspace = ws.data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
+  cuda::run_select(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {key_rank, row_thr, lists};
+}
+
+// The lists as the kernels' operand, and the one batch of the fills made into the sequences.
+Broadcast4d packed_lists(const at::Tensor& lists, int64_t num_heads) {
+  Broadcast4d b;
+  b.ptr = lists.data_ptr();
+  b.head_stride = lists.size(0) == 1 ? 0 : lists.stride(0);
+  b.row_stride = lists.size(2);
+  b.col_stride = 1;
+  b.head_ratio = num_heads / lists.size(0);
+  return b;
+}
+
+void packed_params(FwdParams& p, const Packed& s) {
+  p.cu_seqlens_q = s.cu_q;
+  p.cu_seqlens_k = s.cu_k;
+  p.batch = s.batch;
+  p.seqlen_q = s.max_q;
+  p.seqlen_k = s.max_k;
+  p.total_q = s.total_q;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                                    const at::Tensor& v, const at::Tensor& cu_q,
+                                                                    const at::Tensor& cu_k, int64_t max_q,
+                                                                    int64_t max_k, const at::Tensor& bias,
+                                                                    double softmax_scale, bool is_causal,
+                                                                    double softcap, int64_t window) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_fwd_sm90");
+  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
+  auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
+  auto [out, lse, resid] = topk_fwd_run(
+      q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0),
+      thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
+      [&s](FwdParams& p) { packed_params(p, s); });
+  return {out.squeeze(0), lse.squeeze(0), resid.squeeze(0)};
+}
+
+// The selection is made again (as the CPU op's backward does): the forward's lists are not among
+// varlen_fwd's outputs.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const at::Tensor& bias, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal, int64_t window,
+    bool bias_requires_grad) {
+  c10::cuda::CUDAGuard guard(q.device());
+  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_bwd_sm90");
+  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                    "flexdma::varlen_bwd_sm90: lse must be (H, Tq) = (", q.size(1), ", ", q.size(0), "), got ",
+                    lse.sizes());
+  auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
+  const at::Tensor out4 = out.unsqueeze(0);
+  void* resid = resid_ptr(out_resid.defined() ? c10::optional<at::Tensor>(out_resid.unsqueeze(0)) : c10::nullopt, out4,
+                          "flexdma::varlen_bwd_sm90");
+  auto [dq, dk, dv, dbias] = topk_bwd_run(
+      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2),
+      rank.unsqueeze(0), thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0),
+      resid, softmax_scale, is_causal, bias_requires_grad, [&s](BwdParams& p) {
+        packed_params(p, s);
+        p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+      });
+  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0), bias_requires_grad ? dbias.view(bias.sizes()) : dbias};
+}
+
 }  // namespace
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
@@ -221,6 +382,8 @@ TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
   m.impl("topk_select", &topk_select_cuda);
   m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
   m.impl("topk_bwd_sm90", &topk_bwd_sm90_cuda);
+  m.impl("varlen_fwd_sm90", &varlen_fwd_sm90_cuda);
+  m.impl("varlen_bwd_sm90", &varlen_bwd_sm90_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("tile_meta", &tile_meta_cuda);

@@ -180,3 +180,168 @@ def test_cuda_implementation_equals_the_cpu_op(case, dtype):
     bwd = (do, *args, want[0], want[1], *cfg, bias is not None)
     for a, b in zip(varlen._varlen_bwd_impl(*bwd), torch.ops.flexdma.varlen_bwd(*bwd)):
         assert torch.equal(a, b)
+
+
+# ---- the packed per-key kernels (flexdma::varlen_fwd_sm90 / varlen_bwd_sm90), on a GPU ----
+
+# (lengths q, lengths k, H, KVH, bias heads, causal, W): several 128-row query tiles and 4096-key
+# selection chunks in one sequence, empty and one-token sequences, queries without keys, Q < K.
+PACKED_CASES = [
+    ([300, 0, 1, 4500, 129, 77], [300, 0, 1, 4500, 129, 77], 4, 2, 2, True, 200),
+    ([300, 0, 1, 4500, 129, 77], [300, 0, 1, 4500, 129, 77], 4, 2, 1, False, 16),
+    ([128, 5, 1000, 0, 260], [128, 9, 1000, 3, 300], 4, 1, 4, True, 64),
+    ([1, 2, 3], [1, 0, 3], 2, 2, 2, True, 1),
+]
+
+
+def _packed_sm90_ok(D):
+    from flexdma.perkey import route
+
+    return torch.cuda.is_available() and route.sm90_forward(D, torch.bfloat16, torch.device("cuda"))
+
+
+def _poison_allocator():
+    # The next allocations reuse NaN-filled blocks: an element no kernel writes stays NaN.
+    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
+    """The documents one by one through the padded path's CUDA per-key ops (topk_select,
+    topk_fwd_sm90, topk_bwd_sm90): out, LSE and the gradients of q, k, v and the bias."""
+    T = 128
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    grads = [torch.zeros_like(t) for t in (q, k, v, bias)]
+    oq = ok = 0
+    for nq, nk in zip(lq, lk):
+        if nq and nk:
+            qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
+            b = bias[None, :, None, ok : ok + nk]
+            rank, thr, lists = torch.ops.flexdma.topk_select(b[:, :, 0], W, nq, causal, T)
+            o, l, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
+            g = torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, l, r, 0.125, causal, True)
+            out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], l[0]
+            grads[0][oq : oq + nq], grads[1][ok : ok + nk], grads[2][ok : ok + nk] = g[0][0], g[1][0], g[2][0]
+            grads[3][:, ok : ok + nk] = g[3][0, :, 0]
+        oq, ok = oq + nq, ok + nk
+    return out, lse, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_cuda_packed_kernels_equal_documents(case, D):
+    # One selection and one forward launch for all sequences (offsets read on the device): out and
+    # LSE bit for bit the per-document calls' (the same tiles, lists and order of operations); the
+    # gradients up to the order of the backward's float adds.
+    if not _packed_sm90_ok(D):
+        pytest.skip("needs the sm_90a per-key kernels at this head dim")
+    lq, lk, H, KVH, bh, causal, W = case
+    q, k, v, bias, cq, ck = (
+        t.detach().cuda().requires_grad_(t.is_floating_point())
+        for t in _pack(lq, lk, H, KVH, D, bh, torch.bfloat16, seed=sum(lq) + D)
+    )
+    leaves = (q, k, v, bias)
+    from flexdma import varlen
+
+    assert varlen._sm90_packed(q, k, v, cq, bias, 0.0, W) and varlen._sm90_packed(
+        q, k, v, cq, bias, 0.0, W, backward=True
+    )
+    _poison_allocator()
+    out, lse = flexdma.flash_dma_attention_varlen(
+        q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, keep_window_size=W, return_lse=True,
+        softmax_scale=0.125,
+    )  # fmt: skip
+    do = torch.randn_like(out)
+    _poison_allocator()
+    got = torch.autograd.grad(out, leaves, do)
+    with torch.no_grad():
+        ref, ref_lse, want = _documents_sm90(*(t.detach() for t in leaves), do, lq, lk, causal, W)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert not a.isnan().any(), name
+        if name == "dq":  # each CTA owns its rows' dQ: the same order of operations
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+def test_cuda_packed_kernels_within_the_rule():
+    # bf16 packed kernels against the float64 reference of the documents: error at most ~2x the
+    # bf16 reference's, plus a floor, for out and every gradient.
+    if not _packed_sm90_ok(128):
+        pytest.skip("needs the sm_90a per-key kernels at head dim 128")
+    lq = [700, 1, 0, 333, 1500]
+    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 128, 2, torch.float64, seed=11)
+    ref, _ = _reference(q, k, v, bias, lq, lq, True, 96)
+    do = torch.randn(ref.shape, dtype=torch.float64)
+    want = torch.autograd.grad(ref, (q, k, v, bias), do)
+    lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v, bias)]
+    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, 96)
+    lo_grads = torch.autograd.grad(ref_lo, lo, do.to(torch.bfloat16))
+    dev = [t.detach().cuda().requires_grad_() for t in lo]
+    out = flexdma.flash_dma_attention_varlen(
+        *dev[:3], cq.cuda(), ck.cuda(), 1500, 1500, dev[3], is_causal=True, keep_window_size=96
+    )
+    grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
+    for name, a, a_lo, w in zip(("out", "dq", "dk", "dv", "dbias"), (out,) + grads, (ref_lo,) + lo_grads, (ref,) + want):
+        err, err_ref = (a.cpu().double() - w).abs().max(), (a_lo.double() - w).abs().max()
+        assert err <= 2 * err_ref + 1e-3 * w.abs().max(), (name, err, err_ref)
+
+
+@pytest.mark.gpu
+def test_cuda_packed_graph_replays_forward_and_backward():
+    # The packed training call (both selections, forward, backward) captured in one CUDA graph
+    # (the offsets are never read by the host), replayed on new values, against eager calls.
+    if not _packed_sm90_ok(128):
+        pytest.skip("needs the sm_90a per-key kernels at head dim 128")
+    lq = [400, 0, 1, 900, 129]
+
+    def inputs(seed):
+        q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 128, 2, torch.bfloat16, seed=seed)
+        return [t.detach().cuda() for t in (q, k, v, bias)] + [torch.randn(q.shape).bfloat16().cuda(), cq.cuda()]
+
+    def call(q, k, v, bias, do, cu):
+        out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True, keep_window_size=64)
+        return (out,) + torch.autograd.grad(out, (q, k, v, bias), do)
+
+    static = [t.clone().requires_grad_(i < 4) for i, t in enumerate(inputs(0))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call(*static)
+    for seed in (1, 2):
+        fresh = inputs(seed)
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        want = call(*[t.clone().requires_grad_(i < 4) for i, t in enumerate(fresh)])
+        assert torch.equal(outs[0], want[0])
+        for got, ref in zip(outs[1:], want[1:]):
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_opcheck_packed_sm90_ops():
+    if not _packed_sm90_ok(64):
+        pytest.skip("needs the sm_90a per-key kernels at head dim 64")
+    lq = [130, 0, 1, 77]
+    q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
+    fwd = (q, k, v, cq, ck, 130, 130, bias, 0.125, True, 0.0, 8)
+    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_sm90, fwd)
+    out, lse, resid = torch.ops.flexdma.varlen_fwd_sm90(*fwd)
+    bwd = (torch.randn_like(out), q, k, v, cq, ck, 130, 130, bias, out, lse, resid, 0.125, True, 8, True)
+    # The backward's float adds come in any order: its outputs are compared with a tolerance.
+    torch.library.opcheck(
+        torch.ops.flexdma.varlen_bwd_sm90, bwd, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+    )

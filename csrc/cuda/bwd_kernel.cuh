@@ -66,12 +66,12 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  const SeqInfo seq(b);
+  const SeqInfo seq = SeqInfo::of<false>(p, b);
   issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0,
-                   seq.seqlen_k(p), f.qkv_vec);
+                   seq.nk, f.qkv_vec);
   if constexpr (kDk)
     issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride, n0,
-                     seq.seqlen_k(p), f.qkv_vec);
+                     seq.nk, f.qkv_vec);
   cp_async_commit();
 
   const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   auto issue_q = [&](int mt_, int gq_) {
     const int64_t m0 = mt_ * kBlockM;
     const T* qp = static_cast<const T*>(p.q) + seq.q_offset(p) + (kvh * ratio + gq_) * p.q_head_stride;
-    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec);
+    issue_rows<T, D>(sQ, qp + m0 * p.q_row_stride, p.q_row_stride, (int)imin(kBlockM, seq.nq - m0), f.qkv_vec);
   };
 #pragma unroll 1
   while (have) {

@@ -27,12 +27,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const DqAccum ws, const PreFlags f) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
-  const SeqInfo seq(b);
+  const SeqInfo seq = SeqInfo::of<false>(p, b);
   const int64_t m0 = m_tile * kBlockM;
   // Two threads a row, D / 2 columns each.
   const int r = threadIdx.x / 2, half = threadIdx.x % 2;
   float acc = 0.f;
-  if (m0 + r < seq.seqlen_q(p)) {
+  if (m0 + r < seq.nq) {
     const int64_t o_off = seq.o_offset(p) + h * p.o_head_stride + (m0 + r) * p.o_row_stride + half * (D / 2);
     const T* o = static_cast<const T*>(p.out) + o_off;
     const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + o_off : nullptr;
@@ -71,12 +71,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_post_kernel(const BwdParams p, const DqAccum dqa) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
-  const SeqInfo seq(b);
+  const SeqInfo seq = SeqInfo::of<false>(p, b);
   const int64_t m0 = m_tile * kBlockM;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
   const float* acc = dqa.ptr + dqa.tile(b, h, m_tile) * (kBlockM * D);
   T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p) + h * p.dq_head_stride + m0 * p.dq_row_stride;
-  const int vr = (int)imin(kBlockM, seq.seqlen_q(p) - m0);
+  const int vr = (int)imin(kBlockM, seq.nq - m0);
   const float s = p.softmax_scale;
 #pragma unroll 4
   for (int d8 = 0; d8 < D / 8; ++d8) {

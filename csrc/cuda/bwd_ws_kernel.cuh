@@ -69,6 +69,7 @@ struct BwdWsSmem {
 // What the warpgroups of a CTA derive alike (ListedKeys reads b, h, kvh, m0 and sets list).
 struct BwdWsTile {
   int64_t b, h, kvh, m0;
+  SeqInfo seq;  // batch b's rows (padded, or a packed sequence's)
   const int32_t* list;
 };
 
@@ -80,7 +81,7 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
   uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S, *full_q = full_k + 4 * S;
   T* sK = reinterpret_cast<T*>(smem + L::kK);
   T* sV = reinterpret_cast<T*>(smem + L::kV);
-  const SeqInfo seq(c.b);
+  const SeqInfo& seq = c.seq;
   const FwdFlags none{};
   typename ListedKeys::template Loader<T, D, BwdWsTile, false> keys(p, none, c, seq,
                                                                     reinterpret_cast<int32_t*>(smem + L::kIdx));
@@ -88,7 +89,7 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
   // Q and dO of both halves, once; rows past seqlen_q are zero (their P and dS come out 0).
   for (int half = 0; half < 2; ++half) {
     const int64_t mh = c.m0 + half * kBlockM;
-    const int valid = (int)imax(0, imin(kBlockM, p.seqlen_q - mh));
+    const int valid = (int)imax(0, imin(kBlockM, seq.nq - mh));
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.h * p.q_head_stride + mh * p.q_row_stride;
     const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + c.h * p.do_head_stride + mh * p.do_row_stride;
     issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + half * L::kTileKV / 2, q, p.q_row_stride, valid, true);
@@ -134,10 +135,10 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   const int tid = threadIdx.x - kThreads * (1 + wg);
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
   const int64_t mc = c.m0 + wg * kBlockM;
-  const SeqInfo seq(c.b);
+  const SeqInfo& seq = c.seq;
 
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  ListedKeys::row_terms(p, c.b, c.h, mc, w, g, thr, lim);
+  ListedKeys::row_terms(p, seq, c.h, mc, w, g, thr, lim);
   // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
   // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
   // row each sum a quarter of it.
@@ -147,8 +148,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     const int64_t r = mc + w * 16 + g + 8 * hh;
     l2[hh] = CUDART_INF_F;
     float acc = 0.f;
-    if (r < p.seqlen_q) {
-      l2[hh] = lse_log2(static_cast<const float*>(p.lse)[(c.b * p.num_heads + c.h) * p.seqlen_q + r]);
+    if (r < seq.nq) {
+      l2[hh] = lse_log2(static_cast<const float*>(p.lse)[seq.lse_offset(p, c.h) + r]);
       const int64_t ro = seq.o_offset(p) + c.h * p.o_head_stride + r * p.o_row_stride;
       const T* o = static_cast<const T*>(p.out) + ro;
       const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + ro : nullptr;
@@ -173,10 +174,9 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   const float scale_l2 = p.softmax_scale * kLog2eF, scale = p.softmax_scale;
   const bool want_db = p.dbias_accum.ptr != nullptr;
   // dbias's accumulator row (the bias's layout, float) of this batch and head; null without it.
-  float* db_row = const_cast<float*>(Plane<float>(p.dbias_accum, c.b, c.h).base);
+  float* db_row = const_cast<float*>(Plane<float>(p.dbias_accum, c.b, c.h).from(0, seq.k0).base);
   // This warpgroup's piece product: dV (wg 0) from P and dO, dK (wg 1) from dS and Q.
-  float* acc_base = static_cast<float*>(wg == 0 ? p.dv : p.dk) +
-                    c.b * (wg == 0 ? p.dv_batch_stride : p.dk_batch_stride) +
+  float* acc_base = static_cast<float*>(wg == 0 ? p.dv : p.dk) + (wg == 0 ? seq.dv_offset(p) : seq.dk_offset(p)) +
                     c.kvh * (wg == 0 ? p.dv_head_stride : p.dk_head_stride);
   const int64_t acc_rs = wg == 0 ? p.dv_row_stride : p.dk_row_stride;
 
@@ -340,7 +340,7 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int64_t r = mc + w * 16 + g + 8 * hh;
-    if (r >= p.seqlen_q) continue;
+    if (r >= seq.nq) continue;
     T* out = static_cast<T*>(p.dq) + seq.dq_offset(p) + c.h * p.dq_head_stride + r * p.dq_row_stride;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -370,6 +370,7 @@ __global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParam
   c.h = work.unit;
   c.m0 = (int64_t)work.m_tile * (2 * kBlockM);
   c.b = work.b;
+  c.seq = SeqInfo::of<true>(p, c.b);
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
   const int64_t n_pieces = ListedKeys::tiles(p, c);
   if (threadIdx.x < kThreads) {

@@ -54,8 +54,11 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
   const int64_t b = seq.b;
   T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride;
-  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;  // [split][b][h][row]
-  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + (b * p.num_heads + h) * p.seqlen_q;
+  // Key splits (never with packed sequences: the launcher does not split them) write partial rows
+  // [split][b][h][row].
+  const int64_t row0 = ((blockIdx.z * p.batch + b) * p.num_heads + h) * p.seqlen_q;
+  float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + seq.lse_offset(p, h);
+  const int64_t nq = seq.nq;
   // Rows g and g + 8: 1 / rowsum and the LSE.
   float inv[2];
 #pragma unroll
@@ -70,11 +73,11 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
     inv[hh] = empty ? 0.f : 1.f / l;
     // row_max is in log2 units: lse = ln 2 * (m + log2 l).
     const int64_t i = m0 + w * 16 + g + 8 * hh;
-    if (qc == 0 && i < p.seqlen_q) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
+    if (qc == 0 && i < nq) lse[i] = empty ? -CUDART_INF_F : (m + __log2f(l)) * kLn2F;
   }
   if (stage && sp.n == 1 && f.out_vec16) {
     T* orows = out + (m0 + w * 16) * p.o_row_stride;
-    const int valid = (int)imin(16, p.seqlen_q - (m0 + w * 16));
+    const int valid = (int)imin(16, nq - (m0 + w * 16));
     // The rounded output, then (reusing the warp's rows of the tile) its rounding error.
 #pragma unroll
     for (int pass = 0; pass < 2; ++pass) {
@@ -101,7 +104,7 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int64_t i = m0 + w * 16 + g + 8 * hh;
-    if (i >= p.seqlen_q) continue;
+    if (i >= nq) continue;
     if (sp.n > 1) {
       float* orow = sp.o_part + (row0 + i) * D;
 #pragma unroll

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   // This CTA's query tile, head (the grid's units) and batch: heaviest first (tile_scheduler.cuh).
   const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
   const int64_t h = work.unit, b = work.b;
-  const SeqInfo seq(b);
+  const SeqInfo seq = SeqInfo::of<false>(p, b);
   const int64_t m_tile = work.m_tile;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;
@@ -63,10 +63,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   uint32_t qf[kQSmem ? 1 : D / 16][4];
   if constexpr (kQSmem) {
     // Requested here, landed by the first tile's wait.
-    issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec);
+    issue_rows<T, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.nq - m0), f.qkv_vec);
     cp_async_commit();
   } else {
-    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.seqlen_q(p) - m0), f.qkv_vec, threadIdx.x);
+    load_rows<T, kBlockM, D>(sQ, q, p.q_row_stride, (int)imin(kBlockM, seq.nq - m0), f.qkv_vec, threadIdx.x);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
@@ -89,9 +89,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const bool has_mask = p.mask.ptr != nullptr;
   const FwdScoreConsts sc(p);
   const int no_rank[2] = {0, 0};  // the rank rule's row terms, unused here
-  const int64_t keys_full = full_keys(p, m0);
+  const int64_t keys_full = full_keys(p, seq.nq, seq.nk, m0);
   auto issue_tile = [&](int64_t t, int buf) {
-    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, seq.seqlen_k(p), t * kBlockN, sK + buf * L::kTileKV / 2,
+    issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, seq.nk, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias)
       issue_bias<true>(TileBounds(p, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);

@@ -26,6 +26,7 @@ struct SequenceKeys {
   static constexpr bool kBiasTiles = true;  // the stages hold bias tiles
   static constexpr bool kTileBits = true;   // the walk skips tiles by the mask's activity bits
   static constexpr bool kPairs = true;      // a CTA may take a head pair (FwdFlags::pair)
+  static constexpr bool kPacked = false;    // padded batches only (unsupported_reason)
 
   // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see.
   template <typename Tile>
@@ -38,7 +39,7 @@ struct SequenceKeys {
     return imin(c.n_end, key_tile_end(p, mc));
   }
   // The drop rule's per-row terms (the rank rule's only).
-  __device__ static inline void row_terms(const FwdParams&, int64_t, int64_t, int64_t, int, int, int (&)[2],
+  __device__ static inline void row_terms(const FwdParams&, const SeqInfo&, int64_t, int64_t, int, int, int (&)[2],
                                           int (&)[2]) {}
 
   // The loading warpgroup's copies of the tiles of `c`.
@@ -72,7 +73,7 @@ struct SequenceKeys {
     __device__ inline void load_k(int64_t t, int st, T* sK, uint8_t* sKeep, T* sB) {
       T* sk = sK + st * L::kTileKV / 2;
       const int64_t n0 = t * kBlockN;
-      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.nk - n0),
                        f.qkv_vec);
       for (int half = 0; half < c.halves(); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
@@ -94,7 +95,7 @@ struct SequenceKeys {
     __device__ inline void load_v(int64_t t, int st, T* sV) {
       T* sv = sV + st * L::kTileKV / 2;
       const int64_t n0 = t * kBlockN;
-      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.seqlen_k(p) - n0),
+      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.nk - n0),
                        f.qkv_vec);
     }
   };
@@ -105,11 +106,17 @@ struct ListedKeys {
   static constexpr bool kBiasTiles = false;  // the listed keys' biases travel in the stage's slot
   static constexpr bool kTileBits = false;   // the list holds only keys some row keeps
   static constexpr bool kPairs = false;
+  static constexpr bool kPacked = true;  // packed sequences (FwdParams::cu_seqlens_q) too
 
-  // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles.
+  // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
+  // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.
   template <typename Tile>
   __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
-    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.m0 / p.topk_tile_rows, 0);
+    if (c.m0 >= c.seq.nq) {
+      c.list = nullptr;
+      return 0;
+    }
+    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.seq.tile0 + c.m0 / p.topk_tile_rows, 0);
     return ceil_div(c.list[0], kBlockN);
   }
   // The key list is walked whole (the rank rule holds causality).
@@ -118,15 +125,16 @@ struct ListedKeys {
     return c.n_end;
   }
   // The rank rule's per-row terms of this thread's rows g, g + 8 (of rows [mc, mc + 64) of head
-  // `head`, warp w): the largest kept rank (-1 past seqlen_q: nothing kept) and the causal limit.
-  __device__ static inline void row_terms(const FwdParams& p, int64_t b, int64_t head, int64_t mc, int w, int g,
-                                          int (&thr)[2], int (&lim)[2]) {
-    const Plane<int32_t> thr_plane(p.row_thr, b, head);
+  // `head`, warp w, of sequence seq): the largest kept rank (-1 past its rows: nothing kept) and the
+  // causal limit.
+  __device__ static inline void row_terms(const FwdParams& p, const SeqInfo& seq, int64_t head, int64_t mc, int w,
+                                          int g, int (&thr)[2], int (&lim)[2]) {
+    const Plane<int32_t> thr_plane = Plane<int32_t>(p.row_thr, seq.b, head).from(seq.q0, 0);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int64_t r = mc + w * 16 + g + 8 * hh;
-      if (r < p.seqlen_q) thr[hh] = *thr_plane.at(r, 0);
-      if (p.is_causal) lim[hh] = (int)(r + p.seqlen_k - p.seqlen_q);
+      if (r < seq.nq) thr[hh] = *thr_plane.at(r, 0);
+      if (p.is_causal) lim[hh] = (int)(r + seq.nk - seq.nq);
     }
   }
 
@@ -149,8 +157,8 @@ struct ListedKeys {
         : p(p_),
           kp(static_cast<const T*>(p_.k) + seq_.k_offset(p_) + c_.kvh * p_.k_head_stride),
           vp(static_cast<const T*>(p_.v) + seq_.v_offset(p_) + c_.kvh * p_.v_head_stride),
-          bias(p_.bias, c_.b, c_.h),
-          ranks(p_.key_rank, c_.b, c_.h),
+          bias(Plane<T>(p_.bias, c_.b, c_.h).from(0, seq_.k0)),
+          ranks(Plane<int32_t>(p_.key_rank, c_.b, c_.h).from(0, seq_.k0)),
           ring(ring_),
           list(c_.list) {}
     __device__ inline int32_t* idx(int64_t t) const { return ring + (t & 3) * 64; }

@@ -70,7 +70,8 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   // The scheduler's units: heads, or head pairs when paired.
   plan.units = f.pair ? p.num_heads / 2 : p.num_heads;
   const int64_t ctas = ceil_div(p.seqlen_q, plan.rows) * plan.units * p.batch;
-  if (ctas < sms) {
+  // Packed sequences are never split (the partial rows and their combine are laid out padded).
+  if (ctas < sms && !p.cu_seqlens_q) {
     // Too few query tiles to fill the GPU (decoding, short prompts): split the keys so that
     // every SM runs per_sm CTAs, each over at least 4 key tiles.
     // A per-key query tile walks its list (at most the list capacity), not the sequence.

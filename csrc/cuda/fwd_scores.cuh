@@ -91,12 +91,13 @@ __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCon
   return later;
 }
 
-// Key tiles at n0 with n0 + 64 <= full_keys(p, m0) need no bounds or causal check for the 64 rows
+// Key tiles at n0 with n0 + 64 <= full_keys(p, nq, nk, m0) need no bounds or causal check for the 64 rows
 // at m0 (TileBounds::full): all rows inside seqlen_q, all keys inside seqlen_k and at or before
 // the first row's causal limit.
-__device__ inline int64_t full_keys(const FwdParams& p, int64_t m0) {
-  if (m0 + kBlockM > p.seqlen_q) return 0;
-  return p.is_causal ? imin(p.seqlen_k, m0 + p.seqlen_k - p.seqlen_q + 1) : p.seqlen_k;
+// nq / nk: the sequence's query and key rows (SeqInfo).
+__device__ inline int64_t full_keys(const FwdParams& p, int64_t nq, int64_t nk, int64_t m0) {
+  if (m0 + kBlockM > nq) return 0;
+  return p.is_causal ? imin(nk, m0 + nk - nq + 1) : nk;
 }
 
 }  // namespace cuda

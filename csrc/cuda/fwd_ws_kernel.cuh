@@ -85,7 +85,7 @@ struct FwdWsSmem {
 // sequence, or of the key list), and the tile activity rows that say which of them to visit.
 struct FwdWsTile {
   int64_t b, h, kvh, m0;
-  __device__ inline SeqInfo seq() const { return SeqInfo(b); }
+  SeqInfo seq;  // batch b's rows (padded, or a packed sequence's)
   bool two;   // the second warpgroup has rows
   bool pair;  // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
   // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
@@ -117,7 +117,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   uint8_t* sKeep = smem + L::kKeep;
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
-  const SeqInfo seq = c.seq();
+  const SeqInfo& seq = c.seq;
   typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q of both warpgroups, once (rows past seqlen_q zero).
@@ -125,7 +125,7 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     const int64_t mh = c.rows(wg);
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
     issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
-                     (int)imin(kBlockM, seq.seqlen_q(p) - mh), f.qkv_vec);
+                     (int)imin(kBlockM, seq.nq - mh), f.qkv_vec);
   }
   uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
   mbar_arrive_copies(full_q);
@@ -190,13 +190,13 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
   const int64_t mc = c.rows(wg), head = c.head(wg);
   const int half = c.pair ? 0 : wg;  // of the stages' mask / bias tiles
-  const bool idle = mc >= p.seqlen_q;
+  const bool idle = mc >= c.seq.nq;
 
   const T* sQ = reinterpret_cast<const T*>(smem + L::kQ) + wg * L::kTileKV / 2;
 
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  Keys::row_terms(p, c.b, head, mc, w, g, thr, lim);
+  Keys::row_terms(p, c.seq, head, mc, w, g, thr, lim);
   const int lim_warp = __shfl_sync(0xffffffffu, lim[0], 0);  // of the warp's first row (lane 0's g = 0)
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
   const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
@@ -249,7 +249,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wgmma_commit();
   };
   // Scale, bias and drop rule on S of key tile t in stage st, then the softmax step.
-  const int64_t keys_full = full_keys(p, mc);
+  const int64_t keys_full = full_keys(p, c.seq.nq, c.seq.nk, mc);
   auto softmax_tile = [&](int64_t t, int st) {
     const uint8_t* keep = has_mask ? sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep : nullptr;
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
@@ -335,7 +335,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // must not land on the staged rows).
     mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
     T* stage = reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2;
-    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq(), head, mc, tid, stage);
+    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq, head, mc, tid, stage);
   }
 }
 
@@ -348,10 +348,11 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   const WorkTile work = SingleTileScheduler::get((int)p.num_heads >> (c.pair ? 1 : 0));
   c.h = work.unit << (c.pair ? 1 : 0);
   c.b = work.b;
+  c.seq = SeqInfo::of<Keys::kPacked>(p, c.b);
   const int64_t m_tile = work.m_tile;
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
   c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
-  c.two = c.pair || c.m0 + kBlockM < p.seqlen_q;
+  c.two = c.pair || c.m0 + kBlockM < c.seq.nq;
   c.list = nullptr;
   const int64_t n_all = Keys::tiles(p, c);
   SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);

@@ -29,6 +29,12 @@ struct Plane {
         rs(t.row_stride),
         cs(t.col_stride) {}
   __device__ inline const E* at(int64_t i, int64_t j) const { return base + i * rs + j * cs; }
+  // The same plane from its element (i, j) on: a packed sequence's rows / keys (SeqInfo).
+  __device__ inline Plane from(int64_t i, int64_t j) const {
+    Plane q = *this;
+    if (q.base) q.base += i * rs + j * cs;
+    return q;
+  }
 };
 
 // Last key tile (exclusive) a query tile starting at m0 can see.

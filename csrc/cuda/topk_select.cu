@@ -37,14 +37,39 @@ constexpr int kMaxTileRows = 128;                     // the window's visibility
 
 using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t>;
 
-// Sizes of one launch, computed once on the host (select_geometry).
+// A plane's prefix levels: [0, lvl0 << l) for l < n_levels, the last one all K; causal rows of a
+// query tile see a prefix of the keys, and its walk reads the smallest level that holds it.
+struct Levels {
+  int64_t lvl0 = 1;   // the first level's size (a power of two, whole chunks)
+  int n_levels = 1;
+  int32_t window = 1;  // min(W, K): rows keep every key they see when W >= K
+  // Entries of the plane's level orders, side by side (at most 3 K: the levels before the last
+  // sum to less than 2 K).
+  __host__ __device__ inline int64_t stride(int64_t K) const { return lvl0 * ((int64_t(1) << (n_levels - 1)) - 1) + K; }
+};
+
+__host__ __device__ inline Levels plane_levels(int64_t K, int64_t W, int64_t tile_rows, bool causal) {
+  Levels l;
+  l.window = static_cast<int32_t>(W < K ? W : (K > 0 ? K : 1));
+  if (causal) {
+    int64_t lvl0 = kChunk;
+    while (lvl0 < 2 * l.window || lvl0 < 2 * tile_rows) lvl0 *= 2;
+    l.lvl0 = lvl0;
+    while ((lvl0 << (l.n_levels - 1)) < K) ++l.n_levels;
+  } else {
+    l.lvl0 = K > 0 ? K : 1;
+  }
+  return l;
+}
+
+// Sizes of one launch, computed once on the host (select_geometry). Packed sequences size the item
+// space by the longest sequence (items past a shorter one's chunks or tiles only count), the
+// scratch by the token count.
 struct Geometry {
-  int64_t n_chunks = 0;      // per plane
-  int64_t lvl0 = 1;          // the first prefix level's size (a power of two, whole chunks)
-  int n_levels = 1;          // levels [0, lvl0 << l), the last one all K
-  int64_t plane_stride = 0;  // entries of one plane's level orders
-  int32_t window = 1;        // min(W, K): rows keep every key they see when W >= K
-  int64_t n_tiles = 0;
+  int64_t batch = 1;         // P1
+  int64_t n_chunks = 0;      // sort items a plane (each kRankKeys / kChunk rank items too)
+  int64_t plane_stride = 0;  // padded: entries of one plane's level orders
+  int64_t n_tiles = 0;       // walk items a plane
   int64_t n_sort = 0, n_rank = 0, n_walk = 0;
   // Scratch: work counters ([0] the next item, [1, 1 + P) each plane's finished sorts, [1 + P,
   // 1 + 2 P) its finished ranks), sorted order values and key indices, the level orders.
@@ -55,28 +80,65 @@ constexpr int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
 
 Geometry select_geometry(const SelectParams& p) {
   Geometry g;
-  const int64_t K = p.seqlen_k;
-  g.n_chunks = ceil_div(K, kChunk);
-  g.window = static_cast<int32_t>(p.window < K ? p.window : (K > 0 ? K : 1));
-  if (p.is_causal) {
-    int64_t lvl0 = kChunk;
-    while (lvl0 < 2 * g.window || lvl0 < 2 * p.tile_rows) lvl0 *= 2;
-    g.lvl0 = lvl0;
-    while ((lvl0 << (g.n_levels - 1)) < K) ++g.n_levels;
-  } else {
-    g.lvl0 = K > 0 ? K : 1;
-  }
-  g.plane_stride = g.lvl0 * ((int64_t(1) << (g.n_levels - 1)) - 1) + K;
+  const bool packed = p.cu_seqlens_k != nullptr;
+  g.batch = p.planes2 > 0 ? p.planes / p.planes2 : 0;
+  g.n_chunks = ceil_div(p.seqlen_k, kChunk);
+  g.plane_stride = plane_levels(p.seqlen_k, p.window, p.tile_rows, p.is_causal).stride(p.seqlen_k);
   g.n_tiles = ceil_div(p.seqlen_q, p.tile_rows);
   g.n_sort = p.planes * g.n_chunks;
   g.n_rank = g.n_sort * (kChunk / kRankKeys);
   g.n_walk = p.planes * g.n_tiles;
+  // Packed: a sequence's chunks start at chunk k0 / kChunk + b of its head's (see PlaneInfo).
+  const int64_t chunks = packed ? p.planes2 * (p.total_k / kChunk + g.batch) : g.n_sort;
   g.counters_bytes = align16(4 * (1 + 2 * p.planes));
   g.sorted_off = g.counters_bytes;
-  g.keys_off = g.sorted_off + align16(4 * g.n_sort * kChunk);
-  g.orders_off = g.keys_off + align16(4 * g.n_sort * kChunk);
-  g.bytes = g.orders_off + align16(4 * p.planes * g.plane_stride);
+  g.keys_off = g.sorted_off + align16(4 * chunks * kChunk);
+  g.orders_off = g.keys_off + align16(4 * chunks * kChunk);
+  g.bytes = g.orders_off + align16(4 * (packed ? p.planes2 * 3 * p.total_k : p.planes * g.plane_stride));
   return g;
+}
+
+// One plane's sizes and where its data lies, padded or packed. A packed sequence's rows in a
+// per-head array of rows / chunks / tiles start at offset / size + b: each earlier sequence took at
+// most its own size's worth plus one, so two sequences never share one.
+struct PlaneInfo {
+  int64_t K, Q;
+  int64_t score0;       // scores' element of its key 0
+  int64_t chunk0;       // its first sorted chunk in the scratch
+  int64_t order0;       // the first entry of its level orders
+  int64_t rank0, thr0;  // key_rank's element of its key 0, row_thr's of its row 0
+  int64_t list0;        // tile_keys' row of its query tile 0
+  int64_t n_chunks, n_tiles;
+  Levels lv;
+};
+
+__device__ inline PlaneInfo plane_info(const SelectParams& p, const Geometry& g, int64_t plane) {
+  PlaneInfo s;
+  const int64_t p1 = plane / p.planes2, p2 = plane % p.planes2;
+  if (p.cu_seqlens_k) {
+    const int64_t k0 = p.cu_seqlens_k[p1], q0 = p.cu_seqlens_q[p1];
+    s.K = p.cu_seqlens_k[p1 + 1] - k0;
+    s.Q = p.cu_seqlens_q[p1 + 1] - q0;
+    s.score0 = p2 * p.stride2 + k0 * p.stride_k;
+    s.chunk0 = p2 * (p.total_k / kChunk + g.batch) + k0 / kChunk + p1;
+    s.order0 = p2 * 3 * p.total_k + 3 * k0;
+    s.rank0 = p2 * p.total_k + k0;
+    s.thr0 = p2 * p.total_q + q0;
+    s.list0 = p2 * (p.total_q / p.tile_rows + g.batch) + q0 / p.tile_rows + p1;
+  } else {
+    s.K = p.seqlen_k;
+    s.Q = p.seqlen_q;
+    s.score0 = p1 * p.stride1 + p2 * p.stride2;
+    s.chunk0 = plane * g.n_chunks;
+    s.order0 = plane * g.plane_stride;
+    s.rank0 = plane * s.K;
+    s.thr0 = plane * s.Q;
+    s.list0 = plane * g.n_tiles;
+  }
+  s.n_chunks = ceil_div(s.K, kChunk);
+  s.n_tiles = ceil_div(s.Q, p.tile_rows);
+  s.lv = plane_levels(s.K, p.window, p.tile_rows, p.is_causal);
+  return s;
 }
 
 // ---- order values ----
@@ -100,8 +162,8 @@ __device__ inline uint32_t ineligible_from(DType t) {
                               : (t == DType::kBFloat16 ? 0x7fffu + 1 + 0x7f80u : 0x7fffu + 1 + 0x7c00u);
 }
 
-__device__ inline uint32_t load_order(const SelectParams& p, int64_t p1, int64_t p2, int64_t j) {
-  const int64_t at = p1 * p.stride1 + p2 * p.stride2 + j * p.stride_k;
+__device__ inline uint32_t load_order(const SelectParams& p, const PlaneInfo& pi, int64_t j) {
+  const int64_t at = pi.score0 + j * p.stride_k;
   if (p.dtype == DType::kFloat32)
     return order_value<0x7fffffffu, 0x7f800000u>(static_cast<const uint32_t*>(p.scores)[at]);
   const uint32_t bits = static_cast<const uint16_t*>(p.scores)[at];
@@ -134,9 +196,9 @@ __device__ inline void publish(uint32_t* counter) {
 
 struct Scratch {
   uint32_t* counters;
-  uint32_t* sorted;  // (P, n_chunks, kChunk) order values, each chunk ascending
+  uint32_t* sorted;  // each plane's sorted chunks (PlaneInfo::chunk0), kChunk order values each, ascending
   int32_t* keys;     // their key indices
-  int32_t* orders;   // (P, plane_stride): each level's keys in rank order, levels side by side
+  int32_t* orders;   // each plane's level orders (PlaneInfo::order0): keys in rank order, levels side by side
 };
 
 union alignas(16) Smem {
@@ -153,8 +215,8 @@ union alignas(16) Smem {
 
 // ---- 1. sort ----
 
-__device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, int64_t plane, int64_t c) {
-  const int64_t K = p.seqlen_k, p1 = plane / p.planes2, p2 = plane % p.planes2;
+__device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t c) {
+  const int64_t K = pi.K;
   uint32_t u[kSortPer];
   int32_t j[kSortPer];
   // Blocked: thread t holds keys t * kSortPer + i, the order the sort keeps among equal values.
@@ -162,12 +224,12 @@ __device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, in
   for (int i = 0; i < kSortPer; ++i) {
     const int64_t key = c * kChunk + threadIdx.x * kSortPer + i;
     j[i] = static_cast<int32_t>(key);
-    u[i] = key < K ? load_order(p, p1, p2, key) : 0xffffffffu;  // past K: after every key
+    u[i] = key < K ? load_order(p, pi, key) : 0xffffffffu;  // past K: after every key
   }
   // 16-bit scores' values fit the low 16 bits (and the slots past K sort last by them too).
   const int end_bit = p.dtype == DType::kFloat32 ? 32 : 16;
   Sorter(sm.sort).SortBlockedToStriped(u, j, 0, end_bit);
-  const int64_t base = (plane * ((K + kChunk - 1) / kChunk) + c) * kChunk;
+  const int64_t base = (pi.chunk0 + c) * kChunk;
 #pragma unroll
   for (int i = 0; i < kSortPer; ++i) {
     s.sorted[base + i * kSelectThreads + threadIdx.x] = u[i];
@@ -185,12 +247,12 @@ __device__ inline int32_t count_below(const uint32_t* chunk, uint32_t x) {
   return pos + (chunk[pos] < x ? 1 : 0);
 }
 
-__device__ void rank_keys(const SelectParams& p, const Geometry& g, const Scratch& s, Smem& sm, int64_t plane,
-                          int64_t a, int sub) {
-  const int64_t K = p.seqlen_k, NC = g.n_chunks;
-  const uint32_t* sorted = s.sorted + plane * NC * kChunk;
-  const int32_t* keys = s.keys + plane * NC * kChunk;
-  int32_t* order = s.orders + plane * g.plane_stride;
+__device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t a, int sub) {
+  const int64_t K = pi.K, NC = pi.n_chunks;
+  const Levels& g = pi.lv;
+  const uint32_t* sorted = s.sorted + pi.chunk0 * kChunk;
+  const int32_t* keys = s.keys + pi.chunk0 * kChunk;
+  int32_t* order = s.orders + pi.order0;
   uint32_t u[kRankPer];
   int32_t j[kRankPer], cnt[kRankPer];
 #pragma unroll
@@ -244,7 +306,7 @@ __device__ void rank_keys(const SelectParams& p, const Geometry& g, const Scratc
   for (int i = 0; i < kRankPer; ++i) {
     if (j[i] >= K) continue;  // a slot past K
     last[cnt[i]] = j[i];
-    p.key_rank[plane * K + j[i]] = u[i] < ineligible ? cnt[i] : kNeverKept;
+    p.key_rank[pi.rank0 + j[i]] = u[i] < ineligible ? cnt[i] : kNeverKept;
   }
 }
 
@@ -252,10 +314,10 @@ __device__ void rank_keys(const SelectParams& p, const Geometry& g, const Scratc
 
 __device__ inline unsigned lanes_below() { return (1u << (threadIdx.x % 32)) - 1; }
 
-__device__ void walk_tile(const SelectParams& p, const Geometry& g, const Scratch& s, Smem& sm, int64_t plane,
-                          int64_t t) {
+__device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t t) {
   auto& w = sm.walk;
-  const int64_t K = p.seqlen_k, Q = p.seqlen_q, off = K - Q;
+  const Levels& g = pi.lv;
+  const int64_t K = pi.K, Q = pi.Q, off = K - Q;
   const int TR = static_cast<int>(p.tile_rows);
   const int32_t W = g.window;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -265,10 +327,10 @@ __device__ void walk_tile(const SelectParams& p, const Geometry& g, const Scratc
   int level = 0;
   int64_t size = g.lvl0;
   while (level < g.n_levels - 1 && size <= p_last) ++level, size *= 2;
-  const int32_t* order = s.orders + plane * g.plane_stride + g.lvl0 * ((int64_t(1) << level) - 1);
+  const int32_t* order = s.orders + pi.order0 + g.lvl0 * ((int64_t(1) << level) - 1);
   const int64_t n_level = size < K ? size : K;
-  const int32_t* ranks = p.key_rank + plane * K;
-  int32_t* head = p.tile_keys + (plane * g.n_tiles + t) * (1 + p.list_cap);
+  const int32_t* ranks = p.key_rank + pi.rank0;
+  int32_t* head = p.tile_keys + (pi.list0 + t) * (1 + p.list_cap);
   int32_t* list = head + 1;
   for (int i = threadIdx.x; i < TR; i += kSelectThreads) w.new_at[i] = kNeverKept;
   if (threadIdx.x == 0) w.start = kNeverKept, w.last_base = 0, w.top = -1, w.cut = 0;
@@ -418,7 +480,7 @@ __device__ void walk_tile(const SelectParams& p, const Geometry& g, const Scratc
       }
       if (entry >= 0) thr = w.win_rank[entry];
     }
-    if (lane == 0) p.row_thr[plane * Q + r0 + rl] = thr;
+    if (lane == 0) p.row_thr[pi.thr0 + r0 + rl] = thr;
     top = max(top, thr);
   }
   if (lane == 0 && top >= 0) atomicMax(&w.top, top);
@@ -442,19 +504,27 @@ __global__ void __launch_bounds__(kSelectThreads, 2) select_kernel(const SelectP
   __syncthreads();
   const int64_t item = item_s, P = p.planes;
   constexpr int kSubs = kChunk / kRankKeys;
+  // Items past a packed sequence's own chunks or tiles do nothing, but count: the waits below are
+  // for every item of the plane.
   if (item < g.n_sort) {
-    const int64_t plane = item / g.n_chunks;
-    sort_chunk(p, s, sm, plane, item % g.n_chunks);
+    const int64_t plane = item / g.n_chunks, c = item % g.n_chunks;
+    const PlaneInfo pi = plane_info(p, g, plane);
+    if (c < pi.n_chunks) sort_chunk(p, s, sm, pi, c);
     publish(s.counters + 1 + plane);
   } else if (item < g.n_sort + g.n_rank) {
     const int64_t i = item - g.n_sort, plane = i / (g.n_chunks * kSubs), c = i % (g.n_chunks * kSubs);
-    wait_for(s.counters + 1 + plane, static_cast<uint32_t>(g.n_chunks));
-    rank_keys(p, g, s, sm, plane, c / kSubs, static_cast<int>(c % kSubs));
+    const PlaneInfo pi = plane_info(p, g, plane);
+    if (c / kSubs < pi.n_chunks) {
+      wait_for(s.counters + 1 + plane, static_cast<uint32_t>(g.n_chunks));
+      rank_keys(p, s, sm, pi, c / kSubs, static_cast<int>(c % kSubs));
+    }
     publish(s.counters + 1 + P + plane);
   } else {
-    const int64_t i = item - g.n_sort - g.n_rank, plane = i / g.n_tiles;
+    const int64_t i = item - g.n_sort - g.n_rank, plane = i / g.n_tiles, t = i % g.n_tiles;
+    const PlaneInfo pi = plane_info(p, g, plane);
+    if (t >= pi.n_tiles) return;
     wait_for(s.counters + 1 + P + plane, static_cast<uint32_t>(g.n_chunks * kSubs));
-    walk_tile(p, g, s, sm, plane, i % g.n_tiles);
+    walk_tile(p, s, sm, pi, t);
   }
 }
 
