@@ -106,25 +106,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       /*device_stores_dbias_dtype=*/true);
 }
 
-// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_sm90); `adjust`
-// sets what the operands alone do not say (packed sequences).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_run(const at::Tensor& q, const at::Tensor& k,
-                                                            const at::Tensor& v, const at::Tensor& bias,
-                                                            const at::Tensor& key_rank, const at::Tensor& row_thr,
-                                                            const Broadcast4d& keys, int64_t tile_rows,
-                                                            double softmax_scale, bool is_causal, double softcap,
-                                                            const std::function<void(FwdParams&)>& adjust) {
-  at::Tensor resid = alloc_out(q);
-  auto [out, lse] =
-      topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, [&](const FwdParams& rule) {
-        FwdParams p = rule;
-        p.tile_keys = keys;
-        p.topk_tile_rows = tile_rows;
-        p.out_resid = resid.data_ptr();
-        adjust(p);
-        launch_fwd(p, q);
-      });
-  return {out, lse, resid};
+// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_sm90) into out /
+// lse / resid, allocated by the caller (views of the packed call's own outputs, which must not be
+// views themselves); `adjust` sets what the operands alone do not say (packed sequences).
+void topk_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                  const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
+                  double softmax_scale, bool is_causal, double softcap, at::Tensor out, at::Tensor lse,
+                  const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
+  check_qkv(q, k, v);
+  FwdParams rule;
+  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  FwdParams p;
+  fill_fwd_params(p, q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, out, lse, c10::nullopt);
+  p.key_rank = rule.key_rank;
+  p.row_thr = rule.row_thr;
+  p.tile_keys = keys;
+  p.topk_tile_rows = tile_rows;
+  p.out_resid = resid.data_ptr();
+  adjust(p);
+  if (out.numel() > 0) launch_fwd(p, q);
 }
 
 // flexdma::topk_fwd_sm90.
@@ -137,18 +137,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
   c10::cuda::CUDAGuard guard(q.device());
   check_qkv(q, k, v);
   const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  return topk_fwd_run(q, k, v, bias, key_rank, row_thr, keys, tile_rows, softmax_scale, is_causal, softcap,
-                      [](FwdParams&) {});
+  auto [out, lse] = alloc_fwd_outputs(q);
+  at::Tensor resid = alloc_out(q);
+  topk_fwd_run(q, k, v, bias, key_rank, row_thr, keys, tile_rows, softmax_scale, is_causal, softcap, out, lse, resid,
+               [](FwdParams&) {});
+  return {out, lse, resid};
 }
 
-// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_sm90). dK /
-// dV and the per-key dbias are sums over the query tiles that list a key: the kernel adds them into
-// one zeroed float buffer, cast here to the operands' dtypes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
+// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_sm90) into
+// dq (the caller's, as topk_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
+// tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
+// (dk, dv, dbias) float views for the caller to cast.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
     const at::Tensor& out, const at::Tensor& lse, void* resid, double softmax_scale, bool is_causal,
-    bool bias_requires_grad, const std::function<void(BwdParams&)>& adjust) {
+    bool bias_requires_grad, at::Tensor dq, const std::function<void(BwdParams&)>& adjust) {
+  check_qkv(q, k, v);
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
   // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
@@ -160,7 +165,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
   TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0,
                     "flexdma::topk_bwd_sm90: out's strides must be even (its rows are read in pairs), got ",
                     out.strides());
-  at::Tensor dq = at::empty(q.sizes(), q.options());
   const int64_t nk = k.numel(), nb = bias_requires_grad ? bias.numel() : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
   // Zeroed by a memset: the float buffer the kernel's reductions add into.
@@ -183,8 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
     launch_bwd(p, q);
   else
     dq.zero_();
-  at::Tensor dbias = bias_requires_grad ? db->to(bias.scalar_type()) : at::empty({0}, q.options());
-  return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
+  return {dk, dv, db.has_value() ? *db : at::Tensor()};
 }
 
 // flexdma::topk_bwd_sm90.
@@ -197,8 +200,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   check_qkv(q, k, v);
   const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
   void* resid = resid_ptr(out_resid, out, "flexdma::topk_bwd_sm90");
-  return topk_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, tile_rows, out, lse, resid, softmax_scale,
-                      is_causal, bias_requires_grad, [](BwdParams&) {});
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  auto [dk, dv, db] = topk_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, tile_rows, out, lse, resid,
+                                   softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
+  at::Tensor dbias = bias_requires_grad ? db.to(bias.scalar_type()) : at::empty({0}, q.options());
+  return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
 }
 
 // flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
@@ -339,11 +345,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_sm90_cuda(const at::Te
   const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_fwd_sm90");
   check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
   auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
-  auto [out, lse, resid] = topk_fwd_run(
-      q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0),
-      thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
-      [&s](FwdParams& p) { packed_params(p, s); });
-  return {out.squeeze(0), lse.squeeze(0), resid.squeeze(0)};
+  at::Tensor out = alloc_out(q), resid = alloc_out(q);
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  topk_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0),
+               thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
+               out.unsqueeze(0), lse.unsqueeze(0), resid, [&s](FwdParams& p) { packed_params(p, s); });
+  return {out, lse, resid};
 }
 
 // The selection is made again (as the CPU op's backward does): the forward's lists are not among
@@ -363,14 +370,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
   const at::Tensor out4 = out.unsqueeze(0);
   void* resid = resid_ptr(out_resid.defined() ? c10::optional<at::Tensor>(out_resid.unsqueeze(0)) : c10::nullopt, out4,
                           "flexdma::varlen_bwd_sm90");
-  auto [dq, dk, dv, dbias] = topk_bwd_run(
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  auto [dk, dv, db] = topk_bwd_run(
       dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2),
       rank.unsqueeze(0), thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0),
-      resid, softmax_scale, is_causal, bias_requires_grad, [&s](BwdParams& p) {
+      resid, softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) {
         packed_params(p, s);
         p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
       });
-  return {dq.squeeze(0), dk.squeeze(0), dv.squeeze(0), bias_requires_grad ? dbias.view(bias.sizes()) : dbias};
+  // The casts make tensors of their own (not views of the float buffer).
+  at::Tensor dbias = bias_requires_grad ? db.view(bias.sizes()).to(bias.scalar_type()) : at::empty({0}, q.options());
+  return {dq, dk.view(k.sizes()).to(k.scalar_type()), dv.view(v.sizes()).to(v.scalar_type()), dbias};
 }
 
 }  // namespace
