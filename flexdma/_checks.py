@@ -125,9 +125,7 @@ def check_scalars(head_dim: int, softmax_scale, softcap, is_causal) -> Tuple[flo
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if softmax_scale is None:
-        # int(): a head dim torch.compile traced as a symbol is specialised here (the kernels are
-        # per head dim anyway), so the scale is a plain float for the checks below.
-        softmax_scale = 1.0 / math.sqrt(int(head_dim))
+        softmax_scale = 1.0 / math.sqrt(head_dim)
     if (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, (int, float))

@@ -126,6 +126,9 @@ def test_opcheck_and_compile_and_export(device):
     # call (bf16, a built head dim), on CUDA: opcheck, torch.compile with fullgraph, and
     # torch.export with a dynamic token count and number of sequences.
     dtype, D = (torch.float32, 16) if device == "cpu" else (torch.bfloat16, 64)
+    # `f` below is one code object for both devices: after the other device's compile, Dynamo would
+    # trace the head dim as a symbol (automatic dynamic shapes) and fullgraph stops at the scale check.
+    torch._dynamo.reset()
 
     lq = [5, 0, 3, 8]
     q, k, v, bias, cq, ck = (
@@ -231,9 +234,10 @@ def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("case", PACKED_CASES)
 def test_cuda_packed_kernels_equal_documents(case, D):
-    # One selection and one forward launch for all sequences (offsets read on the device): out and
-    # LSE bit for bit the per-document calls' (the same tiles, lists and order of operations); the
-    # gradients up to the order of the backward's float adds.
+    # One selection and one forward launch for all sequences (offsets read on the device) against the
+    # per-document ops: the same selection and tiles, so out and LSE agree up to the rounding of the
+    # key splits a short document's own call takes (the packed call splits none), and the gradients
+    # up to that and the order of the backward's float adds.
     if not _packed_sm90_ok(D):
         pytest.skip("needs the sm_90a per-key kernels at this head dim")
     lq, lk, H, KVH, bh, causal, W = case
@@ -257,13 +261,12 @@ def test_cuda_packed_kernels_equal_documents(case, D):
     got = torch.autograd.grad(out, leaves, do)
     with torch.no_grad():
         ref, ref_lse, want = _documents_sm90(*(t.detach() for t in leaves), do, lq, lk, causal, W)
-    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1.6e-2, rtol=1.6e-2)  # two bf16 steps
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
         assert not a.isnan().any(), name
-        if name == "dq":  # each CTA owns its rows' dQ: the same order of operations
-            assert torch.equal(a, b), name
-        else:
-            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
 
 
 @pytest.mark.gpu
