@@ -128,6 +128,17 @@ struct SelectParams {
   void* workspace = nullptr;
 };
 
+// Float sums cast to the operands' dtype in one launch (the per-key backward's dK, dV and dbias):
+// segment i is n[i] contiguous floats at src[i], written as n[i] contiguous elements of `dtype` at
+// dst[i] (n[i] = 0: unused).
+struct CastParams {
+  static constexpr int kSegments = 3;
+  const float* src[kSegments] = {};
+  void* dst[kSegments] = {};
+  int64_t n[kSegments] = {};
+  DType dtype = DType::kBFloat16;  // kBFloat16 or kFloat16
+};
+
 struct BwdParams : FwdParams {
   // Inputs of the backward besides FwdParams' (out and lse are read, not written).
   const void* dout = nullptr;

@@ -190,6 +190,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
   return {dk, dv, db.has_value() ? *db : at::Tensor()};
 }
 
+// topk_bwd_run's float sums as dk / dv (k's and v's sizes and dtype) and dbias (the bias's; empty
+// where db is undefined), cast in one launch.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_sums(const at::Tensor& dk, const at::Tensor& dv,
+                                                         const at::Tensor& db, const at::Tensor& k,
+                                                         const at::Tensor& v, const at::Tensor& bias) {
+  const auto dt = k.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && v.scalar_type() == dt &&
+                  (!db.defined() || bias.scalar_type() == dt),
+              "flexdma: the per-key backward casts its sums to one 16-bit dtype (k, v and the bias share it)");
+  at::Tensor dk_out = at::empty(k.sizes(), k.options()), dv_out = at::empty(v.sizes(), v.options());
+  at::Tensor db_out = db.defined() ? at::empty(bias.sizes(), bias.options()) : at::empty({0}, k.options());
+  CastParams p;
+  p.dtype = to_dtype(k.scalar_type());
+  const at::Tensor* from[] = {&dk, &dv, &db};
+  const at::Tensor* to[] = {&dk_out, &dv_out, &db_out};
+  for (int i = 0; i < CastParams::kSegments; ++i) {
+    if (!from[i]->defined()) continue;
+    p.src[i] = from[i]->const_data_ptr<float>();
+    p.dst[i] = to[i]->data_ptr();
+    p.n[i] = from[i]->numel();
+  }
+  cuda::run_cast(p, at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dk_out, dv_out, db_out};
+}
+
 // flexdma::topk_bwd_sm90.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
@@ -203,8 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   at::Tensor dq = at::empty(q.sizes(), q.options());
   auto [dk, dv, db] = topk_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, tile_rows, out, lse, resid,
                                    softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
-  at::Tensor dbias = bias_requires_grad ? db.to(bias.scalar_type()) : at::empty({0}, q.options());
-  return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type()), dbias};
+  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
+  return {dq, dk_out, dv_out, dbias};
 }
 
 // flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
@@ -379,8 +405,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
         p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
       });
   // The casts make tensors of their own (not views of the float buffer).
-  at::Tensor dbias = bias_requires_grad ? db.view(bias.sizes()).to(bias.scalar_type()) : at::empty({0}, q.options());
-  return {dq, dk.view(k.sizes()).to(k.scalar_type()), dv.view(v.sizes()).to(v.scalar_type()), dbias};
+  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
+  return {dq, dk_out, dv_out, dbias};
 }
 
 }  // namespace

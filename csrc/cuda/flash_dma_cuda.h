@@ -34,5 +34,8 @@ int64_t select_workspace_bytes(const SelectParams& params);
 int64_t select_counter_bytes(const SelectParams& params);
 void run_select(const SelectParams& params, void* stream);
 
+// CastParams' segments in one launch.
+void run_cast(const CastParams& params, void* stream);
+
 }  // namespace cuda
 }  // namespace flexdma
