@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import flexdma
 from flexdma.flex import kernel_options
 
-from .common import Saving, newest_section, record, table
+from .common import Saving, newest_section, record, run_section, runs_of, table
 from .peers import compiled_flex
 from .topk import _launches, _pair, _peak, _time, kept_per_row
 
@@ -431,15 +431,31 @@ def markdown(doc: dict) -> str:
 
 
 def section(results_dir: str) -> List[str]:
-    return newest_section(
-        results_dir,
-        SCHEMA,
-        "packed sequences (varlen)",
+    """The newest run that has every peer; a newer run of some peers only (a check of flexdma's own
+    rows) is named beneath it with its table."""
+    runs = runs_of(results_dir, SCHEMA)
+    complete = [d for d in runs if _has_every_peer(d)]
+    note = (
         "`python -m benchmarks varlen`: bf16, causal within each document, per-key bias, W=2048, H=16, KVH=4; "
         "per-document sum = each document's call timed alone, summed; padded = right-padded to the longest "
         "document; FlexAttention and SDPA jagged attend densely within documents, no bias; peak = the call's "
-        "memory above its inputs.",
-        markdown,
+        "memory above its inputs."
+    )
+    if not complete:
+        return newest_section(results_dir, SCHEMA, "packed sequences (varlen)", note, markdown)
+    out = run_section(complete[0], "packed sequences (varlen)", note, markdown(complete[0]))
+    newer = [d for d in runs if d.get("date", "") > complete[0].get("date", "")]
+    if newer:
+        out += run_section(
+            newer[0], "packed sequences (varlen), flexdma's rows only", "A later run of some peers only.", markdown(newer[0])
+        )
+    return out
+
+
+def _has_every_peer(doc: dict) -> bool:
+    rows = doc.get("rows") or []
+    return bool(rows) and all(
+        all(p in row.get("peers", {}) and "skipped" not in row["peers"][p] for p in PEERS) for row in rows
     )
 
 
