@@ -227,7 +227,7 @@ def _dense_op(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
         if meta is None and call.requires_grad:
             meta = _ops.tile_meta(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
     # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
-    out, lse, _ = _ops.fwd(
+    out, lse, _ = _ops.fwd_autograd(
         q, k, v, mask, bias, scale, call.is_causal, call.softcap, deterministic, meta, call.requires_grad
     )
     return out, lse

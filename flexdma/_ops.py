@@ -108,13 +108,61 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int) 
             # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
             # as contiguous whatever its strides, and the kernels check head_dim's stride.
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-        dq, dk, dv, dbias = call_bwd(grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid)
+        dq, dk, dv, dbias = below_autograd(
+            call_bwd, grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid
+        )
         grads = [None] * ctx.n_inputs
         grads[0:3] = dq, dk, dv
         grads[bias_index] = dbias if bias_grad else None
         return tuple(grads)
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+    return eager_autograd(getattr(torch.ops.flexdma, fwd_name.split("::")[1]), setup_context, backward)
+
+
+def eager_autograd(op, setup_context, backward):
+    """`op` (whose autograd torch.library registered from setup_context / backward) as the API calls
+    it: in eager mode where a gradient is wanted, one autograd.Function of the same setup_context
+    and backward around the op called below the autograd key; elsewhere (torch.compile and
+    torch.export tracing, no gradient) the op itself. Same gradients, without the generic wrapper's
+    per-call work (filling the schema's defaults, a Python redispatch: half the host time of a
+    forward op on small inputs), which the host-bound short calls pay on every step."""
+
+    # ctx in forward (not a separate setup_context): apply then binds no signature per call.
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    Function.__name__ = f"{op._qualified_op_name.replace('::', '_')}_eager"
+
+    def call(*args):
+        if (
+            torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        ):
+            return Function.apply(*args)
+        return op(*args)
+
+    return call
+
+
+def below_autograd(fn, *args):
+    """fn(*args) (a backward op call inside a backward) below the autograd key where no graph of the
+    backward is being built: the op's own autograd only refuses double backward, and its generic
+    wrapper costs host time on every step."""
+    if torch.is_grad_enabled():  # create_graph=True: the backward op's autograd refuses it
+        return fn(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return fn(*args)
 
 
 def no_double_backward(ctx, *grads):
@@ -131,5 +179,5 @@ if LOADED:
     torch.library.register_fake("flexdma::bwd")(_bwd_fake)
     torch.library.register_fake("flexdma::tile_meta")(_tile_meta_fake)
     # bwd looked up when the backward runs (a test spies on it).
-    register_autograd("flexdma::fwd", lambda *args: bwd(*args), n_tensors=5, bias_index=4)
+    fwd_autograd = register_autograd("flexdma::fwd", lambda *args: bwd(*args), n_tensors=5, bias_index=4)
     forbid_double_backward("flexdma::bwd")

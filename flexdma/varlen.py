@@ -125,7 +125,7 @@ def flash_dma_attention_varlen(
         requires_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (query, key, value, attn_bias)
         )
-        out, lse, _ = torch.ops.flexdma.varlen_fwd(
+        out, lse, _ = _varlen_fwd_autograd(
             *(_checks.last_dim_contiguous(t) for t in (query, key, value)),
             cu_seqlens_q,
             cu_seqlens_k,
@@ -354,9 +354,9 @@ def _backward(ctx, grad_out, grad_lse, grad_resid):
     q, k, v, cu_q, cu_k, bias, out, lse, resid = ctx.saved_tensors
     max_q, max_k, scale, causal, softcap, window, deterministic = ctx.cfg
     want = bias is not None and ctx.needs_input_grad[7]
-    dq, dk, dv, dbias = torch.ops.flexdma.varlen_bwd(
-        grad_out.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, causal, softcap, window,
-        want, deterministic, resid if resid.numel() else None,
+    dq, dk, dv, dbias = _ops.below_autograd(
+        torch.ops.flexdma.varlen_bwd, grad_out.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale,
+        causal, softcap, window, want, deterministic, resid if resid.numel() else None,
     )  # fmt: skip
     return (dq, dk, dv, None, None, None, None, dbias if want else None) + (None,) * 6
 
@@ -369,4 +369,5 @@ if _ops.LOADED:
     torch.library.register_kernel("flexdma::varlen_fwd", "cuda", _varlen_fwd_impl)
     torch.library.register_kernel("flexdma::varlen_bwd", "cuda", _varlen_bwd_impl)
     torch.library.register_autograd("flexdma::varlen_fwd", _backward, setup_context=_setup_context)
+    _varlen_fwd_autograd = _ops.eager_autograd(torch.ops.flexdma.varlen_fwd, _setup_context, _backward)
     _ops.forbid_double_backward("flexdma::varlen_bwd")

@@ -24,7 +24,7 @@ def run(backend: str, call, query, key, value, attn_mask, attn_bias, scale: floa
 
 def _op(r, call, sel, query, key, value, attn_bias, scale, deterministic, flex):
     # flexdma::topk_fwd: on CUDA route.cuda_fwd (the C++ sm_90a kernel or Triton), on CPU the C++ op.
-    out, lse, _ = ops.topk_fwd(
+    out, lse, _ = ops.topk_fwd_autograd(
         query,
         key,
         value,

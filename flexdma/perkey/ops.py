@@ -79,7 +79,10 @@ if LOADED:
     torch.library.register_fake("flexdma::topk_bwd")(_topk_bwd_fake)
     torch.library.register_fake("flexdma::topk_fwd_sm90")(_topk_fwd_sm90_fake)
     torch.library.register_fake("flexdma::topk_bwd_sm90")(_topk_bwd_sm90_fake)
-    _ops.register_autograd("flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3)
+    # topk_fwd as the API calls it (flexdma/_ops.py's eager_autograd).
+    topk_fwd_autograd = _ops.register_autograd(
+        "flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3
+    )
     _ops.forbid_double_backward("flexdma::topk_bwd")
     # topk_fwd's and topk_bwd's CUDA implementations hand the calls the C++ sm_90a kernels take to
     # flexdma::topk_fwd_sm90 / topk_bwd_sm90 (route.cuda_fwd / cuda_bwd), the others to Triton
