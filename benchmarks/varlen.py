@@ -447,7 +447,10 @@ def section(results_dir: str) -> List[str]:
     newer = [d for d in runs if d.get("date", "") > complete[0].get("date", "")]
     if newer:
         out += run_section(
-            newer[0], "packed sequences (varlen), flexdma's rows only", "A later run of some peers only.", markdown(newer[0])
+            newer[0],
+            "packed sequences (varlen), flexdma's rows only",
+            "A later run of some peers only.",
+            markdown(newer[0]),
         )
     return out
 

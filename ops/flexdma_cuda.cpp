@@ -193,12 +193,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
 // topk_bwd_run's float sums as dk / dv (k's and v's sizes and dtype) and dbias (the bias's; empty
 // where db is undefined), cast in one launch.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_sums(const at::Tensor& dk, const at::Tensor& dv,
-                                                         const at::Tensor& db, const at::Tensor& k,
-                                                         const at::Tensor& v, const at::Tensor& bias) {
+                                                         const at::Tensor& db, const at::Tensor& k, const at::Tensor& v,
+                                                         const at::Tensor& bias) {
   const auto dt = k.scalar_type();
-  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && v.scalar_type() == dt &&
-                  (!db.defined() || bias.scalar_type() == dt),
-              "flexdma: the per-key backward casts its sums to one 16-bit dtype (k, v and the bias share it)");
+  TORCH_CHECK(
+      (dt == at::kBFloat16 || dt == at::kHalf) && v.scalar_type() == dt && (!db.defined() || bias.scalar_type() == dt),
+      "flexdma: the per-key backward casts its sums to one 16-bit dtype (k, v and the bias share it)");
   at::Tensor dk_out = at::empty(k.sizes(), k.options()), dv_out = at::empty(v.sizes(), v.options());
   at::Tensor db_out = db.defined() ? at::empty(bias.sizes(), bias.options()) : at::empty({0}, k.options());
   CastParams p;
@@ -233,6 +233,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
   return {dq, dk_out, dv_out, dbias};
 }
 
+// The selection's scratch (from PyTorch's allocator, as the other kernels'), the zero fill of its
+// counters and its one launch.
+void launch_select(SelectParams& p, const at::Tensor& like) {
+  at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, like.options().dtype(at::kByte));
+  p.workspace = ws.data_ptr();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
+  C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
+  cuda::run_select(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
 // topk_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& scores, int64_t window,
@@ -259,12 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
   p.key_rank = o.key_rank.data_ptr<int32_t>();
   p.row_thr = o.row_thr.data_ptr<int32_t>();
   p.tile_keys = o.tile_keys.data_ptr<int32_t>();
-  at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, scores.options().dtype(at::kByte));
-  p.workspace = ws.data_ptr();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
-  cuda::run_select(p, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_select(p, scores);
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
@@ -295,8 +301,8 @@ Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
                     cu_q.numel(), " and ", cu_k.numel(), ")");
   TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
-  TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(1) == k.size(0), op, ": attn_bias must be per key (heads, Tk=",
-                    k.size(0), "), got ", bias.sizes());
+  TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(1) == k.size(0), op,
+                    ": attn_bias must be per key (heads, Tk=", k.size(0), "), got ", bias.sizes());
   TORCH_CHECK_VALUE(window > 0, op, ": window must be positive, got ", window);
   return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), cu_q.numel() - 1, max_q, max_k, q.size(0), k.size(0)};
 }
@@ -331,12 +337,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_packed(const at::Tensor& b
   p.key_rank = key_rank.data_ptr<int32_t>();
   p.row_thr = row_thr.data_ptr<int32_t>();
   p.tile_keys = lists.data_ptr<int32_t>();
-  at::Tensor ws = at::empty({cuda::select_workspace_bytes(p)}, bias.options().dtype(at::kByte));
-  p.workspace = ws.data_ptr();
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
-  C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, cuda::select_counter_bytes(p), stream));
-  cuda::run_select(p, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_select(p, bias);
   return {key_rank, row_thr, lists};
 }
 
@@ -397,13 +398,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
   void* resid = resid_ptr(out_resid.defined() ? c10::optional<at::Tensor>(out_resid.unsqueeze(0)) : c10::nullopt, out4,
                           "flexdma::varlen_bwd_sm90");
   at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = topk_bwd_run(
-      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2),
-      rank.unsqueeze(0), thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0),
-      resid, softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) {
-        packed_params(p, s);
-        p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
-      });
+  auto [dk, dv, db] = topk_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                   bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0), thr.unsqueeze(0),
+                                   packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
+                                   softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) {
+                                     packed_params(p, s);
+                                     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+                                   });
   // The casts make tensors of their own (not views of the float buffer).
   auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
   return {dq, dk_out, dv_out, dbias};

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from utils import assert_graph_replays
 
 import flexdma
 from flexdma import topk
@@ -661,30 +662,7 @@ def test_cuda_graph_replays_forward_and_backward():
     # (no host synchronisation inside), replayed on new inputs, against eager calls on them.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    static = [t.clone().requires_grad_(i < 4) for i, t in enumerate(_graph_inputs(0))]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            _train_call(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = _train_call(*static)
-    for seed in (1, 2):
-        fresh = _graph_inputs(seed)
-        with torch.no_grad():
-            for dst, src in zip(static, fresh):
-                dst.copy_(src)
-        for o in outs:
-            o.fill_(float("nan"))  # poison: the replay must write every element
-        graph.replay()
-        want = _train_call(*[t.clone().requires_grad_(i < 4) for i, t in enumerate(fresh)])
-        assert torch.equal(outs[0], want[0])
-        # dk, dv and dbias are float32 sums by atomics: equal up to the order of the adds.
-        for got, ref in zip(outs[1:], want[1:]):
-            assert not got.isnan().any()
-            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert_graph_replays(_train_call, _graph_inputs, n_leaves=4)
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ and a per-key bias with and without the per-key selection; rejected inputs."""
 
 import pytest
 import torch
+from utils import assert_graph_replays, poison_allocator
 
 import flexdma
 from flexdma.reference import attention_ref
@@ -203,12 +204,6 @@ def _packed_sm90_ok(D):
     return torch.cuda.is_available() and route.sm90_forward(D, torch.bfloat16, torch.device("cuda"))
 
 
-def _poison_allocator():
-    # The next allocations reuse NaN-filled blocks: an element no kernel writes stays NaN.
-    torch.empty(64 << 20, device="cuda").fill_(float("nan"))
-    torch.cuda.synchronize()
-
-
 def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
     """The documents one by one through the padded path's CUDA per-key ops (topk_select,
     topk_fwd_sm90, topk_bwd_sm90): out, LSE and the gradients of q, k, v and the bias."""
@@ -221,9 +216,9 @@ def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
             qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
             b = bias[None, :, None, ok : ok + nk]
             rank, thr, lists = torch.ops.flexdma.topk_select(b[:, :, 0], W, nq, causal, T)
-            o, l, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
-            g = torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, l, r, 0.125, causal, True)
-            out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], l[0]
+            o, ls, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
+            g = torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, ls, r, 0.125, causal, True)
+            out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], ls[0]
             grads[0][oq : oq + nq], grads[1][ok : ok + nk], grads[2][ok : ok + nk] = g[0][0], g[1][0], g[2][0]
             grads[3][:, ok : ok + nk] = g[3][0, :, 0]
         oq, ok = oq + nq, ok + nk
@@ -251,13 +246,13 @@ def test_cuda_packed_kernels_equal_documents(case, D):
     assert varlen._sm90_packed(q, k, v, cq, bias, 0.0, W) and varlen._sm90_packed(
         q, k, v, cq, bias, 0.0, W, backward=True
     )
-    _poison_allocator()
+    poison_allocator([q, torch.empty(H, q.shape[0], device="cuda")])
     out, lse = flexdma.flash_dma_attention_varlen(
         q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, keep_window_size=W, return_lse=True,
         softmax_scale=0.125,
     )  # fmt: skip
     do = torch.randn_like(out)
-    _poison_allocator()
+    poison_allocator([q, k, v, bias, *(torch.empty(t.numel(), device="cuda") for t in (k, v, bias))])
     got = torch.autograd.grad(out, leaves, do)
     with torch.no_grad():
         ref, ref_lse, want = _documents_sm90(*(t.detach() for t in leaves), do, lq, lk, causal, W)
@@ -288,7 +283,9 @@ def test_cuda_packed_kernels_within_the_rule():
         *dev[:3], cq.cuda(), ck.cuda(), 1500, 1500, dev[3], is_causal=True, keep_window_size=96
     )
     grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
-    for name, a, a_lo, w in zip(("out", "dq", "dk", "dv", "dbias"), (out,) + grads, (ref_lo,) + lo_grads, (ref,) + want):
+    for name, a, a_lo, w in zip(
+        ("out", "dq", "dk", "dv", "dbias"), (out,) + grads, (ref_lo,) + lo_grads, (ref,) + want
+    ):
         err, err_ref = (a.cpu().double() - w).abs().max(), (a_lo.double() - w).abs().max()
         assert err <= 2 * err_ref + 1e-3 * w.abs().max(), (name, err, err_ref)
 
@@ -309,29 +306,7 @@ def test_cuda_packed_graph_replays_forward_and_backward():
         out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True, keep_window_size=64)
         return (out,) + torch.autograd.grad(out, (q, k, v, bias), do)
 
-    static = [t.clone().requires_grad_(i < 4) for i, t in enumerate(inputs(0))]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            call(*static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call(*static)
-    for seed in (1, 2):
-        fresh = inputs(seed)
-        with torch.no_grad():
-            for dst, src in zip(static, fresh):
-                dst.copy_(src)
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        want = call(*[t.clone().requires_grad_(i < 4) for i, t in enumerate(fresh)])
-        assert torch.equal(outs[0], want[0])
-        for got, ref in zip(outs[1:], want[1:]):
-            assert not got.isnan().any()
-            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert_graph_replays(call, inputs, n_leaves=4)
 
 
 @pytest.mark.gpu
@@ -346,5 +321,7 @@ def test_opcheck_packed_sm90_ops():
     bwd = (torch.randn_like(out), q, k, v, cq, ck, 130, 130, bias, out, lse, resid, 0.125, True, 8, True)
     # The backward's float adds come in any order: its outputs are compared with a tolerance.
     torch.library.opcheck(
-        torch.ops.flexdma.varlen_bwd_sm90, bwd, test_utils=("test_schema", "test_faketensor", "test_autograd_registration")
+        torch.ops.flexdma.varlen_bwd_sm90,
+        bwd,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )

@@ -175,6 +175,38 @@ def assert_no_nan(name: str, t: torch.Tensor) -> None:
     assert not bad.any(), f"{name}: {int(bad.sum())} NaN element(s) (unwritten or invalid)"
 
 
+# ------------------------------------------------------------------------------ CUDA graphs
+def assert_graph_replays(call, inputs, n_leaves: int) -> None:
+    """A training call `call(*inputs(seed))` -> (out, *grads), its first n_leaves inputs the leaves,
+    captured in one CUDA graph (so nothing in it waits on the host), replayed on the values of two
+    other seeds against eager calls on them: out equal, the gradients (float sums by atomics) equal
+    up to the order of the adds. The outputs are poisoned before each replay: it must write every
+    element."""
+    static = [t.clone().requires_grad_(i < n_leaves) for i, t in enumerate(inputs(0))]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call(*static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = call(*static)
+    for seed in (1, 2):
+        fresh = inputs(seed)
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        want = call(*[t.clone().requires_grad_(i < n_leaves) for i, t in enumerate(fresh)])
+        assert torch.equal(outs[0], want[0])
+        for got, ref in zip(outs[1:], want[1:]):
+            assert not got.isnan().any()
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+
+
 # ------------------------------------------------------------------------------ memory
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any op creates inside the `with` block (numel and bytes)."""

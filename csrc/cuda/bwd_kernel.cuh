@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
   const SeqInfo seq = SeqInfo::of<false>(p, b);
-  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0,
-                   seq.nk, f.qkv_vec);
+  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0, seq.nk,
+                   f.qkv_vec);
   if constexpr (kDk)
     issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride, n0,
                      seq.nk, f.qkv_vec);

@@ -42,11 +42,12 @@ __global__ void __launch_bounds__(kCastThreads) cast_kernel(const CastParams p, 
   T* dst = static_cast<T*>(seg == 0 ? p.dst[0] : (seg == 1 ? p.dst[1] : p.dst[2])) + i;
   // Whole chunks of 16-byte aligned segments take vector accesses (the buffers are allocations, and
   // segments start at multiples of kVec elements where that holds).
-  const bool vec = i + kVec <= n && reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const bool vec =
+      i + kVec <= n && reinterpret_cast<uintptr_t>(src) % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   if (vec) {
     const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
-    *reinterpret_cast<uint4*>(dst) = make_uint4(pack2f<T>(a.x, a.y), pack2f<T>(a.z, a.w), pack2f<T>(b.x, b.y),
-                                                pack2f<T>(b.z, b.w));
+    *reinterpret_cast<uint4*>(dst) =
+        make_uint4(pack2f<T>(a.x, a.y), pack2f<T>(a.z, a.w), pack2f<T>(b.x, b.y), pack2f<T>(b.z, b.w));
   } else {
     for (int e = 0; e < kVec && i + e < n; ++e) dst[e] = static_cast<T>(src[e]);
   }

@@ -73,8 +73,7 @@ struct SequenceKeys {
     __device__ inline void load_k(int64_t t, int st, T* sK, uint8_t* sKeep, T* sB) {
       T* sk = sK + st * L::kTileKV / 2;
       const int64_t n0 = t * kBlockN;
-      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.nk - n0),
-                       f.qkv_vec);
+      issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.nk - n0), f.qkv_vec);
       for (int half = 0; half < c.halves(); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
         const TileBounds tb(p, mh, n0);
@@ -95,8 +94,7 @@ struct SequenceKeys {
     __device__ inline void load_v(int64_t t, int st, T* sV) {
       T* sv = sV + st * L::kTileKV / 2;
       const int64_t n0 = t * kBlockN;
-      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.nk - n0),
-                       f.qkv_vec);
+      issue_rows<T, D>(sv, vp + n0 * p.v_row_stride, p.v_row_stride, (int)imin(kBlockN, seq.nk - n0), f.qkv_vec);
     }
   };
 };

@@ -86,8 +86,8 @@ struct FwdWsSmem {
 struct FwdWsTile {
   int64_t b, h, kvh, m0;
   SeqInfo seq;  // batch b's rows (padded, or a packed sequence's)
-  bool two;   // the second warpgroup has rows
-  bool pair;  // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
+  bool two;     // the second warpgroup has rows
+  bool pair;    // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
   // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
   __device__ inline int64_t head(int wg) const { return pair ? h + wg : h; }
   __device__ inline int64_t rows(int wg) const { return pair ? m0 : m0 + wg * kBlockM; }

@@ -40,7 +40,7 @@ using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t>;
 // A plane's prefix levels: [0, lvl0 << l) for l < n_levels, the last one all K; causal rows of a
 // query tile see a prefix of the keys, and its walk reads the smallest level that holds it.
 struct Levels {
-  int64_t lvl0 = 1;   // the first level's size (a power of two, whole chunks)
+  int64_t lvl0 = 1;  // the first level's size (a power of two, whole chunks)
   int n_levels = 1;
   int32_t window = 1;  // min(W, K): rows keep every key they see when W >= K
   // Entries of the plane's level orders, side by side (at most 3 K: the levels before the last
