@@ -6,8 +6,8 @@ One op family on every device, flexdma::varlen_fwd / varlen_bwd: on the CPU the 
 so torch.compile and torch.export take the call whole. On CUDA, a per-key call (keep_window_size)
 the C++ sm_90a kernels take runs flexdma::varlen_fwd_sm90 / varlen_bwd_sm90: the selection and the
 attention kernels read each sequence's offsets on the device, one launch each for all sequences,
-no host synchronisation (the offsets are trusted there, as FlashAttention's varlen kernels trust
-them). Other CUDA calls (no window, other head dims or dtypes, softcap or the deterministic mode in
+no host synchronisation (the selection kernel checks the offsets and stops at a device-side assert
+on invalid ones, as torch's index checks on CUDA do). Other CUDA calls (no window, other head dims or dtypes, softcap or the deterministic mode in
 the backward) read the offsets on the host (a device wait per call) and run the padded path's
 kernels sequence by sequence on views of the packed rows (no padded copy); the CPU op does the
 same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each

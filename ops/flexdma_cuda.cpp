@@ -277,10 +277,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
 // ---- Packed sequences on the per-key kernels: flexdma::varlen_fwd_sm90 / varlen_bwd_sm90 ----
 // The selection, the forward and the backward read each sequence's offsets on the device
 // (SelectParams / FwdParams' cu_seqlens): a call is one selection launch and one kernel launch for
-// all its sequences, with no host synchronisation (as FlashAttention's varlen kernels, the offsets
-// are trusted: the host never reads them). The packed rows go through the padded path's parameter
-// fills as one batch (q (1, Tq, H, D), the bias (1, heads, 1, Tk), key_rank (1, heads, Tk),
-// row_thr (1, heads, Tq)); packed_params then makes the sequences of that batch.
+// all its sequences, with no host synchronisation (the host never reads the offsets; the selection
+// kernel, which runs first, stops at a device-side assert on invalid ones). The packed rows go
+// through the padded path's parameter fills as one batch (q (1, Tq, H, D), the bias
+// (1, heads, 1, Tk), key_rank (1, heads, Tk), row_thr (1, heads, Tq)); packed_params then makes the
+// sequences of that batch.
 
 struct Packed {
   const int32_t* cu_q;

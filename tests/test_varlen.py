@@ -325,3 +325,34 @@ def test_opcheck_packed_sm90_ops():
         bwd,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
+
+
+_BAD_OFFSETS = """
+import torch, flexdma
+q = torch.randn(12, 4, 64, device="cuda", dtype=torch.bfloat16)
+k, v = (torch.randn(12, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+bias = torch.randn(2, 12, device="cuda", dtype=torch.bfloat16)
+cq = torch.tensor({cq}, dtype=torch.int32, device="cuda")
+out = flexdma.flash_dma_attention_varlen(q, k, v, cq, cq, {max_q}, {max_q}, bias, is_causal=True, keep_window_size=4)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cq,max_q", [([0, 7, 5, 12], 7), ([0, 5, 12], 5), ([0, 5, 11], 7)])
+def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q):
+    # Decreasing offsets, a sequence longer than max_seqlen, offsets that end short of the tokens:
+    # the device path never reads them on the host, and stops at a device-side assert naming them
+    # before any kernel reads or writes past a tensor. In a process of its own (the assert ends its
+    # CUDA context).
+    import subprocess
+    import sys
+
+    if not _packed_sm90_ok(64):
+        pytest.skip("needs the sm_90a per-key kernels at head dim 64")
+    r = subprocess.run(
+        [sys.executable, "-c", _BAD_OFFSETS.format(cq=cq, max_q=max_q)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode != 0 and "no error" not in r.stdout
+    assert "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0" in r.stdout + r.stderr, r.stderr[-2000:]

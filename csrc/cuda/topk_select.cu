@@ -112,13 +112,30 @@ struct PlaneInfo {
   Levels lv;
 };
 
+// A packed call's offsets are read here first: the host never reads them (no synchronisation).
+// Invalid ones stop the device with this message, as torch's own index checks on CUDA do (the next
+// synchronising call raises "device-side assert triggered"), before any kernel reads or writes past
+// a tensor; the CPU op checks the same rules and raises a ValueError.
+__device__ inline void check_packed(bool ok) {
+  if (!ok)
+    __assert_fail(
+        "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0, not decrease and end at the token counts, and no "
+        "sequence may be longer than max_seqlen_q / max_seqlen_k",
+        __FILE__, __LINE__, __func__);
+}
+
 __device__ inline PlaneInfo plane_info(const SelectParams& p, const Geometry& g, int64_t plane) {
   PlaneInfo s;
   const int64_t p1 = plane / p.planes2, p2 = plane % p.planes2;
   if (p.cu_seqlens_k) {
     const int64_t k0 = p.cu_seqlens_k[p1], q0 = p.cu_seqlens_q[p1];
-    s.K = p.cu_seqlens_k[p1 + 1] - k0;
-    s.Q = p.cu_seqlens_q[p1 + 1] - q0;
+    const int64_t k1 = p.cu_seqlens_k[p1 + 1], q1 = p.cu_seqlens_q[p1 + 1];
+    const bool first = p1 == 0, last = p1 + 1 == g.batch;
+    check_packed(k0 >= 0 && k0 <= k1 && k1 <= p.total_k && k1 - k0 <= p.seqlen_k && q0 >= 0 && q0 <= q1 &&
+                 q1 <= p.total_q && q1 - q0 <= p.seqlen_q && (!first || (k0 == 0 && q0 == 0)) &&
+                 (!last || (k1 == p.total_k && q1 == p.total_q)));
+    s.K = k1 - k0;
+    s.Q = q1 - q0;
     s.score0 = p2 * p.stride2 + k0 * p.stride_k;
     s.chunk0 = p2 * (p.total_k / kChunk + g.batch) + k0 / kChunk + p1;
     s.order0 = p2 * 3 * p.total_k + 3 * k0;
