@@ -400,3 +400,27 @@ def test_varlen_benchmark_table_and_report_section(tmp_path):
     assert ", ".join(str(n) for n in c["lengths"]) in md
     with pytest.raises(SystemExit, match="--peers"):
         cli.main(["varlen", "--peers", "flexdma-packed,nope", "--out", str(tmp_path), "--commit", "test000"])
+
+
+def test_varlen_report_keeps_the_newest_run_with_every_peer(tmp_path):
+    # RESULTS.md's varlen section: the newest run that has every peer; a newer run of some peers
+    # only (flexdma's rows, a quick check) is named beneath it, not in its place.
+    import json
+
+    from benchmarks import varlen
+
+    case = varlen.cases()[0]
+
+    def run(commit, date, peers):
+        rows = [dict(case=case, peers={p: dict(fwd_ms=1.0, fwd_bwd_ms=2.0) for p in peers})]
+        doc = dict(schema=varlen.SCHEMA, rows=rows, gpu_short="h200", commit=commit, date=date)
+        (tmp_path / f"h200_{commit}_varlen.json").write_text(json.dumps(doc))
+
+    run("aaa", "2026-11-26T01:00:00", varlen.PEERS)
+    run("bbb", "2026-11-26T02:00:00", varlen.PEERS[:2])
+    text = "\n".join(varlen.section(str(tmp_path)))
+    full = text.index("commit aaa")
+    assert "flexdma's rows only (h200, commit bbb)" in text and text.index("commit bbb") > full
+    run("ccc", "2026-11-26T03:00:00", varlen.PEERS)
+    text = "\n".join(varlen.section(str(tmp_path)))
+    assert "commit ccc" in text and "commit aaa" not in text and "commit bbb" not in text
