@@ -6,11 +6,11 @@ One op family on every device, flexdma::varlen_fwd / varlen_bwd: on the CPU the 
 so torch.compile and torch.export take the call whole. On CUDA, a per-key call (keep_window_size)
 the C++ sm_90a kernels take runs flexdma::varlen_fwd_sm90 / varlen_bwd_sm90: the selection and the
 attention kernels read each sequence's offsets on the device, one launch each for all sequences,
-no host synchronisation (the selection kernel checks the offsets and stops at a device-side assert
-on invalid ones, as torch's index checks on CUDA do). Other CUDA calls (no window, other head dims or dtypes, softcap or the deterministic mode in
-the backward) read the offsets on the host (a device wait per call) and run the padded path's
-kernels sequence by sequence on views of the packed rows (no padded copy); the CPU op does the
-same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
+no host synchronisation (the selection kernel checks the offsets and stops at a device-side
+assert on invalid ones, as torch's index checks on CUDA do). Other CUDA calls (no window, other
+head dims or dtypes, softcap or the deterministic mode in the backward) read the offsets on the
+host (a device wait per call) and run the padded path's kernels sequence by sequence on views of
+the packed rows (no padded copy); the CPU op does the same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
 sequence is one flash_dma_attention call on views, with its fallback. Either way nothing attends
 across a boundary, and the per-key selection runs within each sequence.
 """
@@ -237,8 +237,9 @@ def _varlen_fwd_impl(
     q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window, deterministic=False,
     keep_resid=True,
 ):  # fmt: skip
-    """flexdma::varlen_fwd sequence by sequence through the padded path's ops (written for CUDA; on
-    CPU tensors it runs the CPU ops, which the tests compare with the C++ op)."""
+    """flexdma::varlen_fwd on CUDA: varlen_fwd_sm90 where it takes the call, else sequence by sequence
+    through the padded path's ops (on CPU tensors those are the CPU ops, which the tests compare
+    with the C++ op)."""
     keep = keep_resid and _ops.keeps_residual(q)
     if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window):
         out, lse, resid = torch.ops.flexdma.varlen_fwd_sm90(
@@ -273,8 +274,8 @@ def _varlen_bwd_impl(
     grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window,
     bias_requires_grad, deterministic=False, out_resid=None,
 ):  # fmt: skip
-    """flexdma::varlen_bwd as _varlen_fwd_impl: each sequence's backward op on views (the per-key
-    selection made again, as the C++ op makes it)."""
+    """flexdma::varlen_bwd as _varlen_fwd_impl: varlen_bwd_sm90, else each sequence's backward op on
+    views (the per-key selection made again, as the C++ op makes it)."""
     want = bias_requires_grad and attn_bias is not None
     has_resid = out_resid is not None and out_resid.numel() > 0
     if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=True, deterministic=deterministic):

@@ -108,12 +108,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 
 // The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_sm90) into out /
 // lse / resid, allocated by the caller (views of the packed call's own outputs, which must not be
-// views themselves); `adjust` sets what the operands alone do not say (packed sequences).
+// views themselves); `adjust` sets what the operands alone do not say (packed sequences). The callers
+// check q / k / v before any kernel runs (the packed ones before the selection).
 void topk_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                   const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
                   double softmax_scale, bool is_causal, double softcap, at::Tensor out, at::Tensor lse,
                   const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
-  check_qkv(q, k, v);
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
   FwdParams p;
@@ -147,13 +147,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
 // The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_sm90) into
 // dq (the caller's, as topk_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
-// (dk, dv, dbias) float views for the caller to cast.
+// (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
     const at::Tensor& out, const at::Tensor& lse, void* resid, double softmax_scale, bool is_causal,
     bool bias_requires_grad, at::Tensor dq, const std::function<void(BwdParams&)>& adjust) {
-  check_qkv(q, k, v);
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
   // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
@@ -363,6 +362,11 @@ void packed_params(FwdParams& p, const Packed& s) {
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
 }
 
+void packed_params(BwdParams& p, const Packed& s) {
+  packed_params(static_cast<FwdParams&>(p), s);
+  p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
                                                                     const at::Tensor& v, const at::Tensor& cu_q,
                                                                     const at::Tensor& cu_k, int64_t max_q,
@@ -396,16 +400,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
                     lse.sizes());
   auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
   const at::Tensor out4 = out.unsqueeze(0);
-  void* resid = resid_ptr(out_resid.defined() ? c10::optional<at::Tensor>(out_resid.unsqueeze(0)) : c10::nullopt, out4,
-                          "flexdma::varlen_bwd_sm90");
+  void* resid = resid_ptr(out_resid.unsqueeze(0), out4, "flexdma::varlen_bwd_sm90");
   at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = topk_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                   bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0), thr.unsqueeze(0),
-                                   packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
-                                   softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) {
-                                     packed_params(p, s);
-                                     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
-                                   });
+  auto [dk, dv, db] = topk_bwd_run(
+      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2),
+      rank.unsqueeze(0), thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
+      softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) { packed_params(p, s); });
   // The casts make tensors of their own (not views of the float buffer).
   auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
   return {dq, dk_out, dv_out, dbias};
