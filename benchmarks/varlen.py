@@ -19,7 +19,10 @@ forward and forward + backward (do_bench medians), with its peak memory:
   (create_block_mask from the offsets), no bias: dense attention within documents (the bar);
 - sdpa-jagged: torch SDPA over nested tensors of the jagged layout (the backend SDPA picks, which
   is recorded: flash_attn_varlen-style kernels), KV heads expanded to H where SDPA's nested path
-  does not take GQA; skipped with the reason where it does not run.
+  does not take GQA; skipped with the reason where it does not run;
+- flexdma-dense-packed / flexdma-dense-per-doc: flexdma-packed / flexdma-per-doc without the
+  window (every key of the document, the per-key bias kept): the dense kernels' packed path against
+  the same documents one by one.
 Forward = one call; train = forward + backward; bwd = train - forward. Beside them: the listed work
 at the dense bar's measured rate (the ideal: the keys each row of each document keeps over the keys
 it sees, times the dense time of SDPA jagged, else FlexAttention's). Targets (the issue): packed <=
@@ -44,7 +47,19 @@ from .peers import compiled_flex
 from .topk import _launches, _pair, _peak, _time, kept_per_row
 
 SCHEMA = "flexdma-varlen-bench/1"
-PEERS = ("flexdma-packed", "flexdma-per-doc", "flexdma-padded", "flex-docmask", "sdpa-jagged")
+PEERS = (
+    "flexdma-packed",
+    "flexdma-per-doc",
+    "flexdma-padded",
+    "flex-docmask",
+    "sdpa-jagged",
+    "flexdma-dense-packed",
+    "flexdma-dense-per-doc",
+)
+# The peers of the issue's comparison (the per-key packed call and its bars): a run with all of them
+# is the one RESULTS.md shows whole.
+BAR_PEERS = PEERS[:5]
+PER_DOC = ("flexdma-per-doc", "flexdma-dense-per-doc")
 # The padded batch runs where its estimate stays under this share of the free memory (the rest:
 # allocator slack and the per-key path's workspaces the estimate leaves out).
 PADDED_FREE_SHARE = 0.8
@@ -142,7 +157,9 @@ def _units(peer: str, c: dict, base, grad: bool, notes: dict) -> List[Unit]:
     lengths, W, H, KVH = c["lengths"], c["W"], c["H"], c["KVH"]
     offs = _offsets(lengths)
     Lmax = max(lengths)
-    if peer == "flexdma-packed":
+    if peer.startswith("flexdma-dense-"):
+        W = None  # every key of the document
+    if peer in ("flexdma-packed", "flexdma-dense-packed"):
         q, k, v, bias = _leaves(grad, q0, k0, v0, b0)
         cu = torch.tensor(offs, dtype=torch.int32, device=q.device)
 
@@ -152,7 +169,7 @@ def _units(peer: str, c: dict, base, grad: bool, notes: dict) -> List[Unit]:
             )
 
         return [(packed, [q, k, v, bias])]
-    if peer == "flexdma-per-doc":
+    if peer in PER_DOC:
         units = []
         for a, b in zip(offs, offs[1:]):
             q, k, v, bias = _leaves(grad, q0[None, a:b], k0[None, a:b], v0[None, a:b], b0[None, :, None, a:b])
@@ -286,7 +303,7 @@ def _measure_mode(peer: str, c: dict, mode: str, rec: dict) -> None:
     reps = dict(warmup=10, rep=50) if grad else {}
     with torch.enable_grad() if grad else torch.no_grad():
         whole()  # compiles, autotunes, warms the caches
-        if peer == "flexdma-per-doc":
+        if peer in PER_DOC:
             per = [_time(f, **reps) for f in calls]
             rec[f"per_doc_{mode}_ms"] = per
             rec[f"{mode}_ms"] = sum(per)
@@ -294,7 +311,7 @@ def _measure_mode(peer: str, c: dict, mode: str, rec: dict) -> None:
         else:
             rec[f"{mode}_ms"] = _time(whole, **reps)
         rec[f"{mode}_peak_mib"] = _peak(whole)
-        if peer == "flexdma-packed":
+        if peer in ("flexdma-packed", "flexdma-dense-packed"):
             rec[f"{mode}_launches"] = _launches(whole)
     for k, v in notes.items():
         rec[k if k == "padded_tokens" else f"{mode}_{k}"] = v
@@ -386,6 +403,9 @@ def markdown(doc: dict) -> str:
         "flexdma launches fwd / train",
         "flexdma packed peak MiB fwd / train",
         "padded peak MiB fwd / train",
+        "dense (no window) packed fwd / train ms",
+        "dense sum of per-document calls fwd / train ms",
+        "dense packed / per-doc sum",
     ]
 
     def cells(row) -> list:
@@ -419,6 +439,9 @@ def markdown(doc: dict) -> str:
             _pair(packed.get("fwd_launches"), packed.get("fwd_bwd_launches"), fmt="{:d}"),
             _pair(packed.get("fwd_peak_mib"), packed.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
             _pair(padded.get("fwd_peak_mib"), padded.get("fwd_bwd_peak_mib"), fmt="{:.0f}"),
+            _cell(P.get("flexdma-dense-packed")),
+            _cell(P.get("flexdma-dense-per-doc")),
+            _ratio(P.get("flexdma-dense-packed", {}), P.get("flexdma-dense-per-doc", {})),
         ]
 
     lines = table(head, doc["rows"], cells)
@@ -431,7 +454,7 @@ def markdown(doc: dict) -> str:
 
 
 def section(results_dir: str) -> List[str]:
-    """The newest run that has every peer; a newer run of some peers only (a check of flexdma's own
+    """The newest run that has every peer of the comparison (BAR_PEERS); a newer run of some peers only (a check of flexdma's own
     rows) is named beneath it with its table."""
     runs = runs_of(results_dir, SCHEMA)
     complete = [d for d in runs if _has_every_peer(d)]
@@ -458,7 +481,7 @@ def section(results_dir: str) -> List[str]:
 def _has_every_peer(doc: dict) -> bool:
     rows = doc.get("rows") or []
     return bool(rows) and all(
-        all(p in row.get("peers", {}) and "skipped" not in row["peers"][p] for p in PEERS) for row in rows
+        all(p in row.get("peers", {}) and "skipped" not in row["peers"][p] for p in BAR_PEERS) for row in rows
     )
 
 

@@ -77,17 +77,18 @@ struct FwdParams {
   // its 64-row tiles read the list of the tile they lie in (topk_tile_rows a multiple of 64).
   Broadcast4d tile_keys;
   int64_t topk_tile_rows = 64;
-  // Packed sequences (FlashAttention's varlen layout; the per-key kernels only, tile_keys set): where
-  // set, batch b is the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out and
-  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v (int32 device offsets, batch + 1 of them), the
-  // batch strides are 0, and seqlen_q / seqlen_k are the longest sequence's (they size the grid).
-  // The per-key operands are packed along their rows / keys alike (batch strides 0): bias and
-  // key_rank (heads, total_k), row_thr (heads, total_q); tile_keys holds sequence b's query tile t
-  // in row cu_seqlens_q[b] / topk_tile_rows + b + t (total_q / topk_tile_rows + batch rows a head:
-  // a sequence's tiles never reach the next one's); lse is (H, total_q).
+  // Packed sequences (FlashAttention's varlen layout): where set, batch b is the rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of
+  // k / v (int32 device offsets, batch + 1 of them), the batch strides are 0, and seqlen_q / seqlen_k
+  // are the longest sequence's (they size the grid). No mask; a bias only per key (row stride 0),
+  // packed along its keys: (heads, total_k). The per-key operands are packed along their rows / keys
+  // alike (batch strides 0): key_rank (heads, total_k), row_thr (heads, total_q); tile_keys holds
+  // sequence b's query tile t in row cu_seqlens_q[b] / topk_tile_rows + b + t (total_q /
+  // topk_tile_rows + batch rows a head: a sequence's tiles never reach the next one's); lse is
+  // (H, total_q). The kernel that reads the offsets first checks them on the device (seq_info.cuh).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
-  int64_t total_q = 0;
+  int64_t total_q = 0, total_k = 0;
   // out's rounding error (out - out rounded to its dtype, in out's dtype and strides), written
   // where non-null: the per-key backward's rowsum(dout * out) needs out in float.
   void* out_resid = nullptr;

@@ -3,14 +3,15 @@ in FlashAttention's varlen layout (`flash_attn_varlen_func`).
 
 One op family on every device, flexdma::varlen_fwd / varlen_bwd: on the CPU the C++ op
 (ops/flexdma_ops.cpp), on CUDA the implementation below (`_varlen_fwd_impl` / `_varlen_bwd_impl`),
-so torch.compile and torch.export take the call whole. On CUDA, a per-key call (keep_window_size)
-the C++ sm_90a kernels take runs flexdma::varlen_fwd_sm90 / varlen_bwd_sm90: the selection and the
-attention kernels read each sequence's offsets on the device, one launch each for all sequences,
-no host synchronisation (the selection kernel checks the offsets and stops at a device-side
-assert on invalid ones, as torch's index checks on CUDA do). Other CUDA calls (no window, other
-head dims or dtypes, softcap or the deterministic mode in the backward) read the offsets on the
-host (a device wait per call) and run the padded path's kernels sequence by sequence on views of
-the packed rows (no padded copy); the CPU op does the same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
+so torch.compile and torch.export take the call whole. On CUDA the kernels that take a call run it
+through flexdma::varlen_fwd_cuda / varlen_bwd_cuda: the dense kernels (no window) and the per-key
+ones (keep_window_size, the C++ sm_90a kernels' head dims; the selection too) read each sequence's
+offsets on the device, one launch each for all sequences, no host synchronisation (the kernel that
+reads the offsets first checks them and stops at a device-side assert on invalid ones, as torch's
+index checks on CUDA do). The per-key calls those kernels do not take (softcap or the deterministic
+mode in the backward) read the offsets on the host (a device wait per call) and run the padded
+path's kernels sequence by sequence on views of the packed rows (no padded copy); the CPU op does
+the same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
 sequence is one flash_dma_attention call on views, with its fallback. Either way nothing attends
 across a boundary, and the per-key selection runs within each sequence.
 """
@@ -200,13 +201,19 @@ def _sequences(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -
     return [(a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]) for i in range(len(a) - 1)]
 
 
-def _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=False, deterministic=False) -> bool:
-    """Whether flexdma::varlen_fwd_sm90 (varlen_bwd_sm90 where `backward`) takes the call: the
-    C++ per-key kernels' conditions on the packed rows seen as one batch, and a grid row per
-    sequence."""
-    if window <= 0 or attn_bias is None or q.device.type != "cuda" or not _ext.with_cuda():
+def _cuda_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=False, deterministic=False) -> bool:
+    """Whether flexdma::varlen_fwd_cuda (varlen_bwd_cuda where `backward`) takes the call: a grid
+    row per sequence, and the dense kernels' conditions (no window: dtype, heads, head dim, as for
+    one of its sequences) or the C++ per-key kernels' on the packed rows seen as one batch."""
+    if q.device.type != "cuda" or not _ext.with_cuda() or cu_q.numel() - 1 > _ext.MAX_GRID_DIM:
         return False
-    if cu_q.numel() - 1 > _ext.MAX_GRID_DIM:
+    if window <= 0:
+        bias = None if attn_bias is None else attn_bias[None, :, None, :1]
+        call = _dispatch.Call.of(
+            q[None, :1], k[None, :1], v[None, :1], None, bias, is_causal=False, softcap=softcap, requires_grad=False
+        )
+        return _dispatch.cuda_unsupported_reason(call) is None
+    if attn_bias is None:
         return False
     views = (q[None], k[None], v[None], attn_bias[None, :, None, :])
     if backward:
@@ -237,12 +244,12 @@ def _varlen_fwd_impl(
     q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window, deterministic=False,
     keep_resid=True,
 ):  # fmt: skip
-    """flexdma::varlen_fwd on CUDA: varlen_fwd_sm90 where it takes the call, else sequence by sequence
+    """flexdma::varlen_fwd on CUDA: varlen_fwd_cuda where it takes the call, else sequence by sequence
     through the padded path's ops (on CPU tensors those are the CPU ops, which the tests compare
     with the C++ op)."""
     keep = keep_resid and _ops.keeps_residual(q)
-    if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window):
-        out, lse, resid = torch.ops.flexdma.varlen_fwd_sm90(
+    if _cuda_packed(q, k, v, cu_q, attn_bias, softcap, window):
+        out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(
             q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window
         )
         return out, lse, resid if keep else q.new_empty((0,))
@@ -274,15 +281,15 @@ def _varlen_bwd_impl(
     grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, softmax_scale, is_causal, softcap, window,
     bias_requires_grad, deterministic=False, out_resid=None,
 ):  # fmt: skip
-    """flexdma::varlen_bwd as _varlen_fwd_impl: varlen_bwd_sm90, else each sequence's backward op on
+    """flexdma::varlen_bwd as _varlen_fwd_impl: varlen_bwd_cuda, else each sequence's backward op on
     views (the per-key selection made again, as the C++ op makes it)."""
     want = bias_requires_grad and attn_bias is not None
     has_resid = out_resid is not None and out_resid.numel() > 0
-    if _sm90_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=True, deterministic=deterministic):
+    if _cuda_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=True, deterministic=deterministic):
         resid = out_resid if has_resid else q.new_empty((0,))
-        return torch.ops.flexdma.varlen_bwd_sm90(
-            grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, resid, softmax_scale, is_causal, window,
-            want,
+        return torch.ops.flexdma.varlen_bwd_cuda(
+            grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, resid, softmax_scale, is_causal, softcap,
+            window, want, deterministic,
         )  # fmt: skip
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     dbias = attn_bias.new_zeros(attn_bias.shape) if want else q.new_empty((0,))
@@ -331,14 +338,15 @@ def _varlen_bwd_fake(
     return _ops.grads_like(q, k, v, attn_bias, want)
 
 
-def _varlen_fwd_sm90_fake(
+def _varlen_fwd_cuda_fake(
     q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, softmax_scale, is_causal, softcap, window
 ):  # fmt: skip
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32), q.new_empty(q.shape)
 
 
-def _varlen_bwd_sm90_fake(
-    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, out_resid, softmax_scale, is_causal, window, want
+def _varlen_bwd_cuda_fake(
+    grad_out, q, k, v, cu_q, cu_k, max_q, max_k, attn_bias, out, lse, out_resid, softmax_scale, is_causal, softcap,
+    window, want, deterministic,
 ):  # fmt: skip
     return _ops.grads_like(q, k, v, attn_bias, want)
 
@@ -365,8 +373,8 @@ def _backward(ctx, grad_out, grad_lse, grad_resid):
 if _ops.LOADED:
     torch.library.register_fake("flexdma::varlen_fwd")(_varlen_fwd_fake)
     torch.library.register_fake("flexdma::varlen_bwd")(_varlen_bwd_fake)
-    torch.library.register_fake("flexdma::varlen_fwd_sm90")(_varlen_fwd_sm90_fake)
-    torch.library.register_fake("flexdma::varlen_bwd_sm90")(_varlen_bwd_sm90_fake)
+    torch.library.register_fake("flexdma::varlen_fwd_cuda")(_varlen_fwd_cuda_fake)
+    torch.library.register_fake("flexdma::varlen_bwd_cuda")(_varlen_bwd_cuda_fake)
     torch.library.register_kernel("flexdma::varlen_fwd", "cuda", _varlen_fwd_impl)
     torch.library.register_kernel("flexdma::varlen_bwd", "cuda", _varlen_bwd_impl)
     torch.library.register_autograd("flexdma::varlen_fwd", _backward, setup_context=_setup_context)

@@ -106,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       /*device_stores_dbias_dtype=*/true);
 }
 
-// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_sm90) into out /
+// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_cuda) into out /
 // lse / resid, allocated by the caller (views of the packed call's own outputs, which must not be
 // views themselves); `adjust` sets what the operands alone do not say (packed sequences). The callers
 // check q / k / v before any kernel runs (the packed ones before the selection).
@@ -144,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tens
   return {out, lse, resid};
 }
 
-// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_sm90) into
+// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_cuda) into
 // dq (the caller's, as topk_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
 // (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
@@ -273,14 +273,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
-// ---- Packed sequences on the per-key kernels: flexdma::varlen_fwd_sm90 / varlen_bwd_sm90 ----
-// The selection, the forward and the backward read each sequence's offsets on the device
-// (SelectParams / FwdParams' cu_seqlens): a call is one selection launch and one kernel launch for
-// all its sequences, with no host synchronisation (the host never reads the offsets; the selection
-// kernel, which runs first, stops at a device-side assert on invalid ones). The packed rows go
-// through the padded path's parameter fills as one batch (q (1, Tq, H, D), the bias
-// (1, heads, 1, Tk), key_rank (1, heads, Tk), row_thr (1, heads, Tq)); packed_params then makes the
-// sequences of that batch.
+// ---- Packed sequences: flexdma::varlen_fwd_cuda / varlen_bwd_cuda ----
+// The kernels read each sequence's offsets on the device (FwdParams' / SelectParams' cu_seqlens): a
+// call is one kernel launch for all its sequences (the per-key path: one selection launch first),
+// with no host synchronisation (the host never reads the offsets; the kernel that reads them first
+// stops at a device-side assert on invalid ones). The packed rows go through the padded path's
+// parameter fills as one batch (q (1, Tq, H, D), the bias (1, heads, 1, Tk), key_rank (1, heads,
+// Tk), row_thr (1, heads, Tq)); packed_params then makes the sequences of that batch. The outputs
+// are tensors of their own at the packed shapes, filled through batch-1 views of them.
 
 struct Packed {
   const int32_t* cu_q;
@@ -289,8 +289,8 @@ struct Packed {
 };
 
 Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-                    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const at::Tensor& bias, int64_t window,
-                    const char* op) {
+                    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias,
+                    int64_t window, const char* op) {
   TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
                     ": q, k, v must be (tokens, heads, head_dim), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
   for (const at::Tensor* cu : {&cu_q, &cu_k})
@@ -301,10 +301,18 @@ Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
                     cu_q.numel(), " and ", cu_k.numel(), ")");
   TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
-  TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(1) == k.size(0), op,
-                    ": attn_bias must be per key (heads, Tk=", k.size(0), "), got ", bias.sizes());
-  TORCH_CHECK_VALUE(window > 0, op, ": window must be positive, got ", window);
+  TORCH_CHECK_VALUE(window >= 0, op, ": window must be >= 0 (0: every key), got ", window);
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK_VALUE(has_bias || window == 0, op, ": a window needs the per-key attn_bias (heads, Tk=", k.size(0), ")");
+  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 2 && bias->size(1) == k.size(0)), op,
+                    ": attn_bias must be per key (heads, Tk=", k.size(0), "), got ", bias->sizes());
   return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), cu_q.numel() - 1, max_q, max_k, q.size(0), k.size(0)};
+}
+
+// The bias as the batch-1 fills take it, (1, heads, 1, Tk).
+c10::optional<at::Tensor> packed_bias(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  return bias->unsqueeze(0).unsqueeze(2);
 }
 
 // The selection of every (sequence, bias head) plane: key_rank (heads, Tk), row_thr (heads, Tq),
@@ -359,56 +367,97 @@ void packed_params(FwdParams& p, const Packed& s) {
   p.seqlen_q = s.max_q;
   p.seqlen_k = s.max_k;
   p.total_q = s.total_q;
+  p.total_k = s.total_k;
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+  p.bias.batch_stride = 0;
 }
 
 void packed_params(BwdParams& p, const Packed& s) {
   packed_params(static_cast<FwdParams&>(p), s);
   p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+  p.dbias_accum.batch_stride = 0;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                                    const at::Tensor& v, const at::Tensor& cu_q,
-                                                                    const at::Tensor& cu_k, int64_t max_q,
-                                                                    int64_t max_k, const at::Tensor& bias,
-                                                                    double softmax_scale, bool is_causal,
-                                                                    double softcap, int64_t window) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
+    double softcap, int64_t window) {
   c10::cuda::CUDAGuard guard(q.device());
-  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_fwd_sm90");
+  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_fwd_cuda");
   check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
-  auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
   at::Tensor out = alloc_out(q), resid = alloc_out(q);
   at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  topk_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2), rank.unsqueeze(0),
-               thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
-               out.unsqueeze(0), lse.unsqueeze(0), resid, [&s](FwdParams& p) { packed_params(p, s); });
+  at::Tensor out4 = out.unsqueeze(0), lse4 = lse.unsqueeze(0);
+  if (window > 0) {
+    auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
+    topk_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *packed_bias(bias), rank.unsqueeze(0),
+                 thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
+                 out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
+    return {out, lse, resid};
+  }
+  FwdParams p;
+  fill_fwd_params(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale,
+                  is_causal, softcap, out4, lse4, c10::nullopt);
+  packed_params(p, s);
+  p.out_resid = resid.data_ptr();
+  if (out.numel() > 0) launch_fwd(p, q);
   return {out, lse, resid};
 }
 
-// The selection is made again (as the CPU op's backward does): the forward's lists are not among
-// varlen_fwd's outputs.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_sm90_cuda(
+// The per-key path makes the selection again (as the CPU op's backward does): the forward's lists
+// are not among varlen_fwd's outputs. The dense path's dbias is summed over the rows in its kernel
+// and over the kv heads that share a bias head here.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const at::Tensor& bias, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal, int64_t window,
-    bool bias_requires_grad) {
+    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal, double softcap,
+    int64_t window, bool bias_requires_grad, bool deterministic) {
   c10::cuda::CUDAGuard guard(q.device());
-  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_bwd_sm90");
+  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_bwd_cuda");
   check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
   TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
-                    "flexdma::varlen_bwd_sm90: lse must be (H, Tq) = (", q.size(1), ", ", q.size(0), "), got ",
+                    "flexdma::varlen_bwd_cuda: lse must be (H, Tq) = (", q.size(1), ", ", q.size(0), "), got ",
                     lse.sizes());
-  auto [rank, thr, lists] = select_packed(bias, s, window, is_causal);
   const at::Tensor out4 = out.unsqueeze(0);
-  void* resid = resid_ptr(out_resid.unsqueeze(0), out4, "flexdma::varlen_bwd_sm90");
+  void* resid = resid_ptr(out_resid.unsqueeze(0), out4, "flexdma::varlen_bwd_cuda");
+  const c10::optional<at::Tensor> bias4 = packed_bias(bias);
   at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = topk_bwd_run(
-      dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), bias.unsqueeze(0).unsqueeze(2),
-      rank.unsqueeze(0), thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
-      softmax_scale, is_causal, bias_requires_grad, dq.unsqueeze(0), [&s](BwdParams& p) { packed_params(p, s); });
-  // The casts make tensors of their own (not views of the float buffer).
-  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
-  return {dq, dk_out, dv_out, dbias};
+  at::Tensor dq4 = dq.unsqueeze(0);
+  if (window > 0) {
+    TORCH_CHECK_VALUE(softcap == 0.0, "flexdma::varlen_bwd_cuda: the per-key backward takes no softcap");
+    auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
+    auto [dk, dv, db] =
+        topk_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *bias4, rank.unsqueeze(0),
+                     thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
+                     softmax_scale, is_causal, bias_requires_grad, dq4, [&s](BwdParams& p) { packed_params(p, s); });
+    // The casts make tensors of their own (not views of the float buffer).
+    auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, *bias);
+    return {dq, dk_out, dv_out, dbias};
+  }
+  at::Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
+  at::Tensor dk4 = dk.unsqueeze(0), dv4 = dv.unsqueeze(0);
+  const bool want_dbias = bias_requires_grad && bias4.has_value();
+  // (1, bias heads or KVH, 1, Tk) float, zeroed: the kernel adds each sequence's keys at its offset.
+  c10::optional<at::Tensor> accum;
+  if (want_dbias) accum = alloc_dbias_accum(q.unsqueeze(0), k.unsqueeze(0), *bias4);
+  at::Tensor unused = at::empty({0}, q.options().dtype(at::kFloat));
+  BwdParams p;
+  fill_bwd_params(p, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, bias4, out4,
+                  lse.unsqueeze(0), softmax_scale, is_causal, softcap, dq4, dk4, dv4, accum, unused);
+  packed_params(p, s);
+  p.out_resid = resid;
+  p.deterministic = deterministic;
+  if (q.numel() > 0 && k.numel() > 0) {
+    launch_bwd(p, q);
+  } else {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
+  // finish_dbias sums the kv heads of a shared bias head; .to(dtype) makes a tensor of its own.
+  at::Tensor dbias = want_dbias ? finish_dbias(*accum, *bias4).view(bias->sizes()).to(bias->scalar_type(), false, true)
+                                : at::empty({0}, q.options());
+  return {dq, dk, dv, dbias};
 }
 
 }  // namespace
@@ -420,8 +469,8 @@ TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
   m.impl("topk_select", &topk_select_cuda);
   m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
   m.impl("topk_bwd_sm90", &topk_bwd_sm90_cuda);
-  m.impl("varlen_fwd_sm90", &varlen_fwd_sm90_cuda);
-  m.impl("varlen_bwd_sm90", &varlen_bwd_sm90_cuda);
+  m.impl("varlen_fwd_cuda", &varlen_fwd_packed_cuda);
+  m.impl("varlen_bwd_cuda", &varlen_bwd_packed_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("tile_meta", &tile_meta_cuda);

@@ -368,20 +368,21 @@ TORCH_LIBRARY(flexdma, m) {
       "bool is_causal, float softcap, int window, bool bias_requires_grad, bool deterministic=False, "
       "Tensor? out_resid=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
-  // varlen_fwd / varlen_bwd with a window on the C++ per-key kernels (the builds and head dims of
-  // topk_fwd_sm90 / topk_bwd_sm90; the backward without softcap): the selection, forward and
-  // backward read the offsets on the device, without host synchronisation. attn_bias (heads, Tk) in
-  // q's dtype; the backward makes the selection again. No other device implements them.
+  // varlen_fwd / varlen_bwd on the CUDA kernels that read the offsets on the device, without host
+  // synchronisation: with a window the per-key kernels (the builds and head dims of topk_fwd_sm90 /
+  // topk_bwd_sm90; the backward without softcap, the selection made again), attn_bias (heads, Tk)
+  // required; with window 0 the dense kernels (every built head dim; attn_bias (heads, Tk) or none).
+  // attn_bias in q's dtype. No other device implements them.
   m.def(
-      "varlen_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, Tensor attn_bias, float softmax_scale, bool is_causal, float softcap, int window) "
+      "varlen_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
   m.def(
-      "varlen_bwd_sm90(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor attn_bias, Tensor out, Tensor lse, Tensor out_resid, "
-      "float softmax_scale, bool is_causal, int window, bool bias_requires_grad) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
+      "varlen_bwd_cuda(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? attn_bias, Tensor out, Tensor lse, Tensor out_resid, "
+      "float softmax_scale, bool is_causal, float softcap, int window, bool bias_requires_grad, "
+      "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "

@@ -186,7 +186,7 @@ def test_cuda_implementation_equals_the_cpu_op(case, dtype):
         assert torch.equal(a, b)
 
 
-# ---- the packed per-key kernels (flexdma::varlen_fwd_sm90 / varlen_bwd_sm90), on a GPU ----
+# ---- the packed per-key kernels (flexdma::varlen_fwd_cuda / varlen_bwd_cuda), on a GPU ----
 
 # (lengths q, lengths k, H, KVH, bias heads, causal, W): several 128-row query tiles and 4096-key
 # selection chunks in one sequence, empty and one-token sequences, queries without keys, Q < K.
@@ -243,7 +243,7 @@ def test_cuda_packed_kernels_equal_documents(case, D):
     leaves = (q, k, v, bias)
     from flexdma import varlen
 
-    assert varlen._sm90_packed(q, k, v, cq, bias, 0.0, W) and varlen._sm90_packed(
+    assert varlen._cuda_packed(q, k, v, cq, bias, 0.0, W) and varlen._cuda_packed(
         q, k, v, cq, bias, 0.0, W, backward=True
     )
     poison_allocator([q, torch.empty(H, q.shape[0], device="cuda")])
@@ -316,12 +316,12 @@ def test_opcheck_packed_sm90_ops():
     lq = [130, 0, 1, 77]
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
     fwd = (q, k, v, cq, ck, 130, 130, bias, 0.125, True, 0.0, 8)
-    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_sm90, fwd)
-    out, lse, resid = torch.ops.flexdma.varlen_fwd_sm90(*fwd)
-    bwd = (torch.randn_like(out), q, k, v, cq, ck, 130, 130, bias, out, lse, resid, 0.125, True, 8, True)
+    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_cuda, fwd)
+    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(*fwd)
+    bwd = (torch.randn_like(out), q, k, v, cq, ck, 130, 130, bias, out, lse, resid, 0.125, True, 0.0, 8, True, False)
     # The backward's float adds come in any order: its outputs are compared with a tolerance.
     torch.library.opcheck(
-        torch.ops.flexdma.varlen_bwd_sm90,
+        torch.ops.flexdma.varlen_bwd_cuda,
         bwd,
         test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
     )
@@ -333,15 +333,16 @@ q = torch.randn(12, 4, 64, device="cuda", dtype=torch.bfloat16)
 k, v = (torch.randn(12, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
 bias = torch.randn(2, 12, device="cuda", dtype=torch.bfloat16)
 cq = torch.tensor({cq}, dtype=torch.int32, device="cuda")
-out = flexdma.flash_dma_attention_varlen(q, k, v, cq, cq, {max_q}, {max_q}, bias, is_causal=True, keep_window_size=4)
+out = flexdma.flash_dma_attention_varlen(q, k, v, cq, cq, {max_q}, {max_q}, bias, is_causal=True, keep_window_size={W})
 torch.cuda.synchronize()
 print("no error")
 """
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("W", [4, None], ids=["per-key", "dense"])
 @pytest.mark.parametrize("cq,max_q", [([0, 7, 5, 12], 7), ([0, 5, 12], 5), ([0, 5, 11], 7)])
-def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q):
+def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q, W):
     # Decreasing offsets, a sequence longer than max_seqlen, offsets that end short of the tokens:
     # the device path never reads them on the host, and stops at a device-side assert naming them
     # before any kernel reads or writes past a tensor. In a process of its own (the assert ends its
@@ -352,7 +353,178 @@ def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q):
     if not _packed_sm90_ok(64):
         pytest.skip("needs the sm_90a per-key kernels at head dim 64")
     r = subprocess.run(
-        [sys.executable, "-c", _BAD_OFFSETS.format(cq=cq, max_q=max_q)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _BAD_OFFSETS.format(cq=cq, max_q=max_q, W=W)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode != 0 and "no error" not in r.stdout
     assert "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+# ---- the packed dense kernels (flexdma::varlen_fwd_cuda / varlen_bwd_cuda without a window), on a GPU ----
+
+# (lengths q, lengths k, H, KVH, bias heads, causal): several 64-row tiles in one sequence, empty
+# and one-token sequences, queries without keys, Q != K per sequence, keys not on 16-byte boundaries.
+DENSE_PACKED_CASES = [
+    ([300, 0, 1, 700, 129, 77], [300, 0, 1, 700, 129, 77], 4, 2, 2, True),
+    ([300, 0, 1, 700, 129, 77], [300, 0, 1, 700, 129, 77], 4, 2, 0, False),
+    ([128, 5, 400, 0, 260], [128, 9, 400, 3, 300], 4, 1, 4, True),
+    ([64, 3, 200], [1, 67, 190], 6, 2, 1, False),
+    ([1, 2, 3], [1, 0, 3], 2, 2, 2, True),
+]
+
+
+def _dense_built(D):
+    from flexdma import _ext
+
+    return torch.cuda.is_available() and _ext.with_cuda() and D in tuple(_ext.BUILD_INFO.CUDA_HEAD_DIMS)
+
+
+def _documents_dense(q, k, v, bias, do, lq, lk, causal, deterministic=False):
+    """The documents one by one through the padded path's dense CUDA ops (flexdma::fwd / bwd on
+    views): out, LSE and the gradients of q, k, v and the bias (None without one)."""
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    grads = [None if t is None else torch.zeros_like(t) for t in (q, k, v, bias)]
+    oq = ok = 0
+    for nq, nk in zip(lq, lk):
+        if nq and nk:
+            qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
+            b = None if bias is None else bias[None, :, None, ok : ok + nk]
+            o, ls, r = torch.ops.flexdma.fwd(qs, ks, vs, None, b, 0.125, causal, 0.0, False, None, True)
+            g = torch.ops.flexdma.bwd(ds, qs, ks, vs, None, b, o, ls, 0.125, causal, 0.0, b is not None, deterministic,
+                                      None, r)  # fmt: skip
+            out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], ls[0]
+            grads[0][oq : oq + nq], grads[1][ok : ok + nk], grads[2][ok : ok + nk] = g[0][0], g[1][0], g[2][0]
+            if b is not None:
+                grads[3][:, ok : ok + nk] = g[3].reshape(-1, nk)
+        oq, ok = oq + nq, ok + nk
+    return out, lse, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("case", DENSE_PACKED_CASES)
+def test_cuda_dense_packed_kernels_equal_documents(case, D):
+    # One forward launch and one backward (pre, main, post) for all sequences, offsets read on the
+    # device, against the per-document ops: out and LSE agree up to the rounding of the key splits a
+    # short document's own call takes (the packed call splits none), the gradients up to that and
+    # the order of the dQ adds. Every output element written (poisoned memory first).
+    if not _dense_built(D):
+        pytest.skip(f"head dim {D} not built")
+    lq, lk, H, KVH, bh, causal = case
+    q, k, v, bias, cq, ck = (
+        None if t is None else t.detach().cuda().requires_grad_(t.is_floating_point())
+        for t in _pack(lq, lk, H, KVH, D, bh, torch.bfloat16, seed=sum(lq) + D + bh)
+    )
+    leaves = tuple(t for t in (q, k, v, bias) if t is not None)
+    from flexdma import varlen
+
+    assert varlen._cuda_packed(q, k, v, cq, bias, 0.0, 0) and varlen._cuda_packed(q, k, v, cq, bias, 0.0, 0, True)
+    poison_allocator([q, torch.empty(H, q.shape[0], device="cuda")])
+    out, lse = flexdma.flash_dma_attention_varlen(
+        q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, return_lse=True, softmax_scale=0.125
+    )
+    do = torch.randn_like(out)
+    poison_allocator([q, k, v, *(torch.empty(t.numel(), device="cuda") for t in leaves)])
+    got = torch.autograd.grad(out, leaves, do)
+    with torch.no_grad():
+        ref, ref_lse, want = _documents_dense(q.detach(), k.detach(), v.detach(),
+                                              None if bias is None else bias.detach(), do, lq, lk, causal)  # fmt: skip
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1.6e-2, rtol=1.6e-2)  # two bf16 steps
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, [w for w in want if w is not None]):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_cuda_dense_packed_within_the_rule(D):
+    # bf16 packed dense kernels against the float64 reference of the documents: error at most ~2x
+    # the bf16 reference's, plus a floor, for out and every gradient (a per-key bias, GQA, causal).
+    if not _dense_built(D):
+        pytest.skip(f"head dim {D} not built")
+    lq = [300, 1, 0, 133, 500]
+    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, D, 2, torch.float64, seed=13)
+    ref, _ = _reference(q, k, v, bias, lq, lq, True, None)
+    do = torch.randn(ref.shape, dtype=torch.float64)
+    want = torch.autograd.grad(ref, (q, k, v, bias), do)
+    lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v, bias)]
+    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, None)
+    lo_grads = torch.autograd.grad(ref_lo, lo, do.to(torch.bfloat16))
+    dev = [t.detach().cuda().requires_grad_() for t in lo]
+    out = flexdma.flash_dma_attention_varlen(*dev[:3], cq.cuda(), ck.cuda(), 500, 500, dev[3], is_causal=True)
+    grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
+    for name, a, a_lo, w in zip(
+        ("out", "dq", "dk", "dv", "dbias"), (out,) + grads, (ref_lo,) + lo_grads, (ref,) + want
+    ):
+        err, err_ref = (a.cpu().double() - w).abs().max(), (a_lo.double() - w).abs().max()
+        assert err <= 2 * err_ref + 1e-3 * w.abs().max(), (name, err, err_ref)
+
+
+@pytest.mark.gpu
+def test_cuda_dense_packed_deterministic_backward_is_bitwise_reproducible():
+    if not _dense_built(128):
+        pytest.skip("head dim 128 not built")
+    lq = [700, 1, 0, 333, 1100]
+    q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 8, 2, 128, 2, torch.bfloat16, seed=5))
+    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(q, k, v, cq, ck, 1100, 1100, bias, 0.125, True, 0.0, 0)
+    do = torch.randn_like(out)
+    args = (do, q, k, v, cq, ck, 1100, 1100, bias, out, lse, resid, 0.125, True, 0.0, 0, True, True)
+    first = torch.ops.flexdma.varlen_bwd_cuda(*args)
+    for _ in range(3):
+        for a, b in zip(first, torch.ops.flexdma.varlen_bwd_cuda(*args)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_cuda_dense_packed_graph_replays_forward_and_backward():
+    if not _dense_built(128):
+        pytest.skip("head dim 128 not built")
+    lq = [400, 0, 1, 900, 129]
+
+    def inputs(seed):
+        q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 128, 2, torch.bfloat16, seed=seed)
+        return [t.detach().cuda() for t in (q, k, v, bias)] + [torch.randn(q.shape).bfloat16().cuda(), cq.cuda()]
+
+    def call(q, k, v, bias, do, cu):
+        out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True)
+        return (out,) + torch.autograd.grad(out, (q, k, v, bias), do)
+
+    assert_graph_replays(call, inputs, n_leaves=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_opcheck_packed_dense_ops(with_bias):
+    if not _dense_built(64):
+        pytest.skip("head dim 64 not built")
+    lq = [130, 0, 1, 77]
+    q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
+    bias = bias if with_bias else None
+    fwd = (q, k, v, cq, ck, 130, 130, bias, 0.125, True, 0.0, 0)
+    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_cuda, fwd)
+    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(*fwd)
+    bwd = (
+        torch.randn_like(out),
+        q,
+        k,
+        v,
+        cq,
+        ck,
+        130,
+        130,
+        bias,
+        out,
+        lse,
+        resid,
+        0.125,
+        True,
+        0.0,
+        0,
+        with_bias,
+        True,
+    )
+    torch.library.opcheck(torch.ops.flexdma.varlen_bwd_cuda, bwd)

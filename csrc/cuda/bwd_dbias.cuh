@@ -7,6 +7,7 @@
 #include "constants.cuh"
 #include "mask.cuh"
 #include "mma_sm80.cuh"
+#include "seq_info.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -49,8 +50,8 @@ __device__ inline void zero_dbias_tile(const BwdDbias& db, T* tile, int vr, int 
 // (query tile, plane of kv head kvh's group of `ratio` query heads) up to, not including,
 // (mt_e, pl_e), in walk order (planes inner).
 template <typename T>
-__device__ inline void zero_dbias_until(const BwdDbias& dbias, const int* pos, int mt_e, int pl_e, const BwdParams& p,
-                                        int b, int kvh, int ratio, int n0, int valid) {
+__device__ inline void zero_dbias_until(const BwdDbias& dbias, const int* pos, int mt_e, int pl_e, const SeqInfo& seq,
+                                        int kvh, int ratio, int n0, int valid) {
   const Broadcast4d& DL = dbias.layout;
   int zmt = pos[0], zpl = pos[1];
 #pragma unroll 1
@@ -58,9 +59,9 @@ __device__ inline void zero_dbias_until(const BwdDbias& dbias, const int* pos, i
     const int64_t m0z = (int64_t)zmt * kBlockM;
     const int plane = DL.head_stride == 0 ? 0 : kvh * ratio / (int)DL.head_ratio + zpl;
     zero_dbias_tile<T>(dbias,
-                       static_cast<T*>(dbias.ptr) + b * DL.batch_stride + plane * DL.head_stride + m0z * DL.row_stride +
-                           (int64_t)n0 * DL.col_stride,
-                       (int)imin(kBlockM, p.seqlen_q - m0z), valid);
+                       static_cast<T*>(dbias.ptr) + seq.b * DL.batch_stride + plane * DL.head_stride +
+                           seq.plane_offset(DL) + m0z * DL.row_stride + (int64_t)n0 * DL.col_stride,
+                       (int)imin(kBlockM, seq.nq - m0z), valid);
     if (++zpl == (DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio))) zpl = 0, ++zmt;
   }
 }
@@ -70,14 +71,14 @@ __device__ inline void zero_dbias_until(const BwdDbias& dbias, const int* pos, i
 // (per-element dbias) or, for a bias broadcast over rows, summed over them in index order and
 // added. Block-uniform; sL2 (64 floats) is free scratch here.
 template <typename T>
-__device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB, float* sL2, int64_t b, int64_t h,
-                                        int64_t n_tile, int64_t m0, int64_t n0, int vr, int lc) {
+__device__ inline void flush_dbias_tile(const BwdDbias& dbias, const float* sDB, float* sL2, const SeqInfo& seq,
+                                        int64_t h, int64_t m0, int64_t n0, int vr, int lc) {
   const Broadcast4d& DL = dbias.layout;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();
   // Fixed order: the heads were summed in sDB in head order; broadcast rows are summed here in
   // index order.
-  const int64_t db_off = b * DL.batch_stride + (int)h / (int)DL.head_ratio * DL.head_stride;
+  const int64_t db_off = seq.b * DL.batch_stride + (int)h / (int)DL.head_ratio * DL.head_stride + seq.plane_offset(DL);
   float* dbf = static_cast<float*>(dbias.ptr) + db_off;
   if (DL.row_stride != 0 && DL.col_stride != 0) {
     const bool vec_tile = dbias.vec && lc == kBlockN && vr == kBlockM;

@@ -22,13 +22,16 @@
 #include "gemm.cuh"
 #include "mma_sm80.cuh"
 #include "mma_sm90.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 
 namespace flexdma {
 namespace cuda {
 
-// The backward's workspace, indexed by (batch, head, query tile): the dQ accumulator, the
-// deterministic mode's turns, and the per-row terms bwd_pre_kernel computes for the main pass,
+// The backward's workspace, indexed by (batch, head, query tile) (packed sequences: by (head,
+// sequence tile), sequence b's query tile t at cu_seqlens_q[b] / 64 + b + t of its head's
+// total_q / 64 + batch tiles, so O(total_q) rows): the dQ accumulator, the deterministic mode's
+// turns, and the per-row terms bwd_pre_kernel computes for the main pass,
 // 64 rows a tile (rows past seqlen_q padded: lse2 +inf, delta 0, so they contribute nothing), so
 // the main pass copies a tile's 64 + 64 floats with 16-byte cp.async and no bounds checks or
 // conversions on its critical path.
@@ -37,9 +40,11 @@ struct DqAccum {
   int* turn = nullptr;     // (B, H, query tiles), deterministic mode only
   float* lse2 = nullptr;   // (B, H, query tiles, 64): lse in log2 units, +inf where -inf (lse_log2)
   float* delta = nullptr;  // (B, H, query tiles, 64): rowsum(dout * out)
-  int m_tiles = 0;
+  int m_tiles = 0;         // tiles a (batch, head), or a head when packed
   int num_heads = 0;
-  __device__ int64_t tile(int64_t b, int64_t h, int64_t mt) const { return (b * num_heads + h) * m_tiles + mt; }
+  __device__ int64_t tile(const SeqInfo& s, int64_t h, int64_t mt) const {
+    return s.packed ? h * m_tiles + s.q0 / kBlockM + s.b + mt : (s.b * num_heads + h) * m_tiles + mt;
+  }
 };
 
 // Column chunk of the dQ product: accumulator registers per thread = chunk / 2, next to dK / dV.
@@ -74,13 +79,13 @@ __device__ inline void dq_pass_turn(int* turn, int next) {
 // Deterministic mode, thread 0: hands on the turn of every work item from position pos = (query
 // tile, head in kv head kvh's group of `ratio` query heads) up to, not including, (mt_e, gq_e):
 // those keep nothing of key tile n_tile. Moves pos there.
-__device__ inline void dq_pass_until(const DqAccum& dqa, int* pos, int mt_e, int gq_e, int b, int kvh, int ratio,
-                                     int n_tile) {
+__device__ inline void dq_pass_until(const DqAccum& dqa, int* pos, int mt_e, int gq_e, const SeqInfo& seq, int kvh,
+                                     int ratio, int n_tile) {
   if (threadIdx.x != 0) return;
   int pmt = pos[0], pgq = pos[1];
 #pragma unroll 1
   while (pmt < mt_e || (pmt == mt_e && pgq < gq_e)) {
-    int* turn = dqa.turn + dqa.tile(b, kvh * ratio + pgq, pmt);
+    int* turn = dqa.turn + dqa.tile(seq, kvh * ratio + pgq, pmt);
     dq_wait_turn(turn, n_tile);
     dq_pass_turn(turn, n_tile + 1);
     if (++pgq == ratio) pgq = 0, ++pmt;

@@ -39,8 +39,10 @@ namespace cuda {
 
 // kPart 0: dK, dV, dQ and dbias in one pass. Wider heads than 128 cannot hold both accumulators
 // (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
-// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK, dQ and dbias.
-template <typename T, int D, int kPart>
+// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK, dQ and dbias. kPacked: packed sequences
+// (BwdParams::cu_seqlens_q), a kernel of its own so that the padded one holds no sequence offsets
+// in its registers.
+template <typename T, int D, int kPart, bool kPacked>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     bwd_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f, const DqAccum dqa) {
   constexpr bool kDv = kPart != 2, kDk = kPart != 1;
@@ -62,11 +64,13 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
   const int n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int n0 = n_tile * kBlockN;
+  // Packed sequences: the key tiles past a sequence's keys have nothing to do.
+  const SeqInfo seq = SeqInfo::of<kPacked>(p, b);
+  if (kPacked && n0 >= seq.nk) return;
   const int ratio = (int)(p.num_heads / p.num_heads_k);
-  const int vc = (int)imin(kBlockN, p.seqlen_k - n0);
+  const int vc = (int)imin(kBlockN, seq.len_k(p) - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  const SeqInfo seq = SeqInfo::of<false>(p, b);
   issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0, seq.nk,
                    f.qkv_vec);
   if constexpr (kDk)
@@ -90,8 +94,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
   // Causal: the first query row that sees key n0 is n0 - (K - Q).
   int64_t m_first = 0;
-  if (p.is_causal) m_first = imax(0, n0 - (p.seqlen_k - p.seqlen_q));
-  const int m_tiles = (int)ceil_div(p.seqlen_q, kBlockM);
+  if (p.is_causal) m_first = imax(0, n0 - (seq.len_k(p) - seq.len_q(p)));
+  const int m_tiles = (int)ceil_div(seq.len_q(p), kBlockM);
   const Broadcast4d& DL = dbias.layout;
   const int mt_begin = (int)(m_first / kBlockM);
   // Work items (query tile mt, query head gq) in a fixed order, heads inner: the heads sharing a
@@ -127,7 +131,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   };
   int reuse_mt = -1;  // the query tile whose gathered sDS is there to reuse (-1: none)
   auto find_next = [&](int& mt, int& gq, uint8_t* slot) -> bool {
-    return bwd_find_next(p, f, b, kvh, ratio, m_tiles, n0, reuse_mt, has_mask, item_active, mt, gq, slot);
+    return bwd_find_next(p, f, seq, kvh, ratio, m_tiles, n0, reuse_mt, has_mask, item_active, mt, gq, slot);
   };
   // dbias plane of query head gq (heads of one plane are consecutive in gq).
   auto db_plane = [&](int gq_) -> int {
@@ -150,11 +154,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   auto group_plane = [&](int gq_) { return DL.head_stride == 0 ? 0 : gq_ / (int)DL.head_ratio; };
   auto group_planes = [&] { return DL.head_stride == 0 ? 1 : (int)imax(1, ratio / (int)DL.head_ratio); };
   auto zero_until = [&](int mt_e, int pl_e) {
-    zero_dbias_until<T>(dbias, pass + 2, mt_e, pl_e, p, b, kvh, ratio, n0, vc);
+    zero_dbias_until<T>(dbias, pass + 2, mt_e, pl_e, seq, kvh, ratio, n0, vc);
   };
   // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from its
   // position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
-  auto pass_until = [&](int mt_e, int gq_e) { dq_pass_until(dqa, pass, mt_e, gq_e, b, kvh, ratio, n_tile); };
+  auto pass_until = [&](int mt_e, int gq_e) { dq_pass_until(dqa, pass, mt_e, gq_e, seq, kvh, ratio, n_tile); };
   if (det) pass_until(have ? mt : m_tiles, have ? gq : 0);
   bool reuse = false;    // this item takes the previous item's sDS
   bool q_ready = false;  // this item's Q tile was requested during the previous item
@@ -168,16 +172,19 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   while (have) {
     {
       const int h = kvh * ratio + gq;
-      const Plane<T, int> bias(p.bias, b, h);
+      const Plane<T, int> bias = Plane<T, int>(p.bias, b, h).from(seq.q0, seq.k0);
       const T* dop = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride;
       const int64_t m0 = mt * kBlockM;
-      const TileBounds tb(p, m0, n0);
+      const TileBounds tb(p, seq, m0, n0);
       if (!q_ready) issue_q(mt, gq);
       issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, tb.lim_r, f.qkv_vec);
-      if (has_bias && !reuse) issue_bias<false>(tb, bias, sB, f.bias_vec, m0, n0);
+      // 16-byte bias copies need a packed sequence's first key on a 16-byte boundary too.
+      if (has_bias && !reuse)
+        issue_bias<false>(tb, bias, sB, f.bias_vec && seq.plane_offset(p.bias) % (16 / sizeof(T)) == 0, m0, n0);
       if (threadIdx.x < 2 * kBlockM / 4) {  // lse2 and delta, 16 bytes a thread
         const int half = threadIdx.x / (kBlockM / 4), c = threadIdx.x % (kBlockM / 4);
-        cp_async16((half ? sDelta : sL2) + 4 * c, (half ? dqa.delta : dqa.lse2) + dqa.tile(b, h, mt) * kBlockM + 4 * c);
+        cp_async16((half ? sDelta : sL2) + 4 * c,
+                   (half ? dqa.delta : dqa.lse2) + dqa.tile(seq, h, mt) * kBlockM + 4 * c);
       }
       cp_async_commit();
     }
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     {
       const int h = kvh * ratio + gq;
       const int64_t m0 = mt * kBlockM;
-      const TileBounds tb(p, m0, n0);
+      const TileBounds tb(p, seq, m0, n0);
       const int vr = tb.lim_r;
       const bool use_keep = has_mask || !tb.full;
       const uint8_t* keep = sKeep + slot * L::kKeepSlot;
@@ -289,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
         }
         stage_ds<T, D>(sDst, dp, w * 16);
         gemm_pv<T, D>(dk, dp, sQ);
-        if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(b, h, mt), n_tile);
+        if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(seq, h, mt), n_tile);
         __syncthreads();
         // Every warp's dK product has read Q: the next item's Q tile is requested now, its copy
         // flying during dQ and the dbias flush instead of on the next item's critical path.
@@ -297,16 +304,16 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
           issue_q(mt_n, gq_n);
           cp_async_commit();
         }
-        add_dq_tile<T, D>(dqa.ptr + dqa.tile(b, h, mt) * (kBlockM * D), sDst, sK);
+        add_dq_tile<T, D>(dqa.ptr + dqa.tile(seq, h, mt) * (kBlockM * D), sDst, sK);
 
-        if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, b, h, n_tile, m0, n0, vr, tb.lim_c);
+        if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, seq, h, m0, n0, vr, tb.lim_c);
       }
     }
     __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
     if (det) {
       if (threadIdx.x == 0) {
         __threadfence();  // the CTA's dQ additions (ordered before this by the barrier) go first
-        dq_pass_turn(dqa.turn + dqa.tile(b, kvh * ratio + gq, mt), n_tile + 1);
+        dq_pass_turn(dqa.turn + dqa.tile(seq, kvh * ratio + gq, mt), n_tile + 1);
         pass[0] = gq + 1 == ratio ? mt + 1 : mt;
         pass[1] = gq + 1 == ratio ? 0 : gq + 1;
       }

@@ -12,12 +12,15 @@ namespace flexdma {
 namespace cuda {
 
 // The backward's one workspace: the per-row lse2 and delta (written by the pre kernel), the float dQ
-// accumulator and (deterministic) the per-tile turns, these two zeroed by the launch.
+// accumulator and (deterministic) the per-tile turns, these two zeroed by the launch; by query tile
+// (DqAccum::tile).
 template <int D>
 struct BwdWorkspace {
+  int64_t tiles_per_unit;  // DqAccum::m_tiles
   size_t row_bytes, acc_bytes, zero_bytes;
   explicit BwdWorkspace(const BwdParams& p) {
-    const int64_t n_q_tiles = p.batch * p.num_heads * ceil_div(p.seqlen_q, kBlockM);
+    tiles_per_unit = p.cu_seqlens_q ? p.total_q / kBlockM + p.batch : ceil_div(p.seqlen_q, kBlockM);
+    const int64_t n_q_tiles = (p.cu_seqlens_q ? 1 : p.batch) * p.num_heads * tiles_per_unit;
     row_bytes = size_t(n_q_tiles) * kBlockM * sizeof(float);
     acc_bytes = size_t(n_q_tiles) * kBlockM * D * sizeof(float);
     zero_bytes = acc_bytes + (p.deterministic ? size_t(n_q_tiles) * sizeof(int) : 0);
@@ -44,18 +47,16 @@ void launch_topk_bwd(const BwdParams& p, cudaStream_t stream) {
   }
 }
 
-// p.workspace holds bwd_workspace_bytes(p) bytes (the caller's allocation).
-template <typename T, int D>
-void launch_bwd(const BwdParams& p, cudaStream_t stream) {
-  if (p.tile_keys.ptr) {
-    launch_topk_bwd<T, D>(p, stream);
-    return;
-  }
+// The dense backward's launches (pre, main pass, post), padded or packed.
+template <typename T, int D, bool kPacked>
+void launch_dense_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int kSmem = BwdSmem<T, D>::kBytes;
   // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dQ, dbias) pass above.
   constexpr bool kSplit = D > 128;
-  cudaFuncSetAttribute(bwd_kernel < T, D, kSplit ? 1 : 0 >, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if constexpr (kSplit) cudaFuncSetAttribute(bwd_kernel<T, D, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  constexpr auto main_pass = bwd_kernel < T, D, kSplit ? 1 : 0, kPacked > ;
+  cudaFuncSetAttribute(main_pass, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if constexpr (kSplit)
+    cudaFuncSetAttribute(bwd_kernel<T, D, 2, kPacked>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   BwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -71,9 +72,9 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   const int64_t n_tiles = ceil_div(p.seqlen_k, kBlockN), m_tiles = ceil_div(p.seqlen_q, kBlockM);
 
   DqAccum dqa;
-  dqa.m_tiles = (int)m_tiles;
-  dqa.num_heads = (int)p.num_heads;
   const BwdWorkspace<D> w(p);
+  dqa.m_tiles = (int)w.tiles_per_unit;
+  dqa.num_heads = (int)p.num_heads;
   char* ws = static_cast<char*>(p.workspace);
   cudaMemsetAsync(ws + 2 * w.row_bytes, 0, w.zero_bytes, stream);
   dqa.lse2 = reinterpret_cast<float*>(ws);
@@ -92,9 +93,22 @@ void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
   bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa, pf);
   const dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
-  bwd_kernel<T, D, kSplit ? 1 : 0><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
-  if constexpr (kSplit) bwd_kernel<T, D, 2><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
+  main_pass<<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
+  if constexpr (kSplit) bwd_kernel<T, D, 2, kPacked><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
   bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
+}
+
+// p.workspace holds bwd_workspace_bytes(p) bytes (the caller's allocation).
+template <typename T, int D>
+void launch_bwd(const BwdParams& p, cudaStream_t stream) {
+  if (p.tile_keys.ptr) {
+    launch_topk_bwd<T, D>(p, stream);
+    return;
+  }
+  if (p.cu_seqlens_q)
+    launch_dense_bwd<T, D, true>(p, stream);
+  else
+    launch_dense_bwd<T, D, false>(p, stream);
 }
 
 }  // namespace cuda

@@ -43,12 +43,13 @@ __device__ inline void bwd_meta_chunk(const BwdParams& p, uint32_t* sMeta, int b
 // query tile reuse_mt takes the previous item's gathered terms and no keep tile. item_active(mt,
 // gq): the item's activity bit. Block-uniform.
 template <typename ItemActive>
-__device__ inline bool bwd_find_next(const BwdParams& p, const BwdFlags& f, int b, int kvh, int ratio, int m_tiles,
-                                     int n0, int reuse_mt, bool has_mask, ItemActive&& item_active, int& mt, int& gq,
-                                     uint8_t* slot) {
+__device__ inline bool bwd_find_next(const BwdParams& p, const BwdFlags& f, const SeqInfo& seq, int kvh, int ratio,
+                                     int m_tiles, int n0, int reuse_mt, bool has_mask, ItemActive&& item_active,
+                                     int& mt, int& gq, uint8_t* slot) {
+  const int b = (int)seq.b;
 #pragma unroll 1
   for (; mt < m_tiles; ++mt, gq = 0) {
-    const TileBounds tb(p, mt * kBlockM, n0);
+    const TileBounds tb(p, seq, mt * kBlockM, n0);
     if (!tb.any()) continue;
 #pragma unroll 1
     for (; gq < ratio; ++gq) {

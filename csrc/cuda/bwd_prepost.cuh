@@ -27,8 +27,12 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const DqAccum ws, const PreFlags f) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
-  const SeqInfo seq = SeqInfo::of<false>(p, b);
+  // Packed sequences: the offsets are read here first; the tiles past a sequence's rows have no
+  // workspace slot.
+  const SeqInfo seq = SeqInfo::of<true>(p, b);
+  if (threadIdx.x == 0) seq.check(p);
   const int64_t m0 = m_tile * kBlockM;
+  if (m0 >= seq.nq) return;
   // Two threads a row, D / 2 columns each.
   const int r = threadIdx.x / 2, half = threadIdx.x % 2;
   float acc = 0.f;
@@ -58,12 +62,11 @@ __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, co
     }
   }
   acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-  const int64_t row = ws.tile(b, h, m_tile) * kBlockM + r;
+  const int64_t row = ws.tile(seq, h, m_tile) * kBlockM + r;
   if (half == 0) {
     ws.delta[row] = acc;
-    ws.lse2[row] = m0 + r < p.seqlen_q
-                       ? lse_log2(static_cast<const float*>(p.lse)[(b * p.num_heads + h) * p.seqlen_q + m0 + r])
-                       : CUDART_INF_F;
+    ws.lse2[row] =
+        m0 + r < seq.nq ? lse_log2(static_cast<const float*>(p.lse)[seq.lse_offset(p, h) + m0 + r]) : CUDART_INF_F;
   }
 }
 
@@ -71,10 +74,11 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) bwd_post_kernel(const BwdParams p, const DqAccum dqa) {
   const int nh = (int)p.num_heads;
   const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
-  const SeqInfo seq = SeqInfo::of<false>(p, b);
+  const SeqInfo seq = SeqInfo::of<true>(p, b);
   const int64_t m0 = m_tile * kBlockM;
+  if (m0 >= seq.nq) return;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
-  const float* acc = dqa.ptr + dqa.tile(b, h, m_tile) * (kBlockM * D);
+  const float* acc = dqa.ptr + dqa.tile(seq, h, m_tile) * (kBlockM * D);
   T* dq = static_cast<T*>(p.dq) + seq.dq_offset(p) + h * p.dq_head_stride + m0 * p.dq_row_stride;
   const int vr = (int)imin(kBlockM, seq.nq - m0);
   const float s = p.softmax_scale;

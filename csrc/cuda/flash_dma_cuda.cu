@@ -45,7 +45,11 @@ const char* unsupported_reason(const FwdParams& p) {
   if (p.num_heads > kMaxGridDim || p.batch > kMaxGridDim) return "batch and num_heads must be <= 65535";
   if (p.softcap < 0.f) return "softcap must be >= 0";
   if ((p.cu_seqlens_q == nullptr) != (p.cu_seqlens_k == nullptr)) return "packed sequences need both cu_seqlens";
-  if (p.cu_seqlens_q && !p.tile_keys.ptr) return "packed sequences run on the per-key kernels only";
+  if (p.cu_seqlens_q) {
+    if (p.mask.ptr || p.tile_meta.ptr) return "packed sequences take no attn_mask";
+    if (p.bias.ptr && p.bias.row_stride != 0) return "packed sequences take a per-key bias only (heads, total_k)";
+    if (p.total_q < 0 || p.total_k < 0) return "packed sequences need total_q / total_k";
+  }
   if (p.key_rank.ptr || p.row_thr.ptr || p.tile_keys.ptr) {
     if (!p.key_rank.ptr || !p.row_thr.ptr || !p.tile_keys.ptr)
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";

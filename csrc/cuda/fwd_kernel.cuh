@@ -31,7 +31,9 @@ namespace cuda {
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
-template <typename T, int D>
+// kPacked: packed sequences (FwdParams::cu_seqlens_q), a kernel of its own so that the padded one
+// holds no sequence offsets in its registers.
+template <typename T, int D, bool kPacked>
 __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
                                             : D <= 128 ? 2
                                                        : 1)
@@ -53,10 +55,14 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   // This CTA's query tile, head (the grid's units) and batch: heaviest first (tile_scheduler.cuh).
   const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
   const int64_t h = work.unit, b = work.b;
-  const SeqInfo seq = SeqInfo::of<false>(p, b);
+  // Packed sequences: the offsets are read here first; the tiles past a sequence's rows have nothing
+  // to do.
+  const SeqInfo seq = SeqInfo::of<kPacked>(p, b);
+  if (threadIdx.x == 0) seq.check(p);
   const int64_t m_tile = work.m_tile;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;
+  if (kPacked && m0 >= seq.nq) return;
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
   const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + h * p.q_head_stride + m0 * p.q_row_stride;
@@ -79,10 +85,12 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const bool has_bias = p.bias.ptr != nullptr;
   // This thread's bias rows in a smem bias tile; a bias broadcast over queries keeps only row 0.
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
-  const Plane<T> bias(p.bias, b, h);
-  const Plane<uint8_t> mask(p.mask, b, h);
+  const Plane<T> bias = Plane<T>(p.bias, b, h).from(seq.q0, seq.k0);
+  const Plane<uint8_t> mask = Plane<uint8_t>(p.mask, b, h).from(seq.q0, seq.k0);
+  // 16-byte bias copies need a packed sequence's first key on a 16-byte boundary too.
+  const bool bias_vec = f.bias_vec && seq.plane_offset(p.bias) % (16 / sizeof(T)) == 0;
   int64_t t_begin, n_end;
-  SingleTileScheduler::key_range(key_tile_end(p, m0), sp.n, work.split, t_begin, n_end);
+  SingleTileScheduler::key_range(key_tile_end(p, seq, m0), sp.n, work.split, t_begin, n_end);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
   const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
@@ -94,8 +102,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
     issue_kv<T, D>(kp, vp, p.k_row_stride, p.v_row_stride, seq.nk, t * kBlockN, sK + buf * L::kTileKV / 2,
                    sV + buf * L::kTileKV / 2, f.qkv_vec);
     if (has_bias)
-      issue_bias<true>(TileBounds(p, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, f.bias_vec, m0, t * kBlockN);
-    if (has_mask && mask_async(p, f.mask_vec, m0, t * kBlockN))
+      issue_bias<true>(TileBounds(p, seq, m0, t * kBlockN), bias, sB + buf * kBlockM * kLdBias, bias_vec, m0,
+                       t * kBlockN);
+    if (has_mask && mask_async(p, seq, f.mask_vec, m0, t * kBlockN))
       issue_mask_raw(mask, sKeep + buf * L::kKeepSlot, m0, t * kBlockN);
     cp_async_commit();
   };
@@ -114,8 +123,8 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   // Tile t (landed in buffer buf) gets its keep bytes where they were not copied raw (tiles a
   // length cuts, unaligned masks). Block-uniform.
   auto keep_tile = [&](int64_t t, int buf) {
-    if (has_mask && !mask_async(p, f.mask_vec, m0, t * kBlockN))
-      build_keep(TileBounds(p, m0, t * kBlockN), mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN);
+    if (has_mask && !mask_async(p, seq, f.mask_vec, m0, t * kBlockN))
+      build_keep(TileBounds(p, seq, m0, t * kBlockN), mask, sKeep + buf * L::kKeepSlot, f.mask_vec, m0, t * kBlockN);
   };
   // First key tile >= t (and < n_end) that keeps something.
   ActiveTiles active(meta_row);
@@ -183,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
 
       const uint8_t* keep = has_mask ? sKeep + cur * L::kKeepSlot : nullptr;
       const T* sb = has_bias ? sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias : nullptr;
-      const float later = fwd_scores<false, T>(s, sc, p, m0, t * kBlockN, t * kBlockN + kBlockN <= keys_full, sb,
+      const float later = fwd_scores<false, T>(s, sc, p, seq, m0, t * kBlockN, t * kBlockN + kBlockN <= keys_full, sb,
                                                bias_row_step, keep, nullptr, no_rank, no_rank, 0, w * 16 + g, qc);
       online_softmax<D>(s, row_max, row_sum, o, later);
 

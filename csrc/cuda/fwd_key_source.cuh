@@ -4,6 +4,8 @@
 //   SequenceKeys: the sequence's key tiles, skipped by the mask's tile activity bits; contiguous
 //     K / V rows, the mask's keep bytes (raw, or built where a length or misalignment rules that
 //     out) and the bias tiles per 64-row half; scores dropped by keep tile, bounds and causality.
+//     Padded batches (SequenceKeys), or packed sequences without a mask (PackedSequenceKeys: a
+//     kernel of its own, so that the padded one holds no sequence offsets in its registers).
 //   ListedKeys (the per-key top-W rule, flexdma::topk_fwd): consecutive 64-entry pieces of the
 //     query tile's key list (FwdParams::tile_keys, 128-row lists); K / V rows gathered through the
 //     list (KeyList), each listed key's index, rank and bias in the stage's slot; scores dropped
@@ -21,22 +23,24 @@
 namespace flexdma {
 namespace cuda {
 
-struct SequenceKeys {
+template <bool kPackedSeqs>
+struct SequenceKeysOf {
   static constexpr bool kRankRule = false;  // fwd_scores' drop rule: keep tile and bounds
   static constexpr bool kBiasTiles = true;  // the stages hold bias tiles
   static constexpr bool kTileBits = true;   // the walk skips tiles by the mask's activity bits
   static constexpr bool kPairs = true;      // a CTA may take a head pair (FwdFlags::pair)
-  static constexpr bool kPacked = false;    // padded batches only (unsupported_reason)
+  static constexpr bool kPacked = kPackedSeqs;
 
-  // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see.
+  // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see;
+  // none past a packed sequence's rows (CTAs of the longest sequence's tiles).
   template <typename Tile>
   __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
-    return key_tile_end(p, c.rows(c.two ? 1 : 0));
+    return !kPacked || c.m0 < c.seq.nq ? key_tile_end(p, c.seq, c.rows(c.two ? 1 : 0)) : 0;
   }
   // The end of the tiles that rows [mc, mc + 64) see: tiles past their causal end drop every score.
   template <typename Tile>
   __device__ static inline int64_t own_end(const FwdParams& p, const Tile& c, int64_t mc) {
-    return imin(c.n_end, key_tile_end(p, mc));
+    return imin(c.n_end, key_tile_end(p, c.seq, mc));
   }
   // The drop rule's per-row terms (the rank rule's only).
   __device__ static inline void row_terms(const FwdParams&, const SeqInfo&, int64_t, int64_t, int, int, int (&)[2],
@@ -53,6 +57,9 @@ struct SequenceKeys {
     const Plane<T> bias;
     const Plane<uint8_t> mask;
     const bool has_bias, has_mask;
+    // 16-byte bias copies: FwdFlags::bias_vec, and a packed sequence's first key on a 16-byte
+    // boundary (its offset is known here only).
+    const bool bias_vec;
     __device__ inline Loader(const FwdParams& p_, const FwdFlags& f_, const Tile& c_, const SeqInfo& seq_, int32_t*)
         : p(p_),
           f(f_),
@@ -60,10 +67,11 @@ struct SequenceKeys {
           seq(seq_),
           kp(static_cast<const T*>(p_.k) + seq_.k_offset(p_) + c_.kvh * p_.k_head_stride),
           vp(static_cast<const T*>(p_.v) + seq_.v_offset(p_) + c_.kvh * p_.v_head_stride),
-          bias(p_.bias, c_.b, c_.h),
-          mask(p_.mask, c_.b, c_.h),
+          bias(Plane<T>(p_.bias, c_.b, c_.h).from(seq_.q0, seq_.k0)),
+          mask(Plane<uint8_t>(p_.mask, c_.b, c_.h).from(seq_.q0, seq_.k0)),
           has_bias(p_.bias.ptr != nullptr),
-          has_mask(p_.mask.ptr != nullptr) {}
+          has_mask(p_.mask.ptr != nullptr),
+          bias_vec(f_.bias_vec && seq_.plane_offset(p_.bias) % (16 / sizeof(T)) == 0) {}
     // Before the first tile t is requested.
     __device__ inline void start(int64_t) {}
     // Key tile t's K rows, keep bytes (both halves) and bias tiles into K stage st (smem layout L:
@@ -76,13 +84,13 @@ struct SequenceKeys {
       issue_rows<T, D>(sk, kp + n0 * p.k_row_stride, p.k_row_stride, (int)imin(kBlockN, seq.nk - n0), f.qkv_vec);
       for (int half = 0; half < c.halves(); ++half) {
         const int64_t mh = c.m0 + half * kBlockM;
-        const TileBounds tb(p, mh, n0);
+        const TileBounds tb(p, seq, mh, n0);
         // A bias broadcast over queries is read from the first half's row 0 by both halves.
         if (has_bias && (half == 0 || bias.rs != 0))
-          issue_bias<true>(tb, bias, sB + st * (L::kBiasSlot / 2) + half * kBlockM * kLdBias, f.bias_vec, mh, n0);
+          issue_bias<true>(tb, bias, sB + st * (L::kBiasSlot / 2) + half * kBlockM * kLdBias, bias_vec, mh, n0);
         uint8_t* keep = sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep;
         if (has_mask) {
-          if (mask_async(p, f.mask_vec, mh, n0))
+          if (mask_async(p, seq, f.mask_vec, mh, n0))
             issue_mask_raw(mask, keep, mh, n0);
           else
             build_keep<false>(tb, mask, keep, f.mask_vec, mh, n0);
@@ -98,6 +106,9 @@ struct SequenceKeys {
     }
   };
 };
+
+using SequenceKeys = SequenceKeysOf<false>;
+using PackedSequenceKeys = SequenceKeysOf<true>;
 
 struct ListedKeys {
   static constexpr bool kRankRule = true;

@@ -48,13 +48,15 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-    plan.kernel = p.tile_keys.ptr ? fwd_ws_kernel<T, D, ListedKeys> : fwd_ws_kernel<T, D, SequenceKeys>;
+    plan.kernel = p.tile_keys.ptr  ? fwd_ws_kernel<T, D, ListedKeys>
+                  : p.cu_seqlens_q ? fwd_ws_kernel<T, D, PackedSequenceKeys>
+                                   : fwd_ws_kernel<T, D, SequenceKeys>;
     plan.smem = FwdWsSmem<T, D>::kBytes;
     plan.threads = kWsThreads;
     plan.rows = f.pair ? kBlockM : kWsRows;
     per_sm = 1;
   } else {
-    plan.kernel = fwd_kernel<T, D>;
+    plan.kernel = p.cu_seqlens_q ? fwd_kernel<T, D, true> : fwd_kernel<T, D, false>;
     plan.smem = FwdSmem<T, D>::kBytes;
   }
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&

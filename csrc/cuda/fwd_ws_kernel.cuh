@@ -118,6 +118,8 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   uint8_t* sKeep = smem + L::kKeep;
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
   const SeqInfo& seq = c.seq;
+  // A dense packed call's offsets are read here first (the per-key selection checks its own).
+  if (!Keys::kRankRule && threadIdx.x == 0) seq.check(p);
   typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q of both warpgroups, once (rows past seqlen_q zero).
@@ -255,8 +257,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
-    const float later = fwd_scores<Keys::kRankRule, T>(s, sc, p, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step,
-                                                       keep, slot, thr, lim, lim_warp, w * 16 + g, qc);
+    const float later = fwd_scores<Keys::kRankRule, T>(s, sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, sb,
+                                                       bias_row_step, keep, slot, thr, lim, lim_warp, w * 16 + g, qc);
     softmax_step(s, row_max, row_sum, alpha, later);
   };
 
@@ -335,7 +337,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // must not land on the staged rows).
     mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
     T* stage = reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2;
-    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, c.seq, head, mc, tid, stage);
+    // Dense packed: the sequence's offsets are read again here rather than held in registers
+    // across the walk (the per-key kernel has the registers).
+    const SeqInfo seq = Keys::kRankRule ? c.seq : SeqInfo::of<Keys::kPacked>(p, c.b);
+    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, head, mc, tid, stage);
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "../flash_dma_params.h"
 #include "constants.cuh"
+#include "seq_info.cuh"
 #include "smem_layout.cuh"
 
 namespace flexdma {
@@ -37,24 +38,24 @@ struct Plane {
   }
 };
 
-// Last key tile (exclusive) a query tile starting at m0 can see.
-__device__ inline int64_t key_tile_end(const FwdParams& p, int64_t m0) {
-  int64_t kend = p.seqlen_k;
-  if (p.is_causal) kend = imin(kend, m0 + kBlockM + p.seqlen_k - p.seqlen_q);
+// Last key tile (exclusive) a query tile starting at m0 of sequence s can see.
+__device__ inline int64_t key_tile_end(const FwdParams& p, const SeqInfo& s, int64_t m0) {
+  int64_t kend = s.len_k(p);
+  if (p.is_causal) kend = imin(kend, m0 + kBlockM + s.len_k(p) - s.len_q(p));
   return kend <= 0 ? 0 : ceil_div(kend, kBlockN);
 }
 
-// Bounds and causal limits of tile (m0, n0) in tile-local coordinates. Most tiles are `full`
-// (inside both lengths and entirely below the diagonal) and need no per-element check.
+// Bounds and causal limits of tile (m0, n0) of sequence s in tile-local coordinates. Most tiles are
+// `full` (inside both lengths and entirely below the diagonal) and need no per-element check.
 struct TileBounds {
   bool full;
   int lim_r, lim_c, diag;  // kept iff r < lim_r && c < lim_c && c <= r + diag
   // A tile that needs no check.
   __device__ inline TileBounds() : full(true), lim_r(kBlockM), lim_c(kBlockN), diag(2 * kBlockN) {}
-  __device__ inline TileBounds(const FwdParams& p, int64_t m0, int64_t n0) {
-    const int64_t shift = p.seqlen_k - p.seqlen_q;
-    lim_r = (int)imin(kBlockM, p.seqlen_q - m0);
-    lim_c = (int)imin(kBlockN, p.seqlen_k - n0);
+  __device__ inline TileBounds(const FwdParams& p, const SeqInfo& s, int64_t m0, int64_t n0) {
+    const int64_t shift = s.len_k(p) - s.len_q(p);
+    lim_r = (int)imin(kBlockM, s.len_q(p) - m0);
+    lim_c = (int)imin(kBlockN, s.len_k(p) - n0);
     diag = p.is_causal ? (int)imax(-2 * kBlockN, imin(2 * kBlockN, m0 + shift - n0)) : 2 * kBlockN;
     full = lim_r == kBlockM && lim_c == kBlockN && kBlockN - 1 <= diag;
   }
@@ -69,8 +70,8 @@ struct TileBounds {
 // (aligned rows, tile inside both lengths) rather than built when the tile has landed.
 // A mask broadcast over queries (row stride 0) reads the same row for every tile row, so a
 // query tile cut by seqlen_q (decoding: one query) may copy all 64 rows too.
-__device__ inline bool mask_async(const FwdParams& p, bool mask_vec, int64_t m0, int64_t n0) {
-  return p.mask.ptr && mask_vec && (m0 + kBlockM <= p.seqlen_q || p.mask.row_stride == 0) && n0 + kBlockN <= p.seqlen_k;
+__device__ inline bool mask_async(const FwdParams& p, const SeqInfo& s, bool mask_vec, int64_t m0, int64_t n0) {
+  return p.mask.ptr && mask_vec && (m0 + kBlockM <= s.len_q(p) || p.mask.row_stride == 0) && n0 + kBlockN <= s.len_k(p);
 }
 
 // A row of tile activity bits (FwdParams::tile_meta) walked forward: the current word stays in

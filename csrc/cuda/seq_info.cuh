@@ -5,6 +5,7 @@
 // row_thr, tile_keys, dbias) are packed along their key / row dim the same way. The kernels take
 // every base pointer and length from here, so one kernel serves both layouts.
 #pragma once
+#include <cassert>  // __assert_fail
 #include <cstdint>
 
 #include "../flash_dma_params.h"
@@ -38,6 +39,14 @@ struct SeqInfo {
     }
     return s;
   }
+  // Stops the device where a packed sequence's offsets break check_packed_offsets' rules: called by
+  // the kernel of a call that reads them first.
+  __device__ inline void check(const FwdParams& p) const;
+  // nq / nk, read from the params where the batch is padded: a kernel parameter is an operand of the
+  // instruction that uses it, where a copy made at the start is a register held all kernel long
+  // (the dense backward, at its register limit, spilled).
+  __device__ inline int64_t len_q(const FwdParams& p) const { return packed ? nq : p.seqlen_q; }
+  __device__ inline int64_t len_k(const FwdParams& p) const { return packed ? nk : p.seqlen_k; }
   // Element offsets of the sequence's row 0 in each operand.
   __device__ inline int64_t q_offset(const FwdParams& p) const { return b * p.q_batch_stride + q0 * p.q_row_stride; }
   __device__ inline int64_t k_offset(const FwdParams& p) const { return b * p.k_batch_stride + k0 * p.k_row_stride; }
@@ -51,7 +60,30 @@ struct SeqInfo {
   __device__ inline int64_t lse_offset(const FwdParams& p, int64_t h) const {
     return packed ? h * p.total_q + q0 : (b * p.num_heads + h) * p.seqlen_q;
   }
+  // A per-sequence operand plane (bias, mask, dbias) from the sequence's row 0 and key 0: packed
+  // operands hold every sequence's rows / keys along their own row / key dims.
+  __device__ inline int64_t plane_offset(const Broadcast4d& t) const { return q0 * t.row_stride + k0 * t.col_stride; }
 };
+
+// Packed offsets are never read on the host (no synchronisation): the kernel that reads them first
+// in a call checks them and stops the device at an assert naming the rule, as torch's own index
+// checks on CUDA do (the next synchronising call raises "device-side assert triggered"), before any
+// kernel reads or writes past a tensor. The CPU op checks the same rules and raises a ValueError.
+__device__ inline void check_packed_offsets(bool ok) {
+  if (!ok)
+    __assert_fail(
+        "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0, not decrease and end at the token counts, and no "
+        "sequence may be longer than max_seqlen_q / max_seqlen_k",
+        __FILE__, __LINE__, __func__);
+}
+
+__device__ inline void SeqInfo::check(const FwdParams& p) const {
+  if (!packed) return;
+  const bool first = b == 0, last = b + 1 == p.batch;
+  check_packed_offsets(q0 >= 0 && k0 >= 0 && nq >= 0 && nk >= 0 && nq <= p.seqlen_q && nk <= p.seqlen_k &&
+                       q0 + nq <= p.total_q && k0 + nk <= p.total_k && (!first || (q0 == 0 && k0 == 0)) &&
+                       (!last || (q0 + nq == p.total_q && k0 + nk == p.total_k)));
+}
 
 }  // namespace cuda
 }  // namespace flexdma

@@ -59,10 +59,11 @@ __global__ void tile_meta_kernel(const FwdParams p, bool vec, uint32_t* meta, in
   const int64_t kt = (int64_t)blockIdx.x * kWarpsPerCta + warp, qt = blockIdx.y, plane = plane0 + blockIdx.z;
   const int64_t bm = plane / mask_heads, hm = plane % mask_heads;
   const int64_t m0 = qt * kBlockM, n0 = kt * kBlockN;
-  if (kt >= key_tile_end(p, m0)) return;
+  const SeqInfo seq = SeqInfo::of<false>(p, bm);  // masks come padded only (unsupported_reason)
+  if (kt >= key_tile_end(p, seq, m0)) return;
   // The mask's own (batch, head) plane: Plane takes a query head, h = hm * head_ratio.
   const Plane<uint8_t> m(p.mask, bm, hm * p.mask.head_ratio);
-  const TileBounds tb(p, m0, n0);
+  const TileBounds tb(p, seq, m0, n0);
   // A top-k mask keeps something in almost every tile's first 8 rows: those are read first, and
   // the other 56 only when they are empty (for such masks the pass reads ~1/8 of the mask).
   constexpr int kPer = kBlockM * kBlockN / 16 / 32;

@@ -22,6 +22,7 @@
 
 #include "constants.cuh"
 #include "flash_dma_cuda.h"
+#include "seq_info.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -112,18 +113,7 @@ struct PlaneInfo {
   Levels lv;
 };
 
-// A packed call's offsets are read here first: the host never reads them (no synchronisation).
-// Invalid ones stop the device with this message, as torch's own index checks on CUDA do (the next
-// synchronising call raises "device-side assert triggered"), before any kernel reads or writes past
-// a tensor; the CPU op checks the same rules and raises a ValueError.
-__device__ inline void check_packed(bool ok) {
-  if (!ok)
-    __assert_fail(
-        "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0, not decrease and end at the token counts, and no "
-        "sequence may be longer than max_seqlen_q / max_seqlen_k",
-        __FILE__, __LINE__, __func__);
-}
-
+// A packed call's offsets are read here first (check_packed_offsets, seq_info.cuh, states why).
 __device__ inline PlaneInfo plane_info(const SelectParams& p, const Geometry& g, int64_t plane) {
   PlaneInfo s;
   const int64_t p1 = plane / p.planes2, p2 = plane % p.planes2;
@@ -131,9 +121,9 @@ __device__ inline PlaneInfo plane_info(const SelectParams& p, const Geometry& g,
     const int64_t k0 = p.cu_seqlens_k[p1], q0 = p.cu_seqlens_q[p1];
     const int64_t k1 = p.cu_seqlens_k[p1 + 1], q1 = p.cu_seqlens_q[p1 + 1];
     const bool first = p1 == 0, last = p1 + 1 == g.batch;
-    check_packed(k0 >= 0 && k0 <= k1 && k1 <= p.total_k && k1 - k0 <= p.seqlen_k && q0 >= 0 && q0 <= q1 &&
-                 q1 <= p.total_q && q1 - q0 <= p.seqlen_q && (!first || (k0 == 0 && q0 == 0)) &&
-                 (!last || (k1 == p.total_k && q1 == p.total_q)));
+    check_packed_offsets(k0 >= 0 && k0 <= k1 && k1 <= p.total_k && k1 - k0 <= p.seqlen_k && q0 >= 0 && q0 <= q1 &&
+                         q1 <= p.total_q && q1 - q0 <= p.seqlen_q && (!first || (k0 == 0 && q0 == 0)) &&
+                         (!last || (k1 == p.total_k && q1 == p.total_q)));
     s.K = k1 - k0;
     s.Q = q1 - q0;
     s.score0 = p2 * p.stride2 + k0 * p.stride_k;
