@@ -237,8 +237,14 @@ template <bool kOneRowIfBroadcast, typename T, typename Idx>
 __device__ inline void issue_bias(const TileBounds& tb, const Plane<T, Idx>& bb, T* sb, bool vec, int64_t m0,
                                   int64_t n0) {
   if constexpr (kOneRowIfBroadcast) {
-    if (vec && bb.rs == 0 && tb.lim_c == kBlockN) {
-      if (threadIdx.x < kBlockN / 8) cp_async16(sb + threadIdx.x * 8, bb.base + n0 + threadIdx.x * 8);
+    if (bb.rs == 0) {
+      if (vec && tb.lim_c == kBlockN) {
+        if (threadIdx.x < kBlockN / 8) cp_async16(sb + threadIdx.x * 8, bb.base + n0 + threadIdx.x * 8);
+      } else if (threadIdx.x < kBlockN) {
+        // A tile a sequence end cuts, or a row not on a 16-byte boundary (a packed sequence's keys
+        // start anywhere): the one row, an element a thread.
+        sb[threadIdx.x] = threadIdx.x < tb.lim_c ? *bb.at(0, n0 + threadIdx.x) : from_float<T>(0.f);
+      }
       return;
     }
   }
