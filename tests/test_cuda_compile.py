@@ -55,22 +55,37 @@ def _instantiations(dims):
     ]
 
 
+def _packed(kernel):
+    """Whether a mangled kernel name is a packed-sequence instantiation of the dense kernels
+    (PackedSequenceKeys, fwd_kernel / bwd_kernel with kPacked)."""
+    return "SequenceKeysOfILb1E" in kernel or re.search(r"(fwd|bwd)_kernelI.*Lb1EEEv", kernel) is not None
+
+
+# The dense kernels' packed instantiations hold each sequence's offsets next to the padded kernels'
+# registers and spill a few dozen bytes (ptxas, CUDA 13.0: 32 in the forward, 52 in the backward at
+# D = 128); a change that spills more fails here. The padded kernels spill nothing.
+PACKED_SPILL_BYTES = 64
+
+
 @pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/topk_select.cu"])
 def test_kernels_compile_without_spills(src, tmp_path):
     spills = _spills(_nvcc(src, tmp_path))
     assert spills, "ptxas reported no kernels"
-    assert all(v == 0 for v in spills.values()), f"register spills: { {k: v for k, v in spills.items() if v} }"
+    over = {k: v for k, v in spills.items() if v > (PACKED_SPILL_BYTES if _packed(k) else 0)}
+    assert not over, f"register spills: {over}"
 
 
 @pytest.mark.parametrize("src", _instantiations((192, 256)))
 def test_wide_head_dims_compile(src, tmp_path):
     # Head dims 192 / 256 hold D / 2 accumulator floats a thread next to the score tiles: a few
-    # dozen spilled bytes are known (ptxas, CUDA 13.0); a change that spills hundreds fails here.
+    # dozen spilled bytes are known (ptxas, CUDA 13.0; up to 168 in the packed backward's dK pass);
+    # a change that spills hundreds fails here.
     wide = NVCC_FLAGS.nvcc_flags(("90",), (192, 256)) + ["-I", os.path.join(ROOT, "csrc")]
     spills = _spills(_nvcc(src, tmp_path, flags=wide))
     kernel = "fwd_kernel" if os.path.basename(src).startswith("fwd") else "bwd_kernel"
     assert any(kernel in k for k in spills), f"expected the {kernel}, ptxas reported {sorted(spills)}"
-    assert all(v <= 128 for v in spills.values()), f"register spills: { {k: v for k, v in spills.items() if v} }"
+    over = {k: v for k, v in spills.items() if v > (2 * 128 if _packed(k) else 128)}
+    assert not over, f"register spills: {over}"
 
 
 def test_dispatch_compiles(tmp_path):
