@@ -270,17 +270,23 @@ def test_cuda_packed_kernels_within_the_rule():
     # bf16 reference's, plus a floor, for out and every gradient.
     if not _packed_sm90_ok(128):
         pytest.skip("needs the sm_90a per-key kernels at head dim 128")
-    lq = [700, 1, 0, 333, 1500]
-    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 128, 2, torch.float64, seed=11)
-    ref, _ = _reference(q, k, v, bias, lq, lq, True, 96)
+    _assert_packed_within_the_rule([700, 1, 0, 333, 1500], 128, 96, seed=11)
+
+
+def _assert_packed_within_the_rule(lq, D, W, seed):
+    """The bf16 packed call on the GPU (causal, GQA, a per-key bias; window W or None) against the
+    float64 reference of the documents: error at most ~2x the bf16 reference's, plus a floor, for
+    out and every gradient."""
+    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, D, 2, torch.float64, seed=seed)
+    ref, _ = _reference(q, k, v, bias, lq, lq, True, W)
     do = torch.randn(ref.shape, dtype=torch.float64)
     want = torch.autograd.grad(ref, (q, k, v, bias), do)
     lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v, bias)]
-    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, 96)
+    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, W)
     lo_grads = torch.autograd.grad(ref_lo, lo, do.to(torch.bfloat16))
     dev = [t.detach().cuda().requires_grad_() for t in lo]
     out = flexdma.flash_dma_attention_varlen(
-        *dev[:3], cq.cuda(), ck.cuda(), 1500, 1500, dev[3], is_causal=True, keep_window_size=96
+        *dev[:3], cq.cuda(), ck.cuda(), max(lq), max(lq), dev[3], is_causal=True, keep_window_size=W
     )
     grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
     for name, a, a_lo, w in zip(
@@ -291,11 +297,13 @@ def test_cuda_packed_kernels_within_the_rule():
 
 
 @pytest.mark.gpu
-def test_cuda_packed_graph_replays_forward_and_backward():
-    # The packed training call (both selections, forward, backward) captured in one CUDA graph
-    # (the offsets are never read by the host), replayed on new values, against eager calls.
-    if not _packed_sm90_ok(128):
-        pytest.skip("needs the sm_90a per-key kernels at head dim 128")
+@pytest.mark.parametrize("W", [64, None], ids=["per-key", "dense"])
+def test_cuda_packed_graph_replays_forward_and_backward(W):
+    # The packed training call (the per-key path's both selections, forward, backward) captured in
+    # one CUDA graph (the offsets are never read by the host), replayed on new values, against
+    # eager calls.
+    if not (_packed_sm90_ok(128) if W else _dense_built(128)):
+        pytest.skip("needs the CUDA kernels of this path at head dim 128")
     lq = [400, 0, 1, 900, 129]
 
     def inputs(seed):
@@ -303,7 +311,7 @@ def test_cuda_packed_graph_replays_forward_and_backward():
         return [t.detach().cuda() for t in (q, k, v, bias)] + [torch.randn(q.shape).bfloat16().cuda(), cq.cuda()]
 
     def call(q, k, v, bias, do, cu):
-        out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True, keep_window_size=64)
+        out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True, keep_window_size=W)
         return (out,) + torch.autograd.grad(out, (q, k, v, bias), do)
 
     assert_graph_replays(call, inputs, n_leaves=4)
@@ -446,22 +454,7 @@ def test_cuda_dense_packed_within_the_rule(D):
     # the bf16 reference's, plus a floor, for out and every gradient (a per-key bias, GQA, causal).
     if not _dense_built(D):
         pytest.skip(f"head dim {D} not built")
-    lq = [300, 1, 0, 133, 500]
-    q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, D, 2, torch.float64, seed=13)
-    ref, _ = _reference(q, k, v, bias, lq, lq, True, None)
-    do = torch.randn(ref.shape, dtype=torch.float64)
-    want = torch.autograd.grad(ref, (q, k, v, bias), do)
-    lo = [t.detach().to(torch.bfloat16).requires_grad_() for t in (q, k, v, bias)]
-    ref_lo, _ = _reference(*lo[:3], lo[3], lq, lq, True, None)
-    lo_grads = torch.autograd.grad(ref_lo, lo, do.to(torch.bfloat16))
-    dev = [t.detach().cuda().requires_grad_() for t in lo]
-    out = flexdma.flash_dma_attention_varlen(*dev[:3], cq.cuda(), ck.cuda(), 500, 500, dev[3], is_causal=True)
-    grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
-    for name, a, a_lo, w in zip(
-        ("out", "dq", "dk", "dv", "dbias"), (out,) + grads, (ref_lo,) + lo_grads, (ref,) + want
-    ):
-        err, err_ref = (a.cpu().double() - w).abs().max(), (a_lo.double() - w).abs().max()
-        assert err <= 2 * err_ref + 1e-3 * w.abs().max(), (name, err, err_ref)
+    _assert_packed_within_the_rule([300, 1, 0, 133, 500], D, None, seed=13)
 
 
 @pytest.mark.gpu
@@ -477,23 +470,6 @@ def test_cuda_dense_packed_deterministic_backward_is_bitwise_reproducible():
     for _ in range(3):
         for a, b in zip(first, torch.ops.flexdma.varlen_bwd_cuda(*args)):
             assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_cuda_dense_packed_graph_replays_forward_and_backward():
-    if not _dense_built(128):
-        pytest.skip("head dim 128 not built")
-    lq = [400, 0, 1, 900, 129]
-
-    def inputs(seed):
-        q, k, v, bias, cq, ck = _pack(lq, lq, 4, 2, 128, 2, torch.bfloat16, seed=seed)
-        return [t.detach().cuda() for t in (q, k, v, bias)] + [torch.randn(q.shape).bfloat16().cuda(), cq.cuda()]
-
-    def call(q, k, v, bias, do, cu):
-        out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, 900, 900, bias, is_causal=True)
-        return (out,) + torch.autograd.grad(out, (q, k, v, bias), do)
-
-    assert_graph_replays(call, inputs, n_leaves=4)
 
 
 @pytest.mark.gpu
