@@ -301,12 +301,18 @@ Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
                     cu_q.numel(), " and ", cu_k.numel(), ")");
   TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
+  // The kernels' grids are sized by max_seqlen, and the kernel that checks the offsets on the device
+  // runs only where the grid has a tile: lengths that cannot reach the token counts are caught here.
+  const int64_t batch = cu_q.numel() - 1;
+  TORCH_CHECK_VALUE(max_q * batch >= q.size(0) && max_k * batch >= k.size(0), op, ": ", batch,
+                    " sequences of at most max_seqlen_q = ", max_q, " / max_seqlen_k = ", max_k, " tokens cannot hold ",
+                    q.size(0), " / ", k.size(0), " tokens: a sequence is longer than max_seqlen");
   TORCH_CHECK_VALUE(window >= 0, op, ": window must be >= 0 (0: every key), got ", window);
   const bool has_bias = bias.has_value() && bias->defined();
   TORCH_CHECK_VALUE(has_bias || window == 0, op, ": a window needs the per-key attn_bias (heads, Tk=", k.size(0), ")");
   TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 2 && bias->size(1) == k.size(0)), op,
                     ": attn_bias must be per key (heads, Tk=", k.size(0), "), got ", bias->sizes());
-  return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), cu_q.numel() - 1, max_q, max_k, q.size(0), k.size(0)};
+  return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), batch, max_q, max_k, q.size(0), k.size(0)};
 }
 
 // The bias as the batch-1 fills take it, (1, heads, 1, Tk).

@@ -504,3 +504,15 @@ def test_opcheck_packed_dense_ops(with_bias):
         True,
     )
     torch.library.opcheck(torch.ops.flexdma.varlen_bwd_cuda, bwd)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [4, None], ids=["per-key", "dense"])
+def test_cuda_packed_max_seqlen_below_the_tokens_is_rejected(W):
+    # max_seqlen sizes the kernels' grids: one that leaves no tile (0 here) would leave the offsets
+    # unchecked on the device and the outputs unwritten; the op's host check names it first.
+    if not (_packed_sm90_ok(64) if W else _dense_built(64)):
+        pytest.skip("needs the CUDA kernels of this path at head dim 64")
+    q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack([5, 7], [5, 7], 4, 2, 64, 2, torch.bfloat16, seed=2))
+    with pytest.raises(ValueError, match="longer than max_seqlen"):
+        flexdma.flash_dma_attention_varlen(q, k, v, cq, ck, 0, 7, bias, is_causal=True, keep_window_size=W)
