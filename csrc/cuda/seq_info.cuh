@@ -19,8 +19,8 @@ struct SeqInfo {
   int64_t nq, nk;  // its query / key rows
   int64_t tile0;   // packed: the tile_keys row of its first query tile (FwdParams::cu_seqlens_q)
   bool packed;     // a constant where the kernel takes no packed sequences (of<false>)
-  // kPacked false: a kernel that never gets packed sequences (unsupported_reason refuses them), whose
-  // offsets then fold to the batch strides at no cost.
+  // kPacked false: a padded kernel (packed calls run the packed instantiation, or none where
+  // unsupported_reason refuses them), whose offsets then fold to the batch strides at no cost.
   template <bool kPacked>
   __device__ static inline SeqInfo of(const FwdParams& p, int64_t batch) {
     SeqInfo s;
