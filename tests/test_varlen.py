@@ -204,25 +204,42 @@ def _packed_sm90_ok(D):
     return torch.cuda.is_available() and route.sm90_forward(D, torch.bfloat16, torch.device("cuda"))
 
 
-def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
-    """The documents one by one through the padded path's CUDA per-key ops (topk_select,
-    topk_fwd_sm90, topk_bwd_sm90): out, LSE and the gradients of q, k, v and the bias."""
-    T = 128
-    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    grads = [torch.zeros_like(t) for t in (q, k, v, bias)]
+def _documents(q, k, v, bias, do, lq, lk, run):
+    """The documents one by one through run(qs, ks, vs, b, dos) on views ((1, n, heads, D), the bias
+    (1, heads, 1, nk) or None) -> (out, lse, (dq, dk, dv, dbias)): out, LSE and the gradients of q,
+    k, v and the bias (None without one) in the packed layout."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device, dtype=acc)
+    grads = [None if t is None else torch.zeros_like(t) for t in (q, k, v, bias)]
     oq = ok = 0
     for nq, nk in zip(lq, lk):
         if nq and nk:
             qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
-            b = bias[None, :, None, ok : ok + nk]
-            rank, thr, lists = torch.ops.flexdma.topk_select(b[:, :, 0], W, nq, causal, T)
-            o, ls, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
-            g = torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, ls, r, 0.125, causal, True)
+            b = None if bias is None else bias[None, :, None, ok : ok + nk]
+            o, ls, g = run(qs, ks, vs, b, ds)
             out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], ls[0]
             grads[0][oq : oq + nq], grads[1][ok : ok + nk], grads[2][ok : ok + nk] = g[0][0], g[1][0], g[2][0]
-            grads[3][:, ok : ok + nk] = g[3][0, :, 0]
+            if b is not None:
+                grads[3][:, ok : ok + nk] = g[3].reshape(-1, nk)
         oq, ok = oq + nq, ok + nk
     return out, lse, grads
+
+
+def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
+    """_documents through the padded path's CUDA per-key ops (topk_select, topk_fwd_sm90,
+    topk_bwd_sm90)."""
+    T = 128
+
+    def run(qs, ks, vs, b, ds):
+        rank, thr, lists = torch.ops.flexdma.topk_select(b[:, :, 0], W, qs.shape[1], causal, T)
+        o, ls, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
+        return (
+            o,
+            ls,
+            torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, ls, r, 0.125, causal, True),
+        )
+
+    return _documents(q, k, v, bias, do, lq, lk, run)
 
 
 @pytest.mark.gpu
@@ -389,25 +406,18 @@ def _dense_built(D):
     return torch.cuda.is_available() and _ext.with_cuda() and D in tuple(_ext.BUILD_INFO.CUDA_HEAD_DIMS)
 
 
-def _documents_dense(q, k, v, bias, do, lq, lk, causal, deterministic=False):
-    """The documents one by one through the padded path's dense CUDA ops (flexdma::fwd / bwd on
-    views): out, LSE and the gradients of q, k, v and the bias (None without one)."""
-    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
-    grads = [None if t is None else torch.zeros_like(t) for t in (q, k, v, bias)]
-    oq = ok = 0
-    for nq, nk in zip(lq, lk):
-        if nq and nk:
-            qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
-            b = None if bias is None else bias[None, :, None, ok : ok + nk]
-            o, ls, r = torch.ops.flexdma.fwd(qs, ks, vs, None, b, 0.125, causal, 0.0, False, None, True)
-            g = torch.ops.flexdma.bwd(ds, qs, ks, vs, None, b, o, ls, 0.125, causal, 0.0, b is not None, deterministic,
-                                      None, r)  # fmt: skip
-            out[oq : oq + nq], lse[:, oq : oq + nq] = o[0], ls[0]
-            grads[0][oq : oq + nq], grads[1][ok : ok + nk], grads[2][ok : ok + nk] = g[0][0], g[1][0], g[2][0]
-            if b is not None:
-                grads[3][:, ok : ok + nk] = g[3].reshape(-1, nk)
-        oq, ok = oq + nq, ok + nk
-    return out, lse, grads
+def _documents_dense(q, k, v, bias, do, lq, lk, causal):
+    """_documents through the padded path's dense ops (flexdma::fwd / bwd)."""
+
+    def run(qs, ks, vs, b, ds):
+        o, ls, r = torch.ops.flexdma.fwd(qs, ks, vs, None, b, 0.125, causal, 0.0, False, None, True)
+        return (
+            o,
+            ls,
+            torch.ops.flexdma.bwd(ds, qs, ks, vs, None, b, o, ls, 0.125, causal, 0.0, b is not None, False, None, r),
+        )
+
+    return _documents(q, k, v, bias, do, lq, lk, run)
 
 
 @pytest.mark.gpu
