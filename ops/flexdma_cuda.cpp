@@ -107,24 +107,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 }
 
 // The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_cuda) into out /
-// lse / resid, allocated by the caller (views of the packed call's own outputs, which must not be
-// views themselves); `adjust` sets what the operands alone do not say (packed sequences). The callers
-// check q / k / v before any kernel runs (the packed ones before the selection).
+// lse / resid, allocated by the caller (fwd_impl's `into`); `adjust` sets what the operands alone do
+// not say (packed sequences). The callers check q / k / v before any kernel runs (the packed ones
+// before the selection).
 void topk_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                   const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
-                  double softmax_scale, bool is_causal, double softcap, at::Tensor out, at::Tensor lse,
+                  double softmax_scale, bool is_causal, double softcap, const at::Tensor& out, const at::Tensor& lse,
                   const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
   FwdParams rule;
   fill_topk_params(rule, q, k, bias, key_rank, row_thr);
-  FwdParams p;
-  fill_fwd_params(p, q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, out, lse, c10::nullopt);
-  p.key_rank = rule.key_rank;
-  p.row_thr = rule.row_thr;
-  p.tile_keys = keys;
-  p.topk_tile_rows = tile_rows;
-  p.out_resid = resid.data_ptr();
-  adjust(p);
-  if (out.numel() > 0) launch_fwd(p, q);
+  fwd_impl(q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, c10::nullopt,
+           [&](const FwdParams& given) {
+             FwdParams p = given;
+             p.tile_keys = keys;
+             p.topk_tile_rows = tile_rows;
+             p.out_resid = resid.data_ptr();
+             adjust(p);
+             launch_fwd(p, q);
+           },
+           rule.key_rank, rule.row_thr, {out, lse});
 }
 
 // flexdma::topk_fwd_sm90.
@@ -401,12 +402,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_packed_cuda(
                  out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
     return {out, lse, resid};
   }
-  FwdParams p;
-  fill_fwd_params(p, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale,
-                  is_causal, softcap, out4, lse4, c10::nullopt);
-  packed_params(p, s);
-  p.out_resid = resid.data_ptr();
-  if (out.numel() > 0) launch_fwd(p, q);
+  fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale, is_causal,
+           softcap, c10::nullopt,
+           [&](const FwdParams& given) {
+             FwdParams p = given;
+             packed_params(p, s);
+             p.out_resid = resid.data_ptr();
+             launch_fwd(p, q);
+           },
+           {}, {}, {out4, lse4});
   return {out, lse, resid};
 }
 
@@ -440,29 +444,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cud
     auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, *bias);
     return {dq, dk_out, dv_out, dbias};
   }
+  // The dense backward as a batch-1 call whose sequences packed_params makes: its per-key dbias is
+  // summed over the rows in the kernel, each sequence's keys at their offset, and over the kv heads
+  // that share a bias head by bwd_impl.
   at::Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
-  at::Tensor dk4 = dk.unsqueeze(0), dv4 = dv.unsqueeze(0);
-  const bool want_dbias = bias_requires_grad && bias4.has_value();
-  // (1, bias heads or KVH, 1, Tk) float, zeroed: the kernel adds each sequence's keys at its offset.
-  c10::optional<at::Tensor> accum;
-  if (want_dbias) accum = alloc_dbias_accum(q.unsqueeze(0), k.unsqueeze(0), *bias4);
-  at::Tensor unused = at::empty({0}, q.options().dtype(at::kFloat));
-  BwdParams p;
-  fill_bwd_params(p, dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, bias4, out4,
-                  lse.unsqueeze(0), softmax_scale, is_causal, softcap, dq4, dk4, dv4, accum, unused);
-  packed_params(p, s);
-  p.out_resid = resid;
-  p.deterministic = deterministic;
-  if (q.numel() > 0 && k.numel() > 0) {
-    launch_bwd(p, q);
-  } else {
-    dq.zero_();
-    dk.zero_();
-    dv.zero_();
-  }
-  // finish_dbias sums the kv heads of a shared bias head; .to(dtype) makes a tensor of its own.
-  at::Tensor dbias = want_dbias ? finish_dbias(*accum, *bias4).view(bias->sizes()).to(bias->scalar_type(), false, true)
-                                : at::empty({0}, q.options());
+  const at::Tensor db = std::get<3>(
+      bwd_impl(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, bias4, out4,
+               lse.unsqueeze(0), softmax_scale, is_causal, softcap, bias_requires_grad, deterministic, c10::nullopt,
+               [&](const BwdParams& given) {
+                 BwdParams p = given;
+                 packed_params(p, s);
+                 p.out_resid = resid;
+                 launch_bwd(p, q);
+               },
+               /*device_stores_dbias_dtype=*/true, {}, {}, {dq4, dk.unsqueeze(0), dv.unsqueeze(0)}));
+  // db has the batch-1 bias's shape (1, heads, 1, Tk): the packed one's, as a tensor of its own.
+  at::Tensor dbias = bias_requires_grad && bias4.has_value() ? db.reshape(bias->sizes()).clone() : db;
   return {dq, dk, dv, dbias};
 }
 

@@ -15,14 +15,17 @@ namespace flexdma {
 using SupportCheck = const char* (*)(const FwdParams&);
 SupportCheck& cuda_support_check();
 
-inline std::tuple<at::Tensor, at::Tensor> fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                   const c10::optional<at::Tensor>& mask,
-                                                   const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                                   bool is_causal, double softcap,
-                                                   const c10::optional<at::Tensor>& tile_meta,
-                                                   const std::function<void(const FwdParams&)>& run,
-                                                   const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
-  auto [out, lse] = alloc_fwd_outputs(q);
+// `into`: where set (defined), the caller's out / lse (views of a packed call's own outputs, which
+// must not be views themselves), filled and returned; else fresh ones.
+using FwdOutputs = std::tuple<at::Tensor, at::Tensor>;
+using BwdOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+inline std::tuple<at::Tensor, at::Tensor> fwd_impl(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal, double softcap,
+    const c10::optional<at::Tensor>& tile_meta, const std::function<void(const FwdParams&)>& run,
+    const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}, const FwdOutputs& into = {}) {
+  auto [out, lse] = std::get<0>(into).defined() ? into : alloc_fwd_outputs(q);
   FwdParams p;
   fill_fwd_params(p, q, k, v, mask, bias, softmax_scale, is_causal, softcap, out, lse, tile_meta);
   p.key_rank = key_rank;
@@ -36,10 +39,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta, const std::function<void(const BwdParams&)>& run,
-    bool device_stores_dbias_dtype = false, const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {}) {
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+    bool device_stores_dbias_dtype = false, const Broadcast4d& key_rank = {}, const Broadcast4d& row_thr = {},
+    const BwdOutputs& into = {}) {
+  const bool given = std::get<0>(into).defined();  // the caller's dq / dk / dv (as fwd_impl's `into`)
+  auto dq = given ? std::get<0>(into) : at::empty(q.sizes(), q.options());
+  auto dk = given ? std::get<1>(into) : at::empty(k.sizes(), k.options());
+  auto dv = given ? std::get<2>(into) : at::empty(v.sizes(), v.options());
   const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
   // A bias constant along the keys (key dim 1) adds one number to every score of a row, which the
   // softmax ignores: its gradient is exactly zero on every device, and no kernel sums it (summed

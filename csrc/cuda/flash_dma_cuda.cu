@@ -48,7 +48,6 @@ const char* unsupported_reason(const FwdParams& p) {
   if (p.cu_seqlens_q) {
     if (p.mask.ptr || p.tile_meta.ptr) return "packed sequences take no attn_mask";
     if (p.bias.ptr && p.bias.row_stride != 0) return "packed sequences take a per-key bias only (heads, total_k)";
-    if (p.total_q < 0 || p.total_k < 0) return "packed sequences need total_q / total_k";
   }
   if (p.key_rank.ptr || p.row_thr.ptr || p.tile_keys.ptr) {
     if (!p.key_rank.ptr || !p.row_thr.ptr || !p.tile_keys.ptr)
