@@ -7,6 +7,7 @@
 
 #include "constants.cuh"
 #include "flash_dma_cuda.h"
+#include "mma_sm80.cuh"  // pack2, from_float
 
 namespace flexdma {
 namespace cuda {
@@ -14,19 +15,6 @@ namespace {
 
 constexpr int kCastThreads = 256;
 constexpr int kVec = 8;  // elements a thread converts: two 16-byte loads, one 16-byte store
-
-template <typename T>
-__device__ inline uint32_t pack2f(float a, float b);
-template <>
-__device__ inline uint32_t pack2f<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ inline uint32_t pack2f<__half>(float a, float b) {
-  const __half2 v = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // Chunk c of kVec elements over the segments in order; a segment's last chunk may be partial.
 template <typename T>
@@ -47,9 +35,9 @@ __global__ void __launch_bounds__(kCastThreads) cast_kernel(const CastParams p, 
   if (vec) {
     const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
     *reinterpret_cast<uint4*>(dst) =
-        make_uint4(pack2f<T>(a.x, a.y), pack2f<T>(a.z, a.w), pack2f<T>(b.x, b.y), pack2f<T>(b.z, b.w));
+        make_uint4(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w), pack2<T>(b.x, b.y), pack2<T>(b.z, b.w));
   } else {
-    for (int e = 0; e < kVec && i + e < n; ++e) dst[e] = static_cast<T>(src[e]);
+    for (int e = 0; e < kVec && i + e < n; ++e) dst[e] = from_float<T>(src[e]);
   }
 }
 
