@@ -78,7 +78,9 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
                      seq.nk, f.qkv_vec);
   cp_async_commit();
 
-  const bool has_bias = p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr, want_db = kDk && dbias.ptr != nullptr;
+  // Packed sequences take no mask (unsupported_reason): compiled out of their kernel.
+  const bool has_bias = p.bias.ptr != nullptr, has_mask = !kPacked && p.mask.ptr != nullptr;
+  const bool want_db = kDk && dbias.ptr != nullptr;
   const ScoreScale sc(p);
   const float scf = sc.softcap_on, mulf = sc.mul, soc = sc.over_cap;
 

@@ -92,9 +92,10 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   int64_t t_begin, n_end;
   SingleTileScheduler::key_range(key_tile_end(p, seq, m0), sp.n, work.split, t_begin, n_end);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).
-  const uint32_t* meta_row = p.mask.ptr ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
+  // Packed sequences take no mask (unsupported_reason): compiled out of their kernel.
+  const bool has_mask = !kPacked && p.mask.ptr != nullptr;
+  const uint32_t* meta_row = has_mask ? Plane<uint32_t>(p.tile_meta, b, h).at(m_tile, 0) : nullptr;
 
-  const bool has_mask = p.mask.ptr != nullptr;
   const FwdScoreConsts sc(p);
   const int no_rank[2] = {0, 0};  // the rank rule's row terms, unused here
   const int64_t keys_full = full_keys(p, seq.nq, seq.nk, m0);

@@ -30,6 +30,9 @@ struct SequenceKeysOf {
   static constexpr bool kTileBits = true;   // the walk skips tiles by the mask's activity bits
   static constexpr bool kPairs = true;      // a CTA may take a head pair (FwdFlags::pair)
   static constexpr bool kPacked = kPackedSeqs;
+  // Packed sequences take no mask (unsupported_reason): compiled out, the loader and the computing
+  // warps hold none of its operands (with them the packed kernel spilled).
+  static constexpr bool kMask = !kPackedSeqs;
 
   // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see;
   // none past a packed sequence's rows (CTAs of the longest sequence's tiles).
@@ -70,7 +73,7 @@ struct SequenceKeysOf {
           bias(Plane<T>(p_.bias, c_.b, c_.h).from(seq_.q0, seq_.k0)),
           mask(Plane<uint8_t>(p_.mask, c_.b, c_.h).from(seq_.q0, seq_.k0)),
           has_bias(p_.bias.ptr != nullptr),
-          has_mask(p_.mask.ptr != nullptr),
+          has_mask(kMask && p_.mask.ptr != nullptr),
           bias_vec(f_.bias_vec && seq_.plane_offset(p_.bias) % (16 / sizeof(T)) == 0) {}
     // Before the first tile t is requested.
     __device__ inline void start(int64_t) {}
@@ -116,6 +119,7 @@ struct ListedKeys {
   static constexpr bool kTileBits = false;   // the list holds only keys some row keeps
   static constexpr bool kPairs = false;
   static constexpr bool kPacked = true;  // packed sequences (FwdParams::cu_seqlens_q) too
+  static constexpr bool kMask = true;    // never given one (unsupported_reason); its branches stay as measured
 
   // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
   // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.

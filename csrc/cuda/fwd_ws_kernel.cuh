@@ -202,7 +202,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int lim_warp = __shfl_sync(0xffffffffu, lim[0], 0);  // of the warp's first row (lane 0's g = 0)
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
   const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
-  const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = p.mask.ptr != nullptr;
+  const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = Keys::kMask && p.mask.ptr != nullptr;
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0;
   const int bias_row0 = p.bias.row_stride != 0 ? half * kBlockM + w * 16 + g : 0;
   const FwdScoreConsts sc(p);
@@ -362,7 +362,7 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   const int64_t n_all = Keys::tiles(p, c);
   SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
   c.meta0 = c.meta1 = nullptr;
-  if (Keys::kTileBits && p.mask.ptr) {
+  if (Keys::kTileBits && Keys::kMask && p.mask.ptr) {
     const Plane<uint32_t> meta(p.tile_meta, c.b, c.h);
     c.meta0 = meta.at(c.m0 / kBlockM, 0);
     if (c.halves() == 2) c.meta1 = meta.at(c.m0 / kBlockM + 1, 0);
