@@ -32,6 +32,12 @@ _UNSET = object()
 _flex_state = _UNSET
 
 
+def flex_module():
+    """flexdma.flex, loaded on first use; for callers that asked unsupported_reason(..., "flex", ...)
+    first (it is then available)."""
+    return _flex_module()[0]
+
+
 def _flex_module():
     """(flexdma.flex, None), or (None, why) where FlexAttention is unavailable."""
     global _flex_state

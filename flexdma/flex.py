@@ -534,3 +534,154 @@ def flex_topk_attention(
         training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
     keep = (key_rank[:, :, None, :], row_thr[:, :, :, None])
     return _forward(query, key, value, None, attn_bias, is_causal, softmax_scale, softcap, training, need_lse, keep)
+
+
+# ---- packed sequences (flexdma.flash_dma_attention_varlen): one call with a document mask ----
+
+
+def _varlen_tiles(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int, is_causal: bool) -> torch.Tensor:
+    """(1, 1, NQ, NK) bool: the 128 x 128 tiles of the packed rows that some row's document (and
+    causality) reaches, from the offsets on their device (no host read). A tile's rows span the
+    documents d0..d1 of its first and last row, whose keys are one range [cu_k[d0], cu_k[d1 + 1]);
+    under causality the last row of d1 ends it (an earlier document's keys all lie before d1's).
+    A superset where a document sees fewer keys than it has: the mask_mod is exact."""
+    dev = cu_q.device
+    NQ, NK = -(-Tq // BLOCK), -(-Tk // BLOCK)
+    if NQ == 0 or NK == 0:
+        return torch.zeros(1, 1, NQ, NK, dtype=torch.bool, device=dev)
+    B = cu_q.numel() - 1
+    lq, lk = cu_q.diff(), cu_k.diff()
+    doc_q = torch.repeat_interleave(torch.arange(B, device=dev), lq, output_size=Tq)
+    r0 = torch.arange(NQ, device=dev) * BLOCK
+    r1 = torch.clamp(r0 + BLOCK - 1, max=Tq - 1)
+    d0, d1 = doc_q[r0], doc_q[r1]
+    lo, hi = cu_k[d0].long(), cu_k[d1 + 1].long()
+    if is_causal:
+        # Keys of d1 its last row r1 sees: up to (r1 - q0) + (nk - nq) of the document's own.
+        last = cu_k[d1] + (r1 - cu_q[d1]) + (lk[d1] - lq[d1]) + 1
+        hi = torch.minimum(hi, torch.maximum(cu_k[d1].long(), last.long()))
+    k0 = torch.arange(NK, device=dev) * BLOCK
+    return ((k0[None, :] < hi[:, None]) & (k0[None, :] + BLOCK > lo[:, None]))[None, None]
+
+
+def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts, keep):
+    """FlexAttention over the packed rows as one sequence (q (1, H, Tq, D)), a key visible where it
+    is in the query's document (and, causal, at or before the query's bottom-right aligned limit
+    there); bias (heads, Tk) per key; keep = (key_rank (heads, Tk), row_thr (heads, Tq)) of the
+    per-key selection in the packed layout."""
+    H = q.shape[1]
+    g_bias = H // bias.shape[0] if bias is not None else 1
+    g_keep = H // keep[0].shape[0] if keep is not None else 1
+    lq, lk = cu_q.diff(), cu_k.diff()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        if bias is not None:
+            score = score + bias[h // g_bias, kv_idx].to(score.dtype)
+        return torch.where(torch.isnan(score), float("inf"), score)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qi, ki = torch.clamp(q_idx, max=Tq - 1), torch.clamp(kv_idx, max=Tk - 1)
+        dq, dk = doc_q[qi], doc_k[ki]
+        ok = (q_idx < Tq) & (kv_idx < Tk) & (dq == dk)
+        if is_causal:
+            ok = ok & (ki - cu_k[dk] <= qi - cu_q[dq] + lk[dq] - lq[dq])
+        if keep is not None:
+            ok = ok & (keep[0][h // g_keep, ki] <= keep[1][h // g_keep, qi])
+        return ok
+
+    bm = _make_block_mask(tensors, Tq, Tk, mask_mod)
+    out, aux = flex_attention(
+        q,
+        k,
+        v,
+        score_mod=score_mod,
+        block_mask=bm,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=opts,
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+@functools.lru_cache(None)
+def _compiled_varlen():
+    return torch.compile(_attend_varlen, dynamic=False, fullgraph=True)
+
+
+@functools.lru_cache(None)
+def _traced_unfused_varlen():
+    return torch.compile(_attend_varlen, backend="eager", dynamic=False, fullgraph=True)
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, training, keep=None):
+    Tq, H, D = q.shape
+    Tk = k.shape[0]
+    partial = _varlen_tiles(cu_q, cu_k, Tq, Tk, is_causal)
+    kv = _ordered(partial) + _ordered(torch.zeros_like(partial))
+    qs = _ordered(partial.transpose(-1, -2)) + _ordered(torch.zeros_like(partial.transpose(-1, -2)))
+    tensors = kv + (qs if training else (None, None, None, None))
+    dev = q.device
+    doc_q = torch.repeat_interleave(torch.arange(cu_q.numel() - 1, device=dev), cu_q.diff(), output_size=Tq)
+    doc_k = torch.repeat_interleave(torch.arange(cu_k.numel() - 1, device=dev), cu_k.diff(), output_size=Tk)
+    qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
+    opts = kernel_options(dev, D, q.dtype, training)
+    args = (qt, kt, vt, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts, keep)
+    if torch.compiler.is_compiling():
+        out, lse = _attend_varlen(*args)
+    else:
+        # Inductor's CPU FlexAttention returns no LSE: unfused there (as _forward does).
+        run = _compiled_varlen() if dev.type == "cuda" else _traced_unfused_varlen()
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            out, lse = run(*args)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out[0].transpose(0, 1), lse[0].to(acc)
+
+
+class _FlexVarlenFwdOpBwd(torch.autograd.Function):
+    """CPU training of a packed call: FlexAttention forward, the flexdma C++ varlen op's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, bias, is_causal, scale, softcap):
+        out, lse = _varlen_forward(
+            q.detach(), k.detach(), v.detach(), cu_q, cu_k, None if bias is None else bias.detach(), is_causal,
+            scale, softcap, training=False,
+        )  # fmt: skip
+        out = out.contiguous()
+        ctx.save_for_backward(q, k, v, cu_q, cu_k, bias, out, lse)
+        ctx.cfg = (max_q, max_k, is_causal, scale, softcap)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, cu_q, cu_k, bias, out, lse = ctx.saved_tensors
+        max_q, max_k, is_causal, scale, softcap = ctx.cfg
+        want = bias is not None and ctx.needs_input_grad[7]
+        dq, dk, dv, dbias = torch.ops.flexdma.varlen_bwd(
+            dout.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, is_causal, softcap, 0,
+            want, True,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None, None, (dbias if want else None), None, None, None
+
+
+def flex_varlen_attention(
+    query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias, *, is_causal: bool,
+    softmax_scale: float, softcap: float, training: Optional[bool] = None,
+):  # fmt: skip
+    """(out (Tq, H, D), lse (H, Tq)) of packed sequences through one FlexAttention call with a
+    document mask built from the offsets on their device; inputs validated by flexdma.varlen."""
+    if training is None:
+        training = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, attn_bias)
+        )
+    if training and query.device.type == "cpu":
+        return _FlexVarlenFwdOpBwd.apply(
+            query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_bias, is_causal,
+            softmax_scale, softcap,
+        )  # fmt: skip
+    return _varlen_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, attn_bias, is_causal, softmax_scale, softcap, training
+    )

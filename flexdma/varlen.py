@@ -11,8 +11,10 @@ reads the offsets first checks them and stops at a device-side assert on invalid
 index checks on CUDA do). The per-key calls those kernels do not take (softcap or the deterministic
 mode in the backward) read the offsets on the host (a device wait per call) and run the padded
 path's kernels sequence by sequence on views of the packed rows (no padded copy); the CPU op does
-the same. Where the CUDA kernels do not take a call (and on FlexAttention and the reference), each
-sequence is one flash_dma_attention call on views, with its fallback. Either way nothing attends
+the same. Where the CUDA kernels do not take a call without a window, and with backend="flex", it
+is one FlexAttention call over the packed rows with a document mask from the offsets (flex.py's
+`flex_varlen_attention`); elsewhere (a window there, the reference) each sequence is one
+flash_dma_attention call on views, with its fallback. Either way nothing attends
 across a boundary, and the per-key selection runs within each sequence.
 """
 
@@ -141,6 +143,12 @@ def flash_dma_attention_varlen(
             requires_grad,
         )
         return (out, lse) if return_lse else out
+    if keep_window_size is None and _flex_takes(query, key, value, attn_bias, is_causal, softcap, backend):
+        out, lse = _dispatch.flex_module().flex_varlen_attention(
+            *(_checks.last_dim_contiguous(t) for t in (query, key, value)), cu_seqlens_q, cu_seqlens_k,
+            max_seqlen_q, max_seqlen_k, attn_bias, is_causal=bool(is_causal), softmax_scale=scale, softcap=softcap,
+        )  # fmt: skip
+        return (out, lse) if return_lse else out
     outs, lses = [], []
     for s in _sequences(cu_seqlens_q, cu_seqlens_k, query.shape[0], key.shape[0], max_seqlen_q, max_seqlen_k):
         qs, ks, vs, bias = _seq_views(query, key, value, attn_bias, s)
@@ -167,6 +175,22 @@ def flash_dma_attention_varlen(
         out = query.new_zeros(query.shape)
         lse = query.new_zeros((H, 0), dtype=_ops.acc_dtype(query.dtype))
     return (out, lse) if return_lse else out
+
+
+def _flex_takes(query, key, value, attn_bias, is_causal, softcap, backend: str) -> bool:
+    """Whether a call without a window runs as one FlexAttention call with a document mask from the
+    offsets: backend "flex", or "auto" where flexdma's own kernels do not take it (asked as for one
+    of its sequences, the packed rows' lengths)."""
+    if backend not in ("auto", "flex"):
+        return False
+    bias = None if attn_bias is None else attn_bias[None, :, None, :]
+    call = _dispatch.Call.of(
+        query[None], key[None], value[None], None, bias, is_causal=is_causal, softcap=softcap, requires_grad=False
+    )
+    why = _dispatch.unsupported_reason("dense", "flex", call)
+    if why and backend == "flex":
+        raise ValueError(f"backend='flex' cannot run this packed call: {why}")
+    return why is None
 
 
 def _op_takes(query, key, value, attn_bias, is_causal, softcap, window, backend: str) -> bool:

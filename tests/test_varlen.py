@@ -290,7 +290,7 @@ def test_cuda_packed_kernels_within_the_rule():
     _assert_packed_within_the_rule([700, 1, 0, 333, 1500], 128, 96, seed=11)
 
 
-def _assert_packed_within_the_rule(lq, D, W, seed):
+def _assert_packed_within_the_rule(lq, D, W, seed, backend="auto"):
     """The bf16 packed call on the GPU (causal, GQA, a per-key bias; window W or None) against the
     float64 reference of the documents: error at most ~2x the bf16 reference's, plus a floor, for
     out and every gradient."""
@@ -303,7 +303,7 @@ def _assert_packed_within_the_rule(lq, D, W, seed):
     lo_grads = torch.autograd.grad(ref_lo, lo, do.to(torch.bfloat16))
     dev = [t.detach().cuda().requires_grad_() for t in lo]
     out = flexdma.flash_dma_attention_varlen(
-        *dev[:3], cq.cuda(), ck.cuda(), max(lq), max(lq), dev[3], is_causal=True, keep_window_size=W
+        *dev[:3], cq.cuda(), ck.cuda(), max(lq), max(lq), dev[3], is_causal=True, keep_window_size=W, backend=backend
     )
     grads = torch.autograd.grad(out, dev, do.to(torch.bfloat16).cuda())
     for name, a, a_lo, w in zip(
@@ -526,3 +526,76 @@ def test_cuda_packed_max_seqlen_below_the_tokens_is_rejected(W):
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack([5, 7], [5, 7], 4, 2, 64, 2, torch.bfloat16, seed=2))
     with pytest.raises(ValueError, match="longer than max_seqlen"):
         flexdma.flash_dma_attention_varlen(q, k, v, cq, ck, 0, 7, bias, is_causal=True, keep_window_size=W)
+
+
+FLEX_CASES = [c for c in CASES + NO_KEYS if c[-1] is None] + [
+    # Documents across several 128-row tiles, tiles holding several documents, Q != K per document.
+    ([300, 0, 1, 129, 77, 140], [300, 0, 1, 129, 77, 140], 4, 2, 2, True, None),
+    ([128, 5, 260, 0, 3], [130, 9, 200, 3, 0], 4, 1, 4, True, None),
+    ([40, 200], [250, 10], 2, 2, 1, False, None),
+]
+
+
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_packed_is_one_call_with_a_document_mask(case, monkeypatch):
+    # backend="flex" without a window: one FlexAttention call over the packed rows (a document mask
+    # from the offsets, built on their device), not a call per document; equal to the float64
+    # reference of the documents one by one, out, LSE and every gradient (the CPU backward is the
+    # C++ varlen op's).
+    from flexdma import flex, varlen
+
+    calls = []
+    real = flex.flex_varlen_attention
+    monkeypatch.setattr(flex, "flex_varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(varlen, "flash_dma_attention", None)  # a per-document call would fail
+    lq, lk, H, KVH, bh, causal, _ = case
+    q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, torch.float64, seed=len(lq) + H + 5)
+    out, lse = flexdma.flash_dma_attention_varlen(
+        q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, return_lse=True, backend="flex"
+    )
+    assert calls == [1]
+    ref, ref_lse = _reference(q, k, v, bias, lq, lk, causal, None)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-10, rtol=1e-10)
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    do = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, do), torch.autograd.grad(ref, leaves, do)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_flex_packed_tiles_cover_every_kept_pair():
+    # The tiles the document mask visits (built from the offsets) hold every (query, key) pair a
+    # document keeps, causal or not, on random packings.
+    from flexdma.flex import BLOCK, _varlen_tiles
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        lq = torch.randint(0, 300, (n,), generator=g).tolist()
+        lk = torch.randint(0, 300, (n,), generator=g).tolist()
+        cq, ck = (torch.tensor([0] + torch.tensor(x).cumsum(0).tolist(), dtype=torch.int32) for x in (lq, lk))
+        for causal in (True, False):
+            tiles = _varlen_tiles(cq, ck, sum(lq), sum(lk), causal)[0, 0]
+            keep = torch.zeros(sum(lq), sum(lk), dtype=torch.bool)
+            for i in range(n):
+                rows, cols = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+                m = torch.ones(lq[i], lk[i], dtype=torch.bool)
+                keep[rows, cols] = m.tril(lk[i] - lq[i]) if causal else m
+            for r, c in keep.nonzero().tolist():
+                assert tiles[r // BLOCK, c // BLOCK], (lq, lk, causal, r, c)
+    # And it skips: two documents of 300 keep nothing of each other's 128-key tiles past the shared one.
+    cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+    tiles = _varlen_tiles(cu, cu, 600, 600, False)[0, 0]
+    assert tiles[0, :3].all() and not tiles[0, 3:].any() and not tiles[4, :2].any() and tiles[4, 2:].all()
+    causal = _varlen_tiles(cu, cu, 600, 600, True)[0, 0]
+    assert causal[0, 0] and not causal[0, 1:].any() and not causal[2, 3:].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_cuda_flex_packed_within_the_rule(D):
+    # backend="flex" on the GPU: one compiled FlexAttention call with the document mask (forward and
+    # FlexAttention's own backward, the bias a captured buffer with its gradient).
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _assert_packed_within_the_rule([300, 1, 0, 133, 500], D, None, seed=17, backend="flex")
