@@ -61,18 +61,21 @@ def _packed(kernel):
     return "SequenceKeysOfILb1E" in kernel or re.search(r"(fwd|bwd)_kernelI.*Lb1EEEv", kernel) is not None
 
 
-# The dense kernels' packed instantiations hold each sequence's offsets next to the padded kernels'
-# registers and spill a few dozen bytes (ptxas, CUDA 13.0: 32 in the forward, 52 in the backward at
-# D = 128); a change that spills more fails here. The padded kernels spill nothing.
-PACKED_SPILL_BYTES = 64
-
-
 @pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/topk_select.cu"])
 def test_kernels_compile_without_spills(src, tmp_path):
-    spills = _spills(_nvcc(src, tmp_path))
+    log = _nvcc(src, tmp_path)
+    spills = _spills(log)
     assert spills, "ptxas reported no kernels"
-    over = {k: v for k, v in spills.items() if v > (PACKED_SPILL_BYTES if _packed(k) else 0)}
+    over = {k: v for k, v in spills.items() if v > 0}
     assert not over, f"register spills: {over}"
+    _assert_wgmma_not_serialised(log)
+
+
+def _assert_wgmma_not_serialised(log):
+    # ptxas serialises every wgmma of a kernel where its pipeline crosses a call (an assert, a
+    # printf) and only says so in this note: the forward's S / P.V overlap would be gone.
+    serial = [line for line in log.splitlines() if "C7510" in line]
+    assert not serial, "wgmma serialised:\n" + "\n".join(serial)
 
 
 @pytest.mark.parametrize("src", _instantiations((192, 256)))
@@ -81,11 +84,13 @@ def test_wide_head_dims_compile(src, tmp_path):
     # dozen spilled bytes are known (ptxas, CUDA 13.0; up to 168 in the packed backward's dK pass);
     # a change that spills hundreds fails here.
     wide = NVCC_FLAGS.nvcc_flags(("90",), (192, 256)) + ["-I", os.path.join(ROOT, "csrc")]
-    spills = _spills(_nvcc(src, tmp_path, flags=wide))
+    log = _nvcc(src, tmp_path, flags=wide)
+    spills = _spills(log)
     kernel = "fwd_kernel" if os.path.basename(src).startswith("fwd") else "bwd_kernel"
     assert any(kernel in k for k in spills), f"expected the {kernel}, ptxas reported {sorted(spills)}"
     over = {k: v for k, v in spills.items() if v > (2 * 128 if _packed(k) else 128)}
     assert not over, f"register spills: {over}"
+    _assert_wgmma_not_serialised(log)
 
 
 def test_dispatch_compiles(tmp_path):

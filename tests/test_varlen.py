@@ -425,8 +425,8 @@ def _documents_dense(q, k, v, bias, do, lq, lk, causal):
 @pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("case", DENSE_PACKED_CASES)
 def test_cuda_dense_packed_kernels_equal_documents(case, D):
-    # One forward launch and one backward (pre, main, post) for all sequences, offsets read on the
-    # device, against the per-document ops: out and LSE agree up to the rounding of the key splits a
+    # One forward (the offsets' check, then the kernel) and one backward (pre, main, post) for all
+    # sequences, offsets read on the device, against the per-document ops: out and LSE agree up to the rounding of the key splits a
     # short document's own call takes (the packed call splits none), the gradients up to that and
     # the order of the dQ adds. Every output element written (poisoned memory first).
     if not _dense_built(D):

@@ -55,10 +55,9 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   // This CTA's query tile, head (the grid's units) and batch: heaviest first (tile_scheduler.cuh).
   const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
   const int64_t h = work.unit, b = work.b;
-  // Packed sequences: the offsets are read here first; the tiles past a sequence's rows have nothing
-  // to do.
+  // Packed sequences (offsets checked ahead of this kernel: check_packed_offsets_kernel): the tiles
+  // past a sequence's rows have nothing to do.
   const SeqInfo seq = SeqInfo::of<kPacked>(p, b);
-  if (threadIdx.x == 0) seq.check(p);
   const int64_t m_tile = work.m_tile;
   const int64_t kvh = h / (p.num_heads / p.num_heads_k);
   const int64_t m0 = m_tile * kBlockM;

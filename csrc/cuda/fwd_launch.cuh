@@ -101,6 +101,10 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
   const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, plan.rows), plan.units, p.batch, sp.n);
+  // Dense packed calls: the offsets are checked before the kernel reads them (the per-key path's
+  // selection checks its own).
+  if (p.cu_seqlens_q && !p.tile_keys.ptr)
+    check_packed_offsets_kernel<><<<(unsigned)ceil_div(p.batch, 128), 128, 0, stream>>>(p);
   plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p, plan.f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;

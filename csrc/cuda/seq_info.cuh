@@ -40,7 +40,8 @@ struct SeqInfo {
     return s;
   }
   // Stops the device where a packed sequence's offsets break check_packed_offsets' rules: called by
-  // the kernel of a call that reads them first.
+  // the kernel of a call that reads them first (never one that runs wgmma: the forward's are
+  // checked by check_packed_offsets_kernel ahead of it).
   __device__ inline void check(const FwdParams& p) const;
   // nq / nk, read from the params where the batch is padded: a kernel parameter is an operand of the
   // instruction that uses it, where a copy made at the start is a register held all kernel long
@@ -83,6 +84,15 @@ __device__ inline void SeqInfo::check(const FwdParams& p) const {
   check_packed_offsets(q0 >= 0 && k0 >= 0 && nq >= 0 && nk >= 0 && nq <= p.seqlen_q && nk <= p.seqlen_k &&
                        q0 + nq <= p.total_q && k0 + nk <= p.total_k && (!first || (q0 == 0 && k0 == 0)) &&
                        (!last || (q0 + nq == p.total_q && k0 + nk == p.total_k)));
+}
+
+// The forward's packed offsets, checked ahead of its kernel in a launch of their own (a thread a
+// sequence): a call to assert anywhere in a kernel that runs wgmma makes ptxas serialise all of
+// its wgmmas (C7510), which takes the forward's S / P.V overlap away.
+template <int kUnused = 0>
+__global__ void check_packed_offsets_kernel(const FwdParams p) {
+  const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < p.batch) SeqInfo::of<true>(p, b).check(p);
 }
 
 }  // namespace cuda
