@@ -33,6 +33,9 @@ struct SequenceKeysOf {
   // Packed sequences take no mask (unsupported_reason): compiled out, the loader and the computing
   // warps hold none of its operands (with them the packed kernel spilled).
   static constexpr bool kMask = !kPackedSeqs;
+  // Q as S = Q K^T's A operand in registers (fwd_ws_kernel): only where the mask's operands leave
+  // room (the padded kernel at D = 128 spills with it).
+  static constexpr bool kQInRegisters = kPackedSeqs;
 
   // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see;
   // none past a packed sequence's rows (CTAs of the longest sequence's tiles).
@@ -120,6 +123,7 @@ struct ListedKeys {
   static constexpr bool kPairs = false;
   static constexpr bool kPacked = true;  // packed sequences (FwdParams::cu_seqlens_q) too
   static constexpr bool kMask = true;    // never given one (unsupported_reason); its branches stay as measured
+  static constexpr bool kQInRegisters = true;
 
   // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
   // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.

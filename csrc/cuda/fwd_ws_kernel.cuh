@@ -6,8 +6,10 @@
 //     or misalignment rules that out) into rings of K stages (with the mask / bias / rank
 //     operands) and V stages, handed over by mbarriers;
 //   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile (paired: the same 64 rows of
-//     head h and h + 1) from the same stages: S = Q K^T (Q loaded once into smem by warpgroup 0)
-//     and O += P V on wgmma, the online softmax in registers.
+//     head h and h + 1) from the same stages: S = Q K^T (Q loaded once into smem by warpgroup 0,
+//     and from there into registers where the key source has room: Keys::kQInRegisters) and
+//     O += P V on wgmma, the online softmax in registers (O rescaled only when a row's max moves:
+//     softmax_step).
 // Why: in the one-warpgroup kernel (fwd_kernel.cuh) the threads that run the products also issue
 // every copy, compute its addresses and wait at a CTA barrier per tile, and each 64-row CTA reads
 // its own K / V. Here the copies and their integer work are off the computing warps' issue path,
@@ -118,8 +120,6 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   uint8_t* sKeep = smem + L::kKeep;
   T* sB = reinterpret_cast<T*>(smem + L::kBias);
   const SeqInfo& seq = c.seq;
-  // A dense packed call's offsets are read here first (the per-key selection checks its own).
-  if (!Keys::kRankRule && threadIdx.x == 0) seq.check(p);
   typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q of both warpgroups, once (rows past seqlen_q zero).
@@ -222,21 +222,35 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   auto release = [&](uint64_t* empty, Pos at) { mbar_arrive(&empty[at.stage]); };
   // Descriptors built once and moved by constants (desc_advance): Q's, and stage 0's K and V.
   const uint64_t dq = desc_k_major<kBlockM>(sQ, 0);
+  // Q as wgmma's A operand in registers (loaded once Q has landed), where the key source has room
+  // for it: S = Q K^T then reads only K from smem. A 64 x 64 product with both operands in smem
+  // reads as many smem bytes as the tensor cores take cycles for it, next to P.V's V and the
+  // loader's gathers.
+  constexpr bool kQRegs = Keys::kQInRegisters;
+  uint32_t qa[kQRegs ? D / 16 : 1][4];
   const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_mn_major<kBlockN>(sV, 0);
-  // S = Q K^T of stage st, both operands read from smem, issued and left in flight.
+  // S = Q K^T of stage st (Q from registers or smem, K from smem), issued and left in flight.
   auto gemm_s = [&](int st) {
     const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
-    // Opaque here, so that Q's eight descriptors are built in the loop (eight adds) rather than
-    // hoisted out of it into sixteen registers the computing warps do not have.
-    uint64_t dqh = dq;
-    asm volatile("" : "+l"(dqh));
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
     fence_regs(s);
-    wgmma_fence();
-    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dqh, dk);
+    if constexpr (kQRegs) {
+      fence_regs(qa);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_rs<T, kBlockN, 0>(s, qa[kk], desc_advance(dk, k_major_offset<kBlockN>(kk)), kk > 0);
+    } else {
+      // Opaque here, so that Q's eight descriptors are built in the loop (eight adds) rather than
+      // hoisted out of it into sixteen registers the computing warps do not have.
+      uint64_t dqh = dq;
+      asm volatile("" : "+l"(dqh));
+      wgmma_fence();
+      wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dqh, dk);
+    }
     wgmma_commit();
   };
   // O += P V of stage st, issued and left in flight (one wgmma of width D per 16 keys).
@@ -276,6 +290,15 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   int64_t t = c.next(active, c.t_begin);
   if (t < own_end) {
     mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
+    if constexpr (kQRegs) {
+      // ldmatrix x4's lanes 0-15 address rows 0-15 of the warp's 16 at columns kk * 16, lanes
+      // 16-31 the same rows 8 columns on: the A fragment's four 8 x 8 blocks.
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int r = w * 16 + (lane & 15), col = kk * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(qa[kk], sQ + sw128_offset(kBlockM, r, col) / 2);
+      }
+    }
     wait(full_k, at);
     // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
     // proxy): the fence orders the two for this thread once the barriers say they have landed.
@@ -309,7 +332,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       wgmma_wait<0>();
       fence_regs(o);
       release(empty_v, at);
-      rescale_o<D>(o, alpha);
+      rescale_o_if<D>(o, alpha);
       c_to_a<T>(s, pa);
       at = an;
       t = tn;

@@ -49,6 +49,10 @@ __device__ inline float fmax_nan(float a, float b) {
 #endif
 }
 
+// How far (log2 units) a row's scores may rise above the max its P and O are scaled by before
+// that max moves: 8 keeps P <= 256, exact in fp32 and within bf16 / fp16's range.
+constexpr float kRescaleSlack = 8.f;
+
 // The forward's accumulators before the first key tile: O = 0, and for rows g, g + 8 of the thread
 // the running max (-inf: nothing seen) and the per-thread row sum.
 template <int D>
@@ -83,9 +87,16 @@ __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 2));
     const float m_new = fmax_nan(row_max[hh], mx[hh] * scale);
-    const float m_use = m_new == -CUDART_INF_F ? 0.f : m_new;  // all -inf so far: p = 0, alpha = 0
-    alpha[hh] = exp2f(row_max[hh] - m_use);
-    row_max[hh] = m_new;
+    // The max in use stays where the row's scores rise by at most kRescaleSlack over it: then
+    // alpha is exactly 1 and a warp whose rows all keep theirs skips rescaling O (rescale_o_if).
+    // P stays <= 2^kRescaleSlack, and the sum and O carry the same stale max, which the epilogue's
+    // LSE (max + log2 sum) absorbs; the sum stays >= 1 (it holds the p = 1 of the score that set
+    // the max). A NaN max fails the compare and is taken, as before.
+    const bool stay = row_max[hh] != -CUDART_INF_F && m_new <= row_max[hh] + kRescaleSlack;
+    const float m_cur = stay ? row_max[hh] : m_new;
+    const float m_use = m_cur == -CUDART_INF_F ? 0.f : m_cur;  // all -inf so far: p = 0, alpha = 0
+    alpha[hh] = stay ? 1.f : exp2f(row_max[hh] - m_use);
+    row_max[hh] = m_cur;
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n) {
@@ -108,12 +119,19 @@ __device__ inline void rescale_o(float (&o)[D / 8][4], const float (&alpha)[2]) 
     }
 }
 
+// rescale_o where some row of the warp moved its max (warp-uniform: the rows' alphas are all 1
+// once their maxima settle, which is most key tiles after the first few).
+template <int D>
+__device__ inline void rescale_o_if(float (&o)[D / 8][4], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) rescale_o<D>(o, alpha);
+}
+
 template <int D>
 __device__ inline void online_softmax(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                       float (&o)[D / 8][4], float scale = 1.f) {
   float alpha[2];
   softmax_step(s, row_max, row_sum, alpha, scale);
-  rescale_o<D>(o, alpha);
+  rescale_o_if<D>(o, alpha);
 }
 
 }  // namespace cuda
