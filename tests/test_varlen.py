@@ -444,7 +444,8 @@ def test_cuda_dense_packed_kernels_equal_documents(case, D):
     out, lse = flexdma.flash_dma_attention_varlen(
         q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, return_lse=True, softmax_scale=0.125
     )
-    do = torch.randn_like(out)
+    gen = torch.Generator(device="cuda").manual_seed(sum(lk) + D)
+    do = torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype)
     poison_allocator([q, k, v, *(torch.empty(t.numel(), device="cuda") for t in leaves)])
     got = torch.autograd.grad(out, leaves, do)
     with torch.no_grad():
@@ -455,7 +456,12 @@ def test_cuda_dense_packed_kernels_equal_documents(case, D):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
     for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, [w for w in want if w is not None]):
         assert not a.isnan().any(), name
-        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+        # dK, dV and dbias sum hundreds of products of bf16-rounded P / dS: the two calls' LSEs differ
+        # in the last float bits, which flips some of those roundings, so a small element of a sum of
+        # large terms moves by a few steps of the terms' size. The floor scales with the gradient's
+        # largest element (a missing or misplaced sequence moves elements by their own size).
+        floor = 1e-2 * b.float().abs().max().item()
+        torch.testing.assert_close(a, b, atol=max(2e-2, floor), rtol=2e-2, msg=name)
 
 
 @pytest.mark.gpu
