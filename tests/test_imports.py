@@ -29,6 +29,7 @@ NEEDS_TRITON = {
     "benchmarks.dev.flex_check",
     "benchmarks.dev.flex_options",
     "benchmarks.dev.topk_dev",
+    "benchmarks.dev.fwd_kernels",
     "benchmarks.dev.flex_probe",
     "benchmarks.dev.host_parts",
 }

@@ -1,0 +1,83 @@
+"""The forward kernels alone, for A/B runs of a kernel change (one build per variant, same process
+layout): the per-key forward on the selection's lists (the reference shapes and the model shapes,
+D = 128 / 64) and the dense packed forward on the varlen bench's 64K mixes against the documents'
+own forwards (no window). do_bench medians in ms; the selection is made once outside the timing.
+
+python -m benchmarks.dev.fwd_kernels TAG OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+from triton.testing import do_bench
+
+import flexdma
+from benchmarks.dev.topk_dev import _fwd, _inputs, _select
+
+# (B, L, H, KVH, D, selection plane heads)
+PERKEY = [
+    (1, 8192, 2, 1, 128, 1),
+    (1, 32768, 2, 1, 128, 1),
+    (1, 131072, 2, 1, 128, 1),
+    (2, 8192, 16, 4, 128, 4),
+    (4, 4096, 16, 4, 128, 4),
+    (1, 32768, 2, 1, 64, 1),
+    (1, 131072, 2, 1, 64, 1),
+    (2, 8192, 16, 4, 64, 4),
+]
+# The varlen bench's document lengths (seeds 0 and 1) at its head dims.
+MIXES = [
+    (128, [14347, 6823, 12930, 15097, 7402, 1175, 4754, 3008]),
+    (64, [2713, 9837, 14396, 13656, 13025, 1545, 4691, 2443, 3230]),
+]
+
+
+def perkey(res: dict) -> None:
+    for B, L, H, KVH, D, ph in PERKEY:
+        torch.manual_seed(0)
+        q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
+        sel = _select(q, k, bias, 2048, True)
+        scale = 1 / math.sqrt(D)
+        res[f"perkey B={B} L={L} H={H} KVH={KVH} D={D}"] = do_bench(
+            lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=50, rep=200
+        )
+
+
+def dense_packed(res: dict) -> None:
+    for D, lengths in MIXES:
+        torch.manual_seed(1)
+        total, H, KVH = sum(lengths), 16, 4
+        q = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(total, KVH, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+        bias = torch.randn(KVH, total, device="cuda", dtype=torch.bfloat16)
+        offs = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
+        longest = max(lengths)
+        res[f"dense packed D={D}"] = do_bench(
+            lambda: flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, longest, longest, bias, is_causal=True),
+            warmup=50,
+            rep=200,
+        )
+        per_doc = 0.0
+        for a, b in zip(offs[:-1], offs[1:]):
+            qd, kd, vd, bd = q[a:b][None], k[a:b][None], v[a:b][None], bias[:, a:b][None, :, None]
+            per_doc += do_bench(
+                lambda: flexdma.flash_dma_attention(qd, kd, vd, None, bd, is_causal=True), warmup=20, rep=80
+            )
+        res[f"dense per-doc sum D={D}"] = per_doc
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    tag, out = sys.argv[1], sys.argv[2]
+    res: dict = {"tag": tag, "device": torch.cuda.get_device_name()}
+    perkey(res)
+    dense_packed(res)
+    print(json.dumps(res, indent=1))
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
