@@ -29,7 +29,7 @@ NEEDS_TRITON = {
     "benchmarks.dev.flex_check",
     "benchmarks.dev.flex_options",
     "benchmarks.dev.topk_dev",
-    "benchmarks.dev.fwd_kernels",
+    "benchmarks.dev.kernel_times",
     "benchmarks.dev.flex_probe",
     "benchmarks.dev.host_parts",
 }

@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParam
     bwd_ws_load<T, D>(p, c, n_pieces, smem);
   } else {
     regs_claim<kBwdComputeRegs>();
-    bwd_ws_compute<T, D>(p, c, n_pieces, smem, threadIdx.x / kThreads - 1);
+    bwd_ws_compute<T, D>(p, c, n_pieces, smem, warpgroup_uniform() - 1);
   }
 }
 

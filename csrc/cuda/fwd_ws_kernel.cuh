@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
     fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile<Keys>(p, f, sp), smem);
   } else {
     regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, threadIdx.x / kThreads - 1);
+    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, warpgroup_uniform() - 1);
   }
 }
 

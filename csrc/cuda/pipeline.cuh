@@ -103,6 +103,12 @@ __device__ inline void named_barrier_arrive_if(bool on, NamedBarrier id, int thr
                : "memory");
 }
 
+// The calling thread's warpgroup, as a value the compiler knows is the same across the warp (a
+// shuffle from lane 0; the warp must be converged): what is derived from it (a warpgroup's rows,
+// its trip counts, the ring positions and wgmma descriptors of its loop) can live in uniform
+// registers, instead of vector registers moved to uniform ones before every wgmma.
+__device__ inline int warpgroup_uniform() { return __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0); }
+
 // Hands registers between warpgroups: the loading warpgroup needs few, the computing ones hold
 // the O accumulator and the scores. Every warp of the warpgroup executes it.
 template <int N>

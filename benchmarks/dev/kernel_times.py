@@ -1,9 +1,10 @@
-"""The forward kernels alone, for A/B runs of a kernel change (one build per variant, same process
-layout): the per-key forward on the selection's lists (the reference shapes and the model shapes,
-D = 128 / 64) and the dense packed forward on the varlen bench's 64K mixes against the documents'
-own forwards (no window). do_bench medians in ms; the selection is made once outside the timing.
+"""The attention kernels alone, for A/B runs of a kernel change (one build per variant, same process
+layout): the per-key forward and backward (the sm_90a kernels) on the selection's lists (the
+reference shapes and the model shapes, D = 128 / 64), and the dense packed forward on the varlen
+bench's 64K mixes against the documents' own forwards (no window). do_bench medians in ms; the
+selection and the forward's outputs are made once outside the timing.
 
-python -m benchmarks.dev.fwd_kernels TAG OUT.json
+python -m benchmarks.dev.kernel_times TAG OUT.json
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from triton.testing import do_bench
 
 import flexdma
-from benchmarks.dev.topk_dev import _fwd, _inputs, _select
+from benchmarks.dev.topk_dev import _bwd, _fwd, _inputs, _select
 
 # (B, L, H, KVH, D, selection plane heads)
 PERKEY = [
@@ -42,8 +43,12 @@ def perkey(res: dict) -> None:
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
         sel = _select(q, k, bias, 2048, True)
         scale = 1 / math.sqrt(D)
-        res[f"perkey B={B} L={L} H={H} KVH={KVH} D={D}"] = do_bench(
-            lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=50, rep=200
+        name = f"B={B} L={L} H={H} KVH={KVH} D={D}"
+        res[f"perkey fwd {name}"] = do_bench(lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=50, rep=200)
+        out, lse, resid = _fwd(q, k, v, bias, sel, scale, True)
+        do = torch.randn_like(q)
+        res[f"perkey bwd {name}"] = do_bench(
+            lambda: _bwd(do, q, k, v, bias, sel, out, lse, resid, scale, True, True), warmup=25, rep=100
         )
 
 
