@@ -301,11 +301,12 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     for (int kk = 0; kk < 2 * kBlockM / 16; ++kk) {
       const int half = kk / 4, k4 = kk % 4;
       const uint64_t da = desc_mn_major<kBlockM>(prod_a + (2 * buf + half) * (L::kPTile / 2), k4);
-#pragma unroll
-      for (int nb = 0; nb < D / 64; ++nb) {
-        float (&an)[8][4] = *reinterpret_cast<float (*)[8][4]>(&acc[8 * nb][0]);
-        wgmma_ss64<T, 1>(an, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2 + nb * kBlockM * 64, k4),
-                         kk > 0);
+      // B's two 64-column blocks at D = 128 are one operand of width 128 (desc_mn_major's LBO steps
+      // between them).
+      if constexpr (D == 128) {
+        wgmma_ss128<T, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
+      } else {
+        wgmma_ss64<T, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
       }
     }
     wgmma_commit();
@@ -323,16 +324,15 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     mbar_arrive(&empty_k[st]);
     mbar_arrive(&empty_v[st]);
     at.advance();
+    // Selects, not branches, so that each column block is one predicated reduction.
+    const bool listed = my_key != KeyList<T, D>::kNever;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
       const float r0 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][0] : acc[n][2], 1);
       const float r1 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][1] : acc[n][3], 1);
-      if (my_key != KeyList<T, D>::kNever) {
-        if (odd)
-          red_add4(my_row + n * 8, r0, r1, acc[n][2], acc[n][3]);
-        else
-          red_add4(my_row + n * 8, acc[n][0], acc[n][1], r0, r1);
-      }
+      const float x0 = odd ? r0 : acc[n][0], x1 = odd ? r1 : acc[n][1];
+      const float x2 = odd ? acc[n][2] : r0, x3 = odd ? acc[n][3] : r1;
+      if (listed) red_add4(my_row + n * 8, x0, x1, x2, x3);
     }
   }
 

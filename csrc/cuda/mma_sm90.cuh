@@ -179,6 +179,24 @@ __device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t de
         : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
 }
 
+// The same at width 128 (D 64 x 128): the backward's dV = P^T dO and dK = dS^T Q at D = 128, one
+// wgmma a k step instead of two of width 64, each of which read A again.
+template <typename T, int kTrans = 0>
+__device__ inline void wgmma_ss128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FLEXDMA_REGS_N128 ", %64, %65, p, 1, 1, %67, %67;\n}\n"
+        : FLEXDMA_ACC_N128
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
+  else
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FLEXDMA_REGS_N128 ", %64, %65, p, 1, 1, %67, %67;\n}\n"
+        : FLEXDMA_ACC_N128
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
+}
+
 // d = A B^T over a reduction of D columns, both operands K-major swizzled tiles in shared memory
 // given by their first k step's descriptors (A kRowsA rows, B kRowsB rows): D / 16 wgmmas, the
 // first overwriting d. What the warp-specialized kernels' S = Q K^T (and the backward's
