@@ -135,12 +135,12 @@ __device__ inline void add_dq_tile(float* acc, const T* sDst, const T* sK) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
     if constexpr (use_wgmma<D>()) {
-      static_assert(kChunk == 64, "wgmma_ss64 is 64 columns wide");
+      static_assert(kChunk == 64, "wgmma_ss<T, 64> is 64 columns wide");
       fence_regs(o);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma_ss64<T, 1>(o, desc_mn_major<kBlockN>(sDst, kk), desc_mn_major<kBlockN>(sK + c * kBlockN * 64, kk), 1);
+        wgmma_ss<T, 64, 1>(o, desc_mn_major<kBlockN>(sDst, kk), desc_mn_major<kBlockN>(sK + c * kBlockN * 64, kk), 1);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);

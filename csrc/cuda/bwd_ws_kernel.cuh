@@ -304,9 +304,9 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
       // B's two 64-column blocks at D = 128 are one operand of width 128 (desc_mn_major's LBO steps
       // between them).
       if constexpr (D == 128) {
-        wgmma_ss128<T, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
+        wgmma_ss<T, 128, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
       } else {
-        wgmma_ss64<T, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
+        wgmma_ss<T, 64, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
       }
     }
     wgmma_commit();

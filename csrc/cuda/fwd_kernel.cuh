@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_ss64<T>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
+        wgmma_ss<T, 64>(s, desc_k_major<kBlockM>(sQ, kk), desc_k_major<kBlockN>(sk, kk), kk > 0);
       wgmma_commit();
     } else if constexpr (kWg) {
       fence_regs(s);

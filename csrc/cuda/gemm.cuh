@@ -34,7 +34,7 @@ __device__ inline void gemm_nt(float (&c0)[kBlockN / 8][4], const T* a0, const T
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-      wgmma_ss64<T>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
+      wgmma_ss<T, 64>(c0, desc_k_major<64>(a0, kk), desc_k_major<kBlockN>(b0, kk), kk > 0);
     wgmma_commit();
     if constexpr (kWait) {
       wgmma_wait<0>();

@@ -160,41 +160,34 @@ __device__ inline void wgmma_rs_mn(float (&o)[D / 8][4], const uint32_t (&a)[4],
   }
 }
 
-// One wgmma of width 64 with both operands in shared memory, read through the same descriptor
-// form (A a 64-row tile): K-major by default (the backward's S^T = K Q^T and dP^T = V dO^T);
-// kTrans = 1 reads both MN-major (its dQ = dS K, dS staged [key][query]).
-template <typename T, int kTrans = 0>
-__device__ inline void wgmma_ss64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, %35, %35;\n}\n"
-        : FLEXDMA_ACC_N64
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
-  else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FLEXDMA_REGS_N64 ", %32, %33, p, 1, 1, %35, %35;\n}\n"
-        : FLEXDMA_ACC_N64
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
-}
-
-// The same at width 128 (D 64 x 128): the backward's dV = P^T dO and dK = dS^T Q at D = 128, one
-// wgmma a k step instead of two of width 64, each of which read A again.
-template <typename T, int kTrans = 0>
-__device__ inline void wgmma_ss128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " FLEXDMA_REGS_N128 ", %64, %65, p, 1, 1, %67, %67;\n}\n"
-        : FLEXDMA_ACC_N128
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
-  else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FLEXDMA_REGS_N128 ", %64, %65, p, 1, 1, %67, %67;\n}\n"
-        : FLEXDMA_ACC_N128
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans));
+// One wgmma with both operands in shared memory, read through the same descriptor form (A a
+// 64-row tile): K-major by default (the backward's S^T = K Q^T and dP^T = V dO^T); kTrans = 1 reads
+// both MN-major (its dQ = dS K, dS staged [key][query]; dV = P^T dO and dK = dS^T Q, at D = 128 one
+// of width 128 a k step, which reads A once where two of width 64 read it twice). N is 64 or 128.
+#define FLEXDMA_SETP_SS_N64 "setp.ne.b32 p, %34, 0;\n"
+#define FLEXDMA_OPS_SS_N64 ", %32, %33, p, 1, 1, %35, %35;\n}\n"
+#define FLEXDMA_SETP_SS_N128 "setp.ne.b32 p, %66, 0;\n"
+#define FLEXDMA_OPS_SS_N128 ", %64, %65, p, 1, 1, %67, %67;\n}\n"
+#define FLEXDMA_WGMMA_SS(N, TY)                                                                                      \
+  asm volatile("{\n.reg .pred p;\n" FLEXDMA_SETP_SS_N##N "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
+                                                         " " FLEXDMA_REGS_N##N FLEXDMA_OPS_SS_N##N                   \
+               : FLEXDMA_ACC_N##N                                                                                    \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTrans))
+template <typename T, int N, int kTrans = 0>
+__device__ inline void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma_ss: N must be 64 or 128");
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (N == 64) {
+    if constexpr (kBf16)
+      FLEXDMA_WGMMA_SS(64, "bf16");
+    else
+      FLEXDMA_WGMMA_SS(64, "f16");
+  } else {
+    if constexpr (kBf16)
+      FLEXDMA_WGMMA_SS(128, "bf16");
+    else
+      FLEXDMA_WGMMA_SS(128, "f16");
+  }
 }
 
 // d = A B^T over a reduction of D columns, both operands K-major swizzled tiles in shared memory
@@ -205,10 +198,15 @@ template <typename T, int D, int kRowsA, int kRowsB>
 __device__ inline void wgmma_ss64_k_major(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss64<T>(d, desc_advance(desc_a, k_major_offset<kRowsA>(kk)), desc_advance(desc_b, k_major_offset<kRowsB>(kk)),
-                  kk > 0);
+    wgmma_ss<T, 64>(d, desc_advance(desc_a, k_major_offset<kRowsA>(kk)),
+                    desc_advance(desc_b, k_major_offset<kRowsB>(kk)), kk > 0);
 }
 #undef FLEXDMA_WGMMA_RS
+#undef FLEXDMA_WGMMA_SS
+#undef FLEXDMA_SETP_SS_N64
+#undef FLEXDMA_OPS_SS_N64
+#undef FLEXDMA_SETP_SS_N128
+#undef FLEXDMA_OPS_SS_N128
 #undef FLEXDMA_SETP_N64
 #undef FLEXDMA_OPS_N64
 #undef FLEXDMA_SETP_N128
