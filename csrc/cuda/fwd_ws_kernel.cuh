@@ -360,6 +360,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // must not land on the staged rows).
     mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
     T* stage = reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2;
+    // The warp's ldmatrix reads of its Q rows (kQInRegisters) ordered before the epilogue's writes
+    // over them by a warp barrier, the ordering compute-sanitizer's racecheck recognises (their
+    // registers were consumed by the walk's wgmmas long before).
+    if constexpr (kQRegs) __syncwarp();
     // Dense packed: the sequence's offsets are read again here rather than held in registers
     // across the walk (the per-key kernel has the registers).
     const SeqInfo seq = Keys::kRankRule ? c.seq : SeqInfo::of<Keys::kPacked>(p, c.b);
