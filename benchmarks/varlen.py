@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
-from flexdma.flex import kernel_options
+from flexdma.flex import doc_mask_kernel_options
 
 from .common import Saving, newest_section, record, run_section, runs_of, table
 from .peers import compiled_flex
@@ -205,7 +205,7 @@ def _units(peer: str, c: dict, base, grad: bool, notes: dict) -> List[Unit]:
 
 
 def _flex_docmask(c: dict, base, grad: bool) -> Unit:
-    """Compiled FlexAttention (at flexdma's measured options) over the packed tokens as one
+    """Compiled FlexAttention (at flexdma's options for document masks) over the packed tokens as one
     sequence, a key visible where it is in the query's document and not after it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -219,7 +219,7 @@ def _flex_docmask(c: dict, base, grad: bool) -> Unit:
 
     # Compiled: the uncompiled builder materializes the T x T mask (4 GiB at 64K).
     bm = create_block_mask(mask_mod, None, None, T, T, device=q.device, BLOCK_SIZE=128, _compile=True)
-    opts = kernel_options(q.device, c["D"], q.dtype, grad)
+    opts = doc_mask_kernel_options(q.device, c["D"], q.dtype, grad)
     attend = compiled_flex()
     qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
 

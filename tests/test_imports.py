@@ -30,6 +30,7 @@ NEEDS_TRITON = {
     "benchmarks.dev.flex_options",
     "benchmarks.dev.topk_dev",
     "benchmarks.dev.kernel_times",
+    "benchmarks.dev.flex_docmask_options",
     "benchmarks.dev.flex_probe",
     "benchmarks.dev.host_parts",
 }
