@@ -204,9 +204,13 @@ def _units(peer: str, c: dict, base, grad: bool, notes: dict) -> List[Unit]:
     raise ValueError(peer)
 
 
-def _flex_docmask(c: dict, base, grad: bool) -> Unit:
-    """Compiled FlexAttention (at flexdma's options for document masks) over the packed tokens as one
-    sequence, a key visible where it is in the query's document and not after it."""
+_DOC_MASK_OPTIONS = object()  # flex.doc_mask_kernel_options' choice
+
+
+def _flex_docmask(c: dict, base, grad: bool, opts=_DOC_MASK_OPTIONS) -> Unit:
+    """Compiled FlexAttention (at flexdma's options for document masks, or the kernel options
+    `opts`) over the packed tokens as one sequence, a key visible where it is in the query's
+    document and not after it."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     q, k, v = _leaves(grad, *base[:3])
@@ -219,7 +223,8 @@ def _flex_docmask(c: dict, base, grad: bool) -> Unit:
 
     # Compiled: the uncompiled builder materializes the T x T mask (4 GiB at 64K).
     bm = create_block_mask(mask_mod, None, None, T, T, device=q.device, BLOCK_SIZE=128, _compile=True)
-    opts = doc_mask_kernel_options(q.device, c["D"], q.dtype, grad)
+    if opts is _DOC_MASK_OPTIONS:
+        opts = doc_mask_kernel_options(q.device, c["D"], q.dtype, grad)
     attend = compiled_flex()
     qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
 

@@ -551,19 +551,27 @@ def flex_topk_attention(
 # ---- packed sequences (flexdma.flash_dma_attention_varlen): one call with a document mask ----
 
 
-def _varlen_tiles(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int, is_causal: bool) -> torch.Tensor:
+def _documents(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """Each packed row's document index, from the offsets on their device."""
+    return torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu.diff(), output_size=total)
+
+
+def _varlen_tiles(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int, is_causal: bool, doc_q: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """(1, 1, NQ, NK) bool: the 128 x 128 tiles of the packed rows that some row's document (and
     causality) reaches, from the offsets on their device (no host read). A tile's rows span the
     documents d0..d1 of its first and last row, whose keys are one range [cu_k[d0], cu_k[d1 + 1]);
     under causality the last row of d1 ends it (an earlier document's keys all lie before d1's).
-    A superset where a document sees fewer keys than it has: the mask_mod is exact."""
+    A superset where a document sees fewer keys than it has: the mask_mod is exact. doc_q: the rows'
+    documents (_documents), where the caller has them."""
     dev = cu_q.device
     NQ, NK = -(-Tq // BLOCK), -(-Tk // BLOCK)
     if NQ == 0 or NK == 0:
         return torch.zeros(1, 1, NQ, NK, dtype=torch.bool, device=dev)
-    B = cu_q.numel() - 1
     lq, lk = cu_q.diff(), cu_k.diff()
-    doc_q = torch.repeat_interleave(torch.arange(B, device=dev), lq, output_size=Tq)
+    if doc_q is None:
+        doc_q = _documents(cu_q, Tq)
     r0 = torch.arange(NQ, device=dev) * BLOCK
     r1 = torch.clamp(r0 + BLOCK - 1, max=Tq - 1)
     d0, d1 = doc_q[r0], doc_q[r1]
@@ -576,14 +584,12 @@ def _varlen_tiles(cu_q: torch.Tensor, cu_k: torch.Tensor, Tq: int, Tk: int, is_c
     return ((k0[None, :] < hi[:, None]) & (k0[None, :] + BLOCK > lo[:, None]))[None, None]
 
 
-def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts, keep):
+def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts):
     """FlexAttention over the packed rows as one sequence (q (1, H, Tq, D)), a key visible where it
     is in the query's document (and, causal, at or before the query's bottom-right aligned limit
-    there); bias (heads, Tk) per key; keep = (key_rank (heads, Tk), row_thr (heads, Tq)) of the
-    per-key selection in the packed layout."""
+    there); bias (heads, Tk) per key."""
     H = q.shape[1]
     g_bias = H // bias.shape[0] if bias is not None else 1
-    g_keep = H // keep[0].shape[0] if keep is not None else 1
     lq, lk = cu_q.diff(), cu_k.diff()
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -599,8 +605,6 @@ def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_
         ok = (q_idx < Tq) & (kv_idx < Tk) & (dq == dk)
         if is_causal:
             ok = ok & (ki - cu_k[dk] <= qi - cu_q[dq] + lk[dq] - lq[dq])
-        if keep is not None:
-            ok = ok & (keep[0][h // g_keep, ki] <= keep[1][h // g_keep, qi])
         return ok
 
     bm = _make_block_mask(tensors, Tq, Tk, mask_mod)
@@ -628,19 +632,18 @@ def _traced_unfused_varlen():
     return torch.compile(_attend_varlen, backend="eager", dynamic=False, fullgraph=True)
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, training, keep=None):
+def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, training):
     Tq, H, D = q.shape
     Tk = k.shape[0]
-    partial = _varlen_tiles(cu_q, cu_k, Tq, Tk, is_causal)
+    doc_q, doc_k = _documents(cu_q, Tq), _documents(cu_k, Tk)
+    partial = _varlen_tiles(cu_q, cu_k, Tq, Tk, is_causal, doc_q)
     kv = _ordered(partial) + _ordered(torch.zeros_like(partial))
     qs = _ordered(partial.transpose(-1, -2)) + _ordered(torch.zeros_like(partial.transpose(-1, -2)))
     tensors = kv + (qs if training else (None, None, None, None))
     dev = q.device
-    doc_q = torch.repeat_interleave(torch.arange(cu_q.numel() - 1, device=dev), cu_q.diff(), output_size=Tq)
-    doc_k = torch.repeat_interleave(torch.arange(cu_k.numel() - 1, device=dev), cu_k.diff(), output_size=Tk)
     qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
     opts = doc_mask_kernel_options(dev, D, q.dtype, training)
-    args = (qt, kt, vt, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts, keep)
+    args = (qt, kt, vt, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts)
     if torch.compiler.is_compiling():
         out, lse = _attend_varlen(*args)
     else:

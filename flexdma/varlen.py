@@ -183,14 +183,22 @@ def _flex_takes(query, key, value, attn_bias, is_causal, softcap, backend: str) 
     of its sequences, the packed rows' lengths)."""
     if backend not in ("auto", "flex"):
         return False
-    bias = None if attn_bias is None else attn_bias[None, :, None, :]
-    call = _dispatch.Call.of(
-        query[None], key[None], value[None], None, bias, is_causal=is_causal, softcap=softcap, requires_grad=False
-    )
+    call = _sequence_call(query, key, value, attn_bias, is_causal, softcap, rows=None)
     why = _dispatch.unsupported_reason("dense", "flex", call)
     if why and backend == "flex":
         raise ValueError(f"backend='flex' cannot run this packed call: {why}")
     return why is None
+
+
+def _sequence_call(query, key, value, attn_bias, is_causal, softcap, window=None, rows: Optional[int] = 1):
+    """The dispatch's Call of the packed rows seen as one sequence ((1, rows, heads, D), the bias
+    (1, heads, 1, keys)): what the backends' checks ask of dtype, heads and head dim. rows=1 where
+    the lengths do not matter (one row each), None for all of them."""
+    bias = None if attn_bias is None else attn_bias[None, :, None, :rows]
+    return _dispatch.Call.of(
+        query[None, :rows], key[None, :rows], value[None, :rows], None, bias, is_causal=is_causal, softcap=softcap,
+        keep_window_size=window, requires_grad=False,
+    )  # fmt: skip
 
 
 def _op_takes(query, key, value, attn_bias, is_causal, softcap, window, backend: str) -> bool:
@@ -203,11 +211,7 @@ def _op_takes(query, key, value, attn_bias, is_causal, softcap, window, backend:
         return backend in ("auto", "cpu")
     if query.device.type != "cuda" or backend not in ("auto", "cuda"):
         return False
-    bias = None if attn_bias is None else attn_bias[None, :, None, :1]
-    call = _dispatch.Call.of(
-        query[None, :1], key[None, :1], value[None, :1], None, bias, is_causal=is_causal, softcap=softcap,
-        keep_window_size=window, requires_grad=False,
-    )  # fmt: skip
+    call = _sequence_call(query, key, value, attn_bias, is_causal, softcap, window)
     why = _dispatch.unsupported_reason(call.path, "cuda", call)
     if why and backend == "cuda":
         raise ValueError(f"backend='cuda' cannot run this packed call: {why}")
@@ -232,11 +236,7 @@ def _cuda_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=False, dete
     if q.device.type != "cuda" or not _ext.with_cuda() or cu_q.numel() - 1 > _ext.MAX_GRID_DIM:
         return False
     if window <= 0:
-        bias = None if attn_bias is None else attn_bias[None, :, None, :1]
-        call = _dispatch.Call.of(
-            q[None, :1], k[None, :1], v[None, :1], None, bias, is_causal=False, softcap=softcap, requires_grad=False
-        )
-        return _dispatch.cuda_unsupported_reason(call) is None
+        return _dispatch.cuda_unsupported_reason(_sequence_call(q, k, v, attn_bias, False, softcap)) is None
     if attn_bias is None:
         return False
     views = (q[None], k[None], v[None], attn_bias[None, :, None, :])

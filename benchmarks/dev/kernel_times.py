@@ -1,7 +1,7 @@
 """The attention kernels alone, for A/B runs of a kernel change (one build per variant, same process
 layout): the per-key forward and backward (the sm_90a kernels) on the selection's lists (the
 reference shapes and the model shapes, D = 128 / 64), and the dense packed forward on the varlen
-bench's 64K mixes against the documents' own forwards (no window). do_bench medians in ms; the
+bench's cases (its inputs) against the documents' own forwards (no window). do_bench medians in ms; the
 selection and the forward's outputs are made once outside the timing.
 
 python -m benchmarks.dev.kernel_times TAG OUT.json
@@ -17,6 +17,7 @@ import torch
 from triton.testing import do_bench
 
 import flexdma
+from benchmarks import varlen
 from benchmarks.dev.topk_dev import _bwd, _fwd, _inputs, _select
 
 # (B, L, H, KVH, D, selection plane heads)
@@ -29,11 +30,6 @@ PERKEY = [
     (1, 32768, 2, 1, 64, 1),
     (1, 131072, 2, 1, 64, 1),
     (2, 8192, 16, 4, 64, 4),
-]
-# The varlen bench's document lengths (seeds 0 and 1) at its head dims.
-MIXES = [
-    (128, [14347, 6823, 12930, 15097, 7402, 1175, 4754, 3008]),
-    (64, [2713, 9837, 14396, 13656, 13025, 1545, 4691, 2443, 3230]),
 ]
 
 
@@ -53,15 +49,12 @@ def perkey(res: dict) -> None:
 
 
 def dense_packed(res: dict) -> None:
-    for D, lengths in MIXES:
-        torch.manual_seed(1)
-        total, H, KVH = sum(lengths), 16, 4
-        q = torch.randn(total, H, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(total, KVH, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
-        bias = torch.randn(KVH, total, device="cuda", dtype=torch.bfloat16)
-        offs = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for c in varlen.cases():
+        q, k, v, bias = varlen._inputs(c)
+        offs = varlen._offsets(c["lengths"])
         cu = torch.tensor(offs, dtype=torch.int32, device="cuda")
-        longest = max(lengths)
+        longest = max(c["lengths"])
+        D = c["D"]
         res[f"dense packed D={D}"] = do_bench(
             lambda: flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, longest, longest, bias, is_causal=True),
             warmup=50,
