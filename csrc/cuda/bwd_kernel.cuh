@@ -180,9 +180,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
       const TileBounds tb(p, seq, m0, n0);
       if (!q_ready) issue_q(mt, gq);
       issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, tb.lim_r, f.qkv_vec);
-      // 16-byte bias copies need a packed sequence's first key on a 16-byte boundary too.
-      if (has_bias && !reuse)
-        issue_bias<false>(tb, bias, sB, f.bias_vec && seq.plane_offset(p.bias) % (16 / sizeof(T)) == 0, m0, n0);
+      if (has_bias && !reuse) issue_bias<false>(tb, bias, sB, seq.vec16<T>(p.bias, f.bias_vec), m0, n0);
       if (threadIdx.x < 2 * kBlockM / 4) {  // lse2 and delta, 16 bytes a thread
         const int half = threadIdx.x / (kBlockM / 4), c = threadIdx.x % (kBlockM / 4);
         cp_async16((half ? sDelta : sL2) + 4 * c,

@@ -86,8 +86,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   const int bias_row_step = p.bias.row_stride != 0 ? kLdBias : 0, bias_row0 = p.bias.row_stride != 0 ? w * 16 + g : 0;
   const Plane<T> bias = Plane<T>(p.bias, b, h).from(seq.q0, seq.k0);
   const Plane<uint8_t> mask = Plane<uint8_t>(p.mask, b, h).from(seq.q0, seq.k0);
-  // 16-byte bias copies need a packed sequence's first key on a 16-byte boundary too.
-  const bool bias_vec = f.bias_vec && seq.plane_offset(p.bias) % (16 / sizeof(T)) == 0;
+  const bool bias_vec = seq.vec16<T>(p.bias, f.bias_vec);
   int64_t t_begin, n_end;
   SingleTileScheduler::key_range(key_tile_end(p, seq, m0), sp.n, work.split, t_begin, n_end);
   // This query tile's row of tile activity bits (bit kt: key tile kt keeps something).

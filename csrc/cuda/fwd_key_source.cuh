@@ -63,9 +63,7 @@ struct SequenceKeysOf {
     const Plane<T> bias;
     const Plane<uint8_t> mask;
     const bool has_bias, has_mask;
-    // 16-byte bias copies: FwdFlags::bias_vec, and a packed sequence's first key on a 16-byte
-    // boundary (its offset is known here only).
-    const bool bias_vec;
+    const bool bias_vec;  // 16-byte bias copies (SeqInfo::vec16: the sequence's offset is known here only)
     __device__ inline Loader(const FwdParams& p_, const FwdFlags& f_, const Tile& c_, const SeqInfo& seq_, int32_t*)
         : p(p_),
           f(f_),
@@ -77,7 +75,7 @@ struct SequenceKeysOf {
           mask(Plane<uint8_t>(p_.mask, c_.b, c_.h).from(seq_.q0, seq_.k0)),
           has_bias(p_.bias.ptr != nullptr),
           has_mask(kMask && p_.mask.ptr != nullptr),
-          bias_vec(f_.bias_vec && seq_.plane_offset(p_.bias) % (16 / sizeof(T)) == 0) {}
+          bias_vec(seq_.vec16<T>(p_.bias, f_.bias_vec)) {}
     // Before the first tile t is requested.
     __device__ inline void start(int64_t) {}
     // Key tile t's K rows, keep bytes (both halves) and bias tiles into K stage st (smem layout L:

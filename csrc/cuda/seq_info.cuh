@@ -64,6 +64,12 @@ struct SeqInfo {
   // A per-sequence operand plane (bias, mask, dbias) from the sequence's row 0 and key 0: packed
   // operands hold every sequence's rows / keys along their own row / key dims.
   __device__ inline int64_t plane_offset(const Broadcast4d& t) const { return q0 * t.row_stride + k0 * t.col_stride; }
+  // Whether 16-byte copies of a plane of T elements stay aligned at the sequence's row 0 / key 0
+  // (a packed sequence starts anywhere; `aligned`: the plane's own alignment, FwdFlags::bias_vec).
+  template <typename T>
+  __device__ inline bool vec16(const Broadcast4d& t, bool aligned) const {
+    return aligned && plane_offset(t) % (16 / sizeof(T)) == 0;
+  }
 };
 
 // Packed offsets are never read on the host (no synchronisation): the kernel that reads them first
@@ -78,12 +84,19 @@ __device__ inline void check_packed_offsets(bool ok) {
         __FILE__, __LINE__, __func__);
 }
 
+// The rules of sequence b of `batch` (rows [q0, q1) and keys [k0, k1)): the offsets start at 0, do
+// not decrease, end at the token counts, and no sequence is longer than max_seqlen.
+__device__ inline bool packed_offsets_ok(int64_t b, int64_t batch, int64_t q0, int64_t q1, int64_t k0, int64_t k1,
+                                         int64_t max_q, int64_t max_k, int64_t total_q, int64_t total_k) {
+  const bool first = b == 0, last = b + 1 == batch;
+  return q0 >= 0 && k0 >= 0 && q0 <= q1 && k0 <= k1 && q1 - q0 <= max_q && k1 - k0 <= max_k && q1 <= total_q &&
+         k1 <= total_k && (!first || (q0 == 0 && k0 == 0)) && (!last || (q1 == total_q && k1 == total_k));
+}
+
 __device__ inline void SeqInfo::check(const FwdParams& p) const {
   if (!packed) return;
-  const bool first = b == 0, last = b + 1 == p.batch;
-  check_packed_offsets(q0 >= 0 && k0 >= 0 && nq >= 0 && nk >= 0 && nq <= p.seqlen_q && nk <= p.seqlen_k &&
-                       q0 + nq <= p.total_q && k0 + nk <= p.total_k && (!first || (q0 == 0 && k0 == 0)) &&
-                       (!last || (q0 + nq == p.total_q && k0 + nk == p.total_k)));
+  check_packed_offsets(
+      packed_offsets_ok(b, p.batch, q0, q0 + nq, k0, k0 + nk, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k));
 }
 
 // The forward's packed offsets, checked ahead of its kernel in a launch of their own (a thread a

@@ -120,10 +120,7 @@ __device__ inline PlaneInfo plane_info(const SelectParams& p, const Geometry& g,
   if (p.cu_seqlens_k) {
     const int64_t k0 = p.cu_seqlens_k[p1], q0 = p.cu_seqlens_q[p1];
     const int64_t k1 = p.cu_seqlens_k[p1 + 1], q1 = p.cu_seqlens_q[p1 + 1];
-    const bool first = p1 == 0, last = p1 + 1 == g.batch;
-    check_packed_offsets(k0 >= 0 && k0 <= k1 && k1 <= p.total_k && k1 - k0 <= p.seqlen_k && q0 >= 0 && q0 <= q1 &&
-                         q1 <= p.total_q && q1 - q0 <= p.seqlen_q && (!first || (k0 == 0 && q0 == 0)) &&
-                         (!last || (k1 == p.total_k && q1 == p.total_q)));
+    check_packed_offsets(packed_offsets_ok(p1, g.batch, q0, q1, k0, k1, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k));
     s.K = k1 - k0;
     s.Q = q1 - q0;
     s.score0 = p2 * p.stride2 + k0 * p.stride_k;
