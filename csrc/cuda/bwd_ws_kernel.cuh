@@ -61,7 +61,11 @@ struct BwdWsSmem {
   static constexpr int kDS = kP + 4 * kPTile;        // the same for dS
   // dbias: each warp's column sums of a piece, two buffers x 8 warps x 64 keys (float).
   static constexpr int kDB = kDS + 4 * kPTile;
-  static constexpr int kBytes = kDB + 2 * 8 * kBlockN * 4 + 1024;  // + room to align the base to 1024
+  // The piece product's reduction staging: a warp's 16 accumulator rows x 32 floats (one 128-byte
+  // line of each row), 16-byte units XOR-swizzled by the row, for each of the eight warps.
+  static constexpr int kRedStage = kDB + 2 * 8 * kBlockN * 4;
+  static constexpr int kRedWarpFloats = 16 * 32;
+  static constexpr int kBytes = kRedStage + 8 * kRedWarpFloats * 4 + 1024;  // + room to align the base to 1024
   static_assert(kBytes <= kMaxSmemPerBlock, "per-key backward smem layout too large");
   static_assert((4 * kStages + 1) * 8 <= kIdx, "barriers must fit before the index ring");
 };
@@ -310,29 +314,42 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
       }
     }
     wgmma_commit();
-    // The piece's key indices of this thread's accumulator rows, read before the stage is freed.
-    const int32_t key0 = slot[w * 16 + g], key1 = slot[w * 16 + g + 8];
-    // The product's rows are added to the float accumulator 16 bytes a reduction: lanes qc and
-    // qc ^ 1 trade halves, so that the even one holds four columns of row g and the odd one the
-    // same four of row g + 8.
-    const bool odd = qc & 1;
-    const int32_t my_key = odd ? key1 : key0;
-    float* my_row = acc_base + (int64_t)my_key * acc_rs + 4 * (qc >> 1);
+    // The keys of the rows this lane reduces (rows 4 i + lane / 8 of the warp's 16), read before the
+    // stage is freed.
+    int32_t keys[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) keys[i] = slot[w * 16 + 4 * i + lane / 8];
     wgmma_wait<0>();
     fence_regs(dq);
     fence_regs(acc);
     mbar_arrive(&empty_k[st]);
     mbar_arrive(&empty_v[st]);
     at.advance();
-    // Selects, not branches, so that each column block is one predicated reduction.
-    const bool listed = my_key != KeyList<T, D>::kNever;
+    // The product's rows go to the float accumulator a 128-byte line per row and instruction: in
+    // the fragment order an instruction covers 16 rows x 32 bytes, and the L2 takes 16 one-sector
+    // reductions for what four whole lines carry (scripts/gpu/reduce_bench.cu: 1.97 against
+    // 3.24 TB/s). Each line of columns is turned through the warp's staging: the fragments' 8-byte
+    // pairs in, then 16 bytes of one row a lane out (lanes 8 i .. 8 i + 7 one row), unit u of row r
+    // at u ^ (r & 7) so that both sides take the fewest wavefronts.
+    float* stg = reinterpret_cast<float*>(smem + L::kRedStage) + (wg * 4 + w) * L::kRedWarpFloats;
+    const int ru = lane % 8;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][0] : acc[n][2], 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? acc[n][1] : acc[n][3], 1);
-      const float x0 = odd ? r0 : acc[n][0], x1 = odd ? r1 : acc[n][1];
-      const float x2 = odd ? acc[n][2] : r0, x3 = odd ? acc[n][3] : r1;
-      if (listed) red_add4(my_row + n * 8, x0, x1, x2, x3);
+    for (int c = 0; c < D / 32; ++c) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int u = (2 * k + (qc >> 1)) ^ g, off = u * 4 + 2 * (qc & 1);
+        *reinterpret_cast<float2*>(stg + g * 32 + off) = make_float2(acc[4 * c + k][0], acc[4 * c + k][1]);
+        *reinterpret_cast<float2*>(stg + (g + 8) * 32 + off) = make_float2(acc[4 * c + k][2], acc[4 * c + k][3]);
+      }
+      __syncwarp();
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = 4 * i + lane / 8;
+        const float4 v = *reinterpret_cast<const float4*>(stg + r * 32 + (ru ^ (r & 7)) * 4);
+        if (keys[i] != KeyList<T, D>::kNever)
+          red_add4(acc_base + (int64_t)keys[i] * acc_rs + c * 32 + ru * 4, v.x, v.y, v.z, v.w);
+      }
+      __syncwarp();
     }
   }
 
