@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
       const uint8_t* keep = has_mask ? sKeep + cur * L::kKeepSlot : nullptr;
       const T* sb = has_bias ? sB + cur * kBlockM * kLdBias + bias_row0 * kLdBias : nullptr;
       const float later = fwd_scores<false, T>(s, sc, p, seq, m0, t * kBlockN, t * kBlockN + kBlockN <= keys_full, sb,
-                                               bias_row_step, keep, nullptr, no_rank, no_rank, 0, w * 16 + g, qc);
+                                               bias_row_step, keep, nullptr, no_rank, no_rank, 0, 0, w * 16 + g, qc);
       online_softmax<D>(s, row_max, row_sum, o, later);
 
       // O += P V, P's C fragments repacked as A fragments (16 keys per k step).

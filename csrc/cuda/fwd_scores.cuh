@@ -31,15 +31,15 @@ struct FwdScoreConsts {
 // tile at (m0, n0); `full`: the tile needs no bounds or causal check (TileBounds::full, known to
 // the caller without building the bounds; seq: the sequence whose lengths bound it). sb: the bias tile at row r0 (null:
 // no bias), bias_row_step 0 where one row serves all queries; keep: the tile's keep bytes (null: no mask). kRankRule:
-// the rank rule on the key slot instead of bias and keep (apply_rank_keep; lim_warp: the smallest causal limit of the
-// warp's rows). Each stage is one unrolled loop behind a CTA-uniform branch: a per-element branch (softcap or not, full
-// tile or not) compiled to a jump per element. Returns the scale still to apply to s (softmax_step's): without softcap
-// and bias the scores stay unscaled and the softmax folds the scale in.
+// the rank rule on the key slot instead of bias and keep (apply_rank_keep; lim_warp / thr_warp: the smallest causal
+// limit / largest kept rank of the warp's rows). Each stage is one unrolled loop behind a CTA-uniform branch: a
+// per-element branch (softcap or not, full tile or not) compiled to a jump per element. Returns the scale still to
+// apply to s (softmax_step's): without softcap and bias the scores stay unscaled and the softmax folds the scale in.
 template <bool kRankRule, typename T>
 __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreConsts& sc, const FwdParams& p,
                                    const SeqInfo& seq, int64_t m0, int64_t n0, bool full, const T* sb,
                                    int bias_row_step, const uint8_t* keep, const int32_t* key_slot, const int (&thr)[2],
-                                   const int (&lim)[2], int lim_warp, int r0, int qc) {
+                                   const int (&lim)[2], int lim_warp, int thr_warp, int r0, int qc) {
   float later = 1.f;
   if (sc.softcap_on) {
 #pragma unroll
@@ -49,7 +49,7 @@ __device__ inline float fwd_scores(float (&s)[kBlockN / 8][4], const FwdScoreCon
   }
   if constexpr (kRankRule) {
     // The scale folds into the rank rule's bias FFMA (softcap's scores are scaled already).
-    apply_rank_keep(s, key_slot, thr, lim, lim_warp, sc.softcap_on ? 1.f : sc.scale_l2, qc);
+    apply_rank_keep(s, key_slot, thr, lim, lim_warp, thr_warp, sc.softcap_on ? 1.f : sc.scale_l2, qc);
     return later;
   }
   if (!sc.softcap_on) {

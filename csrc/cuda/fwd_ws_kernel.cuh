@@ -200,6 +200,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   Keys::row_terms(p, c.seq, head, mc, w, g, thr, lim);
   const int lim_warp = __shfl_sync(0xffffffffu, lim[0], 0);  // of the warp's first row (lane 0's g = 0)
+  const int thr_warp = rank_thr_warp(thr);
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
   const int64_t own_end = idle ? c.t_begin : Keys::own_end(p, c, mc);
   const bool has_bias = Keys::kBiasTiles && p.bias.ptr != nullptr, has_mask = Keys::kMask && p.mask.ptr != nullptr;
@@ -271,8 +272,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
-    const float later = fwd_scores<Keys::kRankRule, T>(s, sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, sb,
-                                                       bias_row_step, keep, slot, thr, lim, lim_warp, w * 16 + g, qc);
+    const float later =
+        fwd_scores<Keys::kRankRule, T>(s, sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep,
+                                       slot, thr, lim, lim_warp, thr_warp, w * 16 + g, qc);
     softmax_step(s, row_max, row_sum, alpha, later);
   };
 

@@ -186,24 +186,31 @@ struct KeySlot {
 // key[c] <= lim (the row's causal limit; INT32_MAX without causality); a kept score becomes
 // s * mul + the key's bias (the slot holds it in log2 units, so with mul = scale * log2 e one FFMA
 // per element scales and biases). slot: the tile's keys, ranks and biases (KeyList's layout).
-// lim_warp: the smallest causal limit of the warp's 16 rows. Where the tile's largest listed key
-// (KeySlot::kTop) is at or below it (most tiles: only keys near the diagonal reach a row's
-// limit), the causal compare is dropped for the whole tile: a warp-uniform branch instead of a
-// compare per element.
-template <bool kCut>
+// kCut / kRank: whether the causal / the rank compare is needed at all (apply_rank_keep decides
+// it for a whole tile).
+template <bool kCut, bool kRank = true>
 __device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
                                       const int (&lim)[2], float mul, int qc) {
   const float* bias = reinterpret_cast<const float*>(slot + KeySlot::kBias);
 #pragma unroll
   for (int n = 0; n < kBlockN / 8; ++n) {
     const int col = n * 8 + 2 * qc;
-    const int2 rank = *reinterpret_cast<const int2*>(slot + KeySlot::kRank + col);
-    const float2 bv = *reinterpret_cast<const float2*>(bias + col);
-    int2 key = make_int2(0, 0);
+    int2 rank = make_int2(0, 0), key = make_int2(0, 0);
+    if (kRank) rank = *reinterpret_cast<const int2*>(slot + KeySlot::kRank + col);
     if (kCut) key = *reinterpret_cast<const int2*>(slot + col);
+    const float2 bv = *reinterpret_cast<const float2*>(bias + col);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      bool k0 = rank.x <= thr[hh], k1 = rank.y <= thr[hh];
+      if (!kRank && !kCut) {
+        s[n][2 * hh] = fmaf(s[n][2 * hh], mul, bv.x);
+        s[n][2 * hh + 1] = fmaf(s[n][2 * hh + 1], mul, bv.y);
+        continue;
+      }
+      bool k0 = true, k1 = true;
+      if (kRank) {
+        k0 = rank.x <= thr[hh];
+        k1 = rank.y <= thr[hh];
+      }
       if (kCut) {
         k0 &= key.x <= lim[hh];
         k1 &= key.y <= lim[hh];
@@ -214,14 +221,37 @@ __device__ inline void rank_keep_tile(float (&s)[kBlockN / 8][4], const int32_t*
   }
 }
 
-// Needs the slot's largest keys (KeyList::issue_slot<true>); without them rank_keep_tile<true>.
+// The warp's strictest row for apply_rank_keep: the smallest thr of its 16 rows (-1 where any row
+// keeps nothing).
+__device__ inline int rank_thr_warp(const int (&thr)[2]) {
+  int t = min(thr[0], thr[1]);
+#pragma unroll
+  for (int x = 4; x < 32; x *= 2) t = min(t, __shfl_xor_sync(0xffffffffu, t, x));
+  return t;
+}
+
+// The rank rule with each compare only on the tiles that need it, by warp-uniform branches instead
+// of compares per element. Needs the slot's largest keys (KeyList::issue_slot<true>).
+// - Causal: where the tile's largest listed key (KeySlot::kTop) is at or below lim_warp, the
+//   smallest causal limit of the warp's 16 rows (most tiles: only keys near the diagonal reach a
+//   row's limit).
+// - Rank: the list is in rank order, so the tile's last entry holds its largest rank (the
+//   never-kept rank past the list); where thr_warp, the warp's strictest row (rank_thr_warp),
+//   keeps it, every row keeps every entry by rank. Only the tiles holding the rows' thresholds
+//   (fewer than 2 x 128 entries at a list's end) take the compare.
 __device__ inline void apply_rank_keep(float (&s)[kBlockN / 8][4], const int32_t* slot, const int (&thr)[2],
-                                       const int (&lim)[2], int lim_warp, float mul, int qc) {
+                                       const int (&lim)[2], int lim_warp, int thr_warp, float mul, int qc) {
   const int2 top = *reinterpret_cast<const int2*>(slot + KeySlot::kTop);
-  if (max(top.x, top.y) <= lim_warp)
-    rank_keep_tile<false>(s, slot, thr, lim, mul, qc);
+  const bool cut = max(top.x, top.y) > lim_warp;
+  const bool rank = slot[KeySlot::kRank + kBlockN - 1] > thr_warp;
+  if (!cut && !rank)
+    rank_keep_tile<false, false>(s, slot, thr, lim, mul, qc);
+  else if (!cut)
+    rank_keep_tile<false, true>(s, slot, thr, lim, mul, qc);
+  else if (!rank)
+    rank_keep_tile<true, false>(s, slot, thr, lim, mul, qc);
   else
-    rank_keep_tile<true>(s, slot, thr, lim, mul, qc);
+    rank_keep_tile<true, true>(s, slot, thr, lim, mul, qc);
 }
 
 }  // namespace cuda
