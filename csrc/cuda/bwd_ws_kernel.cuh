@@ -87,8 +87,8 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   const SeqInfo& seq = c.seq;
   const FwdFlags none{};
-  typename ListedKeys::template Loader<T, D, BwdWsTile, false> keys(p, none, c, seq,
-                                                                    reinterpret_cast<int32_t*>(smem + L::kIdx));
+  typename ListedKeys::template Loader<T, D, BwdWsTile, false, false> keys(p, none, c, seq,
+                                                                           reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q and dO of both halves, once; rows past seqlen_q are zero (their P and dS come out 0).
   for (int half = 0; half < 2; ++half) {

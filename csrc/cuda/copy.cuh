@@ -17,6 +17,10 @@ __device__ inline void cp_async16(void* dst, const void* src, int src_bytes = 16
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
                : "memory");
 }
+// The same without the zero fill's size operand (a copy known to be in bounds).
+__device__ inline void cp_async16_all(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
 __device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ inline void cp_async_wait() {
@@ -65,11 +69,34 @@ struct KeyList {
   }
 
   // Requests the K or V rows of tile n0 (indices in idx) into dst; zero rows past the list.
+  // kWhole: whole tiles take the copies without bounds below.
+  template <bool kWhole = true>
   __device__ inline void issue_rows(const int32_t* idx, T* dst, const T* base, int64_t rs, int64_t n0) const {
     static_assert(kThreads % kChunks == 0 && 64 * kChunks % kThreads == 0, "rows must split evenly over the threads");
     // Element offsets in 32 bits (seqlen_k x row stride < 2^31, checked at launch): a 64-bit
     // offset costs a sign extension and a three-instruction multiply per copy.
     const int32_t rs32 = (int32_t)rs;
+    if (kWhole && n0 + 64 <= n) {
+      // A whole tile (every tile of a list but its last): no bounds, and each thread keeps one
+      // column, its rows kRowsPerPass apart, so its destinations lie a constant apart in the
+      // swizzled tile (the swizzle repeats every 8 rows) and each source is one wide multiply-add of
+      // the row's index: ~4 instructions a copy where the bounded form below takes ~20.
+      constexpr int kRowsPerPass = kThreads / kChunks;
+      static_assert(!use_wgmma<D>() || kRowsPerPass % 8 == 0, "a thread's rows must keep their swizzle");
+      constexpr int kPass = kRowsPerPass * tile_row_pitch<D>();
+      const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+      const char* src = reinterpret_cast<const char*>(base + col);
+      const int32_t rs_bytes = rs32 * (int32_t)sizeof(T);
+      T* d = dst + tile_index<D>(r0, col);
+      // Every index read before the first copy: the copies' asm orders memory, so a read between
+      // two of them would wait for its own latency each time.
+      int32_t j[64 / kRowsPerPass];
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) j[u] = idx[r0 + u * kRowsPerPass];
+#pragma unroll
+      for (int u = 0; u < 64 / kRowsPerPass; ++u) cp_async16_all(d + u * kPass, src + (int64_t)j[u] * rs_bytes);
+      return;
+    }
 #pragma unroll
     for (int u = 0; u < 64 * kChunks / kThreads; ++u) {
       const int c = threadIdx.x + u * kThreads, r = c / kChunks, col = (c % kChunks) * 8;

@@ -154,10 +154,12 @@ struct ListedKeys {
   }
 
   // The loading warpgroup's copies (kTopKeys: with each slot's largest keys, for apply_rank_keep;
-  // the backward's loader, at 72 registers, goes without them): tile t's 64 key indices are held in an smem ring
-  // (idx(t); four tiles of 64 words) a tile ahead, stored while K(t - 1) is requested, so that the gathers of tile t
-  // issue after a shared-memory read; V(t) is requested after K(t + 1), so three of the four entries are live.
-  template <typename T, int D, typename Tile, bool kTopKeys = true>
+  // the backward's loader, at 72 registers, goes without them; kWhole: whole tiles gathered without
+  // bounds, KeyList::issue_rows, which measured 2-3% slower in the backward at D = 64 and the same
+  // at 128): tile t's 64 key indices are held in an smem ring (idx(t); four tiles of 64 words) a
+  // tile ahead, stored while K(t - 1) is requested, so that the gathers of tile t issue after a
+  // shared-memory read; V(t) is requested after K(t + 1), so three of the four entries are live.
+  template <typename T, int D, typename Tile, bool kTopKeys = true, bool kWhole = true>
   struct Loader {
     const FwdParams& p;
     const T *kp, *vp;
@@ -198,7 +200,7 @@ struct ListedKeys {
       const int64_t n0 = t * kBlockN;
       named_barrier(NamedBarrier::kLoad, kThreads);  // tile t's indices, stored a tile ago, in every loader's view
       int32_t* slot = reinterpret_cast<int32_t*>(sKeep + st * L::kKeepSlot);
-      kl.issue_rows(idx(t), sk, kp, p.k_row_stride, n0);
+      kl.template issue_rows<kWhole>(idx(t), sk, kp, p.k_row_stride, n0);
       kl.template issue_slot<kTopKeys>(idx(t), slot, n0, ranks, key_bias);
       if (threadIdx.x < 64) idx(t + 1)[threadIdx.x] = next_key;
       key_bias = bias_of(next_key, n0 + kBlockN);
@@ -209,7 +211,7 @@ struct ListedKeys {
     __device__ inline void load_v(int64_t t, int st, T* sV) {
       T* sv = sV + st * L::kTileKV / 2;
       const int64_t n0 = t * kBlockN;
-      kl.issue_rows(idx(t), sv, vp, p.v_row_stride, n0);
+      kl.template issue_rows<kWhole>(idx(t), sv, vp, p.v_row_stride, n0);
     }
   };
 };
