@@ -143,6 +143,25 @@ __global__ void __cluster_dims__(2, 1, 1) dsmem(float* out, int steps) {
   if (sum == 12345.f) out[0] = sum;
 }
 
+// The best of four timed launches (after one warm-up), in ms.
+template <typename Launch>
+float best_ms(Launch launch) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  float best = 1e9f;
+  for (int rep = 0; rep < 5; ++rep) {
+    cudaEventRecord(a);
+    launch();
+    cudaEventRecord(b);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    if (rep > 0 && ms < best) best = ms;
+  }
+  return best;
+}
+
 int main() {
   const int sm_count = 132;
   for (int rows_total : {65536, 262144}) {  // 32 MiB (L2-resident) and 128 MiB accumulators (two of half that)
@@ -163,21 +182,11 @@ int main() {
       cudaFuncSetAttribute(bulk, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024);
       const double bytes = (double)h.size() * kRowFloats * 4;
       for (int which = 0; which < 3; ++which) {
-        cudaEvent_t a, b;
-        cudaEventCreate(&a);
-        cudaEventCreate(&b);
-        float best = 1e9f;
-        for (int rep = 0; rep < 5; ++rep) {
-          cudaEventRecord(a);
+        const float best = best_ms([&] {
           if (which == 0) red_frag<<<ctas, 256>>>(acc, acc + half * kRowFloats, idx, ppc);
           if (which == 1) red_rows<<<ctas, 256>>>(acc, acc + half * kRowFloats, idx, ppc);
           if (which == 2) bulk<<<ctas, 256, 64 * 1024>>>(acc, acc + half * kRowFloats, idx, ppc);
-          cudaEventRecord(b);
-          cudaEventSynchronize(b);
-          float ms;
-          cudaEventElapsedTime(&ms, a, b);
-          if (rep > 0 && ms < best) best = ms;
-        }
+        });
         const char* names[] = {"red_frag", "red_rows", "bulk"};
         printf("%-9s acc %4lld MiB, %d CTA/SM: %.3f ms, %.2f TB/s of float adds (%s)\n", names[which],
                (long long)(rows_total * (int64_t)kRowFloats * 4 >> 20), ctas_per_sm, best, bytes / best / 1e9,
@@ -192,19 +201,7 @@ int main() {
     cudaMalloc(&out, 4);
     cudaFuncSetAttribute(dsmem, cudaFuncAttributeMaxDynamicSharedMemorySize, 32 * 1024);
     const int steps = 2048;
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    float best = 1e9f;
-    for (int rep = 0; rep < 5; ++rep) {
-      cudaEventRecord(a);
-      dsmem<<<sm_count, 256, 32 * 1024>>>(out, steps);
-      cudaEventRecord(b);
-      cudaEventSynchronize(b);
-      float ms;
-      cudaEventElapsedTime(&ms, a, b);
-      if (rep > 0 && ms < best) best = ms;
-    }
+    const float best = best_ms([&] { dsmem<<<sm_count, 256, 32 * 1024>>>(out, steps); });
     const double bytes = (double)sm_count * steps * 32768;
     printf("dsmem pair exchange: %.3f ms, %.2f TB/s across the GPU, %.1f GB/s a CTA (%s)\n", best, bytes / best / 1e9,
            bytes / sm_count / best / 1e6, cudaGetErrorString(cudaGetLastError()));
