@@ -227,9 +227,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 
     // P = exp2(S scaled + bias - lse) under the rank rule; dS = P (dP - delta).
     const int32_t* slot = reinterpret_cast<const int32_t*>(smem + L::kSlot + st * L::kKeepSlot);
-    // Every piece takes both compares: this loader writes no largest keys (the skip did not
-    // measure in the backward, and the loader's registers have no room for it), and skipping the
-    // rank compare alone measured no faster at D = 128 and slower at 64.
+    // Every piece takes both compares: this loader has no registers for the largest keys the
+    // causal skip needs, and the rank compare's skip alone is no faster here (the perf log).
     rank_keep_tile<true>(s, slot, thr, lim, scale_l2, qc);
     float colsum[kBlockN / 8][2];
 #pragma unroll
@@ -327,11 +326,11 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     mbar_arrive(&empty_v[st]);
     at.advance();
     // The product's rows go to the float accumulator a 128-byte line per row and instruction: in
-    // the fragment order an instruction covers 16 rows x 32 bytes, and the L2 takes 16 one-sector
-    // reductions for what four whole lines carry (scripts/gpu/reduce_bench.cu: 1.97 against
-    // 3.24 TB/s). Each line of columns is turned through the warp's staging: the fragments' 8-byte
-    // pairs in, then 16 bytes of one row a lane out (lanes 8 i .. 8 i + 7 one row), unit u of row r
-    // at u ^ (r & 7) so that both sides take the fewest wavefronts.
+    // the fragment order an instruction covers 16 rows x 32 bytes, and the L2 adds such scattered
+    // sectors at 60% of the rate it adds whole lines (scripts/gpu/reduce_bench.cu). Each line of
+    // columns is turned through the warp's staging: the fragments' 8-byte pairs in, then 16 bytes
+    // of one row a lane out (lanes 8 i .. 8 i + 7 one row), unit u of row r at u ^ (r & 7) so that
+    // both sides take the fewest wavefronts.
     float* stg = reinterpret_cast<float*>(smem + L::kRedStage) + (wg * 4 + w) * L::kRedWarpFloats;
     const int ru = lane % 8;
 #pragma unroll

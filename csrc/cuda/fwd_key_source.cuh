@@ -155,9 +155,9 @@ struct ListedKeys {
 
   // The loading warpgroup's copies (kTopKeys: with each slot's largest keys, for apply_rank_keep;
   // the backward's loader, at 72 registers, goes without them; kWhole: whole tiles gathered without
-  // bounds, KeyList::issue_rows, which measured 2-3% slower in the backward at D = 64 and the same
-  // at 128): tile t's 64 key indices are held in an smem ring (idx(t); four tiles of 64 words) a
-  // tile ahead, stored while K(t - 1) is requested, so that the gathers of tile t issue after a
+  // bounds by KeyList::issue_rows, where that measured faster: the forward's loader, not the
+  // backward's): tile t's 64 key indices are held in an smem ring (idx(t); four tiles of 64 words)
+  // a tile ahead, stored while K(t - 1) is requested, so that the gathers of tile t issue after a
   // shared-memory read; V(t) is requested after K(t + 1), so three of the four entries are live.
   template <typename T, int D, typename Tile, bool kTopKeys = true, bool kWhole = true>
   struct Loader {
