@@ -314,6 +314,18 @@ def _index_fn(t: torch.Tensor, num_heads: int):
     return at
 
 
+def _scored(score, softcap: float, bias_value):
+    """A score_mod's score: softcap, then the bias (None: none)."""
+    if softcap > 0:
+        score = softcap * torch.tanh(score / softcap)
+    if bias_value is not None:
+        score = score + bias_value.to(score.dtype)
+    # Inductor's CPU kernel takes the row max over non-NaN scores only, so a row of NaN scores (a
+    # NaN query) would read as empty and give 0. As +inf it makes the row's output and LSE NaN, as
+    # in the reference. Masked keys are set to -inf after this, so they stay masked.
+    return torch.where(torch.isnan(score), float("inf"), score)
+
+
 def _attend(
     q, k, v, mask, bias, block_mask_tensors, Q, K, is_causal, scale, softcap, kernel_options, need_lse, keep=None
 ):
@@ -328,14 +340,7 @@ def _attend(
     off = K - Q
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if softcap > 0:
-            score = softcap * torch.tanh(score / softcap)
-        if bias_at is not None:
-            score = score + bias_at(b, h, q_idx, kv_idx).to(score.dtype)
-        # Inductor's CPU kernel takes the row max over non-NaN scores only, so a row of NaN scores
-        # (a NaN query) would read as empty and give 0. As +inf it makes the row's output and LSE
-        # NaN, as in the reference. Masked keys are set to -inf after this, so they stay masked.
-        return torch.where(torch.isnan(score), float("inf"), score)
+        return _scored(score, softcap, bias_at(b, h, q_idx, kv_idx) if bias_at is not None else None)
 
     # Bounds checks and clamps only where a tile can reach past the sequence end (Q, K are static
     # here). A clamped index hides the contiguity of kv_idx from Triton, so the mask loads lose
@@ -387,16 +392,16 @@ _OPTIONS_ARG = list(inspect.signature(_attend).parameters).index("kernel_options
 
 
 @functools.lru_cache(None)
-def _compiled():
-    return torch.compile(_attend, dynamic=False, fullgraph=True)
+def _compiled(fn=_attend):
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 @functools.lru_cache(None)
-def _traced_unfused():
+def _traced_unfused(fn=_attend):
     # Inductor's CPU FlexAttention has no LSE and no backward, so those calls run flex_attention
     # unfused. Traced by dynamo with the eager backend, that is the computation flex_attention
     # runs when called eagerly, minus its warning that asks for torch.compile.
-    return torch.compile(_attend, backend="eager", dynamic=False, fullgraph=True)
+    return torch.compile(fn, backend="eager", dynamic=False, fullgraph=True)
 
 
 def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True, keep=None):
@@ -593,11 +598,7 @@ def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_
     lq, lk = cu_q.diff(), cu_k.diff()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        if softcap > 0:
-            score = softcap * torch.tanh(score / softcap)
-        if bias is not None:
-            score = score + bias[h // g_bias, kv_idx].to(score.dtype)
-        return torch.where(torch.isnan(score), float("inf"), score)
+        return _scored(score, softcap, bias[h // g_bias, kv_idx] if bias is not None else None)
 
     def mask_mod(b, h, q_idx, kv_idx):
         qi, ki = torch.clamp(q_idx, max=Tq - 1), torch.clamp(kv_idx, max=Tk - 1)
@@ -622,16 +623,6 @@ def _attend_varlen(q, k, v, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_
     return out, aux.lse
 
 
-@functools.lru_cache(None)
-def _compiled_varlen():
-    return torch.compile(_attend_varlen, dynamic=False, fullgraph=True)
-
-
-@functools.lru_cache(None)
-def _traced_unfused_varlen():
-    return torch.compile(_attend_varlen, backend="eager", dynamic=False, fullgraph=True)
-
-
 def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, training):
     Tq, H, D = q.shape
     Tk = k.shape[0]
@@ -648,7 +639,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, traini
         out, lse = _attend_varlen(*args)
     else:
         # Inductor's CPU FlexAttention returns no LSE: unfused there (as _forward does).
-        run = _compiled_varlen() if dev.type == "cuda" else _traced_unfused_varlen()
+        run = _compiled(_attend_varlen) if dev.type == "cuda" else _traced_unfused(_attend_varlen)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             out, lse = run(*args)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

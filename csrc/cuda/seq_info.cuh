@@ -101,7 +101,8 @@ __device__ inline void SeqInfo::check(const FwdParams& p) const {
 
 // The forward's packed offsets, checked ahead of its kernel in a launch of their own (a thread a
 // sequence): a call to assert anywhere in a kernel that runs wgmma makes ptxas serialise all of
-// its wgmmas (C7510), which takes the forward's S / P.V overlap away.
+// its wgmmas (C7510), which takes the forward's S / P.V overlap away. A template so that every
+// instantiation file that includes this header may define it.
 template <int kUnused = 0>
 __global__ void check_packed_offsets_kernel(const FwdParams p) {
   const int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
