@@ -34,9 +34,16 @@ constexpr int kSortPer = kChunk / kSelectThreads;     // keys a thread sorts
 constexpr int kRankKeys = 1024;                       // keys of one rank item
 constexpr int kRankPer = kRankKeys / kSelectThreads;  // keys a thread ranks
 constexpr int kScanPer = 8;                           // level entries a thread reads per step of a walk
-constexpr int kMaxTileRows = 128;                     // the window's visibility is 8 ballots a row
+constexpr int kMaxTileRows = 128;                     // the window's visibility is 8 words a row
+constexpr int kWinWords = 2 * kMaxTileRows / 32;      // words of a window bit mask
+// A walk's list entries kept in shared memory by their index modulo kRing: the window (< 2 x 128
+// entries ending at the list's last) is never overwritten there, since a step writes fewer than
+// kRing consecutive indices and the window's entries are the last written.
+constexpr int kRing = 4096;
 
-using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t>;
+// Six bits a pass: 16-bit scores sort in three passes instead of four (its counters, 33 KiB, about
+// the size of the rank items' staged chunks).
+using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t, 6>;
 
 // A plane's prefix levels: [0, lvl0 << l) for l < n_levels, the last one all K; causal rows of a
 // query tile see a prefix of the keys, and its walk reads the smallest level that holds it.
@@ -202,7 +209,7 @@ struct Scratch {
   uint32_t* counters;
   uint32_t* sorted;  // each plane's sorted chunks (PlaneInfo::chunk0), kChunk order values each, ascending
   int32_t* keys;     // their key indices
-  int32_t* orders;   // each plane's level orders (PlaneInfo::order0): keys in rank order, levels side by side
+  int32_t* orders;   // each plane's level orders (PlaneInfo::order0): keys (-1 ineligible) in rank order, side by side
 };
 
 union alignas(16) Smem {
@@ -210,10 +217,13 @@ union alignas(16) Smem {
   uint32_t chunk[2][kChunk];  // a rank item's staged chunks (double buffer)
   struct {
     int32_t new_at[kMaxTileRows];  // list index of each key the first row does not see (or NEVER)
-    int32_t early[kMaxTileRows];   // per row: new keys it sees listed before the window
-    int32_t win_row[2 * kMaxTileRows], win_rank[2 * kMaxTileRows];
+    int32_t win_rank[2 * kMaxTileRows];
+    unsigned win_base[kWinWords];                     // the window's base entries (seen by every row), a bit each
+    unsigned warp_vis[kMaxTileRows / 32][kWinWords];  // new window entries the rows of a warp see
+    int32_t warp_early[kMaxTileRows / 32];            // and the new keys they see listed before it
     int32_t warp_base[kSelectThreads / 32], warp_cand[kSelectThreads / 32];
     int32_t start, last_base, n_cut, top, cut;
+    int32_t ring[kRing];  // the list's entries by index modulo kRing: the window is read back from here
   } walk;
 };
 
@@ -277,6 +287,7 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
 #pragma unroll
     for (int v = 0; v < kVec; ++v) reinterpret_cast<uint4*>(sm.chunk[buf])[v * kSelectThreads + threadIdx.x] = next[v];
   };
+  const uint32_t ineligible = ineligible_from(p.dtype);
   fetch(0);
   stage(0);
   __syncthreads();
@@ -296,7 +307,7 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
       if (a <= b) {  // (no slot past K: every level but the last ends before the last chunk)
         int32_t* lvl = order + g.lvl0 * ((int64_t(1) << level) - 1);
 #pragma unroll
-        for (int i = 0; i < kRankPer; ++i) lvl[cnt[i]] = j[i];
+        for (int i = 0; i < kRankPer; ++i) lvl[cnt[i]] = u[i] < ineligible ? j[i] : -1;
       }
       ++level;
     }
@@ -305,11 +316,10 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
   }
   // The last level is every key: its order is the rank order.
   int32_t* last = order + g.lvl0 * ((int64_t(1) << (g.n_levels - 1)) - 1);
-  const uint32_t ineligible = ineligible_from(p.dtype);
 #pragma unroll
   for (int i = 0; i < kRankPer; ++i) {
     if (j[i] >= K) continue;  // a slot past K
-    last[cnt[i]] = j[i];
+    last[cnt[i]] = u[i] < ineligible ? j[i] : -1;
     p.key_rank[pi.rank0 + j[i]] = u[i] < ineligible ? cnt[i] : kNeverKept;
   }
 }
@@ -317,6 +327,17 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
 // ---- 3. walk ----
 
 __device__ inline unsigned lanes_below() { return (1u << (threadIdx.x % 32)) - 1; }
+
+// Where the n-th (from 1) set bit of m is; m has at least n.
+__device__ inline int nth_set_bit(unsigned m, int n) {
+  int at = 0;
+#pragma unroll
+  for (int half = 16; half >= 1; half /= 2) {
+    const int c = __popc(m & ((1u << half) - 1));
+    if (n > c) n -= c, at += half, m >>= half;
+  }
+  return at;
+}
 
 __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t t) {
   auto& w = sm.walk;
@@ -344,13 +365,14 @@ __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, con
   // at most TR - 1) leaves its list index in new_at. Base keys (seen by the first row) are seen by
   // every row, and a row sees at most TR - 1 keys more than the first, so every row's threshold
   // lies between the (W - TR + 1)-th base key and the W-th: a window of < 2 TR list entries from
-  // `start`. Ineligible keys (rank NEVER) follow the eligible ones in a level: the first ends it.
+  // `start`. Ineligible keys (-1 in the level order) follow the eligible ones: the first ends it.
   // A step reads kScanPer x 32 consecutive entries a warp, lane-strided (coalesced); the counts
   // before an entry are ballots within the warp plus the earlier warps' totals.
   const int64_t s_need = int64_t(W) - TR + 1;
   int32_t seen = 0, n = 0;
   bool more = p_last >= 0;
   constexpr int kStep = kSelectThreads * kScanPer, kWarps = kSelectThreads / 32;
+  static_assert(kStep <= kRing && 2 * kMaxTileRows <= kRing, "a step or the window would wrap the ring");
   for (int64_t r = 0; more && r < n_level && seen < W; r += kStep) {
     int32_t pos[kScanPer];
     unsigned base_m[kScanPer], cand_m[kScanPer];
@@ -358,20 +380,12 @@ __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, con
 #pragma unroll
     for (int i = 0; i < kScanPer; ++i) {
       const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
-      pos[i] = e < n_level ? __ldcg(order + e) : 0;
-    }
-    // Every rank requested before any is tested: a ballot between two loads would wait for the
-    // first (the compiler keeps loads in order around warp votes).
-    int32_t rank[kScanPer];
-#pragma unroll
-    for (int i = 0; i < kScanPer; ++i) {
-      const int64_t e = r + warp * 32 * kScanPer + i * 32 + lane;
-      rank[i] = e < n_level ? __ldcg(ranks + pos[i]) : kNeverKept;
+      pos[i] = e < n_level ? __ldcg(order + e) : -1;
     }
     int32_t base_w = 0, cand_w = 0;
 #pragma unroll
     for (int i = 0; i < kScanPer; ++i) {
-      const bool valid = rank[i] != kNeverKept;
+      const bool valid = pos[i] >= 0;
       all_valid &= valid;
       base_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_first);
       cand_m[i] = __ballot_sync(0xffffffffu, valid && pos[i] <= p_last);
@@ -396,6 +410,7 @@ __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, con
       const int32_t my_before = before + __popc(base_m[i] & below), my_at = at + __popc(cand_m[i] & below);
       if (cand && my_before < W) {
         list[my_at] = pos[i];
+        w.ring[my_at % kRing] = pos[i];
         if (pos[i] > p_first) w.new_at[pos[i] - p_first - 1] = my_at;
         if (base) {
           if (my_before == s_need - 1) w.start = my_at;
@@ -412,7 +427,7 @@ __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, con
     // The W-th base key ends the list: the candidates after it in rank order are not listed.
     const bool cut = seen + base_all >= W;
     seen = min(seen + base_all, W);
-    __syncthreads();  // new_at, start, n_cut written; warp totals read before the next step's
+    __syncthreads();  // new_at, start, n_cut, ring written; warp totals read before the next step's
     n = cut ? w.n_cut : n + cand_all;
   }
   __syncthreads();
@@ -424,70 +439,92 @@ __device__ void walk_tile(const SelectParams& p, const Scratch& s, Smem& sm, con
   const int32_t start = s_need <= 0 ? 0 : (full ? w.start : w.last_base);
   const int32_t base_before = s_need <= 0 ? 0 : (full ? static_cast<int32_t>(s_need - 1) : max(seen - 1, 0));
   const int32_t win = min(n - start, 2 * TR);
-  // Per window entry: the first row of the tile that sees it (0 for a base key), and its rank.
+  // The window's entries (read back from the ring), their ranks, and a bit each for those every
+  // row sees (base keys). A whole warp runs each turn: the bound is a multiple of 32.
   for (int e = threadIdx.x; e < 2 * kMaxTileRows; e += kSelectThreads) {
-    int32_t first_row = kNeverKept, rank = 0;
+    int32_t rank = 0;
+    bool base = false;
     if (e < win) {
-      const int32_t pos = __ldcg(list + start + e);
-      first_row = pos <= p_first ? 0 : static_cast<int32_t>(pos - p_first);
+      const int32_t pos = w.ring[(start + e) % kRing];
+      base = pos <= p_first;
       rank = __ldcg(ranks + pos);
     }
-    w.win_row[e] = first_row;
     w.win_rank[e] = rank;
+    const unsigned m = __ballot_sync(0xffffffffu, base);
+    if (lane == 0) w.win_base[e / 32] = m;
   }
-  if (warp == 0) {
-    // early[i]: new keys row i sees (those before it in key order) listed before the window.
-    int32_t run = 0;
-    for (int q0 = 0; q0 < TR; q0 += 32) {
-      const int q = q0 + lane;
-      const unsigned m = __ballot_sync(0xffffffffu, q < TR && w.new_at[q < TR ? q : 0] < start);
-      if (q < TR) w.early[q] = run + __popc(m & lanes_below());
-      run += __popc(m);
+
+  // A thread a row. Row i sees the base entries and the new keys of rows 1..i (key p_first + d is
+  // seen from row d on, at list index new_at[d - 1]): its window mask is an OR-scan over the rows
+  // of one bit each, and its count of new keys listed before the window a sum-scan of one each.
+  // Every row's mask at once: a warp a row would take a ballot per window word and row.
+  const int rl = threadIdx.x;
+  constexpr int kRowWarps = kMaxTileRows / 32;
+  unsigned vis[kWinWords];
+  int32_t early = 0;
+  if (warp < kRowWarps) {
+    const int32_t x = rl >= 1 && rl < TR ? w.new_at[rl - 1] : kNeverKept;
+    const int32_t in_win = x != kNeverKept && x >= start && x - start < win ? x - start : -1;
+    early = x != kNeverKept && x < start ? 1 : 0;
+#pragma unroll
+    for (int k = 0; k < kWinWords; ++k) vis[k] = in_win >= 0 && in_win / 32 == k ? 1u << (in_win % 32) : 0u;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+#pragma unroll
+      for (int k = 0; k < kWinWords; ++k) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, vis[k], o);
+        if (lane >= o) vis[k] |= v;
+      }
+      const int32_t v = __shfl_up_sync(0xffffffffu, early, o);
+      if (lane >= o) early += v;
+    }
+    if (lane == 31) {
+#pragma unroll
+      for (int k = 0; k < kWinWords; ++k) w.warp_vis[warp][k] = vis[k];
+      w.warp_early[warp] = early;
     }
   }
   __syncthreads();
-
-  // Row i's threshold: the rank of the window entry where its count of visible keys reaches W (or
-  // of its last visible one). The window's visibility to a row is kWinWords ballots, independent
-  // of each other, so a warp's rows do not wait on one another.
-  constexpr int kWinWords = 2 * kMaxTileRows / 32;
-  int32_t first_row[kWinWords];  // of this lane's window entries, read once for all the warp's rows
+  int32_t top = -1;  // the thread's row's threshold
+  if (warp < kRowWarps) {
 #pragma unroll
-  for (int k = 0; k < kWinWords; ++k) first_row[k] = w.win_row[k * 32 + lane];
-  int32_t top = -1;  // the warp's largest threshold
-#pragma unroll 2
-  for (int rl = warp; rl < TR && r0 + rl < Q; rl += kWarps) {
-    const int64_t p_row = p.is_causal ? r0 + rl + off : K - 1;
-    int32_t thr = -1;
-    if (p_row >= 0) {
-      const int32_t need = W - base_before - (p.is_causal ? w.early[rl] : 0);  // >= 1
-      unsigned vis[kWinWords];
+    for (int k = 0; k < kWinWords; ++k) vis[k] |= w.win_base[k];
+    for (int v = 0; v < warp; ++v) {
 #pragma unroll
-      for (int k = 0; k < kWinWords; ++k) vis[k] = __ballot_sync(0xffffffffu, first_row[k] <= rl);
-      // The word holding the need-th visible entry (its mask and the count before it), else the
-      // last word with a visible entry (selects, not an indexed array: vis stays in registers).
-      int32_t acc = 0, word = -1, last_word = -1;
-      unsigned m = 0, last_m = 0;
-#pragma unroll
-      for (int k = 0; k < kWinWords; ++k) {
-        const int32_t c = __popc(vis[k]);
-        if (word < 0 && acc + c >= need) word = k, m = vis[k];
-        if (word < 0) acc += c;
-        if (c) last_word = k, last_m = vis[k];
-      }
-      int32_t entry = -1;
-      if (word >= 0) {
-        const bool hit = (m >> lane & 1) && __popc(m & lanes_below()) == need - acc - 1;
-        entry = word * 32 + __ffs(__ballot_sync(0xffffffffu, hit)) - 1;
-      } else if (last_word >= 0) {
-        entry = last_word * 32 + 31 - __clz(last_m);
-      }
-      if (entry >= 0) thr = w.win_rank[entry];
+      for (int k = 0; k < kWinWords; ++k) vis[k] |= w.warp_vis[v][k];
+      early += w.warp_early[v];
     }
-    if (lane == 0) p.row_thr[pi.thr0 + r0 + rl] = thr;
-    top = max(top, thr);
+    // The row's threshold: the rank of the window entry where its count of visible keys reaches W
+    // (or of its last visible one).
+    const int64_t p_row = p.is_causal ? r0 + rl + off : K - 1;
+    if (rl < TR && r0 + rl < Q) {
+      int32_t thr = -1;
+      if (p_row >= 0) {
+        const int32_t need = W - base_before - (p.is_causal ? early : 0);  // >= 1
+        // The word holding the need-th visible entry (and the count before it), else the last word
+        // with a visible entry (selects, not an indexed array: vis stays in registers).
+        int32_t acc = 0, word = -1, last_word = -1;
+        unsigned m = 0, last_m = 0;
+#pragma unroll
+        for (int k = 0; k < kWinWords; ++k) {
+          const int32_t c = __popc(vis[k]);
+          if (word < 0 && acc + c >= need) word = k, m = vis[k];
+          if (word < 0) acc += c;
+          if (c) last_word = k, last_m = vis[k];
+        }
+        int32_t entry = -1;
+        if (word >= 0)
+          entry = word * 32 + nth_set_bit(m, need - acc);
+        else if (last_word >= 0)
+          entry = last_word * 32 + 31 - __clz(last_m);
+        if (entry >= 0) thr = w.win_rank[entry];
+      }
+      p.row_thr[pi.thr0 + r0 + rl] = thr;
+      top = thr;
+    }
+    top = __reduce_max_sync(0xffffffffu, top);
+    if (lane == 0 && top >= 0) atomicMax(&w.top, top);
   }
-  if (lane == 0 && top >= 0) atomicMax(&w.top, top);
   __syncthreads();
   // Keep the prefix of the list some row keeps: the list is in rank order and the largest
   // threshold is the rank of a window entry, so the prefix ends at that entry.
