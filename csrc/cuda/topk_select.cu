@@ -6,7 +6,7 @@
 // waits only for items that resident CTAs already hold (the waits cannot deadlock):
 // 1. sort (plane, chunk of kChunk keys): the chunk's order values sorted in shared memory (a stable
 //    block radix sort: equal values stay in key order).
-// 2. rank (plane, kRankKeys keys of one sorted chunk; waits for the plane's sorts): a key's rank is
+// 2. rank (plane, 512 or 1024 keys of one sorted chunk; waits for the plane's sorts): a key's rank is
 //    the sum over the plane's sorted chunks of its count there, by binary searches in shared
 //    memory (each chunk staged once per item, the next one loaded during this one's searches).
 //    Summed over the chunks of a prefix level [0, T) (levels are whole chunks), the same count is
@@ -29,13 +29,16 @@ namespace cuda {
 namespace {
 
 constexpr int kSelectThreads = 256;
-constexpr int kChunk = 4096;                          // keys per sorted chunk (its order values fill 16 KiB)
-constexpr int kSortPer = kChunk / kSelectThreads;     // keys a thread sorts
-constexpr int kRankKeys = 1024;                       // keys of one rank item
-constexpr int kRankPer = kRankKeys / kSelectThreads;  // keys a thread ranks
-constexpr int kScanPer = 8;                           // level entries a thread reads per step of a walk
-constexpr int kMaxTileRows = 128;                     // the window's visibility is 8 words a row
-constexpr int kWinWords = 2 * kMaxTileRows / 32;      // words of a window bit mask
+constexpr int kChunk = 4096;                       // keys per sorted chunk (its order values fill 16 KiB)
+constexpr int kSortPer = kChunk / kSelectThreads;  // keys a thread sorts
+// Keys of one rank item: 1024, or 512 where a plane has at most kSmallRankChunks chunks. An item
+// stages every chunk of its plane, so halving it doubles that traffic (long planes keep 1024),
+// but twice the items fill both CTA slots of an SM where 1024 would leave one idle (128K keys).
+constexpr int kRankKeys = 1024, kSmallRankKeys = 512;
+constexpr int kSmallRankChunks = 32;
+constexpr int kScanPer = 8;                       // level entries a thread reads per step of a walk
+constexpr int kMaxTileRows = 128;                 // the window's visibility is 8 words a row
+constexpr int kWinWords = 2 * kMaxTileRows / 32;  // words of a window bit mask
 // A walk's list entries kept in shared memory by their index modulo kRing: the window (< 2 x 128
 // entries ending at the list's last) is never overwritten there, since a step writes fewer than
 // kRing consecutive indices and the window's entries are the last written.
@@ -44,6 +47,10 @@ constexpr int kRing = 4096;
 // Six bits a pass: 16-bit scores sort in three passes instead of four (its counters, 33 KiB, about
 // the size of the rank items' staged chunks).
 using Sorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, int32_t, 6>;
+// 16-bit scores: the order value and the key's place in its chunk as one 29-bit key (bits [12, 29)
+// sorted), all distinct: no payload to move with each pass.
+using KeySorter = cub::BlockRadixSort<uint32_t, kSelectThreads, kSortPer, cub::NullType, 6>;
+static_assert(kChunk == 1 << 12, "a key's place in its chunk is the low 12 bits");
 
 // A plane's prefix levels: [0, lvl0 << l) for l < n_levels, the last one all K; causal rows of a
 // query tile see a prefix of the keys, and its walk reads the smallest level that holds it.
@@ -75,7 +82,8 @@ __host__ __device__ inline Levels plane_levels(int64_t K, int64_t W, int64_t til
 // scratch by the token count.
 struct Geometry {
   int64_t batch = 1;         // P1
-  int64_t n_chunks = 0;      // sort items a plane (each kRankKeys / kChunk rank items too)
+  int64_t n_chunks = 0;      // sort items a plane (each `subs` rank items too)
+  int subs = 0;              // rank items a chunk (kChunk / their keys)
   int64_t plane_stride = 0;  // padded: entries of one plane's level orders
   int64_t n_tiles = 0;       // walk items a plane
   int64_t n_sort = 0, n_rank = 0, n_walk = 0;
@@ -94,7 +102,8 @@ Geometry select_geometry(const SelectParams& p) {
   g.plane_stride = plane_levels(p.seqlen_k, p.window, p.tile_rows, p.is_causal).stride(p.seqlen_k);
   g.n_tiles = ceil_div(p.seqlen_q, p.tile_rows);
   g.n_sort = p.planes * g.n_chunks;
-  g.n_rank = g.n_sort * (kChunk / kRankKeys);
+  g.subs = kChunk / (g.n_chunks <= kSmallRankChunks ? kSmallRankKeys : kRankKeys);
+  g.n_rank = g.n_sort * g.subs;
   g.n_walk = p.planes * g.n_tiles;
   // Packed: a sequence's chunks start at chunk k0 / kChunk + b of its head's (see PlaneInfo).
   const int64_t chunks = packed ? p.planes2 * (p.total_k / kChunk + g.batch) : g.n_sort;
@@ -214,6 +223,7 @@ struct Scratch {
 
 union alignas(16) Smem {
   typename Sorter::TempStorage sort;
+  typename KeySorter::TempStorage sort_keys;
   uint32_t chunk[2][kChunk];  // a rank item's staged chunks (double buffer)
   struct {
     int32_t new_at[kMaxTileRows];  // list index of each key the first row does not see (or NEVER)
@@ -231,6 +241,25 @@ union alignas(16) Smem {
 
 __device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t c) {
   const int64_t K = pi.K;
+  const int64_t base = (pi.chunk0 + c) * kChunk;
+  if (p.dtype != DType::kFloat32) {
+    // Past K: 0x10000, after every 16-bit value (stored as 0xffffffff, as the float32 path does).
+    uint32_t x[kSortPer];
+#pragma unroll
+    for (int i = 0; i < kSortPer; ++i) {
+      const int local = threadIdx.x * kSortPer + i;
+      const int64_t key = c * kChunk + local;
+      x[i] = (key < K ? load_order(p, pi, key) : 0x10000u) << 12 | static_cast<uint32_t>(local);
+    }
+    KeySorter(sm.sort_keys).SortBlockedToStriped(x, 12, 29);
+#pragma unroll
+    for (int i = 0; i < kSortPer; ++i) {
+      const uint32_t u = x[i] >> 12;
+      s.sorted[base + i * kSelectThreads + threadIdx.x] = u == 0x10000u ? 0xffffffffu : u;
+      s.keys[base + i * kSelectThreads + threadIdx.x] = static_cast<int32_t>(c * kChunk + (x[i] & (kChunk - 1)));
+    }
+    return;
+  }
   uint32_t u[kSortPer];
   int32_t j[kSortPer];
   // Blocked: thread t holds keys t * kSortPer + i, the order the sort keeps among equal values.
@@ -240,10 +269,7 @@ __device__ void sort_chunk(const SelectParams& p, const Scratch& s, Smem& sm, co
     j[i] = static_cast<int32_t>(key);
     u[i] = key < K ? load_order(p, pi, key) : 0xffffffffu;  // past K: after every key
   }
-  // 16-bit scores' values fit the low 16 bits (and the slots past K sort last by them too).
-  const int end_bit = p.dtype == DType::kFloat32 ? 32 : 16;
-  Sorter(sm.sort).SortBlockedToStriped(u, j, 0, end_bit);
-  const int64_t base = (pi.chunk0 + c) * kChunk;
+  Sorter(sm.sort).SortBlockedToStriped(u, j);
 #pragma unroll
   for (int i = 0; i < kSortPer; ++i) {
     s.sorted[base + i * kSelectThreads + threadIdx.x] = u[i];
@@ -261,17 +287,20 @@ __device__ inline int32_t count_below(const uint32_t* chunk, uint32_t x) {
   return pos + (chunk[pos] < x ? 1 : 0);
 }
 
+// kPer keys a thread ranks: item `sub` of chunk a holds its keys [sub, sub + 1) x kPer x 256.
+template <int kPer>
 __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, const PlaneInfo& pi, int64_t a, int sub) {
   const int64_t K = pi.K, NC = pi.n_chunks;
   const Levels& g = pi.lv;
   const uint32_t* sorted = s.sorted + pi.chunk0 * kChunk;
   const int32_t* keys = s.keys + pi.chunk0 * kChunk;
   int32_t* order = s.orders + pi.order0;
-  uint32_t u[kRankPer];
-  int32_t j[kRankPer], cnt[kRankPer];
+  constexpr int kKeys = kPer * kSelectThreads;
+  uint32_t u[kPer];
+  int32_t j[kPer], cnt[kPer];
 #pragma unroll
-  for (int i = 0; i < kRankPer; ++i) {
-    const int e = sub * kRankKeys + i * kSelectThreads + threadIdx.x;
+  for (int i = 0; i < kPer; ++i) {
+    const int e = sub * kKeys + i * kSelectThreads + threadIdx.x;
     u[i] = __ldcg(sorted + a * kChunk + e);
     j[i] = __ldcg(keys + a * kChunk + e);
     cnt[i] = e;  // the keys before it in its own sorted chunk (ties there are in key order)
@@ -299,7 +328,7 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
       const uint32_t tie = b < a ? 1u : 0u;
       // Independent searches: the item is bound by their latency, not by their loads.
 #pragma unroll
-      for (int i = 0; i < kRankPer; ++i) cnt[i] += count_below(sm.chunk[b & 1], u[i] + tie);
+      for (int i = 0; i < kPer; ++i) cnt[i] += count_below(sm.chunk[b & 1], u[i] + tie);
     }
     // A level [0, lvl0 << level) other than the last ends after this chunk: its members (keys of
     // chunks up to b) are placed in its order by their counts so far.
@@ -307,7 +336,7 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
       if (a <= b) {  // (no slot past K: every level but the last ends before the last chunk)
         int32_t* lvl = order + g.lvl0 * ((int64_t(1) << level) - 1);
 #pragma unroll
-        for (int i = 0; i < kRankPer; ++i) lvl[cnt[i]] = u[i] < ineligible ? j[i] : -1;
+        for (int i = 0; i < kPer; ++i) lvl[cnt[i]] = u[i] < ineligible ? j[i] : -1;
       }
       ++level;
     }
@@ -317,7 +346,7 @@ __device__ void rank_keys(const SelectParams& p, const Scratch& s, Smem& sm, con
   // The last level is every key: its order is the rank order.
   int32_t* last = order + g.lvl0 * ((int64_t(1) << (g.n_levels - 1)) - 1);
 #pragma unroll
-  for (int i = 0; i < kRankPer; ++i) {
+  for (int i = 0; i < kPer; ++i) {
     if (j[i] >= K) continue;  // a slot past K
     last[cnt[i]] = u[i] < ineligible ? j[i] : -1;
     p.key_rank[pi.rank0 + j[i]] = u[i] < ineligible ? cnt[i] : kNeverKept;
@@ -544,7 +573,6 @@ __global__ void __launch_bounds__(kSelectThreads, 2) select_kernel(const SelectP
   if (threadIdx.x == 0) item_s = atomicAdd(s.counters, 1u);
   __syncthreads();
   const int64_t item = item_s, P = p.planes;
-  constexpr int kSubs = kChunk / kRankKeys;
   // Items past a packed sequence's own chunks or tiles do nothing, but count: the waits below are
   // for every item of the plane.
   if (item < g.n_sort) {
@@ -553,18 +581,22 @@ __global__ void __launch_bounds__(kSelectThreads, 2) select_kernel(const SelectP
     if (c < pi.n_chunks) sort_chunk(p, s, sm, pi, c);
     publish(s.counters + 1 + plane);
   } else if (item < g.n_sort + g.n_rank) {
-    const int64_t i = item - g.n_sort, plane = i / (g.n_chunks * kSubs), c = i % (g.n_chunks * kSubs);
+    const int64_t i = item - g.n_sort, plane = i / (g.n_chunks * g.subs), c = i % (g.n_chunks * g.subs);
     const PlaneInfo pi = plane_info(p, g, plane);
-    if (c / kSubs < pi.n_chunks) {
+    if (c / g.subs < pi.n_chunks) {
       wait_for(s.counters + 1 + plane, static_cast<uint32_t>(g.n_chunks));
-      rank_keys(p, s, sm, pi, c / kSubs, static_cast<int>(c % kSubs));
+      const int sub = static_cast<int>(c % g.subs);
+      if (g.subs == kChunk / kSmallRankKeys)
+        rank_keys<kSmallRankKeys / kSelectThreads>(p, s, sm, pi, c / g.subs, sub);
+      else
+        rank_keys<kRankKeys / kSelectThreads>(p, s, sm, pi, c / g.subs, sub);
     }
     publish(s.counters + 1 + P + plane);
   } else {
     const int64_t i = item - g.n_sort - g.n_rank, plane = i / g.n_tiles, t = i % g.n_tiles;
     const PlaneInfo pi = plane_info(p, g, plane);
     if (t >= pi.n_tiles) return;
-    wait_for(s.counters + 1 + P + plane, static_cast<uint32_t>(g.n_chunks * kSubs));
+    wait_for(s.counters + 1 + P + plane, static_cast<uint32_t>(g.n_chunks * g.subs));
     walk_tile(p, s, sm, pi, t);
   }
 }
