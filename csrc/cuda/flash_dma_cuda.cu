@@ -54,6 +54,8 @@ const char* unsupported_reason(const FwdParams& p) {
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";
     if (!topk_head_dim(p.head_dim)) return "the top-k kernels take head dims 64 and 128, on sm_90a builds";
     if (p.mask.ptr) return "the top-k kernels take no attn_mask (the selection holds it)";
+    if (ceil_div(p.seqlen_q, kTopkTileRows) * p.num_heads * p.batch >= (int64_t(1) << 31))
+      return "the top-k forward counts its query tiles x heads x batch in 32 bits";
     if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTopkTileRows != 0)
       return "the top-k kernels read lists of query tiles of a multiple of 128 rows (their CTAs' rows)";
     if (!aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) ||

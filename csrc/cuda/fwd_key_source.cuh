@@ -36,6 +36,8 @@ struct SequenceKeysOf {
   // Q as S = Q K^T's A operand in registers (fwd_ws_kernel): only where the mask's operands leave
   // room (the padded kernel at D = 128 spills with it).
   static constexpr bool kQInRegisters = kPackedSeqs;
+  // One CTA a tile (the grid is the tiles, tile_scheduler.cuh's SingleTileScheduler).
+  static constexpr bool kPersistent = false;
 
   // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see;
   // none past a packed sequence's rows (CTAs of the longest sequence's tiles).
@@ -122,6 +124,10 @@ struct ListedKeys {
   static constexpr bool kPacked = true;  // packed sequences (FwdParams::cu_seqlens_q) too
   static constexpr bool kMask = true;    // never given one (unsupported_reason); its branches stay as measured
   static constexpr bool kQInRegisters = true;
+  // A CTA an SM over tile after tile (PersistentTileScheduler): the next tile's Q and first gathers
+  // land during this one's last pieces and epilogue. Needs Q in registers (its smem then stages O)
+  // and no bias tiles (their stages hold the second Q buffer).
+  static constexpr bool kPersistent = true;
 
   // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
   // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.

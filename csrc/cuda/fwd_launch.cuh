@@ -18,7 +18,9 @@ template <typename T, int D>
 struct FwdPlan {
   void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
   int smem = 0, threads = kThreads, rows = kBlockM;
-  int64_t units = 0;  // grid x per query tile: heads, or head pairs
+  int64_t units = 0;        // grid x per query tile: heads, or head pairs
+  bool persistent = false;  // a CTA an SM over the work items (Keys::kPersistent)
+  int sms = 1;
   FwdFlags f;
   int splits = 1;
 
@@ -38,6 +40,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   int dev = 0, sms = 1;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  plan.sms = sms;
   FwdFlags& f = plan.f;
   // Two consecutive query heads share their operands when they share a kv head and every
   // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even. Paired
@@ -48,6 +51,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
+    plan.persistent = p.tile_keys.ptr && ListedKeys::kPersistent;
     plan.kernel = p.tile_keys.ptr  ? fwd_ws_kernel<T, D, ListedKeys>
                   : p.cu_seqlens_q ? fwd_ws_kernel<T, D, PackedSequenceKeys>
                                    : fwd_ws_kernel<T, D, SequenceKeys>;
@@ -100,7 +104,10 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
     sp.o_part = static_cast<float*>(p.workspace);
     sp.lse_part = sp.o_part + sp.n * rows_all * D;
   }
-  const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, plan.rows), plan.units, p.batch, sp.n);
+  const int64_t m_tiles = ceil_div(p.seqlen_q, plan.rows);
+  const dim3 grid = plan.persistent ? PersistentTileScheduler::grid(
+                                          PersistentTileScheduler::items(m_tiles, plan.units, p.batch, sp.n), plan.sms)
+                                    : SingleTileScheduler::grid(m_tiles, plan.units, p.batch, sp.n);
   // Dense packed calls: the offsets are checked before the kernel reads them (the per-key path's
   // selection checks its own).
   if (p.cu_seqlens_q && !p.tile_keys.ptr)

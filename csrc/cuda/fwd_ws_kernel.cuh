@@ -1,6 +1,8 @@
 // Forward kernel, warp-specialized (sm_90a, head dims 64 / 128): one CTA of three warpgroups per
 // (128-row query tile, head, batch, key split), or per (64-row query tile, head pair, batch, key
-// split) where two query heads share every operand (FwdFlags::pair), one CTA per SM.
+// split) where two query heads share every operand (FwdFlags::pair), one CTA per SM; or
+// (Keys::kPersistent, the per-key lists) one CTA per SM over work item after work item, the next
+// tile's Q and first gathers requested while this one's last pieces and epilogue run.
 //   warpgroup 0 loads: K / V tiles (contiguous, or gathered through the query tile's key list on
 //     the per-key path), the bias tiles, the mask bytes (raw by cp.async, or built where a length
 //     or misalignment rules that out) into rings of K stages (with the mask / bias / rank
@@ -68,20 +70,39 @@ struct FwdWsSmem {
   // A stage's keep bytes for both 64-row halves, or (ListedKeys) the key list's slot.
   static constexpr int kKeepSlot = 2 * kBlockM * kLdKeep;
   static constexpr int kBiasSlot = kWsRows * kLdBias * 2;
-  static constexpr int kBars = 0;    // full / empty barriers of the K and the V stages
-  static constexpr int kQBar = 224;  // Q's full barrier
-  static constexpr int kIdx = 256;   // ListedKeys: key indices of 4 tiles (64 words each)
-  static constexpr int kQ = 2048;    // two 64-row Q tiles, swizzled (read by wgmma)
+  static constexpr int kBars = 0;  // full / empty barriers of the K and the V stages
+  // Q's full barrier; persistent (Keys::kPersistent): two, one a Q buffer, then each buffer's
+  // "free" barrier (the computing warps' epilogue staged out of it).
+  static constexpr int kQBar = 224;
+  static constexpr int kIdx = 256;  // ListedKeys: key indices of 4 tiles (64 words each)
+  static constexpr int kQ = 2048;   // two 64-row Q tiles, swizzled (read by wgmma)
   static constexpr int kK = kQ + 2 * kTileKV;
   static constexpr int kV = kK + kStages * kTileKV;
   static constexpr int kKeep = kV + kStages * kTileKV;
   static constexpr int kBias = kKeep + kStages * kKeepSlot;
   static constexpr int kBytes = kBias + kStages * kBiasSlot + 1024;  // + room to align the base to 1024
+  // Persistent: the second Q buffer, in the bias stages a key source without bias tiles leaves free.
+  static constexpr int kQ2 = kBias;
   static_assert(kBytes <= kMaxSmemPerBlock, "warp-specialized forward smem layout too large");
   static_assert(KeyList<T, D>::kSlotWords * 4 <= kKeepSlot, "KeyList's slot must fit a keep slot");
-  static_assert(4 * kStages * 8 <= kQBar, "barriers must fit before Q's");
+  static_assert(4 * kStages * 8 <= kQBar && kQBar + 4 * 8 <= kIdx, "barriers must fit before Q's, Q's before the ring");
+  static_assert(kStages * kBiasSlot >= 2 * kTileKV, "the bias stages must hold a second Q buffer");
   static_assert(kIdx + 4 * 256 <= kQ, "the index ring must fit before Q");
 };
+
+// Q buffer qb (its two 64-row tiles), its full barrier and (persistent) its free barrier.
+template <typename T, int D>
+__device__ inline T* q_buffer(unsigned char* smem, int qb) {
+  return reinterpret_cast<T*>(smem + (qb ? FwdWsSmem<T, D>::kQ2 : FwdWsSmem<T, D>::kQ));
+}
+template <typename T, int D>
+__device__ inline uint64_t* q_full(unsigned char* smem, int qb) {
+  return reinterpret_cast<uint64_t*>(smem + FwdWsSmem<T, D>::kQBar) + qb;
+}
+template <typename T, int D>
+__device__ inline uint64_t* q_free(unsigned char* smem, int qb) {
+  return reinterpret_cast<uint64_t*>(smem + FwdWsSmem<T, D>::kQBar) + 2 + qb;
+}
 
 // What every warpgroup of a CTA derives alike: its tile, its key tiles [t_begin, n_end) (of the
 // sequence, or of the key list), and the tile activity rows that say which of them to visit.
@@ -90,6 +111,7 @@ struct FwdWsTile {
   SeqInfo seq;  // batch b's rows (padded, or a packed sequence's)
   bool two;     // the second warpgroup has rows
   bool pair;    // computing warpgroup wg takes rows [m0, m0 + 64) of head h + wg (else m0 + 64 wg of h)
+  int split;    // its key split
   // Computing warpgroup wg's head and first row, and the 64-row mask / bias tiles a stage holds.
   __device__ inline int64_t head(int wg) const { return pair ? h + wg : h; }
   __device__ inline int64_t rows(int wg) const { return pair ? m0 : m0 + wg * kBlockM; }
@@ -109,8 +131,12 @@ struct FwdWsTile {
 // A stage is published by arrivals that fire when the copies land (cp.async.mbarrier.arrive), plus
 // an ordinary arrival after the plain shared-memory stores of a K stage: the loader never waits for
 // its own copies, only for free stages.
+// Persistent, the ring positions (pk, pv) run on from the CTA's previous tile, Q goes to buffer qb,
+// and the copies are waited for once, after the CTA's last tile.
 template <typename T, int D, typename Keys>
-__device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem) {
+__device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem,
+                                   RingPos<FwdWsSmem<T, D>::kStages>& pk, RingPos<FwdWsSmem<T, D>::kStages>& pv,
+                                   int qb = 0) {
   using L = FwdWsSmem<T, D>;
   constexpr int S = L::kStages;
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
@@ -126,24 +152,23 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
   for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
     const int64_t mh = c.rows(wg);
     const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
-    issue_rows<T, D>(reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
+    issue_rows<T, D>(q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
                      (int)imin(kBlockM, seq.nq - mh), f.qkv_vec);
   }
-  uint64_t* full_q = reinterpret_cast<uint64_t*>(smem + L::kQBar);
+  uint64_t* full_q = q_full<T, D>(smem, qb);
   mbar_arrive_copies(full_q);
   mbar_arrive(full_q);
 
   ActiveTiles active = c.active();
   int64_t t = c.next(active, c.t_begin);
   if (t >= c.n_end) {
-    cp_async_wait<0>();  // no copy may land in the smem of a later CTA
+    if constexpr (!Keys::kPersistent) cp_async_wait<0>();  // no copy may land in the smem of a later CTA
     return;
   }
   keys.start(t);
 
   // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
   // in the first round that is the phase before the barrier's first, which counts as complete.
-  RingPos<S> pk, pv;
   // The next stage of a ring, once free.
   auto acquire = [&](uint64_t* empty, RingPos<S>& pos) {
     const int st = pos.stage;
@@ -171,15 +196,18 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
     if (tn >= c.n_end) break;
     t = tn;
   }
-  cp_async_wait<0>();
+  if constexpr (!Keys::kPersistent) cp_async_wait<0>();
 }
 
 // Warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every stage in
 // order. A warpgroup whose rows see none of a tile (past its causal end, or past seqlen_q) only
 // waits for the stage and releases it.
+// Persistent, the stage position `at_io` runs on from the CTA's previous tile, and Q is buffer qb
+// in use qphase.
 template <typename T, int D, typename Keys>
 __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, const FwdWsTile& c,
-                                      unsigned char* smem, int wg) {
+                                      unsigned char* smem, int wg, RingPos<FwdWsSmem<T, D>::kStages>& at_io, int qb = 0,
+                                      uint32_t qphase = 0) {
   using L = FwdWsSmem<T, D>;
   constexpr int S = L::kStages;
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
@@ -194,7 +222,11 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const int half = c.pair ? 0 : wg;  // of the stages' mask / bias tiles
   const bool idle = mc >= c.seq.nq;
 
-  const T* sQ = reinterpret_cast<const T*>(smem + L::kQ) + wg * L::kTileKV / 2;
+  const T* sQ = q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2;
+  uint64_t* full_q = q_full<T, D>(smem, qb);
+  // Persistent, every warpgroup waits for its Q, idle or not: a buffer is handed back only after
+  // its copies have landed.
+  if constexpr (Keys::kPersistent) mbar_wait(full_q, qphase);
 
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
@@ -288,10 +320,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   };
 
   ActiveTiles active = c.active();
-  Pos at;  // the stages of tile t
+  Pos at = at_io;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
   if (t < own_end) {
-    mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
+    mbar_wait(full_q, qphase);
     if constexpr (kQRegs) {
       // ldmatrix x4's lanes 0-15 address rows 0-15 of the warp's 16 at columns kk * 16, lanes
       // 16-31 the same rows 8 columns on: the A fragment's four 8 x 8 blocks.
@@ -356,12 +388,13 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wait(full_v, at);
     release(empty_v, at);
   }
+  at_io = at;
   if (!idle) {
     // This warpgroup's Q tile stages its output rows: every product that read it has completed,
     // and Q has landed (a warpgroup with no tile to walk has not waited for it yet; its copies
     // must not land on the staged rows).
-    mbar_wait(reinterpret_cast<uint64_t*>(smem + L::kQBar), 0);
-    T* stage = reinterpret_cast<T*>(smem + L::kQ) + wg * L::kTileKV / 2;
+    mbar_wait(full_q, qphase);
+    T* stage = q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2;
     // The warp's ldmatrix reads of its Q rows (kQInRegisters) ordered before the epilogue's writes
     // over them by a warp barrier, the ordering compute-sanitizer's racecheck recognises (their
     // registers were consumed by the walk's wgmmas long before).
@@ -369,17 +402,19 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // Dense packed: the sequence's offsets are read again here rather than held in registers
     // across the walk (the per-key kernel has the registers).
     const SeqInfo seq = Keys::kRankRule ? c.seq : SeqInfo::of<Keys::kPacked>(p, c.b);
-    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, head, mc, tid, stage);
+    // Persistent: the epilogue's fragment addresses are derived here from an opaque copy of tid,
+    // not hoisted out of the tile loop and held (spilled) across every tile's walk.
+    int tid_e = tid;
+    if constexpr (Keys::kPersistent) asm volatile("" : "+r"(tid_e));
+    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, head, mc, tid_e, stage, c.split);
   }
 }
 
-// This CTA's tile, heaviest first (tile_scheduler.cuh).
+// The tile of work item `work` (tile_scheduler.cuh's order, heaviest first).
 template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
+__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, WorkTile work) {
   FwdWsTile c;
   c.pair = Keys::kPairs && f.pair;
-  // Units of the grid's x: head pairs when paired (then 64-row query tiles), else heads.
-  const WorkTile work = SingleTileScheduler::get((int)p.num_heads >> (c.pair ? 1 : 0));
   c.h = work.unit << (c.pair ? 1 : 0);
   c.b = work.b;
   c.seq = SeqInfo::of<Keys::kPacked>(p, c.b);
@@ -389,6 +424,7 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   c.two = c.pair || c.m0 + kBlockM < c.seq.nq;
   c.list = nullptr;
   const int64_t n_all = Keys::tiles(p, c);
+  c.split = (int)work.split;
   SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
   c.meta0 = c.meta1 = nullptr;
   if (Keys::kTileBits && Keys::kMask && p.mask.ptr) {
@@ -398,29 +434,79 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   }
   return c;
 }
+// The tile of this CTA (one a tile). Units of the grid's x: head pairs when paired (then 64-row
+// query tiles), else heads.
+template <typename Keys>
+__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
+  return fwd_ws_tile<Keys>(p, f, sp, SingleTileScheduler::get((int)p.num_heads >> (Keys::kPairs && f.pair ? 1 : 0)));
+}
+
+// The tile of persistent work item w (PersistentTileScheduler's order).
+template <typename Keys>
+__device__ inline FwdWsTile fwd_ws_tile_at(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, unsigned w) {
+  const unsigned m_tiles = (unsigned)ceil_div(p.seqlen_q, kWsRows);
+  return fwd_ws_tile<Keys>(p, f, sp,
+                           PersistentTileScheduler::get(w, (unsigned)p.num_heads, m_tiles, (unsigned)p.batch));
+}
 
 template <typename T, int D, typename Keys>
 __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
   static_assert(fwd_warp_specialized<D>(), "the warp-specialized forward is built for D = 64 / 128");
+  static_assert(!Keys::kPersistent || (Keys::kQInRegisters && !Keys::kBiasTiles && !Keys::kPairs),
+                "a persistent CTA stages O in its Q buffer and keeps the second in the bias stages");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
   using L = FwdWsSmem<T, D>;
+  RingPos<L::kStages> pk, pv;
 
   if (threadIdx.x == 0) {
     mbar_init_kv_ring<L::kStages>(reinterpret_cast<uint64_t*>(smem + L::kBars), kThreads, 2 * kThreads);
-    mbar_init(reinterpret_cast<uint64_t*>(smem + L::kQBar), 2 * kThreads);
+    mbar_init(q_full<T, D>(smem, 0), 2 * kThreads);
+    if constexpr (Keys::kPersistent) {
+      mbar_init(q_full<T, D>(smem, 1), 2 * kThreads);
+      mbar_init(q_free<T, D>(smem, 0), 2 * kThreads);
+      mbar_init(q_free<T, D>(smem, 1), 2 * kThreads);
+    }
     mbar_init_fence();
   }
   __syncthreads();
 
+  if constexpr (Keys::kPersistent) {
+    // Tile i of this CTA takes Q buffer i % 2 (use i / 2); the loader refills a buffer once both
+    // computing warpgroups have staged their output out of it (its free barrier, use i / 2 - 1).
+    const unsigned items =
+        (unsigned)PersistentTileScheduler::items(ceil_div(p.seqlen_q, kWsRows), p.num_heads, p.batch, sp.n);
+    if (threadIdx.x < kThreads) {
+      regs_release<kLoadRegs>();
+      int i = 0;
+      for (unsigned w = blockIdx.x; w < items; w += gridDim.x, ++i) {
+        const int qb = i & 1;
+        if (i >= 2) mbar_wait(q_free<T, D>(smem, qb), ((i >> 1) - 1) & 1);
+        // The previous tile's reads of the index ring done before this tile's first writes there.
+        named_barrier(NamedBarrier::kLoad, kThreads);
+        fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, pk, pv, qb);
+      }
+      cp_async_wait<0>();  // no copy may land in the smem of a later CTA
+    } else {
+      regs_claim<kComputeRegs>();
+      const int wg = warpgroup_uniform() - 1;
+      int i = 0;
+      for (unsigned w = blockIdx.x; w < items; w += gridDim.x, ++i) {
+        const int qb = i & 1;
+        fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, wg, pk, qb, (i >> 1) & 1);
+        mbar_arrive(q_free<T, D>(smem, qb));
+      }
+    }
+    return;
+  }
   // The tile is derived after the register hand-over: values live across it travel through local
   // memory.
   if (threadIdx.x < kThreads) {
     regs_release<kLoadRegs>();
-    fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile<Keys>(p, f, sp), smem);
+    fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile<Keys>(p, f, sp), smem, pk, pv);
   } else {
     regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, warpgroup_uniform() - 1);
+    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, warpgroup_uniform() - 1, pk);
   }
 }
 

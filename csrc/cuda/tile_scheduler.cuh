@@ -1,7 +1,6 @@
 // Which work a forward CTA takes: its (query tile, head or head pair, batch, key split) from the
 // block index, and the grid the launcher starts for it. One type for both forwards and their
-// launcher, so that the grid and the kernels agree on the order; a persistent scheduler (CTAs that
-// fetch tile after tile) would take its place behind the same two calls.
+// launcher, so that the grid and the kernels agree on the order.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -42,6 +41,28 @@ struct SingleTileScheduler {
     const int64_t per_split = ceil_div(n_all, splits);
     begin = imin(n_all, (int64_t)split * per_split);
     end = imin(n_all, begin + per_split);
+  }
+};
+
+// Persistent CTAs (the per-key forward): a CTA an SM, each taking work items blockIdx.x,
+// blockIdx.x + gridDim.x, ... of m_tiles x units x batch x splits, the query tiles from the last
+// (heaviest under causal) to the first across every unit and batch, so that a CTA's next tile is
+// about as long as the others' and the ring of stages runs on from one tile into the next.
+struct PersistentTileScheduler {
+  __host__ __device__ static int64_t items(int64_t m_tiles, int64_t units, int64_t batch, int splits) {
+    return m_tiles * units * batch * splits;
+  }
+  static dim3 grid(int64_t items, int sms) { return dim3((unsigned)imin(items, sms), 1, 1); }
+  // 32-bit divisions (the launcher keeps the items below 2^31): 64-bit ones are long calls.
+  __device__ static inline WorkTile get(unsigned w, unsigned units, unsigned m_tiles, unsigned batch) {
+    WorkTile t;
+    t.unit = (int)(w % units);
+    w /= units;
+    t.b = w % batch;
+    w /= batch;
+    t.m_tile = (int)(m_tiles - 1 - w % m_tiles);
+    t.split = w / m_tiles;
+    return t;
   }
 };
 
