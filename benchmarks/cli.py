@@ -92,6 +92,16 @@ def environment(commit: Optional[str] = None) -> dict:
     }
 
 
+def _commit_label(value: str) -> str:
+    """--commit: a revision as git names it (letters, digits, '.', '_', '-'), since it becomes part of
+    the result file's name; anything else (a '+', a '/', a space) is refused, not rewritten."""
+    if not re.fullmatch(r"[0-9A-Za-z._-]+", value):
+        raise argparse.ArgumentTypeError(
+            f"got {value!r}: needs a revision label of letters, digits, '.', '_' or '-' (it names the result file)"
+        )
+    return value
+
+
 def gpu_short(name: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'h100'; anything without a recognizable model -> its first word."""
     m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
@@ -432,7 +442,10 @@ def _parse(argv=None):
     ap.add_argument("--no-limits", action="store_true", help="also run peers past their LIMITS (slow)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument(
-        "--commit", default=None, help="record this commit instead of asking git (a -dirty suffix marks a dirty tree)"
+        "--commit",
+        default=None,
+        type=_commit_label,
+        help="record this commit instead of asking git (a -dirty suffix marks a dirty tree)",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=6, help="cpu: forward repetitions (fwd+bwd: half as many)")

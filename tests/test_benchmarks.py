@@ -70,6 +70,16 @@ def test_gpu_short_and_result_path(tmp_path):
     assert os.path.basename(cli.result_path(str(tmp_path), env, "forward")) == "h100_20261122_abc1234_forward.json"
 
 
+def test_commit_label_must_name_a_file(tmp_path, capsys):
+    # The label is part of the result file's name: a character outside [0-9A-Za-z._-] is refused
+    # before anything runs, and a git revision with -dirty is taken.
+    for bad in ("abc1234+wip", "a/b", "a b", ""):
+        with pytest.raises(SystemExit):
+            cli.main(["report", "--commit", bad, "--results", str(tmp_path), "--md", str(tmp_path / "r.md")])
+        assert "--commit" in capsys.readouterr().err
+    assert cli._parse(["topk", "--commit", "abc1234-dirty"]).commit == "abc1234-dirty"
+
+
 def test_recorded_argv_hides_directories():
     assert cli.public_argv(["forward", "--out", "/x/y", "--quick", "--md=/a/b.md"]) == [
         "forward",
