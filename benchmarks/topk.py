@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import flexdma
 import flexdma.integrations.transformers as hf
-from flexdma.flex import kernel_options
+from flexdma.flex import sparse_mask_kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import decode as kept_sets
@@ -133,8 +133,8 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
 
 
 def _flex_window(c: dict, q, k, v, bias):
-    """FlexAttention (compiled, at flexdma's measured options) over the last W keys a row sees, with
-    the per-key bias as score_mod: the work the per-key path lists, but contiguous."""
+    """FlexAttention (compiled, at the options of a mask that skips most tiles) over the last W keys a
+    row sees, with the per-key bias as score_mod: the work the per-key path lists, but contiguous."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     W, off, G = c["W"], c["L"] - c["Q"], c["H"] // bias.shape[1]
@@ -148,7 +148,7 @@ def _flex_window(c: dict, q, k, v, bias):
 
     bm = create_block_mask(mask_mod, None, None, c["Q"], c["L"], device=q.device, BLOCK_SIZE=128)
     training = torch.is_grad_enabled() and q.requires_grad
-    opts = kernel_options(q.device, c["D"], q.dtype, training)
+    opts = sparse_mask_kernel_options(q.device, c["D"], q.dtype, training)
     attend = compiled_flex()
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return lambda: attend(

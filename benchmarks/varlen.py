@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
-from flexdma.flex import doc_mask_kernel_options
+from flexdma.flex import sparse_mask_kernel_options
 
 from .common import Saving, newest_section, record, run_section, runs_of, table
 from .peers import compiled_flex
@@ -204,7 +204,7 @@ def _units(peer: str, c: dict, base, grad: bool, notes: dict) -> List[Unit]:
     raise ValueError(peer)
 
 
-_DOC_MASK_OPTIONS = object()  # flex.doc_mask_kernel_options' choice
+_DOC_MASK_OPTIONS = object()  # flex.sparse_mask_kernel_options' choice
 
 
 def _flex_docmask(c: dict, base, grad: bool, opts=_DOC_MASK_OPTIONS) -> Unit:
@@ -224,7 +224,7 @@ def _flex_docmask(c: dict, base, grad: bool, opts=_DOC_MASK_OPTIONS) -> Unit:
     # Compiled: the uncompiled builder materializes the T x T mask (4 GiB at 64K).
     bm = create_block_mask(mask_mod, None, None, T, T, device=q.device, BLOCK_SIZE=128, _compile=True)
     if opts is _DOC_MASK_OPTIONS:
-        opts = doc_mask_kernel_options(q.device, c["D"], q.dtype, grad)
+        opts = sparse_mask_kernel_options(q.device, c["D"], q.dtype, grad)
     attend = compiled_flex()
     qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
 

@@ -67,13 +67,15 @@ def _options_key(device: torch.device, head_dim: int, dtype: torch.dtype, traini
     return (device_capability(device), head_dim, dtype.itemsize, training)
 
 
-def doc_mask_kernel_options(device: torch.device, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[dict]:
-    """kernel_options for a document mask (packed sequences): its block mask skips most tiles, where
-    the general masks MEASURED_OPTIONS comes from keep most. A forward at FlexAttention's defaults
-    measured 6.5x faster than ONE_STAGE at head dim 64 (H100, the varlen bench's 64K mix: 4.1 against
-    27.0 ms) and 1.3x at 128 (7.4 against 9.9), so an inference call takes the defaults (ONE_STAGE
-    where they failed for resources). A training call, not measured with a document mask, keeps
-    kernel_options."""
+def sparse_mask_kernel_options(
+    device: torch.device, head_dim: int, dtype: torch.dtype, training: bool
+) -> Optional[dict]:
+    """kernel_options for a block mask that skips most tiles (documents of packed sequences, a
+    sliding window), where the general masks MEASURED_OPTIONS comes from keep most. A forward at
+    FlexAttention's defaults measured 6.5x faster than ONE_STAGE at head dim 64 with a document mask
+    (H100, the varlen bench's 64K mix: 4.1 against 27.0 ms) and 1.3x at 128 (7.4 against 9.9), so an
+    inference call takes the defaults (ONE_STAGE where they failed for resources). A training call,
+    not measured with such a mask, keeps kernel_options."""
     if training or device.type != "cuda":
         return kernel_options(device, head_dim, dtype, training)
     return ONE_STAGE if _options_key(device, head_dim, dtype, training) in _DEFAULTS_FAILED else None
@@ -633,7 +635,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, traini
     tensors = kv + (qs if training else (None, None, None, None))
     dev = q.device
     qt, kt, vt = (t[None].transpose(1, 2) for t in (q, k, v))
-    opts = doc_mask_kernel_options(dev, D, q.dtype, training)
+    opts = sparse_mask_kernel_options(dev, D, q.dtype, training)
     args = (qt, kt, vt, bias, tensors, cu_q, cu_k, doc_q, doc_k, Tq, Tk, is_causal, scale, softcap, opts)
     if torch.compiler.is_compiling():
         out, lse = _attend_varlen(*args)

@@ -1,6 +1,6 @@
 """Compiled FlexAttention's forward over the varlen bench's 64K document mixes (its FlexAttention
 peer: a document + causal mask, no bias) at FlexAttention's defaults and at ONE_STAGE: what
-flex.doc_mask_kernel_options takes for an inference call. do_bench medians in ms.
+flex.sparse_mask_kernel_options takes for an inference call. do_bench medians in ms.
 
 python -m benchmarks.dev.flex_docmask_options
 """
