@@ -132,18 +132,37 @@ struct ListedKeys {
   // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
   // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.
   template <typename Tile>
-  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
+  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c, int64_t known = -1) {
     if (c.m0 >= c.seq.nq) {
       c.list = nullptr;
       return 0;
     }
     c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.seq.tile0 + c.m0 / p.topk_tile_rows, 0);
-    return ceil_div(c.list[0], kBlockN);
+    return known >= 0 ? known : ceil_div(c.list[0], kBlockN);
   }
   // The key list is walked whole (the rank rule holds causality).
   template <typename Tile>
   __device__ static inline int64_t own_end(const FwdParams&, const Tile& c, int64_t) {
     return c.n_end;
+  }
+  // The same from the loader's copy of the tile's thresholds in smem (staged: 128 rows' row_thr
+  // from the CTA's first row; persistent CTAs).
+  __device__ static inline void row_terms_staged(const FwdParams& p, const SeqInfo& seq, const int32_t* staged,
+                                                 int64_t m0, int64_t mc, int w, int g, int (&thr)[2], int (&lim)[2]) {
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t r = mc + w * 16 + g + 8 * hh;
+      if (r < seq.nq) thr[hh] = staged[r - m0];
+      if (p.is_causal) lim[hh] = (int)(r + seq.nk - seq.nq);
+    }
+  }
+  // The loader's half of it: rows [m0, m0 + 128) of head h's thresholds into `staged`, one
+  // 4-byte cp.async a loading thread (covered by the Q buffer's copies arrival).
+  __device__ static inline void stage_row_terms(const FwdParams& p, const SeqInfo& seq, int64_t h, int64_t m0,
+                                                int32_t* staged) {
+    const int64_t r = m0 + threadIdx.x;
+    if (threadIdx.x < 2 * kBlockM && r < seq.nq)
+      cp_async4(staged + threadIdx.x, Plane<int32_t>(p.row_thr, seq.b, h).from(seq.q0, 0).at(r, 0));
   }
   // The rank rule's per-row terms of this thread's rows g, g + 8 (of rows [mc, mc + 64) of head
   // `head`, warp w, of sequence seq): the largest kept rank (-1 past its rows: nothing kept) and the

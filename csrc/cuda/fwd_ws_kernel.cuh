@@ -81,14 +81,26 @@ struct FwdWsSmem {
   static constexpr int kKeep = kV + kStages * kTileKV;
   static constexpr int kBias = kKeep + kStages * kKeepSlot;
   static constexpr int kBytes = kBias + kStages * kBiasSlot + 1024;  // + room to align the base to 1024
-  // Persistent: the second Q buffer, in the bias stages a key source without bias tiles leaves free.
+  // Persistent: the second Q buffer, in the bias stages a key source without bias tiles leaves free;
+  // after it, where the loader stages a tile's setup (kStagedSetup), each buffer's rows' thresholds
+  // (kWsRows int32), and at kSetup its list's tile count (int64).
   static constexpr int kQ2 = kBias;
+  static constexpr int kThr = kQ2 + 2 * kTileKV;
+  static constexpr int kSetup = kIdx + 4 * 256;
   static_assert(kBytes <= kMaxSmemPerBlock, "warp-specialized forward smem layout too large");
   static_assert(KeyList<T, D>::kSlotWords * 4 <= kKeepSlot, "KeyList's slot must fit a keep slot");
   static_assert(4 * kStages * 8 <= kQBar && kQBar + 4 * 8 <= kIdx, "barriers must fit before Q's, Q's before the ring");
-  static_assert(kStages * kBiasSlot >= 2 * kTileKV, "the bias stages must hold a second Q buffer");
+  static_assert(kStages * kBiasSlot >= 2 * kTileKV + 2 * kWsRows * 4, "the bias stages must hold a second Q buffer");
+  static_assert(kSetup + 2 * 8 <= kQ, "the tile setup must fit before Q");
   static_assert(kIdx + 4 * 256 <= kQ, "the index ring must fit before Q");
 };
+
+// Whether the loader stages a persistent tile's setup (its list's tile count, its rows'
+// thresholds) in smem with its Q, so that the computing warps start the tile without reading
+// global memory. Only at D = 64: at D = 128, with a stage fewer, the computing warps' wait for Q
+// ahead of deriving the tile costs more than the reads it saves (measured; see the perf log).
+template <typename Keys, int D>
+constexpr bool kStagedSetup = Keys::kPersistent && D <= 64;
 
 // Q buffer qb (its two 64-row tiles), its full barrier and (persistent) its free barrier.
 template <typename T, int D>
@@ -102,6 +114,15 @@ __device__ inline uint64_t* q_full(unsigned char* smem, int qb) {
 template <typename T, int D>
 __device__ inline uint64_t* q_free(unsigned char* smem, int qb) {
   return reinterpret_cast<uint64_t*>(smem + FwdWsSmem<T, D>::kQBar) + 2 + qb;
+}
+// kStagedSetup: Q buffer qb's tile setup (published with the buffer's full barrier).
+template <typename T, int D>
+__device__ inline int32_t* q_thr(unsigned char* smem, int qb) {
+  return reinterpret_cast<int32_t*>(smem + FwdWsSmem<T, D>::kThr) + qb * kWsRows;
+}
+template <typename T, int D>
+__device__ inline int64_t* q_setup(unsigned char* smem, int qb) {
+  return reinterpret_cast<int64_t*>(smem + FwdWsSmem<T, D>::kSetup) + qb;
 }
 
 // What every warpgroup of a CTA derives alike: its tile, its key tiles [t_begin, n_end) (of the
@@ -117,6 +138,7 @@ struct FwdWsTile {
   __device__ inline int64_t rows(int wg) const { return pair ? m0 : m0 + wg * kBlockM; }
   __device__ inline int halves() const { return two && !pair ? 2 : 1; }
   int64_t t_begin, n_end;
+  int64_t n_all;          // key tiles before the split
   const uint32_t* meta0;  // tile activity row of rows [0, 64); null without a mask
   const uint32_t* meta1;  // and of rows [64, 128) where they exist
   const int32_t* list;    // ListedKeys: the query tile's list (count, then key indices)
@@ -156,6 +178,13 @@ __device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const 
                      (int)imin(kBlockM, seq.nq - mh), f.qkv_vec);
   }
   uint64_t* full_q = q_full<T, D>(smem, qb);
+  if constexpr (kStagedSetup<Keys, D>) {
+    // The tile's setup for the computing warps, so that they read no global memory to start it:
+    // the list's tile count (a plain store, published by this thread's arrival) and the rows'
+    // thresholds (copies, published by the copies' arrival).
+    if (threadIdx.x == 0) *q_setup<T, D>(smem, qb) = c.n_all;
+    Keys::stage_row_terms(p, seq, c.h, c.m0, q_thr<T, D>(smem, qb));
+  }
   mbar_arrive_copies(full_q);
   mbar_arrive(full_q);
 
@@ -230,7 +259,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  Keys::row_terms(p, c.seq, head, mc, w, g, thr, lim);
+  if constexpr (kStagedSetup<Keys, D>)
+    Keys::row_terms_staged(p, c.seq, q_thr<T, D>(smem, qb), c.m0, mc, w, g, thr, lim);
+  else
+    Keys::row_terms(p, c.seq, head, mc, w, g, thr, lim);
   const int lim_warp = __shfl_sync(0xffffffffu, lim[0], 0);  // of the warp's first row (lane 0's g = 0)
   const int thr_warp = rank_thr_warp(thr);
   // The tiles this warpgroup's rows see (the others it only waits for and releases).
@@ -412,7 +444,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
 
 // The tile of work item `work` (tile_scheduler.cuh's order, heaviest first).
 template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, WorkTile work) {
+__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, WorkTile work,
+                                        int64_t n_known = -1) {
   FwdWsTile c;
   c.pair = Keys::kPairs && f.pair;
   c.h = work.unit << (c.pair ? 1 : 0);
@@ -423,7 +456,12 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
   c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
   c.two = c.pair || c.m0 + kBlockM < c.seq.nq;
   c.list = nullptr;
-  const int64_t n_all = Keys::tiles(p, c);
+  int64_t n_all;
+  if constexpr (Keys::kPersistent)
+    n_all = Keys::tiles(p, c, n_known);  // n_known: the loader's count (computing warps), or -1
+  else
+    n_all = Keys::tiles(p, c);
+  c.n_all = n_all;
   c.split = (int)work.split;
   SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
   c.meta0 = c.meta1 = nullptr;
@@ -443,10 +481,11 @@ __device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, c
 
 // The tile of persistent work item w (PersistentTileScheduler's order).
 template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile_at(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, unsigned w) {
+__device__ inline FwdWsTile fwd_ws_tile_at(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, unsigned w,
+                                           int64_t n_known = -1) {
   const unsigned m_tiles = (unsigned)ceil_div(p.seqlen_q, kWsRows);
-  return fwd_ws_tile<Keys>(p, f, sp,
-                           PersistentTileScheduler::get(w, (unsigned)p.num_heads, m_tiles, (unsigned)p.batch));
+  return fwd_ws_tile<Keys>(p, f, sp, PersistentTileScheduler::get(w, (unsigned)p.num_heads, m_tiles, (unsigned)p.batch),
+                           n_known);
 }
 
 template <typename T, int D, typename Keys>
@@ -493,7 +532,15 @@ __global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p
       int i = 0;
       for (unsigned w = blockIdx.x; w < items; w += gridDim.x, ++i) {
         const int qb = i & 1;
-        fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, wg, pk, qb, (i >> 1) & 1);
+        const uint32_t qphase = (i >> 1) & 1;
+        if constexpr (kStagedSetup<Keys, D>) {
+          // The loader's setup of the tile (its list's tile count, its rows' thresholds) lands with Q.
+          mbar_wait(q_full<T, D>(smem, qb), qphase);
+          const FwdWsTile c = fwd_ws_tile_at<Keys>(p, f, sp, w, *q_setup<T, D>(smem, qb));
+          fwd_ws_compute<T, D, Keys>(p, f, sp, c, smem, wg, pk, qb, qphase);
+        } else {
+          fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, wg, pk, qb, qphase);
+        }
         mbar_arrive(q_free<T, D>(smem, qb));
       }
     }
