@@ -9,6 +9,8 @@ nothing is registered and the op handles are None.
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple, Optional
+
 import torch
 
 from . import _ext
@@ -75,13 +77,39 @@ def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
     return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], -(-seqlen_q // tile), words), dtype=torch.int32)
 
 
-def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int) -> None:
+class Direct(NamedTuple):
+    """The device implementations of a forward op and its backward op, for eager calls to run
+    without the dispatcher's hop into a Python-registered kernel: `takes(args)` says whether a
+    call's operands go where the dispatcher would send them (`fwd`), its backward then to `bwd`."""
+
+    takes: Callable
+    fwd: Callable
+    bwd: Callable
+
+
+def plain_eager(tensors) -> bool:
+    """No torch.compile tracing, dispatch or function mode, functorch transform or tensor subclass
+    between an eager call and the kernels: the dispatcher would pick the tensors' device kernel."""
+    return (
+        not torch.compiler.is_compiling()  # first: torch.compile cannot trace the checks below
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()
+        and all(type(t) in _PLAIN for t in tensors)
+    )
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, direct: Optional[Direct] = None):
     """Autograd of an attention forward op whose inputs are `n_tensors` tensors (q, k, v first, the
     bias at `bias_index`), then softmax_scale, is_causal, softcap, deterministic and the tile tensor
     the forward read (and maybe more), and whose outputs are (out, lse, out_resid); its backward is
     `call_bwd(grad_out, *tensors, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
     deterministic, tiles, out_resid)` -> (dq, dk, dv, dbias). The dense fwd and the per-key topk_fwd
-    both have this form."""
+    both have this form. Returns the op as the API calls it (`eager_autograd`), through `direct`'s
+    implementations where it takes the call."""
 
     def setup_context(ctx, inputs, output):
         tensors = inputs[:n_tensors]
@@ -108,32 +136,41 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int) 
             # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
             # as contiguous whatever its strides, and the kernels check head_dim's stride.
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-        dq, dk, dv, dbias = below_autograd(
-            call_bwd, grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid
-        )
+        args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid)
+        # The eager forward's direct implementation has its backward's, where no graph of the
+        # backward is built (the op's autograd refuses double backward).
+        bwd = getattr(ctx, "direct_bwd", None)
+        if bwd is not None and not torch.is_grad_enabled():
+            dq, dk, dv, dbias = bwd(*args)
+        else:
+            dq, dk, dv, dbias = below_autograd(call_bwd, *args)
         grads = [None] * ctx.n_inputs
         grads[0:3] = dq, dk, dv
         grads[bias_index] = dbias if bias_grad else None
         return tuple(grads)
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
-    return eager_autograd(getattr(torch.ops.flexdma, fwd_name.split("::")[1]), setup_context, backward)
+    return eager_autograd(getattr(torch.ops.flexdma, fwd_name.split("::")[1]), setup_context, backward, direct)
 
 
-def eager_autograd(op, setup_context, backward):
+def eager_autograd(op, setup_context, backward, direct: Optional[Direct] = None):
     """`op` (whose autograd torch.library registered from setup_context / backward) as the API calls
     it: in eager mode where a gradient is wanted, one autograd.Function of the same setup_context
     and backward around the op called below the autograd key; elsewhere (torch.compile and
     torch.export tracing, no gradient) the op itself. Same gradients, without the generic wrapper's
     per-call work (filling the schema's defaults, a Python redispatch: half the host time of a
-    forward op on small inputs), which the host-bound short calls pay on every step."""
+    forward op on small inputs), which the host-bound short calls pay on every step. With `direct`,
+    the calls it takes run its implementations (the backward too) instead of the ops'."""
 
     # ctx in forward (not a separate setup_context): apply then binds no signature per call.
     class Function(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
+            fn = op
+            if direct is not None and direct.takes(args):
+                fn, ctx.direct_bwd = direct.fwd, direct.bwd
             with torch._C._AutoDispatchBelowAutograd():
-                output = op(*args)
+                output = fn(*args)
             setup_context(ctx, args, output)
             return output
 
@@ -144,12 +181,12 @@ def eager_autograd(op, setup_context, backward):
     Function.__name__ = f"{op._qualified_op_name.replace('::', '_')}_eager"
 
     def call(*args):
-        if (
-            torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()
-            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-        ):
+        if torch.compiler.is_compiling():  # traced: the op, whose autograd torch.compile sees
+            return op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             return Function.apply(*args)
+        if direct is not None and direct.takes(args):
+            return direct.fwd(*args)
         return op(*args)
 
     return call

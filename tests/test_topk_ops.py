@@ -381,3 +381,73 @@ def test_sm90_backward_choice(monkeypatch):
         torch.use_deterministic_algorithms(prev, warn_only=warn)
     monkeypatch.setattr(route, "sm90_takes", lambda *args: False)
     assert not route.sm90_bwd_takes(*ops, 0.0, False)
+
+
+# ------------------------------------------------------------------------ eager calls' direct path
+class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_eager_refuses_modes_transforms_and_subclasses():
+    # The eager calls that skip the dispatcher's hop (flexdma._ops.Direct) are only those where the
+    # dispatcher would send them to the tensors' device kernel.
+    from flexdma import _ops
+
+    x = torch.ones(3)
+    assert _ops.plain_eager((x, torch.nn.Parameter(torch.ones(2))))
+    with _Recorder():
+        assert not _ops.plain_eager((x,))
+    with torch.overrides.TorchFunctionMode():
+        assert not _ops.plain_eager((x,))
+    seen = []
+    torch.vmap(lambda t: seen.append(_ops.plain_eager((t,))) or t)(torch.ones(2, 3))
+    assert seen == [False]
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not _ops.plain_eager((x.as_subclass(Sub),))
+    # Traced by torch.compile it is False without a graph break (the checks are not traceable).
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t * (2 if _ops.plain_eager((t,)) else 3), fullgraph=True, backend="eager")
+    assert torch.equal(f(x), torch.full((3,), 3.0))
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_requires_grad", [False, True])
+def test_eager_cuda_call_runs_the_cuda_implementation_directly(bias_requires_grad):
+    # An eager per-key call on CUDA runs topk_fwd's CUDA implementation (and its backward
+    # topk_bwd's) without the hop through the dispatcher; under a dispatch mode it goes through the
+    # ops. Both give the same outputs and gradients.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    B, L, H, KVH, D, W = 1, 700, 4, 2, 64, 128
+    q, k, v = make_qkv(B, L, L, H, KVH, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    bias = torch.randn(B, KVH, 1, L, device="cuda").exp().bfloat16().requires_grad_(bias_requires_grad)
+    leaves = (q, k, v, bias) if bias_requires_grad else (q, k, v)
+    g = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
+        return (out, *torch.autograd.grad(out, leaves, g))
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        direct = step()
+    names = {e.name for e in prof.events()}
+    assert "flexdma::topk_fwd" not in names and "flexdma::topk_bwd" not in names, sorted(names)
+    with _Recorder() as rec:
+        through_ops = step()
+    assert "flexdma.topk_fwd.default" in rec.ops and "flexdma.topk_bwd.default" in rec.ops, rec.ops
+    torch.testing.assert_close(direct[0], through_ops[0], atol=0, rtol=0)
+    for a, b in zip(direct[1:], through_ops[1:]):  # float atomics: the same sums in other orders
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

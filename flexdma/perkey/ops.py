@@ -73,15 +73,27 @@ def _topk_bwd_sm90_fake(
     return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
 
 
+def _direct_takes(args) -> bool:
+    # topk_fwd's operands: q, k, v, attn_bias, key_rank, row_thr, then the scalars, then tile_keys.
+    if len(args) < 11 or args[10] is None or args[0].device.type != "cuda":
+        return False
+    return _ops.plain_eager(args[:6] + args[10:11])
+
+
 if LOADED:
     torch.library.register_fake("flexdma::topk_select")(_topk_select_fake)
     torch.library.register_fake("flexdma::topk_fwd")(_topk_fwd_fake)
     torch.library.register_fake("flexdma::topk_bwd")(_topk_bwd_fake)
     torch.library.register_fake("flexdma::topk_fwd_sm90")(_topk_fwd_sm90_fake)
     torch.library.register_fake("flexdma::topk_bwd_sm90")(_topk_bwd_sm90_fake)
-    # topk_fwd as the API calls it (flexdma/_ops.py's eager_autograd).
+    # topk_fwd as the API calls it (flexdma/_ops.py's eager_autograd): eager calls on CUDA run its
+    # CUDA implementation directly (route.cuda_fwd, and route.cuda_bwd for their backward).
     topk_fwd_autograd = _ops.register_autograd(
-        "flexdma::topk_fwd", lambda *args: topk_bwd(*args), n_tensors=6, bias_index=3
+        "flexdma::topk_fwd",
+        lambda *args: topk_bwd(*args),
+        n_tensors=6,
+        bias_index=3,
+        direct=_ops.Direct(_direct_takes, route.cuda_fwd, route.cuda_bwd) if _ext.HAVE_TRITON else None,
     )
     _ops.forbid_double_backward("flexdma::topk_bwd")
     # topk_fwd's and topk_bwd's CUDA implementations hand the calls the C++ sm_90a kernels take to

@@ -134,30 +134,56 @@ def decide(backend: str, call) -> Route:
 # ---- the CUDA implementation of flexdma::topk_fwd (registered by perkey/ops.py) ----
 
 
+# sm90_forward's answers for the calls that reach the CUDA implementations below (real tensors,
+# never traced: torch.compile sees the ops), asked on every call of a host-bound short step.
+_SM90_RUNTIME: dict = {}
+
+
+def _sm90_runtime(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    key = (head_dim, dtype, device)
+    hit = _SM90_RUNTIME.get(key)
+    if hit is None:
+        hit = _SM90_RUNTIME[key] = sm90_forward(head_dim, dtype, device)
+    return hit
+
+
 def sm90_takes(q, k, v, attn_bias, softcap) -> bool:
     """The C++ forward's conditions on this call's operands (16-byte rows, bias in q's dtype)."""
-    if not sm90_forward(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
+    if not _sm90_runtime(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
         return False
     if q.shape[0] > _ext.MAX_GRID_DIM or q.shape[2] > _ext.MAX_GRID_DIM:
         return False
     # The kernel indexes K / V rows in 32 bits.
     if k.shape[1] * max(k.stride(1), v.stride(1), 1) >= 2**31:
         return False
-    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
+    for t in (q, k, v):
+        st = t.stride()
+        if t.data_ptr() % 16 or (st[0] | st[1] | st[2]) % 8:  # strides are never negative
+            return False
+    return True
+
+
+def need_tiles(tile_keys):
+    if tile_keys is None:
+        raise ValueError(
+            "flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
+            "flexdma::topk_select (called with the tile_rows of flexdma.perkey.route.decide)"
+        )
+    return tile_keys
 
 
 def cuda_fwd(q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None):
     """flexdma::topk_fwd on CUDA: the C++ sm_90a forward where it takes the call, else Triton."""
-    # triton is an optional dependency, imported by the first per-key CUDA call (not by `import flexdma`).
-    from . import triton as kernels
-
-    tile_keys = kernels._need_tiles(tile_keys)
+    tile_keys = need_tiles(tile_keys)
     if sm90_takes(q, k, v, attn_bias, softcap):
         # The lists of the C++ kernels' calls are of SM90_TILE_ROWS-row tiles (`plan`'s tile rows
         # wherever sm90_forward holds); the op checks that tile_keys holds them.
         return torch.ops.flexdma.topk_fwd_sm90(
             q, k, v, attn_bias, key_rank, row_thr, tile_keys, SM90_TILE_ROWS, softmax_scale, is_causal, softcap
         )
+    # triton is an optional dependency, imported by the first call that needs it (not by `import flexdma`).
+    from . import triton as kernels
+
     return kernels.fwd(q, k, v, attn_bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap)
 
 
@@ -173,15 +199,15 @@ def cuda_bwd(grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_
              bias_requires_grad, deterministic, tile_keys=None, out_resid=None):  # fmt: skip
     """flexdma::topk_bwd on CUDA: the C++ sm_90a backward where it takes the call, else Triton
     (softcap, the deterministic mode, unaligned operands, the other head dims)."""
-    from . import triton as kernels
-
-    tile_keys = kernels._need_tiles(tile_keys)
+    tile_keys = need_tiles(tile_keys)
     if sm90_bwd_takes(q, k, v, attn_bias, softcap, deterministic):
         resid = out_resid if out_resid is not None else out.new_empty((0,))
         return torch.ops.flexdma.topk_bwd_sm90(
             grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, SM90_TILE_ROWS, out, lse, resid,
             softmax_scale, is_causal, bias_requires_grad,
         )  # fmt: skip
+    from . import triton as kernels
+
     return kernels.bwd(
         grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
         bias_requires_grad, deterministic, tile_keys, out_resid,

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .._ext import LOG2E  # log2(e), csrc/flash_dma_constants.h's kLog2e
 from .contract import NEVER  # NEVER: key_rank of a key no row keeps
-from .route import WIDE_FROM, plan
+from .route import WIDE_FROM, need_tiles, plan
 
 # The same, as the compile-time constants kernels may read.
 _NEVER = tl.constexpr(NEVER)
@@ -522,7 +522,7 @@ def bwd(
 ):
     """(dq, dk, dv, dbias) of the per-key top-W attention; arguments as flexdma::topk_bwd (this is
     its CUDA implementation)."""
-    tile_keys = _need_tiles(tile_keys)
+    tile_keys = need_tiles(tile_keys)
     deterministic = bool(deterministic)
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
@@ -627,12 +627,3 @@ def _bwd_deterministic(launch, q, k, bias, key_rank, tile_keys, g, dk, dv, db, b
             if bias_requires_grad:
                 b_rows = (brow[None, :, None] * K + keys).masked_fill(unused, db.shape[0] - 1)
                 db.index_put_((b_rows.flatten(),), part_b.flatten(), accumulate=True)
-
-
-def _need_tiles(tile_keys):
-    if tile_keys is None:
-        raise ValueError(
-            "flexdma::topk_fwd / topk_bwd on CUDA need tile_keys, the third output of "
-            "flexdma::topk_select (called with the tile_rows of flexdma.perkey.route.decide)"
-        )
-    return tile_keys
