@@ -45,12 +45,11 @@ __device__ inline void store_staged_rows(const T* tile, int r0, T* dst, int64_t 
 // the thread's index in the warpgroup that owns the tile. stage (or null): the warpgroup's 64-row
 // tile of shared memory in tile_index's layout that it may overwrite (its Q tile, once its
 // products are done); with it and 16-byte aligned rows, out and out_resid go through it
-// (store_staged_rows). split: the key split of the tile (-1: blockIdx.z's).
+// (store_staged_rows). split: the key split of the tile (its work item's).
 template <typename T, int D>
 __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp,
                                     const float (&o)[D / 8][4], const float (&row_max)[2], const float (&row_sum)[2],
-                                    const SeqInfo& seq, int64_t h, int64_t m0, int tid, T* stage = nullptr,
-                                    int split = -1) {
+                                    const SeqInfo& seq, int64_t h, int64_t m0, int tid, T* stage, int split) {
   // Non-negative: tile_index's divisions and remainders by powers of two compile to shifts and masks.
   __builtin_assume(tid >= 0);
   const int w = tid / 32, lane = tid % 32, g = lane / 4, qc = lane % 4;
@@ -58,8 +57,7 @@ __device__ inline void fwd_epilogue(const FwdParams& p, const FwdFlags& f, const
   T* out = static_cast<T*>(p.out) + seq.o_offset(p) + h * p.o_head_stride;
   // Key splits (never with packed sequences: the launcher does not split them) write partial rows
   // [split][b][h][row].
-  const int64_t z = split < 0 ? (int64_t)blockIdx.z : split;
-  const int64_t row0 = ((z * p.batch + b) * p.num_heads + h) * p.seqlen_q;
+  const int64_t row0 = (((int64_t)split * p.batch + b) * p.num_heads + h) * p.seqlen_q;
   float* lse = sp.n > 1 ? sp.lse_part + row0 : static_cast<float*>(p.lse) + seq.lse_offset(p, h);
   const int64_t nq = seq.nq;
   // Rows g and g + 8: 1 / rowsum and the LSE.

@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
   }
   if constexpr (kQSmem) cp_async_wait<0>();  // Q's copies, where no tile was kept
 
-  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, h, m0, threadIdx.x);
+  fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, h, m0, threadIdx.x, nullptr, (int)work.split);
 }
 
 }  // namespace cuda

@@ -355,7 +355,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   Pos at = at_io;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
   if (t < own_end) {
-    mbar_wait(full_q, qphase);
+    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);  // persistent: waited for above
     if constexpr (kQRegs) {
       // ldmatrix x4's lanes 0-15 address rows 0-15 of the warp's 16 at columns kk * 16, lanes
       // 16-31 the same rows 8 columns on: the A fragment's four 8 x 8 blocks.
@@ -423,9 +423,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   at_io = at;
   if (!idle) {
     // This warpgroup's Q tile stages its output rows: every product that read it has completed,
-    // and Q has landed (a warpgroup with no tile to walk has not waited for it yet; its copies
-    // must not land on the staged rows).
-    mbar_wait(full_q, qphase);
+    // and Q has landed (one CTA a tile, a warpgroup with no tile to walk has not waited for it
+    // yet; its copies must not land on the staged rows).
+    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);
     T* stage = q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2;
     // The warp's ldmatrix reads of its Q rows (kQInRegisters) ordered before the epilogue's writes
     // over them by a warp barrier, the ordering compute-sanitizer's racecheck recognises (their
