@@ -319,7 +319,9 @@ def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]
 
                 with _without_dynamic_mask() if peer == "no-dynamic-mask" else contextlib.nullcontext():
                     step()
-                    rec["ms"] = _time(step, warmup=3, rep=10)
+                    # do_bench sizes its repetitions by time (ms): ~1 s gives a 50-400 ms step 3-20
+                    # samples for its median (10 ms ran it once).
+                    rec["ms"] = _time(step, warmup=100, rep=1000)
                     rec["peak_mib"] = _peak(step) + torch.cuda.memory_allocated() / 2**20
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:160]}"
