@@ -138,9 +138,10 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, 
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
         args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid)
         # The eager forward's direct implementation has its backward's, where no graph of the
-        # backward is built (the op's autograd refuses double backward).
+        # backward is built (the op's autograd refuses double backward) and nothing came between
+        # since the forward (a mode the backward alone runs under sees the op).
         bwd = getattr(ctx, "direct_bwd", None)
-        if bwd is not None and not torch.is_grad_enabled():
+        if bwd is not None and not torch.is_grad_enabled() and plain_eager((grad_out,)):
             dq, dk, dv, dbias = bwd(*args)
         else:
             dq, dk, dv, dbias = below_autograd(call_bwd, *args)
