@@ -33,7 +33,6 @@ NEEDS_TRITON = {
     "benchmarks.dev.flex_docmask_options",
     "benchmarks.dev.flex_probe",
     "benchmarks.dev.host_parts",
-    "benchmarks.dev.host_time",
 }
 ENTRY_SCRIPTS = {"benchmarks.__main__"}
 

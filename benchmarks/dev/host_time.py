@@ -13,19 +13,16 @@ import json
 import sys
 
 import torch
-from triton.testing import do_bench
 
 import flexdma
+from benchmarks.topk import _inputs, _time
 
 
 def main() -> None:
-    torch.manual_seed(0)
     res = {}
     for L, D in ((8192, 128), (16384, 128), (8192, 64)):
-        q = torch.randn(1, L, 2, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, L, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, L, 1, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        bias = torch.exp(torch.randn(1, 1, 1, L, device="cuda")).bfloat16().requires_grad_(True)
+        # The topk bench's inputs and timing (its B=1 H=2 KVH=1 rows).
+        q, k, v, bias = _inputs(dict(B=1, Q=L, L=L, H=2, KVH=1, D=D, bias_heads=1), grad=True)
 
         def fwd():
             with torch.no_grad():
@@ -38,7 +35,7 @@ def main() -> None:
         for name, f in (("fwd", fwd), ("train", train)):
             f()
             torch.cuda.synchronize()
-            res[f"L={L // 1024}K D={D} {name}"] = do_bench(f, warmup=25, rep=100, return_mode="median")
+            res[f"L={L // 1024}K D={D} {name}"] = _time(f)
     print(json.dumps(dict(tag=sys.argv[1] if len(sys.argv) > 1 else "", ms=res)))
 
 

@@ -134,22 +134,9 @@ def decide(backend: str, call) -> Route:
 # ---- the CUDA implementation of flexdma::topk_fwd (registered by perkey/ops.py) ----
 
 
-# sm90_forward's answers for the calls that reach the CUDA implementations below (real tensors,
-# never traced: torch.compile sees the ops), asked on every call of a host-bound short step.
-_SM90_RUNTIME: dict = {}
-
-
-def _sm90_runtime(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    key = (head_dim, dtype, device)
-    hit = _SM90_RUNTIME.get(key)
-    if hit is None:
-        hit = _SM90_RUNTIME[key] = sm90_forward(head_dim, dtype, device)
-    return hit
-
-
 def sm90_takes(q, k, v, attn_bias, softcap) -> bool:
     """The C++ forward's conditions on this call's operands (16-byte rows, bias in q's dtype)."""
-    if not _sm90_runtime(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
+    if not sm90_forward(q.shape[3], q.dtype, q.device) or attn_bias.dtype != q.dtype or softcap < 0:
         return False
     if q.shape[0] > _ext.MAX_GRID_DIM or q.shape[2] > _ext.MAX_GRID_DIM:
         return False
