@@ -18,7 +18,8 @@
 // a stage is released by the warps that used it instead of a CTA barrier (K as soon as S and the
 // softmax have read it, V after P V), each K / V byte serves 128 rows, and inside a computing
 // warpgroup S of the next tile is in flight while P V of this one runs (the softmax of tile t + 1
-// overlaps the tensor cores' P V of tile t).
+// overlaps the tensor cores' P V of tile t). On the per-key lists at D = 64 a step takes two tiles
+// (kWidePieces): 128 keys a softmax step, where the registers allow it.
 // Paired (GQA: consecutive query heads over one kv head, with mask, bias and tile bits broadcast
 // over both): the loader copies one 64-row mask / bias tile for both warpgroups, half the bytes and
 // copy work of two query tiles of one head, and the warpgroups walk the same key tiles. That lets
@@ -32,6 +33,8 @@
 // top-W rule: the query tile's key list, the rank rule).
 #pragma once
 #include <math_constants.h>
+
+#include <type_traits>
 
 #include "../flash_dma_params.h"
 #include "constants.cuh"
@@ -101,6 +104,15 @@ struct FwdWsSmem {
 // ahead of deriving the tile costs more than the reads it saves (measured; see the perf log).
 template <typename Keys, int D>
 constexpr bool kStagedSetup = Keys::kPersistent && D <= 64;
+
+// Whether the computing warpgroups take the listed keys 128 at a time (two ring stages, two 64-entry
+// pieces of the list, a softmax step): a wgmma wait, a row-max shuffle and a rescale check per 128
+// keys instead of per 64, and longer product batches between them. Where the registers allow: at
+// D = 64 S of 128 keys (64 registers), its P (32), O (32) and Q (16) fit the computing warps' 200;
+// at D = 128 (O and Q 96) ptxas spills ~190 bytes, and still does with 216 (the loader at 72, which
+// then spills as well).
+template <typename Keys, int D>
+constexpr bool kWidePieces = Keys::kRankRule && !Keys::kPairs && !Keys::kTileBits && D <= 64;
 
 // Q buffer qb (its two 64-row tiles), its full barrier and (persistent) its free barrier.
 template <typename T, int D>
@@ -294,6 +306,21 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   constexpr bool kQRegs = Keys::kQInRegisters;
   uint32_t qa[kQRegs ? D / 16 : 1][4];
   const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_mn_major<kBlockN>(sV, 0);
+  // Before the walk's first product: Q has landed (one CTA a tile; persistent, waited for above),
+  // and where the key source has room, into registers. ldmatrix x4's lanes 0-15 address rows 0-15
+  // of the warp's 16 at columns kk * 16, lanes 16-31 the same rows 8 columns on: the A fragment's
+  // four 8 x 8 blocks.
+  // ln: this thread's lane.
+  auto load_q = [&](int ln) {
+    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);
+    if constexpr (kQRegs) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int r = w * 16 + (ln & 15), col = kk * 16 + (ln >> 4) * 8;
+        ldmatrix_x4(qa[kk], sQ + sw128_offset(kBlockM, r, col) / 2);
+      }
+    }
+  };
   // S = Q K^T of stage st (Q from registers or smem, K from smem), issued and left in flight.
   auto gemm_s = [&](int st) {
     const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
@@ -342,6 +369,148 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     softmax_step(s, row_max, row_sum, alpha, later);
   };
 
+  // The walk 128 keys a step (kWidePieces): the list's tiles [t, own_end) two at a time (every tile
+  // of a list is visited; only its last step can be one tile), S of a step's two tiles issued with
+  // the previous step's P.V and its softmax run while that P.V does. Every wgmma a step issues is
+  // waited for in it, so the branches between steps see none in flight. On return t and at are past
+  // the walk.
+  auto fwd_ws_walk_wide = [&](int64_t& t, Pos& at) {
+    static_assert(!kWidePieces<Keys, D> || kQRegs, "the wide walk reads Q from registers");
+    float sw[2][kBlockN / 8][4];
+    uint32_t pw[2][kBlockN / 16][4];
+    // S of piece half h (stage st) and P.V of half h (stage st), issued (no fence, no commit).
+    auto issue_s = [&](int h, int st) {
+      const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_rs<T, kBlockN, 0>(sw[h], qa[kk], desc_advance(dk, k_major_offset<kBlockN>(kk)), kk > 0);
+    };
+    auto issue_pv = [&](int h, int st) {
+      const uint64_t dv = desc_advance(dv0, st * L::kTileKV);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pw[h][kk], desc_advance(dv, kk * kMnMajorStep), 1);
+    };
+    // The rank rule and bias on half h (tile tt, stage st).
+    auto scores = [&](int h, int64_t tt, int st) {
+      const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
+      const int64_t n0 = tt * kBlockN;
+      fwd_scores<true, T>(sw[h], sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, nullptr, 0, nullptr, slot, thr, lim,
+                          lim_warp, thr_warp, w * 16 + g, qc);
+    };
+    // One step: S of the piece at tile tn (stages n0, n1; kTwo: both tiles) and, kPV, P.V of the
+    // previous two-tile piece (stages v0, v1) under its softmax.
+    auto step = [&](auto two, auto pv, int64_t tn, Pos n0, Pos n1, Pos v0, Pos v1) {
+      constexpr bool kTwo = decltype(two)::value, kPV = decltype(pv)::value;
+      wait(full_k, n0);
+      if (kTwo) wait(full_k, n1);
+      if (kPV) {
+        wait(full_v, v0);
+        wait(full_v, v1);
+      }
+      // K / V rows written by cp.async (generic proxy), read by wgmma (async proxy).
+      fence_proxy_async();
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sw[h][n][e] = 0.f;
+      fence_regs(sw[0]);
+      fence_regs(sw[1]);
+      fence_regs(qa);
+      wgmma_fence();
+      issue_s(0, n0.stage);
+      if (kTwo) issue_s(1, n1.stage);
+      wgmma_commit();
+      if (kPV) {
+        fence_regs(o);
+        fence_regs(pw[0]);
+        fence_regs(pw[1]);
+        wgmma_fence();
+        issue_pv(0, v0.stage);
+        issue_pv(1, v1.stage);
+        wgmma_commit();
+        wgmma_wait<1>();  // S; P.V still runs
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(sw[0]);
+      fence_regs(sw[1]);
+      scores(0, tn, n0.stage);
+      if (kTwo) {
+        scores(1, tn + 1, n1.stage);
+      } else {
+#pragma unroll
+        for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sw[1][n][e] = -CUDART_INF_F;
+      }
+      softmax_step(sw, row_max, row_sum, alpha);
+      release(empty_k, n0);
+      if (kTwo) release(empty_k, n1);
+      if (kPV) {
+        wgmma_wait<0>();
+        fence_regs(o);
+        release(empty_v, v0);
+        release(empty_v, v1);
+        rescale_o_if<D>(o, alpha);  // the first step's O is still 0: no rescale
+      }
+      c_to_a<T>(sw[0], pw[0]);
+      if (kTwo) c_to_a<T>(sw[1], pw[1]);
+    };
+    // P.V of the walk's last piece (stages v0, v1; kTwo: both).
+    auto last_pv = [&](auto two, Pos v0, Pos v1) {
+      constexpr bool kTwo = decltype(two)::value;
+      wait(full_v, v0);
+      if (kTwo) wait(full_v, v1);
+      fence_proxy_async();
+      fence_regs(o);
+      fence_regs(pw[0]);
+      fence_regs(pw[1]);
+      wgmma_fence();
+      issue_pv(0, v0.stage);
+      if (kTwo) issue_pv(1, v1.stage);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      release(empty_v, v0);
+      if (kTwo) release(empty_v, v1);
+    };
+    constexpr std::true_type kBoth{};
+    constexpr std::false_type kOne{}, kNoPV{};
+    constexpr std::true_type kWithPV{};
+    // The ldmatrix addresses derived here from an opaque copy of the lane, not hoisted out of the
+    // tile loop and held (spilled) across every tile's walk.
+    int lane_q = lane;
+    asm volatile("" : "+r"(lane_q));
+    load_q(lane_q);
+    Pos a0 = at, a1 = at.next();
+    bool two = t + 1 < own_end;
+    if (two)
+      step(kBoth, kNoPV, t, a0, a1, a0, a1);
+    else
+      step(kOne, kNoPV, t, a0, a1, a0, a1);
+    while (two && t + 2 < own_end) {
+      const int64_t tn = t + 2;
+      const Pos n0 = a1.next(), n1 = n0.next();
+      const bool two_n = tn + 1 < own_end;
+      if (two_n)
+        step(kBoth, kWithPV, tn, n0, n1, a0, a1);
+      else
+        step(kOne, kWithPV, tn, n0, n1, a0, a1);
+      a0 = n0;
+      a1 = n1;
+      t = tn;
+      two = two_n;
+    }
+    if (two)
+      last_pv(kBoth, a0, a1);
+    else
+      last_pv(kOne, a0, a1);
+    t += two ? 2 : 1;
+    at = two ? a1.next() : a1;
+  };
+
   // Paired, the warpgroups take turns to issue (ping-pong), warpgroup 0 first. Both walk the same
   // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
   // warpgroup 0 does not wait before its first issue, warpgroup 1 hands nothing on after its last.
@@ -354,17 +523,10 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   ActiveTiles active = c.active();
   Pos at = at_io;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
-  if (t < own_end) {
-    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);  // persistent: waited for above
-    if constexpr (kQRegs) {
-      // ldmatrix x4's lanes 0-15 address rows 0-15 of the warp's 16 at columns kk * 16, lanes
-      // 16-31 the same rows 8 columns on: the A fragment's four 8 x 8 blocks.
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int r = w * 16 + (lane & 15), col = kk * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(qa[kk], sQ + sw128_offset(kBlockM, r, col) / 2);
-      }
-    }
+  if constexpr (kWidePieces<Keys, D>) {
+    if (t < own_end) fwd_ws_walk_wide(t, at);
+  } else if (t < own_end) {
+    load_q(lane);
     wait(full_k, at);
     // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
     // proxy): the fence orders the two for this thread once the barriers say they have landed.

@@ -68,20 +68,23 @@ __device__ inline void softmax_init(float (&o)[D / 8][4], float (&row_max)[2], f
   }
 }
 
-// One online-softmax step over a warp's 16 x 64 score fragments (rows g and g + 8 of the thread;
-// s times `scale` (> 0) is in log2 units): the running row max (log2 units) and per-thread row sum
-// are updated, s becomes P, and alpha = exp2(old max - new max) is what the O accumulator must be
-// scaled by (rescale_o). Apart so that a kernel can compute P while the previous tile's P.V still
-// accumulates into O. The scale rides in the exponent's FFMA (exp2(s * scale - max)) where the
-// scores need no other transform, instead of a multiply per score. A NaN score makes the max NaN,
-// and with it P, the sum and O of the row (fmax_nan).
-__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
+// One online-softmax step over a warp's 16 x (64 P) score fragments, P 64-key pieces side by side
+// (rows g and g + 8 of the thread; s times `scale` (> 0) is in log2 units): the running row max (log2
+// units) and per-thread row sum are updated, s becomes P, and alpha = exp2(old max - new max) is what
+// the O accumulator must be scaled by (rescale_o). Apart so that a kernel can compute P while the
+// previous tile's P.V still accumulates into O. The scale rides in the exponent's FFMA (exp2(s * scale
+// - max)) where the scores need no other transform, instead of a multiply per score. A NaN score makes
+// the max NaN, and with it P, the sum and O of the row (fmax_nan).
+template <int P>
+__device__ inline void softmax_step(float (&s)[P][kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
                                     float (&alpha)[2], float scale = 1.f) {
   float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
-  for (int n = 0; n < kBlockN / 8; ++n)
+  for (int j = 0; j < P; ++j)
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) mx[hh] = fmax_nan(mx[hh], fmax_nan(s[n][2 * hh], s[n][2 * hh + 1]));
+    for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) mx[hh] = fmax_nan(mx[hh], fmax_nan(s[j][n][2 * hh], s[j][n][2 * hh + 1]));
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     mx[hh] = fmax_nan(mx[hh], __shfl_xor_sync(0xffffffffu, mx[hh], 1));
@@ -99,13 +102,20 @@ __device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)
     row_max[hh] = m_cur;
     float sum = 0.f;
 #pragma unroll
-    for (int n = 0; n < kBlockN / 8; ++n) {
-      s[n][2 * hh] = exp2f(fmaf(s[n][2 * hh], scale, -m_use));
-      s[n][2 * hh + 1] = exp2f(fmaf(s[n][2 * hh + 1], scale, -m_use));
-      sum += s[n][2 * hh] + s[n][2 * hh + 1];
-    }
+    for (int j = 0; j < P; ++j)
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n) {
+        s[j][n][2 * hh] = exp2f(fmaf(s[j][n][2 * hh], scale, -m_use));
+        s[j][n][2 * hh + 1] = exp2f(fmaf(s[j][n][2 * hh + 1], scale, -m_use));
+        sum += s[j][n][2 * hh] + s[j][n][2 * hh + 1];
+      }
     row_sum[hh] = row_sum[hh] * alpha[hh] + sum;
   }
+}
+// The same over one 64-key piece.
+__device__ inline void softmax_step(float (&s)[kBlockN / 8][4], float (&row_max)[2], float (&row_sum)[2],
+                                    float (&alpha)[2], float scale = 1.f) {
+  softmax_step<1>(reinterpret_cast<float (&)[1][kBlockN / 8][4]>(s), row_max, row_sum, alpha, scale);
 }
 
 template <int D>
