@@ -266,8 +266,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   const T* sQ = q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2;
   uint64_t* full_q = q_full<T, D>(smem, qb);
   // Persistent, every warpgroup waits for its Q, idle or not: a buffer is handed back only after
-  // its copies have landed.
-  if constexpr (Keys::kPersistent) mbar_wait(full_q, qphase);
+  // its copies have landed. With the staged setup the caller has waited for it (the setup lands
+  // with Q).
+  if constexpr (Keys::kPersistent && !kStagedSetup<Keys, D>) mbar_wait(full_q, qphase);
 
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
