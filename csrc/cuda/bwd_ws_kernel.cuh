@@ -199,6 +199,13 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   // B = dO or Q [row][d] (MN-major), the reduction over the 128 rows in 16-row steps.
   const T* prod_a = wg == 0 ? sP : sDS;
   const T* prod_b = wg == 0 ? sDO : sQ;
+  // The loop's other descriptors built once here and moved by constants there (desc_advance): an
+  // add per wgmma where building each from its address (sw128_desc's masking and shifts) was ~8
+  // uniform instructions, ~200 a piece.
+  static_assert(D <= 128, "dQ += dS K is one wgmma of width D a k step");
+  const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_k_major<kBlockN>(sV, 0);
+  const uint64_t dk_mn0 = desc_mn_major<kBlockN>(sK, 0);
+  const uint64_t da0 = desc_mn_major<kBlockM>(prod_a, 0), db0 = desc_mn_major<kBlockM>(prod_b, 0);
 
   if (n_pieces > 0) mbar_wait(full_q, 0);
   RingPos<S> at;
@@ -209,8 +216,7 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     // K / V rows (and Q / dO) were written by cp.async (generic proxy) and are read by wgmma
     // (async proxy).
     fence_proxy_async();
-    const uint64_t dk = desc_k_major<kBlockN>(sK + st * L::kTileKV / 2, 0);
-    const uint64_t dv = desc_k_major<kBlockN>(sV + st * L::kTileKV / 2, 0);
+    const uint64_t dk = desc_advance(dk0, st * L::kTileKV), dv = desc_advance(dv0, st * L::kTileKV);
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
@@ -285,7 +291,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     fence_regs(dsa);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(dq, dsa[kk], sK + st * L::kTileKV / 2, kk);
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      wgmma_rs<T, D, 1>(dq, dsa[kk], desc_advance(dk_mn0, st * L::kTileKV + kk * kMnMajorStep), 1);
     wgmma_commit();
     // Both halves of P / dS written (and visible to the async proxy) before either piece product
     // reads them.
@@ -304,13 +311,14 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
 #pragma unroll
     for (int kk = 0; kk < 2 * kBlockM / 16; ++kk) {
       const int half = kk / 4, k4 = kk % 4;
-      const uint64_t da = desc_mn_major<kBlockM>(prod_a + (2 * buf + half) * (L::kPTile / 2), k4);
+      const uint64_t da = desc_advance(da0, (2 * buf + half) * L::kPTile + k4 * kMnMajorStep);
+      const uint64_t db = desc_advance(db0, half * L::kTileKV + k4 * kMnMajorStep);
       // B's two 64-column blocks at D = 128 are one operand of width 128 (desc_mn_major's LBO steps
       // between them).
       if constexpr (D == 128) {
-        wgmma_ss<T, 128, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
+        wgmma_ss<T, 128, 1>(acc, da, db, kk > 0);
       } else {
-        wgmma_ss<T, 64, 1>(acc, da, desc_mn_major<kBlockM>(prod_b + half * L::kTileKV / 2, k4), kk > 0);
+        wgmma_ss<T, 64, 1>(acc, da, db, kk > 0);
       }
     }
     wgmma_commit();
