@@ -100,8 +100,9 @@ struct FwdWsSmem {
 
 // Whether the loader stages a persistent tile's setup (its list's tile count, its rows'
 // thresholds) in smem with its Q, so that the computing warps start the tile without reading
-// global memory. Only at D = 64: at D = 128, with a stage fewer, the computing warps' wait for Q
-// ahead of deriving the tile costs more than the reads it saves (measured; see the perf log).
+// global memory. Only at D = 64: at D = 128 the computing warps' wait for Q ahead of deriving the
+// tile costs more than the reads it saves, with a fourth K / V stage as with three (measured; see
+// the perf log).
 template <typename Keys, int D>
 constexpr bool kStagedSetup = Keys::kPersistent && D <= 64;
 
