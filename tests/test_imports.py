@@ -45,6 +45,8 @@ ALLOWED_LOCAL = {
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),  # triton, on the first CUDA decode step
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_rows"),  # the same
     ("benchmarks/decode.py", "benchmarks.dev.decode_kernel"),  # triton, where the kernel peer runs
+    # triton, in the mode that runs the kernels; its summary of a report's CSV runs anywhere
+    ("benchmarks/dev/ncu_samples.py", "benchmarks.dev.topk_dev"),
 }
 
 
