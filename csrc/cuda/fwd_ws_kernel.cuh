@@ -404,8 +404,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     auto step = [&](auto two, auto pv, int64_t tn, Pos n0, Pos n1, Pos v0, Pos v1) {
       constexpr bool kTwo = decltype(two)::value, kPV = decltype(pv)::value;
       wait(full_k, n0);
-      if (kTwo) wait(full_k, n1);
-      if (kPV) {
+      if constexpr (kTwo) wait(full_k, n1);
+      if constexpr (kPV) {
         wait(full_v, v0);
         wait(full_v, v1);
       }
@@ -422,9 +422,9 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       fence_regs(qa);
       wgmma_fence();
       issue_s(0, n0.stage);
-      if (kTwo) issue_s(1, n1.stage);
+      if constexpr (kTwo) issue_s(1, n1.stage);
       wgmma_commit();
-      if (kPV) {
+      if constexpr (kPV) {
         fence_regs(o);
         fence_regs(pw[0]);
         fence_regs(pw[1]);
@@ -439,7 +439,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       fence_regs(sw[0]);
       fence_regs(sw[1]);
       scores(0, tn, n0.stage);
-      if (kTwo) {
+      if constexpr (kTwo) {
         scores(1, tn + 1, n1.stage);
       } else {
 #pragma unroll
@@ -449,8 +449,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       }
       softmax_step(sw, row_max, row_sum, alpha);
       release(empty_k, n0);
-      if (kTwo) release(empty_k, n1);
-      if (kPV) {
+      if constexpr (kTwo) release(empty_k, n1);
+      if constexpr (kPV) {
         wgmma_wait<0>();
         fence_regs(o);
         release(empty_v, v0);
@@ -458,25 +458,25 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
         rescale_o_if<D>(o, alpha);  // the first step's O is still 0: no rescale
       }
       c_to_a<T>(sw[0], pw[0]);
-      if (kTwo) c_to_a<T>(sw[1], pw[1]);
+      if constexpr (kTwo) c_to_a<T>(sw[1], pw[1]);
     };
     // P.V of the walk's last piece (stages v0, v1; kTwo: both).
     auto last_pv = [&](auto two, Pos v0, Pos v1) {
       constexpr bool kTwo = decltype(two)::value;
       wait(full_v, v0);
-      if (kTwo) wait(full_v, v1);
+      if constexpr (kTwo) wait(full_v, v1);
       fence_proxy_async();
       fence_regs(o);
       fence_regs(pw[0]);
       fence_regs(pw[1]);
       wgmma_fence();
       issue_pv(0, v0.stage);
-      if (kTwo) issue_pv(1, v1.stage);
+      if constexpr (kTwo) issue_pv(1, v1.stage);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
       release(empty_v, v0);
-      if (kTwo) release(empty_v, v1);
+      if constexpr (kTwo) release(empty_v, v1);
     };
     constexpr std::true_type kBoth{};
     constexpr std::false_type kOne{}, kNoPV{};
