@@ -323,6 +323,20 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       }
     }
   };
+  // S = Q K^T into acc with Q from registers, and O += P V with P's A fragments a, of stage st:
+  // the wgmmas alone (no fence, no commit), for the walks to group as they issue them.
+  auto issue_s_rs = [&](float (&acc)[kBlockN / 8][4], int st) {
+    const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      wgmma_rs<T, kBlockN, 0>(acc, qa[kk], desc_advance(dk, k_major_offset<kBlockN>(kk)), kk > 0);
+  };
+  static_assert(D <= 128, "P.V is one wgmma of width D");
+  auto issue_pv = [&](const uint32_t (&a)[kBlockN / 16][4], int st) {
+    const uint64_t dv = desc_advance(dv0, st * L::kTileKV);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, a[kk], desc_advance(dv, kk * kMnMajorStep), 1);
+  };
   // S = Q K^T of stage st (Q from registers or smem, K from smem), issued and left in flight.
   auto gemm_s = [&](int st) {
     const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
@@ -334,9 +348,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     if constexpr (kQRegs) {
       fence_regs(qa);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, kBlockN, 0>(s, qa[kk], desc_advance(dk, k_major_offset<kBlockN>(kk)), kk > 0);
+      issue_s_rs(s, st);
     } else {
       // Opaque here, so that Q's eight descriptors are built in the loop (eight adds) rather than
       // hoisted out of it into sixteen registers the computing warps do not have.
@@ -348,28 +360,26 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     wgmma_commit();
   };
   // O += P V of stage st, issued and left in flight (one wgmma of width D per 16 keys).
-  static_assert(D <= 128, "P.V is one wgmma of width D");
   auto gemm_pv = [&](int st) {
-    const uint64_t dv = desc_advance(dv0, st * L::kTileKV);
     fence_regs(o);
     fence_regs(pa);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], desc_advance(dv, kk * kMnMajorStep), 1);
+    issue_pv(pa, st);
     wgmma_commit();
   };
-  // Scale, bias and drop rule on S of key tile t in stage st, then the softmax step.
+  // Scale, bias and drop rule on the scores acc of key tile t in stage st; the scale still to apply
+  // (fwd_scores').
   const int64_t keys_full = full_keys(p, c.seq.nq, c.seq.nk, mc);
-  auto softmax_tile = [&](int64_t t, int st) {
+  auto scores = [&](float (&acc)[kBlockN / 8][4], int64_t t, int st) {
     const uint8_t* keep = has_mask ? sKeep + st * L::kKeepSlot + half * kBlockM * kLdKeep : nullptr;
     const T* sb = has_bias ? sB + st * (L::kBiasSlot / 2) + bias_row0 * kLdBias : nullptr;
     const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
     const int64_t n0 = t * kBlockN;
-    const float later =
-        fwd_scores<Keys::kRankRule, T>(s, sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep,
-                                       slot, thr, lim, lim_warp, thr_warp, w * 16 + g, qc);
-    softmax_step(s, row_max, row_sum, alpha, later);
+    return fwd_scores<Keys::kRankRule, T>(acc, sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, sb, bias_row_step, keep,
+                                          slot, thr, lim, lim_warp, thr_warp, w * 16 + g, qc);
   };
+  // The same on S, then the softmax step.
+  auto softmax_tile = [&](int64_t t, int st) { softmax_step(s, row_max, row_sum, alpha, scores(s, t, st)); };
 
   // The walk 128 keys a step (kWidePieces): the list's tiles [t, own_end) two at a time (every tile
   // of a list is visited; only its last step can be one tile), S of a step's two tiles issued with
@@ -380,25 +390,6 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     static_assert(!kWidePieces<Keys, D> || kQRegs, "the wide walk reads Q from registers");
     float sw[2][kBlockN / 8][4];
     uint32_t pw[2][kBlockN / 16][4];
-    // S of piece half h (stage st) and P.V of half h (stage st), issued (no fence, no commit).
-    auto issue_s = [&](int h, int st) {
-      const uint64_t dk = desc_advance(dk0, st * L::kTileKV);
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, kBlockN, 0>(sw[h], qa[kk], desc_advance(dk, k_major_offset<kBlockN>(kk)), kk > 0);
-    };
-    auto issue_pv = [&](int h, int st) {
-      const uint64_t dv = desc_advance(dv0, st * L::kTileKV);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs<T, D, 1>(o, pw[h][kk], desc_advance(dv, kk * kMnMajorStep), 1);
-    };
-    // The rank rule and bias on half h (tile tt, stage st).
-    auto scores = [&](int h, int64_t tt, int st) {
-      const int32_t* slot = reinterpret_cast<const int32_t*>(sKeep + st * L::kKeepSlot);
-      const int64_t n0 = tt * kBlockN;
-      fwd_scores<true, T>(sw[h], sc, p, c.seq, mc, n0, n0 + kBlockN <= keys_full, nullptr, 0, nullptr, slot, thr, lim,
-                          lim_warp, thr_warp, w * 16 + g, qc);
-    };
     // One step: S of the piece at tile tn (stages n0, n1; kTwo: both tiles) and, kPV, P.V of the
     // previous two-tile piece (stages v0, v1) under its softmax.
     auto step = [&](auto two, auto pv, int64_t tn, Pos n0, Pos n1, Pos v0, Pos v1) {
@@ -421,16 +412,16 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       fence_regs(sw[1]);
       fence_regs(qa);
       wgmma_fence();
-      issue_s(0, n0.stage);
-      if constexpr (kTwo) issue_s(1, n1.stage);
+      issue_s_rs(sw[0], n0.stage);
+      if constexpr (kTwo) issue_s_rs(sw[1], n1.stage);
       wgmma_commit();
       if constexpr (kPV) {
         fence_regs(o);
         fence_regs(pw[0]);
         fence_regs(pw[1]);
         wgmma_fence();
-        issue_pv(0, v0.stage);
-        issue_pv(1, v1.stage);
+        issue_pv(pw[0], v0.stage);
+        issue_pv(pw[1], v1.stage);
         wgmma_commit();
         wgmma_wait<1>();  // S; P.V still runs
       } else {
@@ -438,16 +429,16 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       }
       fence_regs(sw[0]);
       fence_regs(sw[1]);
-      scores(0, tn, n0.stage);
+      scores(sw[0], tn, n0.stage);
       if constexpr (kTwo) {
-        scores(1, tn + 1, n1.stage);
+        scores(sw[1], tn + 1, n1.stage);
       } else {
 #pragma unroll
         for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sw[1][n][e] = -CUDART_INF_F;
       }
-      softmax_step(sw, row_max, row_sum, alpha);
+      softmax_step(sw, row_max, row_sum, alpha);  // the rank rule's scores are scaled: fwd_scores' 1
       release(empty_k, n0);
       if constexpr (kTwo) release(empty_k, n1);
       if constexpr (kPV) {
@@ -470,8 +461,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
       fence_regs(pw[0]);
       fence_regs(pw[1]);
       wgmma_fence();
-      issue_pv(0, v0.stage);
-      if constexpr (kTwo) issue_pv(1, v1.stage);
+      issue_pv(pw[0], v0.stage);
+      if constexpr (kTwo) issue_pv(pw[1], v1.stage);
       wgmma_commit();
       wgmma_wait<0>();
       fence_regs(o);
