@@ -70,6 +70,24 @@ struct BwdWsSmem {
   static_assert((4 * kStages + 1) * 8 <= kIdx, "barriers must fit before the index ring");
 };
 
+// Byte offset in a 64-row P / dS half (128-byte swizzled, sw128_offset) of element (row 16 w + g,
+// key 2 qc) of a computing warp's fragment. Its other elements are at (offset ^ (n << 4)) + 1024 hh
+// (key 8 n + 2 qc, row + 8 hh): the swizzle XORs the row's low three bits (g) into the 16-byte
+// unit, so one XOR a unit replaces each element's sw128_offset.
+__host__ __device__ constexpr int p_offset0(int w, int g, int qc) { return 128 * (16 * w + g) + 16 * g + 4 * qc; }
+constexpr bool p_offsets_match() {
+  for (int w = 0; w < 4; ++w)
+    for (int g = 0; g < 8; ++g)
+      for (int qc = 0; qc < 4; ++qc)
+        for (int n = 0; n < kBlockN / 8; ++n)
+          for (int hh = 0; hh < 2; ++hh)
+            if (((p_offset0(w, g, qc) ^ (n << 4)) + 1024 * hh) !=
+                sw128_offset(kBlockM, 16 * w + g + 8 * hh, 8 * n + 2 * qc))
+              return false;
+  return true;
+}
+static_assert(p_offsets_match(), "p_offset0's XOR form must be sw128_offset");
+
 // What the warpgroups of a CTA derive alike (ListedKeys reads b, h, kvh, m0 and sets list).
 struct BwdWsTile {
   int64_t b, h, kvh, m0;
@@ -207,26 +225,39 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   const uint64_t dk_mn0 = desc_mn_major<kBlockN>(sK, 0);
   const uint64_t da0 = desc_mn_major<kBlockM>(prod_a, 0), db0 = desc_mn_major<kBlockM>(prod_b, 0);
 
-  if (n_pieces > 0) mbar_wait(full_q, 0);
-  RingPos<S> at;
-  for (int64_t t = 0; t < n_pieces; ++t) {
-    const int st = at.stage, buf = (int)(t & 1);
-    mbar_wait(&full_k[st], at.phase);
-    mbar_wait(&full_v[st], at.phase);
-    // K / V rows (and Q / dO) were written by cp.async (generic proxy) and are read by wgmma
-    // (async proxy).
-    fence_proxy_async();
-    const uint64_t dk = desc_advance(dk0, st * L::kTileKV), dv = desc_advance(dv0, st * L::kTileKV);
+  // A piece's S = Q K^T is issued at the end of the previous piece, before that piece's
+  // reductions, so that the tensor pipe computes it while the warps add dK / dV to the
+  // accumulators; at D = 64 dP = dO V^T goes with it. At D = 128 dP waits for the piece itself:
+  // dQ, the product's rows, S and dP live at once would not fit the computing warps' registers.
+  constexpr bool kEarlyDp = D <= 64;
+  // Issues a piece's S and / or dP on ring stage st as one commit group. K / V rows (and Q / dO)
+  // were written by cp.async (generic proxy) and are read by wgmma (async proxy).
+  auto issue = [&](int st, bool with_s, bool with_dp) {
+    if (with_s) fence_proxy_async();
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
-    fence_regs(s);
-    fence_regs(dp);
+      for (int e = 0; e < 4; ++e) {
+        if (with_s) s[n][e] = 0.f;
+        if (with_dp) dp[n][e] = 0.f;
+      }
+    if (with_s) fence_regs(s);
+    if (with_dp) fence_regs(dp);
     wgmma_fence();
-    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dq0, dk);
-    wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(dp, ddo0, dv);
+    if (with_s) wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(s, dq0, desc_advance(dk0, st * L::kTileKV));
+    if (with_dp) wgmma_ss64_k_major<T, D, kBlockM, kBlockN>(dp, ddo0, desc_advance(dv0, st * L::kTileKV));
     wgmma_commit();
+  };
+  RingPos<S> at;
+  if (n_pieces > 0) {
+    mbar_wait(full_q, 0);
+    mbar_wait(&full_k[0], 0);
+    mbar_wait(&full_v[0], 0);
+    issue(0, true, kEarlyDp);
+  }
+  for (int64_t t = 0; t < n_pieces; ++t) {
+    const int st = at.stage, buf = (int)(t & 1);
+    if constexpr (!kEarlyDp) issue(st, false, true);
     wgmma_wait<0>();
     fence_regs(s);
     fence_regs(dp);
@@ -272,18 +303,21 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     }
     // P and dS (scaled: the products of dQ and dK take scale * dS) into this buffer's half, as the
     // fragments lie: element (row, key) of the 64-row half at sw128_offset(64, row, key).
-    T* sp = sP + (2 * buf + wg) * (L::kPTile / 2);
-    T* sds = sDS + (2 * buf + wg) * (L::kPTile / 2);
+    // The lane's offsets are recomputed a piece (opaque to the compiler): hoisted out of the loop
+    // they are 16 registers, which do not fit beside S in flight at D = 128.
+    unsigned char* sp = smem + L::kP + (2 * buf + wg) * L::kPTile;
+    unsigned char* sds = smem + L::kDS + (2 * buf + wg) * L::kPTile;
+    int ow = p_offset0(w, g, qc);
+    asm volatile("" : "+r"(ow));
 #pragma unroll
     for (int n = 0; n < kBlockN / 8; ++n)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int r = w * 16 + g + 8 * hh, col = n * 8 + 2 * qc;
+        const int o = (ow ^ (n << 4)) + 1024 * hh;
         dp[n][2 * hh] *= scale;
         dp[n][2 * hh + 1] *= scale;
-        *reinterpret_cast<uint32_t*>(sp + sw128_offset(kBlockM, r, col) / 2) = pack2<T>(s[n][2 * hh], s[n][2 * hh + 1]);
-        *reinterpret_cast<uint32_t*>(sds + sw128_offset(kBlockM, r, col) / 2) =
-            pack2<T>(dp[n][2 * hh], dp[n][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sp + o) = pack2<T>(s[n][2 * hh], s[n][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sds + o) = pack2<T>(dp[n][2 * hh], dp[n][2 * hh + 1]);
       }
     c_to_a<T>(dp, dsa);
     // dQ += dS K (K read MN-major: the keys are the reduction), left in flight.
@@ -333,6 +367,11 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     mbar_arrive(&empty_k[st]);
     mbar_arrive(&empty_v[st]);
     at.advance();
+    if (t + 1 < n_pieces) {
+      mbar_wait(&full_k[at.stage], at.phase);
+      mbar_wait(&full_v[at.stage], at.phase);
+      issue(at.stage, true, kEarlyDp);
+    }
     // The product's rows go to the float accumulator a 128-byte line per row and instruction: in
     // the fragment order an instruction covers 16 rows x 32 bytes, and the L2 adds such scattered
     // sectors at 60% of the rate it adds whole lines (scripts/gpu/reduce_bench.cu). Each line of

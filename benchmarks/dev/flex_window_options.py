@@ -1,0 +1,61 @@
+"""The topk bench's FlexAttention window peer (compiled, the last W keys a row sees, the per-key
+bias as score_mod) at each kernel option set (FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE):
+forward without grad and the training call (forward + backward), do_bench medians in ms, at one
+row per head dim and shape kind of the bench. What flex.sparse_mask_kernel_options takes for a
+sliding window comes from this table. An option set that fails (out of resources) is reported as
+such.
+
+python -m benchmarks.dev.flex_window_options [OUT.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from benchmarks import topk
+from flexdma import flex
+
+SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
+NAMES = ("L=32K D=128", "B=2 L=8K H=16 KVH=4", "L=32K D=64", "B=2 L=8K H=16 KVH=4 D=64")
+
+
+def main() -> None:
+    # One compile per (shape, option set, grad): past the default limit Dynamo would run eager.
+    torch._dynamo.config.cache_size_limit = 256
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+    res = {"device": torch.cuda.get_device_name()}
+    saved = topk.sparse_mask_kernel_options
+    for c in (c for c in topk.cases() if c["name"] in NAMES):
+        for name, opts in SETS.items():
+            topk.sparse_mask_kernel_options = lambda *a, opts=opts: opts
+            key = f"{c['name']} {name}"
+            try:
+                q, k, v, bias = topk._inputs(c, grad=False)
+                with torch.no_grad():
+                    fn = topk._flex_window(c, q, k, v, bias)
+                    fn()
+                    res[f"{key} fwd"] = topk._time(fn)
+                q, k, v, bias = topk._inputs(c, grad=True)
+                fwd = topk._flex_window(c, q, k, v, bias)
+
+                def step():
+                    out = fwd()
+                    return torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
+
+                step()
+                res[f"{key} train"] = topk._time(step, warmup=10, rep=50)
+            except Exception as e:  # out of resources at these options is a result
+                res[f"{key} error"] = f"{type(e).__name__}: {str(e)[:120]}"
+            print(key, {k2: v2 for k2, v2 in res.items() if k2.startswith(key)}, flush=True)
+    topk.sparse_mask_kernel_options = saved
+    print(json.dumps(res, indent=1))
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
