@@ -61,14 +61,36 @@ def _packed(kernel):
     return "SequenceKeysOfILb1E" in kernel or re.search(r"(fwd|bwd)_kernelI.*Lb1EEEv", kernel) is not None
 
 
+# Spills measured and kept (kernel name pattern -> most bytes ptxas may spill there). The per-key
+# backward at D = 128 holds the next piece's S in flight beside dQ and the piece product's rows
+# during the reductions: ptxas (CUDA 13.0) spills four values there, two loads a piece, and that
+# kernel timed faster than the one without the early S and without the spill (the perf log,
+# session 12). Any other spill, or more bytes there, fails.
+KNOWN_SPILLS = {r"bwd_ws_kernelI\w+Li128EE": 16}
+
+
+def _allowed(kernel):
+    return max([b for pat, b in KNOWN_SPILLS.items() if re.search(pat, kernel)], default=0)
+
+
 @pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/topk_select.cu"])
 def test_kernels_compile_without_spills(src, tmp_path):
     log = _nvcc(src, tmp_path)
     spills = _spills(log)
     assert spills, "ptxas reported no kernels"
-    over = {k: v for k, v in spills.items() if v > 0}
+    over = {k: v for k, v in spills.items() if v > _allowed(k)}
     assert not over, f"register spills: {over}"
     _assert_wgmma_not_serialised(log)
+
+
+def test_known_spills_name_a_kernel(tmp_path):
+    # Each allowance names a kernel the build compiles (a renamed kernel would leave it unused), and
+    # only that one: the per-key backward at D = 64 and the other backward stay at zero.
+    kernels = _spills(_nvcc("csrc/cuda/instantiations/bwd_hdim128_bf16.cu", tmp_path))
+    for pat in KNOWN_SPILLS:
+        assert any(re.search(pat, k) for k in kernels), f"{pat} names no kernel of {sorted(kernels)}"
+    assert _allowed("_ZN7flexdma4cuda13bwd_ws_kernelI13__nv_bfloat16Li64EEEvNS_9BwdParamsE") == 0
+    assert _allowed("_ZN7flexdma4cuda10bwd_kernelI13__nv_bfloat16Li128ELi0ELb0EEEvNS_9BwdParamsE") == 0
 
 
 def _assert_wgmma_not_serialised(log):
