@@ -132,9 +132,14 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
     raise ValueError(peer)
 
 
-def _flex_window(c: dict, q, k, v, bias):
-    """FlexAttention (compiled, at the options of a mask that skips most tiles) over the last W keys a
-    row sees, with the per-key bias as score_mod: the work the per-key path lists, but contiguous."""
+# _flex_window's default options: flexdma's choice for a block mask that skips most tiles.
+SPARSE_MASK_OPTIONS = object()
+
+
+def _flex_window(c: dict, q, k, v, bias, options=SPARSE_MASK_OPTIONS):
+    """FlexAttention (compiled, at `options`: by default those of a mask that skips most tiles) over
+    the last W keys a row sees, with the per-key bias as score_mod: the work the per-key path lists,
+    but contiguous."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     W, off, G = c["W"], c["L"] - c["Q"], c["H"] // bias.shape[1]
@@ -148,7 +153,9 @@ def _flex_window(c: dict, q, k, v, bias):
 
     bm = create_block_mask(mask_mod, None, None, c["Q"], c["L"], device=q.device, BLOCK_SIZE=128)
     training = torch.is_grad_enabled() and q.requires_grad
-    opts = sparse_mask_kernel_options(q.device, c["D"], q.dtype, training)
+    opts = (
+        sparse_mask_kernel_options(q.device, c["D"], q.dtype, training) if options is SPARSE_MASK_OPTIONS else options
+    )
     attend = compiled_flex()
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     return lambda: attend(

@@ -27,19 +27,17 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     res = {"device": torch.cuda.get_device_name()}
-    saved = topk.sparse_mask_kernel_options
     for c in (c for c in topk.cases() if c["name"] in NAMES):
         for name, opts in SETS.items():
-            topk.sparse_mask_kernel_options = lambda *a, opts=opts: opts
             key = f"{c['name']} {name}"
             try:
                 q, k, v, bias = topk._inputs(c, grad=False)
                 with torch.no_grad():
-                    fn = topk._flex_window(c, q, k, v, bias)
+                    fn = topk._flex_window(c, q, k, v, bias, opts)
                     fn()
                     res[f"{key} fwd"] = topk._time(fn)
                 q, k, v, bias = topk._inputs(c, grad=True)
-                fwd = topk._flex_window(c, q, k, v, bias)
+                fwd = topk._flex_window(c, q, k, v, bias, opts)
 
                 def step():
                     out = fwd()
@@ -50,7 +48,6 @@ def main() -> None:
             except Exception as e:  # out of resources at these options is a result
                 res[f"{key} error"] = f"{type(e).__name__}: {str(e)[:120]}"
             print(key, {k2: v2 for k2, v2 in res.items() if k2.startswith(key)}, flush=True)
-    topk.sparse_mask_kernel_options = saved
     print(json.dumps(res, indent=1))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
