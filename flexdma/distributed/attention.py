@@ -1,0 +1,379 @@
+"""Context-parallel per-key attention: each rank's rows attend over the whole sequence, and what a
+rank fetches from the others is at most W key rows per selection plane and chunk, whatever L is.
+
+Why that is exact (docs/context_parallel.md): row i keeps the W best keys it may see by
+(score desc, index asc). For a chunk of rows starting at a, every row sees all allowed keys before
+a, so a key before a that some row keeps is among the W best of that prefix. Row i's kept set is
+then the W best of (the prefix's W best, in index order) followed by the chunk's own keys up to
+i: an ordinary causal per-key call with the candidates prepended, bottom-right aligned.
+
+A call, per rank:
+1. the ranks agree on the call's shapes and arguments (one small all-gather; bad input raises
+   on every rank before data moves);
+2. each rank ranks its two chunks' keys by score and all-gathers the W best of each
+   (score, index) per selection plane: 2P lists of at most W entries, not L scores;
+3. every rank merges those lists into each chunk's candidates (the W best of the lists of the
+   chunks before it; every rank computes every chunk's, so an owner knows what to send without
+   being asked);
+4. one all-to-all moves the candidates' K, V and bias rows from their owners (a rank's own
+   candidates are gathered locally);
+5. one per-key call per local chunk over its candidates and its own keys.
+Autograd runs the local calls' backward and sends the candidates' gradient rows back to their
+owners by the reverse all-to-all, where they are added. The selection has no gradient.
+
+Without causality every row sees every key, so every row keeps the same W keys: the W best of
+all 2P lists, fetched and attended by one call over the local rows.
+"""
+
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _checks
+from ..api import flash_dma_attention
+from ..perkey import contract as perkey
+from . import _group
+from .layout import chunk_of, owner_of
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_NEG_INF = float("-inf")
+# What every rank of a call must agree on (one int64 each, floats by their bits).
+_SIGNATURE = (
+    "batch",
+    "local_length",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "bias_batch",
+    "bias_heads",
+    "attn_mask",
+    "keep_window_size",
+    "is_causal",
+    "softmax_scale",
+    "softcap",
+    "requires_grad",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ranking: the W best keys by (score desc, index asc), the order the per-key selection uses.
+
+
+def _order_key(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One int64 per entry that orders like (score desc, index asc): the float32 score's bits made
+    monotone in the high word, the complement of the index (< 2^32) in the low word. Unique per
+    key, so torch.topk's unspecified tie order cannot matter."""
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ranks as 0.0
+    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return monotone * (1 << 32) + ((1 << 32) - 1 - index)
+
+
+def _best(scores: torch.Tensor, index: torch.Tensor, k: int):
+    """The k best entries along the last dim by (score desc, index asc), returned in index order.
+    `index` ascends along the last dim. float64 scores rank in float64 (a stable sort keeps equal
+    scores in index order); others rank as float32, which holds bf16 / fp16 exactly."""
+    if scores.dtype == torch.float64:
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    else:
+        order = torch.topk(_order_key(scores, index), k, dim=-1, sorted=False).indices
+    best_index, perm = index.gather(-1, order).sort(dim=-1)
+    return scores.gather(-1, order.gather(-1, perm)), best_index
+
+
+# ---------------------------------------------------------------------------------------------
+# The exchange: which rows move where, and the autograd function that moves them.
+
+
+class _Plan(NamedTuple):
+    group: dist.ProcessGroup
+    send_counts: List[int]
+    recv_counts: List[int]
+    send_kv: torch.Tensor  # rows of key.view(-1, D) this rank sends, grouped by destination
+    send_bias: torch.Tensor  # the matching entries of the flattened per-key bias
+    recv_pos: torch.Tensor  # where the received rows go in the candidate grid, grouped by source
+    local_kv: torch.Tensor  # this rank's own candidates: rows of key.view(-1, D) ...
+    local_bias: torch.Tensor
+    local_pos: torch.Tensor  # ... and their places in the grid
+    grid_rows: int
+
+
+class _FetchRows(torch.autograd.Function):
+    """The candidates' K, V and bias rows, one (2D + 1)-wide row per grid entry (zeros where a
+    target has fewer candidates than the grid's width). Backward: the rows' gradients go back to
+    their owners and are added to the local gradients."""
+
+    @staticmethod
+    def forward(ctx, key, value, bias_flat, plan: _Plan):
+        D = key.shape[-1]
+        k2, v2 = key.reshape(-1, D), value.reshape(-1, D)
+
+        def rows(kv, b):
+            return torch.cat([k2[kv], v2[kv], bias_flat[b].unsqueeze(1)], dim=1)
+
+        recv = _group.all_to_all_rows(
+            plan.group, rows(plan.send_kv, plan.send_bias), plan.send_counts, plan.recv_counts, "forward"
+        )
+        grid = key.new_zeros((plan.grid_rows, 2 * D + 1))
+        grid[plan.recv_pos] = recv
+        grid[plan.local_pos] = rows(plan.local_kv, plan.local_bias)
+        ctx.plan, ctx.key_shape, ctx.bias_numel = plan, key.shape, bias_flat.numel()
+        return grid
+
+    @staticmethod
+    def backward(ctx, grad_grid):
+        plan = ctx.plan
+        D = ctx.key_shape[-1]
+        back = _group.all_to_all_rows(
+            plan.group, grad_grid[plan.recv_pos].contiguous(), plan.recv_counts, plan.send_counts, "backward"
+        )
+        rows = torch.cat([back, grad_grid[plan.local_pos]])
+        kv = torch.cat([plan.send_kv, plan.local_kv])
+        need_k, need_v, need_b, _ = ctx.needs_input_grad
+        grads = []
+        for need, cols in ((need_k, slice(0, D)), (need_v, slice(D, 2 * D))):
+            g = None
+            if need:
+                g = grad_grid.new_zeros((ctx.key_shape.numel() // D, D)).index_add_(0, kv, rows[:, cols])
+                g = g.view(ctx.key_shape)
+            grads.append(g)
+        gb = None
+        if need_b:
+            b = torch.cat([plan.send_bias, plan.local_bias])
+            gb = grad_grid.new_zeros(ctx.bias_numel).index_add_(0, b, rows[:, 2 * D])
+        return grads[0], grads[1], gb, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The public function.
+
+
+def _check_local(query, key, value, attn_bias, attn_mask, keep_window_size, is_causal, softmax_scale, softcap):
+    _checks.check_qkv(query, key, value)
+    window = perkey.check_window(keep_window_size)
+    L = query.shape[1]
+    if key.shape[1] != L:
+        raise ValueError(
+            f"key and value hold the same local tokens as query: key length {key.shape[1]} != query length {L}"
+        )
+    if L % 2:
+        raise ValueError(
+            f"the local length is {L}; a rank holds two equal chunks of the head-tail layout "
+            "(flexdma.distributed.shard_sequence), so it must be even"
+        )
+    bias = _checks.check_bias(attn_bias, query, key)
+    perkey.check_operands(None, bias, L)
+    if attn_mask is not None:
+        _checks.check_tensor("attn_mask", attn_mask, ndim=None)
+        if attn_mask.dtype != torch.bool or attn_mask.shape != (query.shape[0], L):
+            raise ValueError(
+                f"attn_mask must be a bool (batch, local length) = {(query.shape[0], L)} key padding mask, got "
+                f"{attn_mask.dtype} of shape {tuple(attn_mask.shape)}"
+            )
+        if attn_mask.device != query.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {query.device}")
+    scale, softcap = _checks.check_scalars(query.shape[-1], softmax_scale, softcap, is_causal)
+    return bias, window, scale, softcap
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_bias: torch.Tensor,
+    *,
+    keep_window_size: int,
+    group=None,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """The per-key call (`flash_dma_attention(..., keep_window_size=W)`) over a sequence sharded
+    over the ranks of `group` in the head-tail layout (`shard_sequence`).
+
+    Args:
+        query: this rank's tokens, (batch, L_local, heads, head_dim); key, value:
+            (batch, L_local, kv_heads, head_dim). L_local is even and the same on every rank.
+        attn_bias: the local keys' per-key scores, ({1|B}, {1|KVH|H}, 1, L_local), query's dtype.
+        keep_window_size: W, the keys each row keeps (the W best by attn_bias among those it sees,
+            ties to the lower global index).
+        group: None (the default group), a ProcessGroup or a 1-D DeviceMesh; its backend must
+            carry the tensors' device (NCCL for CUDA, gloo for CPU).
+        attn_mask: optional bool (batch, L_local) key padding mask, True = a real token.
+        is_causal, softmax_scale, softcap: as in `flash_dma_attention`.
+
+    Returns this rank's output (batch, L_local, heads, head_dim), equal to the rows of the
+    one-process call over the whole sequence; autograd gives the local gradients of query, key,
+    value and attn_bias. Per call, a rank receives at most 2 W rows of K, V and bias per (batch,
+    kv head) (per query head for a per-query-head bias) and the ranks' top-W lists; nothing of
+    size L. Every rank must make the call (it is a collective), with the same shapes and arguments:
+    a mismatch, or bad input on any rank, raises on every rank before data moves.
+    """
+    pg = _group.resolve(group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    problem, fields = None, dict.fromkeys(_SIGNATURE, 0)
+    device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
+    try:
+        bias, W, scale, softcap = _check_local(
+            query, key, value, attn_bias, attn_mask, keep_window_size, is_causal, softmax_scale, softcap
+        )
+        _group.check_device(pg, device, "query")
+        B, L, H, D = query.shape
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias))
+        fields.update(
+            batch=B,
+            local_length=L,
+            heads=H,
+            kv_heads=key.shape[2],
+            head_dim=D,
+            dtype=_DTYPE_CODES[query.dtype],
+            bias_batch=bias.shape[0],
+            bias_heads=bias.shape[1],
+            attn_mask=attn_mask is not None,
+            keep_window_size=W,
+            is_causal=is_causal,
+            softmax_scale=_group.float_bits(scale),
+            softcap=_group.float_bits(softcap),
+            requires_grad=needs_grad,
+        )
+    except (TypeError, ValueError) as e:
+        problem = e
+    _group.agree(pg, _group.comm_device(pg, device), fields, problem)
+    _group.count_call()
+
+    C = L // 2
+    if C == 0:
+        return flash_dma_attention(
+            query, key, value, None, bias, is_causal=is_causal, softmax_scale=scale, softcap=softcap, keep_window_size=W
+        )
+    KVH = key.shape[2]
+    Bb, Hb = bias.shape[0], bias.shape[1]
+    # Candidates are fetched per (batch, fetch head): per kv head for a bias shared by a kv head's
+    # query heads (a bias of one head is the same list for every kv head), per query head else.
+    Hk = H if Hb == H and H != KVH else KVH
+
+    # 1. Each local chunk's W best keys by score (masked keys score -inf), as (score, global index).
+    scores = bias[:, :, 0, :].detach()
+    scores = scores.to(torch.float64 if scores.dtype == torch.float64 else torch.float32)
+    if attn_mask is not None:
+        scores = torch.where(attn_mask[:, None, :], scores, _NEG_INF)
+    Bs = scores.shape[0]
+    first, second = chunk_of(rank, world)
+    starts = torch.tensor([first * C, second * C], device=device)
+    local_index = (starts[:, None] + torch.arange(C, device=device)).view(2, 1, 1, C).expand(2, Bs, Hb, C)
+    Wc = min(W, C)
+    top_s, top_i = _best(scores.view(Bs, Hb, 2, C).permute(2, 0, 1, 3), local_index, Wc)
+
+    # 2. Every chunk's list, from every rank: one all-gather of (scores, indices) as bytes.
+    payload = torch.cat([top_s.reshape(-1).view(torch.uint8), top_i.reshape(-1).view(torch.uint8)])
+    gathered = _group.all_gather_bytes(pg, payload, "forward")
+    G = 2 * world
+    list_s = top_s.new_empty((G, Bs, Hb, Wc))
+    list_i = top_i.new_empty((G, Bs, Hb, Wc))
+    n_s = top_s.numel() * top_s.element_size()
+    for r, part in enumerate(gathered):
+        a, b = chunk_of(r, world)
+        s = part[:n_s].view(top_s.dtype).view(2, Bs, Hb, Wc)
+        i = part[n_s:].view(torch.int64).view(2, Bs, Hb, Wc)
+        list_s[a], list_s[b], list_i[a], list_i[b] = s[0], s[1], i[0], i[1]
+
+    # 3. Candidates of every target: causal, each chunk's (the W best of the chunks before it);
+    #    otherwise one target, the W best of all. Entries of later chunks rank below every entry
+    #    of the earlier ones (-inf score, higher index), so a target's own candidates come first.
+    flat_s = list_s.permute(1, 2, 0, 3).reshape(Bs, Hb, G * Wc)
+    flat_i = list_i.permute(1, 2, 0, 3).reshape(Bs, Hb, G * Wc)
+    if is_causal:
+        entry_chunk = torch.arange(G, device=device).repeat_interleave(Wc)
+        seen = entry_chunk[None, :] < torch.arange(G, device=device)[:, None]  # (target, entry)
+        cand_s = torch.where(seen[:, None, None, :], flat_s, _NEG_INF)
+        cand_i = flat_i.expand(G, Bs, Hb, G * Wc)
+        n_cand = [min(W, g * Wc) for g in range(G)]
+        targets_of = [chunk_of(r, world) for r in range(world)]
+    else:
+        cand_s, cand_i = flat_s[None], flat_i[None]
+        n_cand = [min(W, G * Wc)]
+        targets_of = [(0,)] * world
+    width = max(n_cand)
+    cand_s, cand_i = _best(cand_s, cand_i, width)
+    # To fetch planes (batch, fetch head): a plane shared by batches or heads serves each of them.
+    cand_s = cand_s.expand(-1, B, Hk, -1)
+    cand_i = cand_i.expand(-1, B, Hk, -1)
+
+    # 4. The exchange plan: every rank's targets' entries, their owners and rows there.
+    T = len(targets_of[0])
+    wanted = cand_i[torch.tensor(targets_of, device=device)]  # (world, T, B, Hk, width)
+    counts = torch.tensor(n_cand, device=device)[torch.tensor(targets_of, device=device)]
+    valid = torch.arange(width, device=device) < counts[:, :, None, None, None]
+    owner, slot = owner_of(wanted // C, world)
+    local_row = slot * C + wanted % C
+    N = T * B * Hk * width
+    owner, valid, local_row = (
+        owner.reshape(world, N),
+        valid.expand_as(wanted).reshape(world, N),
+        local_row.reshape(world, N),
+    )
+    grid_pos = torch.arange(N, device=device)
+    b_of = grid_pos // (Hk * width) % B
+    h_of = grid_pos // width % Hk
+    kvh_of = h_of if Hk == KVH else h_of // (H // KVH)
+    bias_b = b_of if Bb > 1 else torch.zeros_like(b_of)
+    bias_h = h_of if Hb > 1 else torch.zeros_like(h_of)
+
+    def rows_at(pos, lrow):
+        return (b_of[pos] * L + lrow) * KVH + kvh_of[pos], (bias_b[pos] * Hb + bias_h[pos]) * L + lrow
+
+    sending = valid & (owner == rank)
+    sending[rank] = False
+    dest, pos = sending.nonzero(as_tuple=True)  # row-major: grouped by destination
+    send_kv, send_bias = rows_at(pos, local_row[dest, pos])
+    remote = valid[rank] & (owner[rank] != rank)
+    recv_pos = remote.nonzero().squeeze(1)
+    src = owner[rank, recv_pos]
+    recv_pos = recv_pos[torch.sort(src, stable=True).indices]
+    local_pos = (valid[rank] & (owner[rank] == rank)).nonzero().squeeze(1)
+    local_kv, local_bias = rows_at(local_pos, local_row[rank, local_pos])
+    counts_host = torch.stack([torch.bincount(dest, minlength=world), torch.bincount(src, minlength=world)]).tolist()
+    plan = _Plan(pg, counts_host[0], counts_host[1], send_kv, send_bias, recv_pos, local_kv, local_bias, local_pos, N)
+
+    bias_flat = bias[:, :, 0, :].reshape(-1)
+    grid = _FetchRows.apply(key, value, bias_flat, plan).view(T, B, Hk, width, 2 * D + 1)
+
+    # 5. One per-key call per target over its candidates (and, causal, its chunk's own keys).
+    my_targets = targets_of[rank]
+    outs = []
+    for t, target in enumerate(my_targets):
+        n = n_cand[target]
+        k_c = grid[t, :, :, :n, :D].transpose(1, 2)
+        v_c = grid[t, :, :, :n, D : 2 * D].transpose(1, 2)
+        b_c = torch.where(cand_s[target, :, :, :n] > _NEG_INF, grid[t, :, :, :n, 2 * D], _NEG_INF)
+        if not is_causal:
+            rows = slice(0, L)
+            k_all, v_all, b_all = k_c, v_c, b_c
+        else:
+            rows = slice(t * C, (t + 1) * C)
+            k_own, v_own = key[:, rows], value[:, rows]
+            if Hk != KVH:  # a per-query-head bias: each query head has its own candidates
+                k_own, v_own = (x.repeat_interleave(H // KVH, dim=2) for x in (k_own, v_own))
+            b_own = bias[:, :, 0, rows].expand(B, Hk, C)
+            if attn_mask is not None:
+                b_own = torch.where(attn_mask[:, None, rows], b_own, _NEG_INF)
+            k_all, v_all = torch.cat([k_c, k_own], dim=1), torch.cat([v_c, v_own], dim=1)
+            b_all = torch.cat([b_c, b_own], dim=-1)
+        outs.append(
+            flash_dma_attention(
+                query[:, rows],
+                k_all,
+                v_all,
+                None,
+                b_all.unsqueeze(2),
+                is_causal=is_causal,
+                softmax_scale=scale,
+                softcap=softcap,
+                keep_window_size=W,
+            )
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -1,0 +1,198 @@
+"""Context parallel (flexdma.distributed) on gloo: 2, 3 and 4 CPU processes, float64, each rank's
+output and gradients against the one-process call over the whole sequence (1e-12), and the bytes
+each rank receives against the bound (at most 2 W rows per fetch plane, whatever L)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from cp_worker import spawn
+
+import flexdma
+from flexdma.distributed import context_parallel_attention, exchange_stats, shard_sequence, unshard_sequence
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+
+TOL = 1e-12
+
+
+def _inputs(case, seed):
+    g = torch.Generator().manual_seed(seed)
+    B, L, H, KVH, D = case["B"], case["L"], case["H"], case["KVH"], case["D"]
+    dt = case.get("dtype", torch.float64)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
+
+    q, k, v = rnd(B, L, H, D), rnd(B, L, KVH, D), rnd(B, L, KVH, D)
+    # Scores that do not tie: distinct by construction, shuffled per plane.
+    Bb, Hb = case["Bb"], case["Hb"]
+    bias = (torch.rand(Bb, Hb, 1, L, generator=g, dtype=torch.float64) * 4 - 2).to(dt)
+    mask = None
+    if case.get("pad"):
+        mask = torch.rand(B, L, generator=g) > 0.3
+        mask[0, : L // 3] = False  # a left-padded row
+    go = rnd(B, L, H, D)
+    return q, k, v, bias, mask, go
+
+
+def _max_err(got, want):
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item()) if want.numel() else 0.0
+
+
+def _run_case(rank, world, case, seed):
+    q, k, v, bias, mask, go = _inputs(case, seed)
+    W, causal = case["W"], case.get("causal", True)
+    kw = dict(is_causal=causal, softmax_scale=case.get("scale"), softcap=case.get("softcap", 0.0))
+    full = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    mask4 = None if mask is None else mask[:, None, None, :]
+    out = flexdma.flash_dma_attention(*full[:3], mask4, full[3], keep_window_size=W, **kw)
+    (out * go).sum().backward()
+
+    local = [shard_sequence(t, 1).detach().requires_grad_() for t in (q, k, v)]
+    local.append(shard_sequence(bias, 3).detach().requires_grad_())
+    local_mask = None if mask is None else shard_sequence(mask, 1)
+    exchange_stats(reset=True)
+    out_l = context_parallel_attention(*local, keep_window_size=W, attn_mask=local_mask, **kw)
+    (out_l * shard_sequence(go, 1)).sum().backward()
+    stats = exchange_stats(reset=True)
+
+    errs = {"out": _max_err(out_l, shard_sequence(out.detach(), 1))}
+    for name, t, f, dim in zip(("dq", "dk", "dv", "dbias"), local, full, (1, 1, 1, 3)):
+        errs[name] = _max_err(t.grad, shard_sequence(f.grad, dim))
+    bad = {n: e for n, e in errs.items() if not e <= TOL}
+    assert not bad, f"rank {rank}/{world} case {case}: errors {bad}"
+
+    # The exchange: lists and signature, plus at most W rows per fetch plane per local chunk.
+    B, L, H, KVH, D = case["B"], case["L"], case["H"], case["KVH"], case["D"]
+    C = L // (2 * world)
+    Hk = H if case["Hb"] == H and H != KVH else KVH
+    Bs = B if (mask is not None or case["Bb"] == B) else 1
+    n_targets = 2 if causal else 1
+    lists = 2 * Bs * case["Hb"] * min(W, C) * (8 + 8) if C else 0
+    rows = n_targets * min(W, L) * B * Hk * (2 * D + 1) * 8 if C else 0
+    bound = (world - 1) * (15 * 8 + lists) + rows
+    assert stats["calls"] == 1
+    assert stats["forward_received_bytes"] <= bound, (stats, bound)
+    # The backward sends back exactly the rows the forward received.
+    fetched = stats["forward_received_bytes"] - (world - 1) * (15 * 8 + lists)
+    assert stats["backward_sent_bytes"] == fetched, (stats, fetched)
+    return stats
+
+
+CASES = [
+    # B, L, H, KVH, D; bias planes (Bb, Hb); W: shorter than a chunk, between, past L.
+    dict(B=1, L=48, H=2, KVH=1, D=16, Bb=1, Hb=1, W=3),
+    dict(B=1, L=48, H=2, KVH=1, D=16, Bb=1, Hb=1, W=1),
+    dict(B=2, L=48, H=4, KVH=2, D=32, Bb=2, Hb=2, W=10),
+    dict(B=2, L=48, H=4, KVH=2, D=16, Bb=1, Hb=4, W=7, pad=True),
+    dict(B=2, L=48, H=4, KVH=2, D=16, Bb=2, Hb=1, W=5, pad=True, softcap=5.0, scale=0.3),
+    dict(B=1, L=48, H=2, KVH=2, D=8, Bb=1, Hb=2, W=100),
+    dict(B=1, L=48, H=2, KVH=1, D=16, Bb=1, Hb=1, W=6, causal=False),
+    dict(B=2, L=48, H=4, KVH=2, D=16, Bb=2, Hb=2, W=9, causal=False, pad=True),
+]
+
+
+def _cases_worker(rank, world, cases):
+    for i, case in enumerate(cases):
+        case = dict(case, L=case["L"] // 12 * 2 * world)  # a multiple of 2P for every world size
+        _run_case(rank, world, case, seed=1000 + i)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_matches_one_process(world):
+    spawn(world, _cases_worker, CASES)
+
+
+def _edge_worker(rank, world):
+    base = dict(B=1, H=2, KVH=1, D=64, Bb=1, Hb=1)
+    _run_case(rank, world, dict(base, L=2 * world, W=1), seed=1)  # one token per chunk
+    _run_case(rank, world, dict(base, L=2 * world, W=4), seed=2)
+    _run_case(rank, world, dict(base, L=0, W=4), seed=3)  # empty sequence
+    _run_case(rank, world, dict(base, L=8 * world, D=128, W=5), seed=4)
+    _run_case(rank, world, dict(base, L=8 * world, D=96, W=3, Hb=1, H=3, KVH=3), seed=5)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_edge_sizes(world):
+    spawn(world, _edge_worker)
+
+
+def _bytes_worker(rank, world):
+    # With W fixed, what a rank fetches does not grow with the sequence: the row bytes at 4x the
+    # length stay under the same bound (2 W rows per fetch plane), and the lists are W entries.
+    base = dict(B=1, H=2, KVH=1, D=16, Bb=1, Hb=1, W=4)
+    short = _run_case(rank, world, dict(base, L=16 * world), seed=7)
+    long = _run_case(rank, world, dict(base, L=64 * world), seed=7)
+    cap = (world - 1) * (15 * 8 + 2 * 4 * 16) + 2 * 4 * 1 * 1 * (2 * 16 + 1) * 8
+    assert short["forward_received_bytes"] <= cap and long["forward_received_bytes"] <= cap
+
+
+def test_exchange_does_not_grow_with_length():
+    spawn(2, _bytes_worker)
+
+
+def _layout_worker(rank, world):
+    x = torch.arange(4 * world * 3, dtype=torch.float64).view(1, 4 * world, 3).requires_grad_()
+    local = shard_sequence(x, 1)
+    C = x.shape[1] // (2 * world)
+    assert torch.equal(local[0, :C], x[0, rank * C : (rank + 1) * C])
+    assert torch.equal(local[0, C:], x[0, (2 * world - 1 - rank) * C : (2 * world - rank) * C])
+    leaf = local.detach().requires_grad_()
+    whole = unshard_sequence(leaf, 1)
+    assert torch.equal(whole, x.detach())
+    (whole * torch.arange(whole.numel(), dtype=torch.float64).view_as(whole)).sum().backward()
+    want = shard_sequence(torch.arange(whole.numel(), dtype=torch.float64).view_as(whole), 1)
+    assert torch.equal(leaf.grad, want)
+
+
+def test_shard_unshard_layout():
+    spawn(2, _layout_worker)
+
+
+def _errors_worker(rank, world):
+    base = dict(B=1, L=8 * world, H=2, KVH=1, D=8, Bb=1, Hb=1)
+    q, k, v, bias, _, _ = _inputs(base, 0)
+    q, k, v = (shard_sequence(t, 1) for t in (q, k, v))
+    bias = shard_sequence(bias, 3)
+
+    def expect(exc, match, *args, **kw):
+        kw.setdefault("keep_window_size", 4)
+        with pytest.raises(exc, match=match):
+            context_parallel_attention(*args, **kw)
+
+    # Bad input on one rank raises on every rank, before any data moves.
+    if rank == 0:
+        expect(ValueError, "must be even", q[:, :-1], k[:, :-1], v[:, :-1], bias[..., :-1])
+    else:
+        expect(ValueError, r"rank\(s\) \[0\]", q, k, v, bias)
+    # Local lengths that differ across ranks.
+    n = 2 if rank == 1 else 0
+    expect(ValueError, "disagree on local_length", q[:, n:], k[:, n:], v[:, n:], bias[..., n:])
+    # Dtypes that differ across ranks.
+    cast = (lambda t: t.float()) if rank == 0 else (lambda t: t)
+    expect(ValueError, "disagree on dtype", cast(q), cast(k), cast(v), cast(bias))
+    # Arguments that differ across ranks.
+    expect(ValueError, "disagree on keep_window_size", q, k, v, bias, keep_window_size=3 + rank)
+    # Bad arguments on every rank.
+    expect(ValueError, "keep_window_size must be a positive int", q, k, v, bias, keep_window_size=0)
+    expect(ValueError, "per-key attn_bias", q, k, v, None)
+    expect(ValueError, "key padding mask", q, k, v, bias, attn_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="keep_window_size"):
+        context_parallel_attention(q, k, v, bias)
+    with pytest.raises(TypeError, match="group must be"):
+        context_parallel_attention(q, k, v, bias, keep_window_size=4, group="world")
+    assert exchange_stats()["calls"] == 0
+    # The group still works after every rejected call.
+    context_parallel_attention(q, k, v, bias, keep_window_size=4)
+
+
+def test_bad_input_raises_on_every_rank():
+    spawn(2, _errors_worker)
+
+
+def test_needs_an_initialized_group():
+    q, kv, bias = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 1, 1, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        context_parallel_attention(q, kv, kv, bias, keep_window_size=2)
