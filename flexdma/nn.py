@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from . import distributed
 from .api import flash_dma_attention
 from .dynamic import dynamic_bias, dynamic_mask_attention
 from .perkey import contract as perkey
@@ -163,6 +164,11 @@ class DynamicMaskAttention(nn.Module):
     past_key_value=(k, v) each (B, S_past, num_kv_heads, head_dim) or None, use_cache=False)
     returns the output (B, S, hidden_size), and with use_cache=True also the updated (k, v).
     With a cache, S_total = S_past + S and the new queries attend causally (bottom-right) to all keys.
+
+    With `cp_group` (a ProcessGroup or 1-D DeviceMesh; context parallel) hidden_states are this
+    rank's tokens of a sequence sharded in the head-tail layout (flexdma.distributed.shard_sequence),
+    position_embeddings those of their global positions, attention_mask a (B, S_local) padding mask;
+    the attention runs over the whole sequence (flexdma.distributed.context_parallel_attention).
     """
 
     def __init__(
@@ -176,6 +182,7 @@ class DynamicMaskAttention(nn.Module):
         bias: bool = False,
         is_causal: bool = True,
         backend: str = "auto",
+        cp_group=None,
         device=None,
         dtype=None,
     ):
@@ -196,6 +203,9 @@ class DynamicMaskAttention(nn.Module):
         )
         self.keep_window_size = perkey.check_window(keep_window_size)
         self.is_causal, self.backend = is_causal, backend
+        # Context parallel: the layer's input is this rank's tokens of a sequence sharded over the
+        # group (flexdma.distributed.shard_sequence), and attention runs over the whole sequence.
+        self.cp_group = cp_group
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias, **fk)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias, **fk)
@@ -221,6 +231,10 @@ class DynamicMaskAttention(nn.Module):
                 f"hidden_states must be (batch, seqlen, {self.hidden_size}), got {tuple(hidden_states.shape)}"
             )
         B, S, _ = hidden_states.shape
+        if self.cp_group is not None:
+            return self._context_parallel(
+                hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu_seqlens
+            )
         if cu_seqlens is not None:
             return self._packed(
                 hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu_seqlens, max_seqlen
@@ -278,6 +292,30 @@ class DynamicMaskAttention(nn.Module):
             cos, sin = position_embeddings
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
+
+    def _context_parallel(self, hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu):
+        """This rank's tokens (B, S_local, hidden) of a sequence sharded over `cp_group` in the
+        head-tail layout; position_embeddings are the caller's, for the tokens' global positions;
+        attention_mask a (B, S_local) bool padding mask of the local tokens."""
+        if past_key_value is not None or use_cache or cu is not None:
+            raise ValueError(
+                "a context-parallel layer (cp_group set) takes no past_key_value, use_cache or cu_seqlens: "
+                "it runs training / prefill calls over a sharded sequence"
+            )
+        B, S, _ = hidden_states.shape
+        q, k, v = self._qkv(hidden_states, position_embeddings)
+        bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
+        out = distributed.context_parallel_attention(
+            q,
+            k,
+            v,
+            bias,
+            keep_window_size=self.keep_window_size,
+            group=self.cp_group,
+            attn_mask=attention_mask,
+            is_causal=self.is_causal,
+        )
+        return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim))
 
     def _packed(self, hidden_states, position_embeddings, attention_mask, past_key_value, use_cache, cu, max_seqlen):
         """Packed sequences (hidden_states (1, total, hidden_size), int32 offsets cu (batch + 1,), the

@@ -11,6 +11,7 @@ from cp_worker import spawn
 
 import flexdma
 from flexdma.distributed import context_parallel_attention, exchange_stats, shard_sequence, unshard_sequence
+from flexdma.nn import DynamicMaskAttention, rotary_cos_sin
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 
@@ -196,3 +197,35 @@ def test_needs_an_initialized_group():
     q, kv, bias = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 1, 1, 4)
     with pytest.raises(RuntimeError, match="init_process_group"):
         context_parallel_attention(q, kv, kv, bias, keep_window_size=2)
+
+
+def _layer_worker(rank, world):
+    torch.manual_seed(0)
+    B, L, hidden = 2, 8 * world, 32
+    layer = DynamicMaskAttention(hidden, 4, 2, keep_window_size=5, dtype=torch.float64)
+    with torch.no_grad():
+        layer.A.uniform_(0.5, 1.5)  # scores away from Doge's init, where every key ties
+    cp_layer = DynamicMaskAttention(hidden, 4, 2, keep_window_size=5, cp_group=dist.group.WORLD, dtype=torch.float64)
+    cp_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(B, L, hidden, dtype=torch.float64)
+    pad = torch.ones(B, L, dtype=torch.bool)
+    pad[1, :3] = False
+    cos, sin = rotary_cos_sin(torch.arange(L), 8, dtype=torch.float64)
+    go = torch.randn(B, L, hidden, dtype=torch.float64)
+
+    want = layer(x, (cos, sin), attention_mask=pad)
+    (want * go).sum().backward()
+    rot = (shard_sequence(cos, 0), shard_sequence(sin, 0))
+    out = cp_layer(shard_sequence(x, 1), rot, attention_mask=shard_sequence(pad, 1))
+    (out * shard_sequence(go, 1)).sum().backward()
+    assert _max_err(out, shard_sequence(want, 1)) <= TOL
+    for (name, p), (_, cp) in zip(layer.named_parameters(), cp_layer.named_parameters()):
+        g = cp.grad.clone()
+        dist.all_reduce(g)  # each rank's part of the parameter's gradient
+        assert _max_err(g, p.grad) <= TOL, (name, _max_err(g, p.grad))
+    with pytest.raises(ValueError, match="context-parallel layer"):
+        cp_layer(shard_sequence(x, 1), rot, use_cache=True)
+
+
+def test_layer_with_cp_group():
+    spawn(2, _layer_worker)
