@@ -48,6 +48,10 @@ def create_mask(
 ) -> torch.Tensor:
     """Top-`window_size` keys per query row of the (masked) bias, as a bool attention mask.
 
+    Keys are ranked by (score desc, key index asc): equal scores go to the lower key index. Scores
+    are compared in the bias's own precision: a float64 bias in float64 (two scores apart by less
+    than float32's resolution do not tie), float32 / float16 / bfloat16 on their own values.
+
     Args:
         attn_bias: (B|1, H|KVH|1, Q|1, K) importance scores; a query dim of 1 is a per-key score.
         window_size: keys kept per query row (rows with fewer visible keys keep all of them).
@@ -144,7 +148,9 @@ def create_mask(
         if allowed is not None:
             a = allowed[:, :, r0:r1] if allowed.shape[2] > 1 else allowed
         shape = (out_shape[0], out_shape[1], r1 - r0, K)
-        scores = b.float().expand(shape)
+        # float64 scores are ranked as they are: rounded to float32, scores apart by less than its
+        # resolution would tie and go to the lower key index. float16 / bfloat16 convert exactly.
+        scores = (b if b.dtype == torch.float64 else b.float()).expand(shape)
         if a is not None:
             scores = scores.masked_fill(~a, float("-inf"))
         if block_size is None:
@@ -199,7 +205,8 @@ def _per_key_mask(
 ) -> torch.Tensor:
     """create_mask for a per-key bias (query dim 1) and a mask without a query dim: key j is kept by
     row i iff key_rank[j] <= row_thr[i] (and j is causally visible), which is the top-k of the dense
-    path entry for entry (same float32 scores, same (score desc, index asc) order)."""
+    path entry for entry (the same scores, float64 ranked in float64, the same (score desc, index asc)
+    order)."""
     scores = perkey.selection_scores(attn_bias, pad, out_shape[1])
     rows, K = out_shape[2], out_shape[3]
     sel = perkey.select(scores, window_size, rows, is_causal, perkey.CPU_TILE_ROWS)

@@ -5,7 +5,7 @@ from typing import Optional
 
 import pytest
 import torch
-from utils import LargestTensor
+from utils import LargestTensor, make_qkv
 
 import flexdma
 from flexdma import _tilebits
@@ -38,7 +38,8 @@ def old_create_mask(attn_bias, window_size, *, attn_mask=None, is_causal=False, 
         if allowed is None:
             return torch.ones(out_shape, dtype=torch.bool)
         return allowed.expand(out_shape).contiguous()
-    scores = attn_bias.float().expand(out_shape)
+    # float64 ranked in float64; the other dtypes in float32, which holds their values exactly.
+    scores = (attn_bias if attn_bias.dtype == torch.float64 else attn_bias.float()).expand(out_shape)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     return topk_rows(scores, window_size) & (scores != float("-inf"))
@@ -57,8 +58,11 @@ def _random_case(g):
         generator=g,
         dtype=(torch.float32, torch.float64, torch.bfloat16)[r(0, 2)],
     )
-    if r(0, 1):  # ties, also across the float32 rounding of float64 scores
+    if r(0, 1):  # ties
         bias[..., r(0, K - 1) :: r(2, 7)] = bias[..., :1].clone()
+    if bias.dtype == torch.float64 and r(0, 1):  # scores that tie only once rounded to float32
+        near = bias[..., r(0, K - 1) :: r(2, 7)]
+        near.copy_(bias[..., :1] + 1e-12 * torch.randn(near.shape, generator=g, dtype=torch.float64))
     if r(0, 2) == 0:
         bias[..., r(0, K - 1) :: r(2, 5)] = float("-inf")
     mask = None
@@ -272,3 +276,96 @@ def test_selection_tile_meta_changes_nothing_on_cuda(bias_rows, scores_rows):
         assert torch.equal(a, b)
     if bias_rows > 1:  # no gradient where the mask keeps nothing: every unkept element written, as 0
         assert not runs[0][4].masked_select(~mask).any()
+
+
+# ------------------------------------------------------------------ scores that tie only in float32
+def _near_tie_bias(K: int, group, seed: int) -> torch.Tensor:
+    """A float64 per-key bias (1, 2, 1, K): random scores, and in each head the keys of `group`
+    1 + (a few 1e-12) apart, rising with the key index: one float32 value, so the float32 rule
+    (ties to the lower index) and the float64 order (the highest index first) keep different keys."""
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(1, 2, 1, K, generator=g, dtype=torch.float64)
+    steps = torch.rand(2, len(group), generator=g, dtype=torch.float64).add(0.5).cumsum(-1)
+    bias[0, :, 0, list(group)] = 3.0 + 1e-12 * steps  # above every other score: the window's top
+    assert (bias[0, :, 0, list(group)].float() == 3.0).all()
+    return bias
+
+
+def _top_by_sort(bias_row, window: int, visible: int):
+    """The window best of the first `visible` keys of one row by (score desc, index asc), by
+    Python's sort of the float64 values."""
+    vals = bias_row[:visible].tolist()
+    return set(sorted(range(visible), key=lambda j: (-vals[j], j))[:window])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float64_scores_that_tie_only_in_float32(causal):
+    K, Q, W = 48, 40, 5
+    group = range(10, 40, 3)  # 10 keys; the window takes 5 of them
+    bias = _near_tie_bias(K, group, seed=1 + causal)
+    want = torch.zeros(1, 2, Q, K, dtype=torch.bool)
+    for h in range(2):
+        for i in range(Q):
+            visible = i + 1 + (K - Q) if causal else K
+            want[0, h, i, list(_top_by_sort(bias[0, h, 0], W, visible))] = True
+    per_key = flexdma.create_mask(bias, W, is_causal=causal, query_len=Q)
+    dense = flexdma.create_mask(bias.expand(1, 2, Q, K), W, is_causal=causal)
+    # Without causality the per-key mask keeps its query dim of 1.
+    assert torch.equal(per_key.expand_as(want), want) and torch.equal(dense, want)
+    # The last row's kept keys are the 5 highest indices of the group, not the 5 lowest.
+    assert per_key[0, 0, -1].nonzero().flatten().tolist() == list(group)[-W:]
+    # float32 keeps its rule: equal scores, the lower index.
+    b32 = bias.float()
+    assert (
+        flexdma.create_mask(b32, W, is_causal=causal, query_len=Q)[0, 0, -1].nonzero().flatten().tolist()
+        == (list(group)[:W])
+    )
+    assert torch.equal(
+        flexdma.create_mask(b32.expand(1, 2, Q, K), W, is_causal=causal),
+        flexdma.create_mask(b32, W, is_causal=causal, query_len=Q).expand(1, 2, Q, K),
+    )
+
+
+def test_float64_block_selection_ranks_blocks_in_float64():
+    # block_size keeps the blocks with the best scores: their best scores tie only in float32.
+    bias = torch.zeros(1, 1, 1, 32, dtype=torch.float64)
+    bias[..., 3], bias[..., 9], bias[..., 17] = 1.0, 1.0 + 1e-12, 1.0 + 2e-12
+    m = flexdma.create_mask(bias, 16, block_size=8)[0, 0, 0]
+    assert m.nonzero().flatten().tolist() == list(range(8, 24))
+    m32 = flexdma.create_mask(bias.float(), 16, block_size=8)[0, 0, 0]
+    assert m32.nonzero().flatten().tolist() == list(range(0, 16))
+
+
+@pytest.mark.parametrize("backend", [b for b in ("cpu", "flex", "reference") if b in flexdma.available_backends()])
+@pytest.mark.parametrize("Q", [40, 3], ids=["selection", "few_rows"])
+def test_keep_window_size_float64_ranks_in_float64(backend, Q):
+    """flash_dma_attention's per-key path selects on the float64 scores: the output is attention
+    over the float64 mask (1e-12), not over the keys float32's tie rule would keep. On the cpu
+    backend Q = 3 after 48 keys takes the few-rows route (kept sets updated key by key) instead of
+    the selection."""
+    K, W = 48, 5
+    bias = _near_tie_bias(K, range(10, 40, 3), seed=7)
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, Q, K, 4, 2, 64, dtype=torch.float64)
+    out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W, backend=backend)
+    mask = flexdma.create_mask(bias, W, is_causal=True, query_len=Q)
+    ref, _ = flexdma.attention_ref(q, k, v, mask, bias, is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    wrong, _ = flexdma.attention_ref(q, k, v, flexdma.create_mask(bias.float(), W, is_causal=True, query_len=Q), bias)
+    assert (wrong - ref).abs().max() > 1e-3  # the float32 rule's keys give another output
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flexdma::varlen_fwd's CPU selection (ops/flexdma_ops.cpp, varlen_select) ranks float64 scores as float32",
+)
+def test_varlen_keep_window_size_float64_ranks_in_float64():
+    K, W = 48, 5
+    bias = _near_tie_bias(K, range(10, 40, 3), seed=7)[0, :, 0]  # (heads, total_k)
+    torch.manual_seed(0)
+    q, k, v = (t[0] for t in make_qkv(1, K, K, 4, 2, 64, dtype=torch.float64))
+    cu = torch.tensor([0, K], dtype=torch.int32)
+    out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, K, K, bias, is_causal=True, keep_window_size=W)
+    mask = flexdma.create_mask(bias[None, :, None], W, is_causal=True, query_len=K)
+    ref, _ = flexdma.attention_ref(q[None], k[None], v[None], mask, bias[None, :, None], is_causal=True)
+    torch.testing.assert_close(out, ref[0], rtol=1e-12, atol=1e-12)

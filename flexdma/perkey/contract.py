@@ -54,19 +54,47 @@ def plane_heads(num_heads: int, bias_heads: int, mask_heads: int) -> int:
 
 
 def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
-    """(P1, P2, K) scores of the selection planes, in the bias's dtype where the selection takes it
-    (float32, float16, bfloat16; others as float32): the per-key bias (then a view of it, no copy) with the keys the mask drops set to -inf. Planes are the broadcast of the bias's
-    and the mask's (batch, head)."""
+    """(P1, P2, K) scores of the selection planes: the per-key bias with the keys the mask drops
+    set to -inf, in the bias's dtype where the selection takes it (float32, float16, bfloat16;
+    without a mask a view of the bias, no copy). float64 scores come back as their order
+    (`float64_order`), so that scores apart by less than float32's resolution are not ranked as
+    ties; other dtypes as float32. Planes are the broadcast of the bias's and the mask's (batch,
+    head)."""
     s = attn_bias[:, :, 0, :]
-    if s.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if s.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         s = s.float()
-    if attn_mask is None:
-        return s
-    m = attn_mask[:, :, 0, :]
-    P = plane_heads(num_heads, s.shape[1], m.shape[1])
-    if s.shape[1] not in (1, P) or m.shape[1] not in (1, P):
-        s, m = expand_heads(s.unsqueeze(2), num_heads).squeeze(2), expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
-    return torch.where(m, s, float("-inf"))
+    if attn_mask is not None:
+        m = attn_mask[:, :, 0, :]
+        P = plane_heads(num_heads, s.shape[1], m.shape[1])
+        if s.shape[1] not in (1, P) or m.shape[1] not in (1, P):
+            s = expand_heads(s.unsqueeze(2), num_heads).squeeze(2)
+            m = expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
+        s = torch.where(m, s, float("-inf"))
+    return float64_order(s) if s.dtype == torch.float64 else s
+
+
+# float32 bit patterns from the smallest normal number up: positive, finite, ordered as the
+# integers are, and never flushed to zero (no denormals).
+_FLT_MIN_BITS = 0x00800000
+# The keys float64_order can order: its last key's bit pattern stays below +inf's (0x7F800000).
+FLOAT64_MAX_KEYS = 0x7F800000 - _FLT_MIN_BITS
+
+
+def float64_order(scores: torch.Tensor) -> torch.Tensor:
+    """float32 scores (P1, P2, K) in the order of the float64 `scores`, every one distinct: key j
+    gets a value that falls with its rank by (score desc, key index asc; NaN first, as
+    torch.sort and the selection op order them), -inf stays -inf (not eligible). The selection
+    (flexdma::topk_select, float32) of them is the selection of the float64 scores: it ranks only
+    by order, and rounding the float64 scores themselves would tie scores that differ below
+    float32's resolution."""
+    K = scores.shape[-1]
+    if isinstance(K, int) and K > FLOAT64_MAX_KEYS:
+        raise ValueError(f"a float64 attn_bias takes at most {FLOAT64_MAX_KEYS} keys to select from, got {K}")
+    by_rank = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    ranks = torch.arange(K, device=scores.device).expand_as(by_rank)
+    rank = torch.empty_like(by_rank).scatter_(-1, by_rank, ranks)
+    order = (K - 1 - rank + _FLT_MIN_BITS).to(torch.int32).view(torch.float32)
+    return order.masked_fill(scores == float("-inf"), float("-inf"))
 
 
 def list_cap(K: int, window: int, tile_rows: int) -> int:
@@ -78,7 +106,7 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
 
 
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int) -> Selection:
-    """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16), with lists of query tiles of
+    """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16: selection_scores'), with lists of query tiles of
     `tile_rows` rows (the route's, flexdma/perkey/route.py: what the forward that follows reads)."""
     # The op's fake kernel and CUDA implementation: flexdma/perkey/ops.py (imported by the package).
     return Selection(*torch.ops.flexdma.topk_select(scores, window, seqlen_q, is_causal, tile_rows))
