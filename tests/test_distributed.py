@@ -229,3 +229,51 @@ def _layer_worker(rank, world):
 
 def test_layer_with_cp_group():
     spawn(2, _layer_worker)
+
+
+def _gpu_worker(rank, world, case):
+    """bf16 on NCCL: the CP call's error against float64 truth (the one-process call on the CPU)
+    within twice the one-GPU call's error plus a floor (FlashAttention's rule)."""
+    dev = torch.device("cuda", rank)
+    # Inputs rounded to bf16 first: truth and the bf16 calls then rank the same scores.
+    q, k, v, bias, mask, go = _inputs(case, seed=11)
+    q, k, v, bias = (t.to(torch.bfloat16).double() for t in (q, k, v, bias))
+    W = case["W"]
+    mask4 = None if mask is None else mask[:, None, None, :]
+
+    def grads_of(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        out.backward(go_of(out))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def go_of(out):
+        return (go if out.shape[1] == go.shape[1] else shard_sequence(go, 1)).to(out.device, out.dtype)
+
+    def one(q_, k_, v_, b_, dev_mask):
+        return flexdma.flash_dma_attention(q_, k_, v_, dev_mask, b_, is_causal=True, keep_window_size=W)
+
+    truth = grads_of(lambda *t: one(*t, mask4), (q, k, v, bias))
+    lo = [t.to(dev, torch.bfloat16) for t in (q, k, v, bias)]
+    gpu = grads_of(lambda *t: one(*t, None if mask4 is None else mask4.to(dev)), lo)
+    local = [shard_sequence(t, 1) for t in lo[:3]] + [shard_sequence(lo[3], 3)]
+    local_mask = None if mask is None else shard_sequence(mask, 1).to(dev)
+    cp = grads_of(lambda *t: context_parallel_attention(*t, keep_window_size=W, attn_mask=local_mask), local)
+    dims = (1, 1, 1, 1, 3)
+    for name, c, g, t, d in zip(("out", "dq", "dk", "dv", "dbias"), cp, gpu, truth, dims):
+        t_local = shard_sequence(t, d).double()
+        err_cp = (c.double().cpu() - t_local).abs().max().item()
+        err_one = (shard_sequence(g, d).double().cpu() - t_local).abs().max().item()
+        floor = 1e-3 * max(1.0, t_local.abs().max().item())
+        assert err_cp <= 2 * err_one + floor, (rank, name, err_cp, err_one, floor)
+
+
+GPU_CASE = dict(B=1, L=8192, H=8, KVH=2, D=128, Bb=1, Hb=2, W=512, pad=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_nccl_bf16_matches_one_gpu(world):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    spawn(world, _gpu_worker, GPU_CASE, backend="nccl")
