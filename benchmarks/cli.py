@@ -6,7 +6,8 @@ their peers), equivalence (agreement of every implementation with the float64 re
 per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/topk.py), decode
 (decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), varlen (packed
 sequences against per-document calls, a padded batch and dense attention within documents;
-benchmarks/varlen.py), all, report
+benchmarks/varlen.py), cp (context parallel over the ranks of a torchrun: benchmarks/cp.py; not
+part of `all`), all, report
 (regenerate RESULTS.md from the JSON), cpu (the CPU kernel against SDPA on the CPU, fp32; see
 benchmarks/cpu.py; not part of `all`).
 """
@@ -30,7 +31,7 @@ import torch
 import flexdma
 from flexdma.reference import attention_ref
 
-from . import configs, cpu, decode, report, topk, varlen
+from . import configs, cp, cpu, decode, report, topk, varlen
 from . import inputs as inputs_mod
 from . import peers as peers_mod
 from .common import public_argv, write_json
@@ -418,6 +419,7 @@ def _parse(argv=None):
             "topk",
             "decode",
             "varlen",
+            "cp",
             "all",
             "report",
             "cpu",
@@ -429,8 +431,14 @@ def _parse(argv=None):
     ap.add_argument("--quick", action="store_true", help="a ~2-minute subset")
     ap.add_argument("--d", default=None, help="head dims, e.g. 64,128")
     ap.add_argument("--bias", default=None, help="bias kinds: per-row,per-key")
-    ap.add_argument("--peers", default=None, help=f"comma-separated subset of {','.join(configs.PEERS)}")
-    ap.add_argument("--lengths", default=None, help="override the query/key lengths (forward/backward/decode)")
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help=f"comma-separated subset of {','.join(configs.PEERS)} (cp: of its parts {','.join(cp.SECTIONS)})",
+    )
+    ap.add_argument(
+        "--lengths", default=None, help="override the query/key lengths (forward/backward/decode; cp: total tokens)"
+    )
     ap.add_argument("--windows", default=None, help="override the windows (window)")
     ap.add_argument("--length", type=int, default=configs.WINDOW_LENGTH, help="the window sweep's length")
     ap.add_argument(
@@ -472,6 +480,10 @@ def main(argv=None) -> int:
         return 0
     if args.subcommand == "varlen":
         varlen.main(args, environment(args.commit))
+        return 0
+    if args.subcommand == "cp":
+        # Each rank takes its GPU before the environment is read (no context on GPU 0 for all).
+        cp.main(args, environment)
         return 0
     ds = configs.parse_list(args.d, configs.ANY_HEAD_DIMS, int) or list(configs.HEAD_DIMS)
     biases = configs.parse_list(args.bias, configs.BIAS_KINDS) or list(configs.BIAS_KINDS)

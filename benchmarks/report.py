@@ -14,7 +14,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from . import cpu, decode, topk, varlen
+from . import cp, cpu, decode, topk, varlen
 from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
@@ -419,6 +419,7 @@ def write_results_md(results_dir: str, md_path: str) -> str:
     out += topk.section(results_dir)
     out += decode.section(results_dir)
     out += varlen.section(results_dir)
+    out += cp.section(results_dir)
     out += cuda_dev_section(results_dir)
     with open(md_path, "w") as f:
         f.write("\n".join(out).rstrip() + "\n")

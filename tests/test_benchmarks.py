@@ -2,6 +2,7 @@
 markdown, report regeneration from a small fake result file, and the equivalence subcommand."""
 
 import json
+import math
 import os
 import sys
 
@@ -434,3 +435,56 @@ def test_varlen_report_keeps_the_newest_run_with_every_peer(tmp_path):
     run("ccc", "2026-11-26T03:00:00", varlen.PEERS)
     text = "\n".join(varlen.section(str(tmp_path)))
     assert "commit ccc" in text and "commit aaa" not in text and "commit bbb" not in text
+
+
+def test_cp_subcommand_on_two_gloo_ranks(tmp_path):
+    # The context-parallel benchmark as torchrun starts it, on two CPU processes (gloo) at its toy
+    # size: every part runs and lands in the JSON and its RESULTS.md section.
+    import socket
+    import subprocess
+
+    from benchmarks import cp
+
+    pytest.importorskip("transformers")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1"]
+    cmd += [f"--master-port={port}", "-m", "benchmarks", "cp", "--lengths", "512", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd + ["--commit", "test000"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    [path] = list(tmp_path.glob("*_test000_cp_p2.json"))
+    doc = json.loads(path.read_text())
+    assert doc["schema"] == cp.SCHEMA and doc["world_size"] == 2 and doc["backend"] == "gloo"
+    assert "unfinished" not in doc and doc["shape"] == cp.CPU["shape"]
+    [row] = doc["rows"]
+    assert row["case"]["L"] == 512 and row["case"]["L_local"] == 256 and "error" not in row
+    assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 and row["fwd_reps"] >= cp.MIN_REPS
+    assert row["distinct_scores"] == 2 * 512  # float32 scores of both KV heads: no ties at this size
+    assert row["bound"] == cp.exchange_bound(cp.CPU["shape"], 2, 4)
+    for part in ("fwd", "train"):
+        stats = row["bytes"][part]
+        assert len(stats) == 2 and all(s["calls"] == 1 and s["forward_received_bytes"] > 0 for s in stats)
+        for d in ("forward", "backward"):  # what one rank sends, the other receives
+            assert sum(s[f"{d}_sent_bytes"] for s in stats) == sum(s[f"{d}_received_bytes"] for s in stats)
+    assert all(s["backward_sent_bytes"] == 0 for s in row["bytes"]["fwd"])
+    assert all(s["backward_sent_bytes"] > 0 for s in row["bytes"]["train"])
+    assert row["peak"] == {"fwd": [None, None], "train": [None, None]}  # no CUDA allocator to read
+    assert [r["case"]["L"] for r in doc["single"]] == [256, 512]
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0 for r in doc["single"])
+    [dense] = doc["dense"]
+    assert "needs CUDA" in dense["skipped"]
+    doge = {(r["case"]["P"], r["case"]["L"]): r for r in doc["doge"]}
+    assert set(doge) == {(2, 512), (1, 128), (1, 256)}
+    for r in doge.values():
+        assert "error" not in r and r["ms"] > 0 and math.isfinite(r["loss"]), r
+    assert all(s["calls"] == cp.TOY_DOGE["num_hidden_layers"] for s in doge[(2, 512)]["bytes"])
+    md = "\n".join(cp.section(str(tmp_path)))
+    assert "## context parallel, 2 ranks (cpu, commit test000)" in md
+    assert f"| 512 | {row['fwd_ms']:.1f} / {row['fwd_bwd_ms']:.1f} |" in md
+    assert "| Doge CP L=512 P=2 |" in md and "| Doge one GPU L=256 |" in md
+    out = tmp_path / "RESULTS.md"
+    assert cli.main(["report", "--results", str(tmp_path), "--md", str(out)]) == 0
+    assert "## context parallel, 2 ranks" in out.read_text()
