@@ -72,16 +72,9 @@ GPU = dict(
     dense_max=524288,
     doge=dict(config=DOGE, cp_length=524288, single_lengths=(131072,)),
 )
-TOY_DOGE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    keep_window_size=32,
-    is_moe=False,
-)
+# The CPU's Doge: the GPU's configuration, scaled down (GQA kept: 4 heads over 2 KV heads).
+TOY_DOGE = dict(DOGE, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+TOY_DOGE.update(num_attention_heads=4, num_key_value_heads=2, keep_window_size=32)
 CPU = dict(
     shape=dict(B=1, H=4, KVH=2, D=32, W=32),
     lengths=(256, 512),
@@ -199,15 +192,10 @@ def _peak(fn, cuda: bool) -> Optional[dict]:
     """Peak allocated memory during one call: absolute, and above what was allocated before it."""
     if not cuda:
         return None
+    from .cli import _peak as peak  # cli imports this module: taken when called
+
     gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    return dict(peak_mib=peak / 2**20, extra_mib=(peak - before) / 2**20)
+    return peak(fn)
 
 
 def _exchanged(fn, cuda: bool) -> dict:
