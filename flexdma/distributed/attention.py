@@ -19,7 +19,8 @@ A call, per rank:
    candidates are gathered locally);
 5. one per-key call per local chunk over its candidates and its own keys.
 Autograd runs the local calls' backward and sends the candidates' gradient rows back to their
-owners by the reverse all-to-all, where they are added. The selection has no gradient.
+owners by the reverse all-to-all, where every part of a key's gradient is added in float32 and
+rounded once (`_Assemble`). The selection has no gradient.
 
 Without causality every row sees every key, so every row keeps the same W keys: the W best of
 all 2P lists, fetched and attended by one call over the local rows.
@@ -27,6 +28,7 @@ all 2P lists, fetched and attended by one call over the local rows.
 
 from __future__ import annotations
 
+import math
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -98,13 +100,30 @@ class _Plan(NamedTuple):
     local_kv: torch.Tensor  # this rank's own candidates: rows of key.view(-1, D) ...
     local_bias: torch.Tensor
     local_pos: torch.Tensor  # ... and their places in the grid
-    grid_rows: int
+    grid: tuple  # (targets, batch, fetch heads, width): the candidate grid's shape
+    n_cand: List[int]  # candidates of each local target (a prefix of its grid row)
+    own_rows: List[Optional[slice]]  # each target's own chunk of the local keys (None: candidates only)
+    bias_shape: tuple  # (Bb, Hb, L): the per-key bias's planes
 
 
-class _FetchRows(torch.autograd.Function):
-    """The candidates' K, V and bias rows, one (2D + 1)-wide row per grid entry (zeros where a
-    target has fewer candidates than the grid's width). Backward: the rows' gradients go back to
-    their owners and are added to the local gradients."""
+def _sum_heads(g: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Sum a gradient over `dim` down to `heads` entries: the adjoint of a broadcast (heads == 1)
+    or of repeating each entry for the query heads of its group."""
+    n = g.shape[dim]
+    if n == heads:
+        return g
+    return g.unflatten(dim, (heads, n // heads)).sum(dim + 1)
+
+
+class _Assemble(torch.autograd.Function):
+    """Each local target's keys, values and per-key bias: its candidates' rows, fetched from their
+    owners (one all-to-all), followed (causal) by its own chunk's rows. Returns (k, v, bias) per
+    target: (B, n + C, fetch heads, D) twice and (B, fetch heads, n + C).
+
+    Backward: every part of a key's gradient (its own chunk's call, the calls of the chunks that
+    fetched it, sent back by the reverse all-to-all) is added in float32 (float64 for float64) and
+    rounded once, as the one-process kernel rounds its sum once; the parts move in the kernels'
+    own dtype, which is what they were computed in."""
 
     @staticmethod
     def forward(ctx, key, value, bias_flat, plan: _Plan):
@@ -117,34 +136,64 @@ class _FetchRows(torch.autograd.Function):
         recv = _group.all_to_all_rows(
             plan.group, rows(plan.send_kv, plan.send_bias), plan.send_counts, plan.recv_counts, "forward"
         )
-        grid = key.new_zeros((plan.grid_rows, 2 * D + 1))
+        grid = key.new_zeros((math.prod(plan.grid), 2 * D + 1))
         grid[plan.recv_pos] = recv
         grid[plan.local_pos] = rows(plan.local_kv, plan.local_bias)
-        ctx.plan, ctx.key_shape, ctx.bias_numel = plan, key.shape, bias_flat.numel()
-        return grid
+        grid = grid.view(*plan.grid, 2 * D + 1)
+        B, Hk = plan.grid[1], plan.grid[2]
+        Bb, Hb, L = plan.bias_shape
+        bias = bias_flat.view(Bb, Hb, L)
+        out = []
+        for t, (n, own) in enumerate(zip(plan.n_cand, plan.own_rows)):
+            k, v, b = (
+                grid[t, :, :, :n, :D].transpose(1, 2),
+                grid[t, :, :, :n, D : 2 * D].transpose(1, 2),
+                grid[t, :, :, :n, 2 * D],
+            )
+            if own is not None:
+                k_own, v_own = key[:, own], value[:, own]
+                if Hk != key.shape[2]:  # per-query-head candidates: each query head its own keys
+                    k_own, v_own = (x.repeat_interleave(Hk // key.shape[2], dim=2) for x in (k_own, v_own))
+                k, v = torch.cat([k, k_own], dim=1), torch.cat([v, v_own], dim=1)
+                b = torch.cat([b, bias[:, :, own].expand(B, Hk, -1)], dim=-1)
+            out += [k.contiguous(), v.contiguous(), b.contiguous()]
+        ctx.plan, ctx.key_shape, ctx.dtype = plan, key.shape, key.dtype
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx, grad_grid):
+    def backward(ctx, *grads):
         plan = ctx.plan
-        D = ctx.key_shape[-1]
-        back = _group.all_to_all_rows(
-            plan.group, grad_grid[plan.recv_pos].contiguous(), plan.recv_counts, plan.send_counts, "backward"
-        )
-        rows = torch.cat([back, grad_grid[plan.local_pos]])
-        kv = torch.cat([plan.send_kv, plan.local_kv])
+        B, L, KVH, D = ctx.key_shape
+        Bb, Hb, _ = plan.bias_shape
+        acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         need_k, need_v, need_b, _ = ctx.needs_input_grad
-        grads = []
-        for need, cols in ((need_k, slice(0, D)), (need_v, slice(D, 2 * D))):
-            g = None
-            if need:
-                g = grad_grid.new_zeros((ctx.key_shape.numel() // D, D)).index_add_(0, kv, rows[:, cols])
-                g = g.view(ctx.key_shape)
-            grads.append(g)
-        gb = None
-        if need_b:
-            b = torch.cat([plan.send_bias, plan.local_bias])
-            gb = grad_grid.new_zeros(ctx.bias_numel).index_add_(0, b, rows[:, 2 * D])
-        return grads[0], grads[1], gb, None
+        ref = grads[0]
+        gk = ref.new_zeros((B, L, KVH, D), dtype=acc)
+        gv = torch.zeros_like(gk)
+        gb = ref.new_zeros((Bb, Hb, L), dtype=acc)
+        grid = ref.new_zeros((*plan.grid, 2 * D + 1))
+        for t, (n, own) in enumerate(zip(plan.n_cand, plan.own_rows)):
+            g_k, g_v, g_b = grads[3 * t : 3 * t + 3]
+            grid[t, :, :, :n, :D] = g_k[:, :n].transpose(1, 2)
+            grid[t, :, :, :n, D : 2 * D] = g_v[:, :n].transpose(1, 2)
+            grid[t, :, :, :n, 2 * D] = g_b[:, :, :n]
+            if own is not None:
+                gk[:, own] += _sum_heads(g_k[:, n:].to(acc), KVH, 2)
+                gv[:, own] += _sum_heads(g_v[:, n:].to(acc), KVH, 2)
+                gb[:, :, own] += _sum_heads(_sum_heads(g_b[:, :, n:].to(acc), Bb, 0), Hb, 1)
+        grid = grid.view(-1, 2 * D + 1)
+        back = _group.all_to_all_rows(plan.group, grid[plan.recv_pos], plan.recv_counts, plan.send_counts, "backward")
+        rows = torch.cat([back, grid[plan.local_pos]]).to(acc)
+        kv = torch.cat([plan.send_kv, plan.local_kv])
+        gk.view(-1, D).index_add_(0, kv, rows[:, :D])
+        gv.view(-1, D).index_add_(0, kv, rows[:, D : 2 * D])
+        gb.view(-1).index_add_(0, torch.cat([plan.send_bias, plan.local_bias]), rows[:, 2 * D])
+        return (
+            gk.to(ctx.dtype) if need_k else None,
+            gv.to(ctx.dtype) if need_v else None,
+            gb.view(-1).to(ctx.dtype) if need_b else None,
+            None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,32 +386,41 @@ def context_parallel_attention(
     local_pos = (valid[rank] & (owner[rank] == rank)).nonzero().squeeze(1)
     local_kv, local_bias = rows_at(local_pos, local_row[rank, local_pos])
     counts_host = torch.stack([torch.bincount(dest, minlength=world), torch.bincount(src, minlength=world)]).tolist()
-    plan = _Plan(pg, counts_host[0], counts_host[1], send_kv, send_bias, recv_pos, local_kv, local_bias, local_pos, N)
-
-    bias_flat = bias[:, :, 0, :].reshape(-1)
-    grid = _FetchRows.apply(key, value, bias_flat, plan).view(T, B, Hk, width, 2 * D + 1)
+    my_targets = targets_of[rank]
+    plan = _Plan(
+        pg,
+        counts_host[0],
+        counts_host[1],
+        send_kv,
+        send_bias,
+        recv_pos,
+        local_kv,
+        local_bias,
+        local_pos,
+        (T, B, Hk, width),
+        [n_cand[g] for g in my_targets],
+        [slice(t * C, (t + 1) * C) if is_causal else None for t in range(T)],
+        (Bb, Hb, L),
+    )
+    parts = _Assemble.apply(key, value, bias[:, :, 0, :].reshape(-1), plan)
 
     # 5. One per-key call per target over its candidates (and, causal, its chunk's own keys).
-    my_targets = targets_of[rank]
     outs = []
     for t, target in enumerate(my_targets):
+        k_all, v_all, b_all = parts[3 * t : 3 * t + 3]
         n = n_cand[target]
-        k_c = grid[t, :, :, :n, :D].transpose(1, 2)
-        v_c = grid[t, :, :, :n, D : 2 * D].transpose(1, 2)
-        b_c = torch.where(cand_s[target, :, :, :n] > _NEG_INF, grid[t, :, :, :n, 2 * D], _NEG_INF)
-        if not is_causal:
-            rows = slice(0, L)
-            k_all, v_all, b_all = k_c, v_c, b_c
-        else:
+        # Keys that may not be kept score -inf: candidates that scored -inf (padding, or a -inf
+        # bias) and the chunk's padding.
+        keep = cand_s[target, :, :, :n] > _NEG_INF
+        if is_causal:
             rows = slice(t * C, (t + 1) * C)
-            k_own, v_own = key[:, rows], value[:, rows]
-            if Hk != KVH:  # a per-query-head bias: each query head has its own candidates
-                k_own, v_own = (x.repeat_interleave(H // KVH, dim=2) for x in (k_own, v_own))
-            b_own = bias[:, :, 0, rows].expand(B, Hk, C)
-            if attn_mask is not None:
-                b_own = torch.where(attn_mask[:, None, rows], b_own, _NEG_INF)
-            k_all, v_all = torch.cat([k_c, k_own], dim=1), torch.cat([v_c, v_own], dim=1)
-            b_all = torch.cat([b_c, b_own], dim=-1)
+            own = (
+                torch.ones(B, 1, C, dtype=torch.bool, device=device) if attn_mask is None else attn_mask[:, None, rows]
+            )
+            keep = torch.cat([keep, own.expand(B, Hk, C)], dim=-1)
+        else:
+            rows = slice(0, L)
+        b_all = torch.where(keep, b_all, _NEG_INF)
         outs.append(
             flash_dma_attention(
                 query[:, rows],
