@@ -19,8 +19,8 @@ A call, per rank:
    candidates are gathered locally);
 5. one per-key call per local chunk over its candidates and its own keys.
 Autograd runs the local calls' backward and sends the candidates' gradient rows back to their
-owners by the reverse all-to-all, where every part of a key's gradient is added in float32 and
-rounded once (`_Assemble`). The selection has no gradient.
+owners by the reverse all-to-all, where they are added (`_Assemble`). The selection has no
+gradient.
 
 Without causality every row sees every key, so every row keeps the same W keys: the W best of
 all 2P lists, fetched and attended by one call over the local rows.
@@ -120,10 +120,10 @@ class _Assemble(torch.autograd.Function):
     owners (one all-to-all), followed (causal) by its own chunk's rows. Returns (k, v, bias) per
     target: (B, n + C, fetch heads, D) twice and (B, fetch heads, n + C).
 
-    Backward: every part of a key's gradient (its own chunk's call, the calls of the chunks that
-    fetched it, sent back by the reverse all-to-all) is added in float32 (float64 for float64) and
-    rounded once, as the one-process kernel rounds its sum once; the parts move in the kernels'
-    own dtype, which is what they were computed in."""
+    Backward: a key's gradient is the part from its own chunk's call plus the parts from the calls
+    that fetched it (sent back by the reverse all-to-all, in the kernels' dtype, which is what
+    they were computed in), written straight into the local gradient: no full-size temporaries
+    beside it."""
 
     @staticmethod
     def forward(ctx, key, value, bias_flat, plan: _Plan):
@@ -167,33 +167,44 @@ class _Assemble(torch.autograd.Function):
         Bb, Hb, _ = plan.bias_shape
         acc = torch.float64 if ctx.dtype == torch.float64 else torch.float32
         need_k, need_v, need_b, _ = ctx.needs_input_grad
-        ref = grads[0]
-        gk = ref.new_zeros((B, L, KVH, D), dtype=acc)
-        gv = torch.zeros_like(gk)
-        gb = ref.new_zeros((Bb, Hb, L), dtype=acc)
-        grid = ref.new_zeros((*plan.grid, 2 * D + 1))
+        # The candidates' gradient rows, in the grid's layout, for their owners.
+        grid = grads[0].new_zeros((*plan.grid, 2 * D + 1))
+        own_k, own_v, own_b = [], [], []
         for t, (n, own) in enumerate(zip(plan.n_cand, plan.own_rows)):
             g_k, g_v, g_b = grads[3 * t : 3 * t + 3]
             grid[t, :, :, :n, :D] = g_k[:, :n].transpose(1, 2)
             grid[t, :, :, :n, D : 2 * D] = g_v[:, :n].transpose(1, 2)
             grid[t, :, :, :n, 2 * D] = g_b[:, :, :n]
             if own is not None:
-                gk[:, own] += _sum_heads(g_k[:, n:].to(acc), KVH, 2)
-                gv[:, own] += _sum_heads(g_v[:, n:].to(acc), KVH, 2)
-                gb[:, :, own] += _sum_heads(_sum_heads(g_b[:, :, n:].to(acc), Bb, 0), Hb, 1)
+                own_k.append(g_k[:, n:])
+                own_v.append(g_v[:, n:])
+                own_b.append(g_b[:, :, n:])
         grid = grid.view(-1, 2 * D + 1)
         back = _group.all_to_all_rows(plan.group, grid[plan.recv_pos], plan.recv_counts, plan.send_counts, "backward")
-        rows = torch.cat([back, grid[plan.local_pos]]).to(acc)
+        rows = torch.cat([back, grid[plan.local_pos]])
         kv = torch.cat([plan.send_kv, plan.local_kv])
-        gk.view(-1, D).index_add_(0, kv, rows[:, :D])
-        gv.view(-1, D).index_add_(0, kv, rows[:, D : 2 * D])
-        gb.view(-1).index_add_(0, torch.cat([plan.send_bias, plan.local_bias]), rows[:, 2 * D])
-        return (
-            gk.to(ctx.dtype) if need_k else None,
-            gv.to(ctx.dtype) if need_v else None,
-            gb.view(-1).to(ctx.dtype) if need_b else None,
-            None,
-        )
+
+        def own_part(parts, dim, shape, fold):
+            # A key's gradient from its own chunk's call, folded onto its shape (in float32 where
+            # heads or batches are summed); then the parts from the calls that fetched it.
+            if not parts:
+                return rows.new_zeros(shape)
+            g = torch.cat(parts, dim=dim)
+            folded = fold(g.to(acc)) if tuple(g.shape) != tuple(shape) else g
+            return folded.to(ctx.dtype)
+
+        gk = gv = gb = None
+        if need_k:
+            gk = own_part(own_k, 1, (B, L, KVH, D), lambda g: _sum_heads(g, KVH, 2))
+            gk.view(-1, D).index_add_(0, kv, rows[:, :D])
+        if need_v:
+            gv = own_part(own_v, 1, (B, L, KVH, D), lambda g: _sum_heads(g, KVH, 2))
+            gv.view(-1, D).index_add_(0, kv, rows[:, D : 2 * D])
+        if need_b:
+            gb = own_part(own_b, 2, (Bb, Hb, L), lambda g: _sum_heads(_sum_heads(g, Bb, 0), Hb, 1))
+            gb = gb.reshape(-1)
+            gb.index_add_(0, torch.cat([plan.send_bias, plan.local_bias]), rows[:, 2 * D])
+        return gk, gv, gb, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,22 +386,30 @@ def context_parallel_attention(
     def rows_at(pos, lrow):
         return (b_of[pos] * L + lrow) * KVH + kvh_of[pos], (bias_b[pos] * Hb + bias_h[pos]) * L + lrow
 
+    # What moves: every rank's wanted entries it owns go to their rank (grouped by destination),
+    # the entries this rank wants from others arrive grouped by source. Their counts are the one
+    # host read of the exchange (the all-to-all takes its split sizes on the host).
     sending = valid & (owner == rank)
     sending[rank] = False
-    dest, pos = sending.nonzero(as_tuple=True)  # row-major: grouped by destination
+    mine = owner[rank]
+    remote = valid[rank] & (mine != rank)
+    local = valid[rank] & (mine == rank)
+    ranks = torch.arange(world, device=device)
+    recv_from = ((mine[None, :] == ranks[:, None]) & remote[None, :]).sum(1)
+    counts = torch.cat([sending.sum(1), recv_from, local.sum().view(1)]).tolist()
+    send_counts, recv_counts = counts[:world], counts[world : 2 * world]
+    flat = torch.nonzero_static(sending.view(-1), size=sum(send_counts)).squeeze(1)
+    dest, pos = flat // N, flat % N
     send_kv, send_bias = rows_at(pos, local_row[dest, pos])
-    remote = valid[rank] & (owner[rank] != rank)
-    recv_pos = remote.nonzero().squeeze(1)
-    src = owner[rank, recv_pos]
-    recv_pos = recv_pos[torch.sort(src, stable=True).indices]
-    local_pos = (valid[rank] & (owner[rank] == rank)).nonzero().squeeze(1)
+    recv_pos = torch.nonzero_static(remote, size=sum(recv_counts)).squeeze(1)
+    recv_pos = recv_pos[torch.sort(mine[recv_pos], stable=True).indices]
+    local_pos = torch.nonzero_static(local, size=counts[-1]).squeeze(1)
     local_kv, local_bias = rows_at(local_pos, local_row[rank, local_pos])
-    counts_host = torch.stack([torch.bincount(dest, minlength=world), torch.bincount(src, minlength=world)]).tolist()
     my_targets = targets_of[rank]
     plan = _Plan(
         pg,
-        counts_host[0],
-        counts_host[1],
+        send_counts,
+        recv_counts,
         send_kv,
         send_bias,
         recv_pos,
@@ -405,6 +424,8 @@ def context_parallel_attention(
     parts = _Assemble.apply(key, value, bias[:, :, 0, :].reshape(-1), plan)
 
     # 5. One per-key call per target over its candidates (and, causal, its chunk's own keys).
+    # The query's chunks as one split (its backward is one concatenation of their gradients).
+    queries = query.split(C, dim=1) if is_causal else (query,)
     outs = []
     for t, target in enumerate(my_targets):
         k_all, v_all, b_all = parts[3 * t : 3 * t + 3]
@@ -423,7 +444,7 @@ def context_parallel_attention(
         b_all = torch.where(keep, b_all, _NEG_INF)
         outs.append(
             flash_dma_attention(
-                query[:, rows],
+                queries[t],
                 k_all,
                 v_all,
                 None,
