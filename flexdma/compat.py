@@ -5,6 +5,7 @@ from flexdma.compat import flash_dmattn_func_auto, create_mask, get_available_ba
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, List, Optional
 
 import torch
@@ -13,10 +14,12 @@ from ._dispatch import available_backends
 from .api import flash_dma_attention
 from .dynamic import dynamic_mask_attention
 from .masks import create_mask as _create_mask
+from .perkey.contract import check_window
 from .reference import causal_mask
 from .reference import causal_mask as _causal
 
 __all__ = [
+    "fwd",
     "flash_dmattn_func",
     "flash_dmattn_func_auto",
     "get_available_backends",
@@ -64,6 +67,8 @@ def flash_dmattn_func(
 ):
     """flash-dmattn's function: (batch, seqlen, heads, head_dim) tensors, returns the output.
 
+    attn_mask: bool (True = attend) or, as the seed's float form, 0/1 in a floating dtype (1.0 =
+    attend, 0.0 = masked; other values raise a ValueError).
     As in the seed: query / key / value may be passed as q= / k= / v=; a float32 attn_bias with a
     float16 / bfloat16 query is cast to the query's dtype (one cast per call, its gradient comes
     back in float32); return_attn_probs=True returns (out, softmax_lse, S_dmask) with the LSE
@@ -75,6 +80,7 @@ def flash_dmattn_func(
     value = _one_of("value", value, "v", v)
     if scale is not None and softmax_scale is not None and scale != softmax_scale:
         raise ValueError(f"scale={scale} and softmax_scale={softmax_scale} disagree")
+    attn_mask = _float_keep_flags(attn_mask, "attn_mask")
     if (
         isinstance(attn_bias, torch.Tensor)
         and isinstance(query, torch.Tensor)
@@ -99,6 +105,110 @@ def flash_dmattn_func(
         out, lse = res
         return out, lse, None
     return res
+
+
+def _float_keep_flags(mask, name: str):
+    """The seed's float mask (before its masks became bool: 1.0 = attend, 0.0 = masked, in the
+    query's dtype) as a bool mask; other masks pass through to flexdma's own checks."""
+    if not isinstance(mask, torch.Tensor) or not mask.is_floating_point():
+        return mask
+    # The check reads values: eager only (traced, the mask is read as != 0, the seed kernels' rule).
+    if not torch.compiler.is_compiling() and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            f"a floating-point {name} must hold keep flags, 1.0 = attend and 0.0 = masked (the seed's float "
+            f"mask), got {mask.dtype} values {_values(mask[(mask != 0) & (mask != 1)])}"
+        )
+    return mask != 0
+
+
+def _check_dense_operand(name: str, t, q: torch.Tensor, k: torch.Tensor) -> None:
+    B, Q, H, _ = q.shape
+    K, KVH = k.shape[1], k.shape[2]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4 or t.shape[0] != B or t.shape[1] not in (KVH, H) or tuple(t.shape[2:]) != (Q, K):
+        raise ValueError(
+            f"{name} must be (batch, kv heads, seqlen_q, seqlen_k) = ({B}, {KVH}, {Q}, {K}) (or {H} query "
+            f"heads), got shape {tuple(t.shape)}"
+        )
+
+
+def fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    zoh: torch.Tensor,
+    active_mask: torch.Tensor,
+    out: Optional[torch.Tensor] = None,
+    p_dropout: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    is_causal: bool = False,
+    keep_window_size: int = 2048,
+    softcap: float = 0.0,
+    return_softmax: bool = False,
+    gen: Optional[torch.Generator] = None,
+    *,
+    backend: str = "auto",
+) -> List[torch.Tensor]:
+    """The seed's first low-level call, its extension's `fwd` (its README calls it as
+    fwd(q=, k=, v=, zoh=, active_mask=, softmax_scale=, keep_window_size=, is_causal=)), with the
+    extension's argument order and its result [out, softmax_lse, p, rng_state].
+
+    q (B, Q, H, D); k, v (B, K, KVH, D). zoh (B, KVH, Q, K): the bias (the seed's zero-order-hold
+    states), added to softcap(softmax_scale * q.k). active_mask (B, KVH, Q, K): the entries each
+    row attends to, 1.0 / 0.0 in a floating dtype (or bool); the caller picks them (the seed's
+    reference keeps each row's top keep_window_size zoh entries). As in the seed, the active mask
+    applies only when K > keep_window_size: with at most keep_window_size keys every key is active.
+    zoh and active_mask may also have the H query heads. is_causal: bottom-right aligned.
+    softmax_scale: default 1 / sqrt(D). out: filled with the output and returned, when given.
+    The seed's dropout is not here: p_dropout must be 0 and return_softmax False (the seed returned
+    the probabilities only with dropout); gen, the dropout's generator, is not read.
+
+    Returns [out (B, Q, H, D); softmax_lse (B, H, Q), float32 (float64 for float64 inputs), +inf
+    where a row attends to nothing, as the seed's; p, an empty tensor (no probabilities); rng_state,
+    two int64 zeros (no dropout draws)]. Gradients flow to q, k, v and zoh.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (batch, seqlen, heads, head_dim) tensor")
+    _check_dense_operand("zoh", zoh, q, k)
+    _check_dense_operand("active_mask", active_mask, q, k)
+    if zoh.dtype != q.dtype:
+        raise TypeError(f"zoh must have q's dtype {q.dtype}, got {zoh.dtype}")
+    if active_mask.dtype != torch.bool and not active_mask.is_floating_point():
+        raise TypeError(
+            f"active_mask must be floating point (1.0 = active, 0.0 = masked) or bool, got {active_mask.dtype}"
+        )
+    keep_window_size = check_window(keep_window_size)
+    if isinstance(p_dropout, bool) or not isinstance(p_dropout, numbers.Real) or p_dropout != 0:
+        raise ValueError(f"p_dropout must be 0: flexdma has no attention dropout, got {p_dropout!r}")
+    if not isinstance(return_softmax, bool):
+        raise TypeError(f"return_softmax must be a bool, got {type(return_softmax).__name__}")
+    if return_softmax:
+        raise ValueError("return_softmax=True needs dropout in the seed (p_dropout > 0), which flexdma does not have")
+    if gen is not None and not isinstance(gen, torch.Generator):
+        raise TypeError(f"gen must be a torch.Generator or None, got {type(gen).__name__}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype):
+        got = f"{out.dtype} of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out must be a tensor like q ({q.dtype} of shape {tuple(q.shape)}), got {got}")
+    mask = _float_keep_flags(active_mask, "active_mask") if k.shape[1] > keep_window_size else None
+    res, lse = flash_dma_attention(
+        q,
+        k,
+        v,
+        mask,
+        zoh,
+        is_causal=is_causal,
+        softmax_scale=softmax_scale,
+        softcap=softcap,
+        return_lse=True,
+        backend=backend,
+    )
+    if out is not None:
+        res = out.copy_(res)
+    # flexdma's LSE of an empty row is -inf (log 0); the seed's kernels wrote +inf there.
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    return [res, lse, q.new_empty(0), torch.zeros(2, dtype=torch.int64, device=q.device)]
 
 
 def flash_dmattn_func_auto(backend: Optional[str] = None, **kwargs) -> Callable:
@@ -192,30 +302,25 @@ def _block_majority(sel: torch.Tensor, block_size: int) -> torch.Tensor:
     return (2 * counts > sizes).repeat_interleave(block_size, dim=-1)[..., :K]
 
 
+def _smoothed(sel: torch.Tensor, allowed: Optional[torch.Tensor], block_size: Optional[int]) -> torch.Tensor:
+    """The seed's block smoothing of a selection, then `allowed` again: smoothing may fill a block
+    around a padded or causally hidden key, which stays dropped (the seed would attend to it)."""
+    if block_size is None or block_size == 1:
+        return sel
+    sel = _block_majority(sel, block_size)
+    return sel if allowed is None else sel & allowed
+
+
 @torch.no_grad()
-def _relu_mask(
-    bias: torch.Tensor, allowed: Optional[torch.Tensor], is_causal: bool, query_len: int, block_size: Optional[int]
-) -> torch.Tensor:
+def _relu_mask(bias: torch.Tensor, allowed: Optional[torch.Tensor], query_len: int) -> torch.Tensor:
     if not bias.is_floating_point() or bias.dim() != 4:
         raise ValueError(
             f"attention_bias must be a 4-D floating-point tensor, got {bias.dtype} of shape {tuple(bias.shape)}"
         )
-    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
-        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
     if bias.shape[2] not in (1, query_len):
         raise ValueError(f"attention_bias query dim {bias.shape[2]} must be 1 or query_len {query_len}")
-    if is_causal:
-        c = causal_mask(query_len, bias.shape[-1], device=bias.device)[None, None]
-        allowed = c if allowed is None else allowed & c
     sel = bias > 0
-    if allowed is not None:
-        sel = sel & allowed
-    if block_size is not None and block_size > 1:
-        # Smoothing may fill a block around a padded or causally hidden key: those stay dropped.
-        sel = _block_majority(sel, block_size)
-        if allowed is not None:
-            sel = sel & allowed
-    return sel
+    return sel if allowed is None else sel & allowed
 
 
 def create_mask(
@@ -239,9 +344,11 @@ def create_mask(
     end of the keys, or 4-D broadcastable.
     min_dtype: the seed's fill value for masked keys; flexdma masks are bool, so it only tells
     which additive values mean "masked".
-    type: "topk" (the window_size best keys per query row; block_size picks whole key blocks, see
-    flexdma.create_mask) or "relu" (every key with a positive bias; block_size keeps a key block
-    whole when more than half of it is kept, as the seed does, but never a masked key).
+    type: "topk" (the window_size best keys per query row, ties to the lower key index; a float64
+    bias ranked in float64) or "relu" (every key with a positive bias).
+    block_size: as the seed, the selection is smoothed by aligned key blocks of this size (and the
+    shorter tail block): a block more than half of whose keys are selected is kept whole, any other
+    dropped whole; unlike the seed, a masked (padded or causally hidden) key is never kept.
     is_causal: also drop keys after each query (bottom-right aligned); flexdma's addition.
     """
     if not isinstance(type, str) or type not in MASK_TYPES:
@@ -260,21 +367,21 @@ def create_mask(
         raise ValueError(
             f"min_dtype must be a negative number (e.g. torch.finfo(dtype).min) or None, got {min_dtype!r}"
         )
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"block_size must be a positive int or None, got {block_size!r}")
     drop_at = ADDITIVE_DROP if min_dtype is None else max(float(min_dtype), ADDITIVE_DROP)
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"attention_mask must be a torch.Tensor or None, got {attention_mask.__class__.__name__}")
         attention_mask = _mask_4d(_keep_flags(attention_mask, drop_at), batch_size, query_len, key_len)
+    allowed = attention_mask
+    if is_causal:
+        c = causal_mask(query_len, key_len, device=attention_bias.device)[None, None]
+        allowed = c if allowed is None else allowed & c
     if type == "relu":
-        return _relu_mask(attention_bias, attention_mask, is_causal, query_len, block_size)
-    return _create_mask(
-        attention_bias,
-        window_size,
-        attn_mask=attention_mask,
-        is_causal=is_causal,
-        query_len=query_len,
-        block_size=block_size,
-    )
+        return _smoothed(_relu_mask(attention_bias, allowed, query_len), allowed, block_size)
+    sel = _create_mask(attention_bias, window_size, attn_mask=attention_mask, is_causal=is_causal, query_len=query_len)
+    return _smoothed(sel, allowed, block_size)
 
 
 def apply_dynamic_mask_attention(

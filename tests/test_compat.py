@@ -2,9 +2,11 @@
 form the seed and transformers pass, its mask types, and its flash_dmattn_func call forms."""
 
 import pytest
+import seed_reference
 import torch
 
 import flexdma
+from flexdma import compat
 from flexdma.compat import create_mask, flash_dmattn_func, flash_dmattn_func_auto
 
 B, Q, K, H, KVH, D = 2, 6, 40, 4, 2, 16
@@ -182,3 +184,160 @@ def test_flash_dmattn_func_returns_lse_like_the_seed():
         query=q, key=k, value=v, attn_bias=bias, is_causal=True, return_attn_probs=True
     )
     torch.testing.assert_close(lse2, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_flash_dmattn_func_float_attn_mask_is_keep_flags(dtype):
+    # The seed's flash_dmattn_func took its mask in a float dtype before masks became bool:
+    # 1.0 = attend, 0.0 = masked.
+    q, k, v = _qkv()
+    bias = torch.randn(B, KVH, Q, K)
+    keep = torch.rand(B, KVH, Q, K, generator=torch.Generator().manual_seed(1)) < 0.6
+    keep[0, 0, 2] = False  # a row that attends to nothing
+    want = flash_dmattn_func(q, k, v, keep, bias, is_causal=True, backend="reference")
+    got = flash_dmattn_func(q, k, v, keep.to(dtype), bias, is_causal=True, backend="reference")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got[0, 2, : H // KVH] == 0).all()
+    pad = _padding()  # (B, K) float padding, as the seed's 2-D form
+    torch.testing.assert_close(
+        flash_dmattn_func(q, k, v, pad.to(dtype), bias, backend="reference"),
+        flash_dmattn_func(q, k, v, pad, bias, backend="reference"),
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "values, shown", [(0.5, "0.5"), (float("-inf"), "-inf"), (-1e4, "-10000")], ids=["0.5", "-inf", "additive"]
+)
+def test_flash_dmattn_func_float_attn_mask_other_values(values, shown):
+    # An additive float mask (0 = attend) would mean the opposite: it is an error, not a guess.
+    q, k, v = _qkv()
+    mask = torch.ones(B, K)
+    mask[:, 3] = values
+    with pytest.raises(
+        ValueError,
+        match=rf"a floating-point attn_mask must hold keep flags, 1.0 = attend .* got torch.float32 values {shown}",
+    ):
+        flash_dmattn_func(q, k, v, mask, backend="reference")
+
+
+# ------------------------------------------------------------------ create_mask's block_size
+def test_create_mask_topk_block_size_is_the_seeds_majority():
+    # The seed: the top-k keys first, then each aligned block (and the shorter tail) kept whole
+    # where more than half of it is kept. The 8 best keys are 0, 5-7, 9-10 and 12-13: block [4:8]
+    # has 3 of 4 and the tail 2 of 2 (kept), [0:4] 1 of 4 and [8:12] 2 of 4 (dropped). Keeping the
+    # ceil(8 / 4) blocks with the best scores would give [0:4] and [4:8].
+    bias = torch.full((1, 1, 1, 14), -1.0)
+    bias[..., [0, 5, 6, 7, 9, 10, 12, 13]] = torch.tensor([9.0, 5, 5, 5, 4, 4, 3.5, 3.5])
+    m = create_mask(bias, None, 1, 1, 14, window_size=8, block_size=4)
+    assert m[0, 0, 0].tolist() == [False] * 4 + [True] * 4 + [False] * 4 + [True] * 2
+    assert flexdma.create_mask(bias, 8, block_size=4)[0, 0, 0].tolist() == [True] * 8 + [False] * 6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_create_mask_topk_block_size_against_the_seed(seed):
+    g = torch.Generator().manual_seed(seed)
+    Bq, Hb, Lq, Lk, W, bs = 2, 2, 24, 61, 20, 8
+    bias = torch.randn(Bq, Hb, 1, Lk, generator=g, dtype=torch.float64)
+    pad = torch.rand(Bq, Lk, generator=g) < 0.8
+    fill = seed_reference.fill_value(torch.float64)
+    for causal in (False, True):
+        allowed = pad[:, None, None, :] & (flexdma.reference.causal_mask(Lq, Lk) if causal else True)
+        rows = bias.expand(Bq, Hb, Lq, Lk).masked_fill(~allowed, fill)
+        top = torch.topk(rows, W, dim=-1)
+        seed_sel = torch.zeros_like(rows, dtype=torch.bool).scatter(-1, top.indices, top.values != fill)
+        want = seed_reference.block_smooth(seed_sel, bs) & allowed  # flexdma never keeps a masked key
+        got = create_mask(bias, pad.long(), Bq, Lq, Lk, window_size=W, block_size=bs, is_causal=causal)
+        assert torch.equal(got.expand_as(want), want), causal
+
+
+def test_create_mask_bad_block_size():
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match=rf"block_size must be a positive int or None, got {bad!r}"):
+            create_mask(torch.randn(B, 1, Q, K), None, B, Q, K, window_size=4, block_size=bad)
+
+
+# ------------------------------------------------------------------ fwd: the seed's first low-level call
+def _fwd_inputs():
+    g = torch.Generator().manual_seed(3)
+    shapes = ((B, Q, H, D), (B, K, KVH, D), (B, K, KVH, D), (B, KVH, Q, K))
+    q, k, v, zoh = (torch.randn(*s, generator=g, dtype=torch.float64) for s in shapes)
+    active = (torch.rand(B, KVH, Q, K, generator=g) < 0.5).double()
+    return q, k, v, zoh, active
+
+
+def test_fwd_readme_call():
+    # The seed's README: keywords, an all-ones active mask, [0] for the output.
+    q, k, v, zoh, _ = _fwd_inputs()
+    res = compat.fwd(
+        q=q, k=k, v=v, zoh=zoh, active_mask=torch.ones_like(zoh), softmax_scale=0.25, keep_window_size=16,
+        is_causal=True,
+    )  # fmt: skip
+    assert isinstance(res, list) and len(res) == 4
+    want, want_lse = flexdma.attention_ref(q, k, v, None, zoh, is_causal=True, softmax_scale=0.25)
+    torch.testing.assert_close(res[0], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(res[1], want_lse, rtol=1e-12, atol=1e-12)
+    assert res[1].shape == (B, H, Q) and res[1].dtype == torch.float64
+    assert res[2].numel() == 0 and res[3].dtype == torch.int64 and res[3].shape == (2,)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float64, torch.bool])
+def test_fwd_active_mask(mask_dtype):
+    q, k, v, zoh, active = _fwd_inputs()
+    active[0, 0, 1] = 0  # an empty row: output 0, LSE +inf as the seed's kernels wrote it
+    keep = active.bool()
+    out, lse, _, _ = compat.fwd(q, k, v, zoh, active.to(mask_dtype), None, 0.0, None, False, K - 1)
+    want, want_lse = flexdma.attention_ref(q, k, v, keep, zoh)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    assert (out[0, 1, : H // KVH] == 0).all() and (lse[0, : H // KVH, 1] == float("inf")).all()
+    torch.testing.assert_close(lse, want_lse.masked_fill(want_lse == float("-inf"), float("inf")))
+    # As in the seed, with at most keep_window_size keys every key is active.
+    out, _, _, _ = compat.fwd(q, k, v, zoh, active.to(mask_dtype), keep_window_size=K)
+    torch.testing.assert_close(out, flexdma.attention_ref(q, k, v, None, zoh)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_fwd_writes_out_and_takes_query_heads():
+    q, k, v, zoh, active = _fwd_inputs()
+    out = torch.full_like(q, float("nan"))
+    zoh_h, active_h = (t.repeat_interleave(H // KVH, 1) for t in (zoh, active))
+    res = compat.fwd(q, k, v, zoh_h, active_h, out, keep_window_size=4)
+    assert res[0] is out
+    want, _ = flexdma.attention_ref(q, k, v, active.bool(), zoh)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_fwd_gradients_reach_zoh():
+    q, k, v, zoh, active = _fwd_inputs()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, zoh)]
+    out = compat.fwd(*leaves[:4], active, keep_window_size=4, is_causal=True)[0]
+    ref = [t.clone().requires_grad_() for t in (q, k, v, zoh)]
+    want, _ = flexdma.attention_ref(*ref[:3], active.bool(), ref[3], is_causal=True)
+    g = torch.randn_like(want)
+    for got_grad, want_grad in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, ref, g)):
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "change, exc, pattern",
+    [
+        (dict(p_dropout=0.1), ValueError, "p_dropout must be 0: flexdma has no attention dropout, got 0.1"),
+        (dict(return_softmax=True), ValueError, r"return_softmax=True needs dropout in the seed \(p_dropout > 0\)"),
+        (dict(gen=3), TypeError, "gen must be a torch.Generator or None, got int"),
+        (dict(keep_window_size=0), ValueError, "keep_window_size must be a positive int, got 0"),
+        (dict(zoh="zoh"), TypeError, "zoh must be a torch.Tensor, got str"),
+        (dict(zoh=torch.zeros(B, KVH, Q, K + 1)), ValueError, r"zoh must be \(batch, kv heads, seqlen_q, seqlen_k\) = \(2, 2, 6, 40\) .* got shape \(2, 2, 6, 41\)"),
+        (dict(zoh=torch.zeros(B, KVH, Q, K)), TypeError, "zoh must have q's dtype torch.float64, got torch.float32"),
+        (dict(active_mask=torch.ones(1, KVH, Q, K)), ValueError, r"active_mask must be \(batch, kv heads.* got shape \(1, 2, 6, 40\)"),
+        (dict(active_mask=torch.ones(B, KVH, Q, K, dtype=torch.long)), TypeError, "active_mask must be floating point .* got torch.int64"),
+        (dict(active_mask=torch.full((B, KVH, Q, K), 0.5, dtype=torch.float64)), ValueError, "a floating-point active_mask must hold keep flags"),
+        (dict(out=torch.zeros(B, Q, H, D)), ValueError, r"out must be a tensor like q \(torch.float64 of shape \(2, 6, 4, 16\)\), got torch.float32"),
+    ],
+    ids=["dropout", "return_softmax", "gen", "window", "zoh type", "zoh shape", "zoh dtype", "mask shape", "mask int", "mask 0.5", "out"],
+)  # fmt: skip
+def test_fwd_bad_arguments(change, exc, pattern):
+    q, k, v, zoh, active = _fwd_inputs()
+    kw = dict(zoh=zoh, active_mask=active, keep_window_size=4)
+    kw.update(change)
+    with pytest.raises(exc, match=pattern):
+        compat.fwd(q, k, v, **kw)
