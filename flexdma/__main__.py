@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import os
 import sys
 from typing import List, Optional
 
 import torch
 
 import flexdma
+from flexdma import _ext
 
 
 def _self_check(device: torch.device) -> bool:
@@ -42,6 +45,42 @@ def _self_check(device: torch.device) -> bool:
     return ok
 
 
+def build_report() -> List[str]:
+    """What this install contains, as its build recorded it (flexdma/_build_info.py, written by
+    setup.py): the torch it compiled against, the CPU kernels, the CUDA kernels' head dims and GPU
+    code, and whether Triton (the per-key CUDA kernels, FlexAttention's GPU kernels) is there."""
+    info = _ext.BUILD_INFO
+    lines = []
+    if info is None:
+        lines.append("build: no build record (flexdma/_build_info.py): setup.py never ran for this copy")
+    else:
+        built_for = getattr(info, "TORCH_VERSION", None)
+        lines.append(f"build: compiled against torch {built_for}" if built_for else "build:")
+    if _ext.LOAD_ERROR is not None:
+        lines.append(f"  CPU and CUDA kernels: unavailable: {_ext.LOAD_ERROR}")
+    else:
+        lines.append("  CPU kernels: yes")
+        if _ext.with_cuda():
+            code = ", ".join(getattr(info, "CUDA_CODE", ())) or "sm_" + "/".join(info.CUDA_ARCHS)
+            cuda = f", CUDA {info.TORCH_CUDA}" if getattr(info, "TORCH_CUDA", None) else ""
+            dims = ", ".join(str(d) for d in info.CUDA_HEAD_DIMS)
+            lines.append(
+                f"  CUDA kernels: head dims {dims} for {code}{cuda} (other head dims and GPUs fall back to "
+                "FlexAttention)"
+            )
+        else:
+            lines.append("  CUDA kernels: not built (torch without CUDA, no nvcc, or FLEXDMA_SKIP_CUDA=1 at build)")
+    if _ext.HAVE_TRITON:
+        try:
+            version = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:  # importable, but not installed by pip
+            version = "found"
+        lines.append(f"  Triton: {version}")
+    else:
+        lines.append("  Triton: not installed (the per-key CUDA kernels and FlexAttention on the GPU need it)")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argparse.ArgumentParser(
         prog="python -m flexdma",
@@ -49,11 +88,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         "forward + backward self-check of the default backend against the float64 reference "
         "(on the GPU when there is one). Exit status 1 on a mismatch.",
     ).parse_args(argv)
-    print(f"flexdma {flexdma.__version__}")
+    print(f"flexdma {flexdma.__version__} ({os.path.dirname(flexdma.__file__)})")
     print(
         f"torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}, "
         f"GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}"
     )
+    print("\n".join(build_report()))
     print(f"backends: {', '.join(flexdma.available_backends())}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"self-check on {device} (forward + backward vs the float64 reference):")

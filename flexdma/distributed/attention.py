@@ -323,8 +323,11 @@ def context_parallel_attention(
         scores = torch.where(attn_mask[:, None, :], scores, _NEG_INF)
     Bs = scores.shape[0]
     first, second = chunk_of(rank, world)
-    starts = torch.tensor([first * C, second * C], device=device)
-    local_index = (starts[:, None] + torch.arange(C, device=device)).view(2, 1, 1, C).expand(2, Bs, Hb, C)
+    # Small index tensors are made on the device (arange arithmetic): a host list copied to the
+    # GPU would wait for the stream's queued work first.
+    pos = torch.arange(2 * C, device=device)
+    local_index = torch.where(pos < C, first * C + pos, second * C + pos - C)
+    local_index = local_index.view(2, 1, 1, C).expand(2, Bs, Hb, C)
     Wc = min(W, C)
     top_s, top_i = _best(scores.view(Bs, Hb, 2, C).permute(2, 0, 1, 3), local_index, Wc)
 
@@ -365,9 +368,15 @@ def context_parallel_attention(
 
     # 4. The exchange plan: every rank's targets' entries, their owners and rows there.
     T = len(targets_of[0])
-    wanted = cand_i[torch.tensor(targets_of, device=device)]  # (world, T, B, Hk, width)
-    counts = torch.tensor(n_cand, device=device)[torch.tensor(targets_of, device=device)]
-    valid = torch.arange(width, device=device) < counts[:, :, None, None, None]
+    ranks = torch.arange(world, device=device)
+    if is_causal:
+        targets = torch.stack([ranks, 2 * world - 1 - ranks], dim=1)  # (world, T): chunk_of
+        n_target = torch.clamp(targets * Wc, max=W)
+    else:
+        targets = torch.zeros(world, 1, dtype=torch.long, device=device)
+        n_target = torch.full_like(targets, n_cand[0])
+    wanted = cand_i[targets]  # (world, T, B, Hk, width)
+    valid = torch.arange(width, device=device) < n_target[:, :, None, None, None]
     owner, slot = owner_of(wanted // C, world)
     local_row = slot * C + wanted % C
     N = T * B * Hk * width
@@ -394,7 +403,6 @@ def context_parallel_attention(
     mine = owner[rank]
     remote = valid[rank] & (mine != rank)
     local = valid[rank] & (mine == rank)
-    ranks = torch.arange(world, device=device)
     recv_from = ((mine[None, :] == ranks[:, None]) & remote[None, :]).sum(1)
     counts = torch.cat([sending.sum(1), recv_from, local.sum().view(1)]).tolist()
     send_counts, recv_counts = counts[:world], counts[world : 2 * world]
