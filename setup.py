@@ -7,6 +7,9 @@ unless FLEXDMA_SKIP_CUDA=1. Dev-build switches:
                        sm_90-only builds)
   FLEXDMA_NVCC_FLAGS   extra nvcc flags, e.g. "-Xptxas -v" (register and spill counts)
   MAX_JOBS             parallel compile jobs (ninja)
+
+torch must be installed before the build, which compiles against it: install with
+`pip install --no-build-isolation ...` (pip's default isolated build environment has no torch).
 """
 
 import glob
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent.resolve()
 
@@ -150,13 +154,25 @@ def _pick_cxx():
     return True
 
 
+def _cuda_code(archs):
+    """The GPU code the kernels are compiled to ("sm_90a", ...), from the build's -gencode flags."""
+    flags = _nvcc_flags_module().gencode(list(archs))
+    return tuple(f.split("code=", 1)[1] for f in flags if "code=" in f)
+
+
 def _write_build_info(with_cuda, head_dims, archs, static):
+    import torch
+
+    # The torch a build compiled against: the extension loads only under that release (C++ ABI).
     text = (
         "# Written by setup.py at build time.\n"
         f"STATIC_LIBSTDCXX = {static!r}\n"
         f"WITH_CUDA = {with_cuda!r}\n"
         f"CUDA_HEAD_DIMS = {tuple(head_dims) if with_cuda else ()!r}\n"
         f"CUDA_ARCHS = {tuple(archs) if with_cuda else ()!r}\n"
+        f"CUDA_CODE = {_cuda_code(archs) if with_cuda else ()!r}\n"
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+        f"TORCH_CUDA = {torch.version.cuda if with_cuda else None!r}\n"
     )
     (ROOT / "flexdma" / "_build_info.py").write_text(text)
 
@@ -207,11 +223,45 @@ def _extensions():
 def _cmdclass():
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    class BuildExt(BuildExtension):
+        def finalize_options(self):
+            super().finalize_options()
+            # setuptools gives an editable build a fresh temporary directory for the objects, so
+            # every `pip install -e` (adding an extra, say) would recompile everything. Point it at
+            # the one a regular build uses: ninja then recompiles only what changed (its depfiles
+            # track the headers, its log the flags). Without ninja nothing tracks the headers, so
+            # the temporary directory stays.
+            if self.use_ninja and getattr(self, "editable_mode", False):
+                build_base = self.get_finalized_command("build").build_base
+                tag = f"{self.plat_name}-{sys.implementation.cache_tag}{getattr(sys, 'abiflags', '')}"
+                self.build_temp = str(ROOT / build_base / f"temp.{tag}")
+
+    class BuildPy(build_py):
+        def run(self):
+            # The build folder outlives a build and a wheel packs all of it: a module since deleted
+            # from the source tree would still ship. Each build copies the package afresh.
+            shutil.rmtree(Path(self.build_lib) / "flexdma", ignore_errors=True)
+            super().run()
+
+    return {"build_ext": BuildExt.with_options(use_ninja=True), "build_py": BuildPy}
+
+
+def _require_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit(
+            "flexdma's extension compiles against the torch it will run with, and this build environment "
+            "has none: pip builds in an isolated environment of its own unless told not to. With torch "
+            "installed (e.g. `pip install torch==2.13.0 setuptools wheel ninja`), build in the environment "
+            'itself: `pip install --no-build-isolation -e .` (or `-e ".[hf]"`, or `.` without -e; '
+            "README.md, Install)."
+        )
 
 
 # pip and setuptools run this file as __main__; tests load its functions under another name.
 if __name__ == "__main__":
+    _require_torch()
     setup(
         packages=find_packages(include=["flexdma", "flexdma.*"]),
         ext_modules=_extensions(),
