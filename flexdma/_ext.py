@@ -12,20 +12,28 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch  # noqa: F401  (first: it loads libc10 / libtorch, which flexdma._C links against)
+import torch  # first: it loads libc10 / libtorch, which flexdma._C links against
+
+try:
+    from . import _build_info as BUILD_INFO
+except ImportError:  # pragma: no cover - a source tree setup.py never ran in
+    BUILD_INFO = None
 
 try:
     from . import _C as C
 except Exception as e:  # pragma: no cover - only without a built extension
     C = None
     LOAD_ERROR = f"the C++ extension flexdma._C did not load ({e})"
+    # The usual cause of a wheel or an old build that does not load: another torch release (the
+    # extension links against torch's C++ symbols, which change between releases).
+    _built_for = getattr(BUILD_INFO, "TORCH_VERSION", None)
+    if _built_for is not None and _built_for != torch.__version__:
+        LOAD_ERROR += (
+            f"; it was built against torch {_built_for} and this is torch {torch.__version__}: "
+            "rebuild it against this torch, or install the torch it was built against"
+        )
 else:
     LOAD_ERROR = None
-
-try:
-    from . import _build_info as BUILD_INFO
-except ImportError:  # pragma: no cover - a source tree setup.py never ran in
-    BUILD_INFO = None
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
