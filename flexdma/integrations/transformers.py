@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .._install import extra_install_command
 from ..api import flash_dma_attention
 from ..perkey import decode
 from ..varlen import flash_dma_attention_varlen
@@ -135,7 +136,7 @@ def register(name: str = NAME) -> None:
     try:
         from transformers import AttentionInterface
     except ImportError as e:
-        raise ImportError("flexdma.integrations.transformers needs transformers: pip install 'flexdma[hf]'") from e
+        raise ImportError(f"flexdma.integrations.transformers needs transformers: {extra_install_command('hf')}") from e
     AttentionInterface.register(name, flexdma_attention_forward)
     try:  # transformers >= 4.53 picks the mask format per attention implementation
         from transformers import AttentionMaskInterface
@@ -669,7 +670,7 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.models.doge.modeling_doge import DogeAttention
     except ImportError as e:
-        raise ImportError("patch_doge needs a transformers with the Doge model: pip install 'flexdma[hf]'") from e
+        raise ImportError(f"patch_doge needs a transformers with the Doge model: {extra_install_command('hf')}") from e
     _check_doge_signature(DogeAttention.forward)
     config = model.config
     if getattr(config, "sliding_window", None) is not None:
