@@ -93,6 +93,8 @@ struct FwdParams {
   // where non-null: the per-key backward's rowsum(dout * out) needs out in float.
   void* out_resid = nullptr;
 
+  // Rounded to float: what the CUDA kernels (bf16 / fp16 inputs, float math) read. The CPU
+  // kernels take both in double beside the params (ScoreConsts), for float64 inputs.
   float softmax_scale = 1.f;
   float softcap = 0.f;  // 0: off
   bool is_causal = false;
@@ -101,6 +103,17 @@ struct FwdParams {
   // and row terms), allocated by the caller at the size the kernels ask for
   // (cuda::fwd_workspace_bytes / bwd_workspace_bytes); unused by the CPU kernel.
   void* workspace = nullptr;
+};
+
+// FwdParams' softmax_scale and softcap as the caller gave them, in double, for the kernels that
+// compute float64 inputs (the CPU ones): 1/sqrt(D) rounded to float is ~1e-8 off wherever it is
+// no power of two (D = 32, 96, 128), which float64 results would show. The kernels check that the
+// params hold these values rounded to float. They travel beside FwdParams, not in it: the CUDA
+// kernels take FwdParams by value as a kernel parameter, where a field added would move the
+// parameters after it in constant memory, and so change those kernels' machine code.
+struct ScoreConsts {
+  double softmax_scale = 1.0;
+  double softcap = 0.0;  // 0: off
 };
 
 // The per-key selection (flexdma::topk_select; flexdma/perkey/contract.py states its outputs) of

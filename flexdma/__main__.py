@@ -38,7 +38,7 @@ def _self_check(device: torch.device) -> bool:
     for i, label in enumerate(labels):
         ref, low, got = results["ref64"][i], results["lowp_ref"][i], results["flexdma"][i]
         err, base = (got - ref).abs().max().item(), (low - ref).abs().max().item()
-        tol = 2 * base + (1e-5 if dtype == torch.float32 else 1e-3) * max(1.0, ref.abs().max().item())
+        tol = 2 * base + {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 1e-3) * max(1.0, ref.abs().max().item())
         good = err <= tol and torch.isfinite(got).all().item()
         ok &= good
         print(f"  {label:6s} max err {err:.2e}  (tolerance {tol:.2e})  {'ok' if good else 'MISMATCH'}")

@@ -82,6 +82,17 @@ const cpu::ParallelFor kAtenParallelFor = [](int64_t n, const std::function<void
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { fn(b, e); });
 };
 
+// The CPU kernels as fwd_impl / bwd_impl call them, given the scale and softcap in double (the
+// params hold them rounded to float; float64 inputs are computed with these).
+std::function<void(const FwdParams&)> cpu_fwd(double softmax_scale, double softcap) {
+  return [c = ScoreConsts{softmax_scale, softcap}](const FwdParams& p) { cpu::run_fwd(p, c, kAtenParallelFor); };
+}
+std::function<void(const BwdParams&)> cpu_bwd(double softmax_scale, double softcap) {
+  return [c = ScoreConsts{softmax_scale, softcap}](const BwdParams& p) {
+    cpu::run_bwd(p, c, kAtenParallelFor, at::get_num_threads());
+  };
+}
+
 // The CPU kernel finds empty tiles itself (it reads each mask tile once per pass anyway), so it
 // checks a given tile_meta but does not read it.
 // Its out_resid is empty: the CPU backward computes its row sums from P and dP itself.
@@ -92,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, cons
                                                        bool /*deterministic: read by the backward*/,
                                                        const c10::optional<at::Tensor>& tile_meta,
                                                        bool /*keep_resid: never kept here*/) {
-  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta,
-                             [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
+  auto [out, lse] =
+      fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta, cpu_fwd(softmax_scale, softcap));
   return {out, lse, at::empty({0}, q.options())};
 }
 
@@ -103,8 +114,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
     bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& /*out_resid*/) {
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, tile_meta,
-                  [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
+                  deterministic, tile_meta, cpu_bwd(softmax_scale, softcap));
 }
 
 // tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
@@ -116,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_cpu(const at::Tensor& q,
                                                             bool /*deterministic*/,
                                                             const c10::optional<at::Tensor>& /*tile_keys*/) {
   auto [out, lse] = topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
-                                  [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); });
+                                  cpu_fwd(softmax_scale, softcap));
   return {out, lse, at::empty({0}, q.options())};
 }
 
@@ -126,8 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_cpu(
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
     const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
   return topk_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                       bias_requires_grad, deterministic,
-                       [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); });
+                       bias_requires_grad, deterministic, cpu_bwd(softmax_scale, softcap));
 }
 
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with
@@ -233,7 +242,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
   at::Tensor out = at::zeros(q.sizes(), q.options());
   at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
                             q.options().dtype(acc_type(q.scalar_type())));
-  const auto run = [](const FwdParams& p) { cpu::run_fwd(p, kAtenParallelFor); };
+  const auto run = cpu_fwd(softmax_scale, softcap);
   for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
     if (s.nq == 0 || s.nk == 0) continue;
     const auto b = s.bias(bias);
@@ -264,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   at::Tensor dv = at::zeros(v.sizes(), v.options());
   const bool want_dbias = bias_requires_grad && bias.has_value();
   at::Tensor dbias = want_dbias ? at::zeros(bias->sizes(), bias->options()) : at::empty({0}, q.options());
-  const auto run = [](const BwdParams& p) { cpu::run_bwd(p, kAtenParallelFor, at::get_num_threads()); };
+  const auto run = cpu_bwd(softmax_scale, softcap);
   for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
     if (s.nq == 0 || s.nk == 0) continue;
     const auto b = s.bias(bias);

@@ -54,7 +54,12 @@ bool use_avx2() {
 #endif
 }
 
-void check(const FwdParams& p) {
+// a is b, NaN included.
+bool same(float a, float b) { return a == b || (std::isnan(a) && std::isnan(b)); }
+
+void check(const FwdParams& p, const ScoreConsts& c) {
+  if (!same(static_cast<float>(c.softmax_scale), p.softmax_scale) || !same(static_cast<float>(c.softcap), p.softcap))
+    throw std::invalid_argument("flexdma cpu: softmax_scale / softcap differ between the params and ScoreConsts");
   if (p.num_heads_k <= 0 || p.num_heads % p.num_heads_k != 0)
     throw std::invalid_argument("flexdma cpu: num_heads must be a positive multiple of num_heads_k");
   if (p.head_dim <= 0) throw std::invalid_argument("flexdma cpu: head_dim must be positive");
@@ -67,22 +72,22 @@ void check(const FwdParams& p) {
 
 }  // namespace
 
-void run_fwd(const FwdParams& p, const ParallelFor& parallel_for) {
-  check(p);
+void run_fwd(const FwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for) {
+  check(p, c);
   if (p.batch == 0 || p.seqlen_q == 0 || p.num_heads == 0) return;
 #ifdef FLEXDMA_CPU_HAVE_AVX2
-  if (use_avx2()) return avx2::run_fwd_isa(p, parallel_for);
+  if (use_avx2()) return avx2::run_fwd_isa(p, c, parallel_for);
 #endif
-  base::run_fwd_isa(p, parallel_for);
+  base::run_fwd_isa(p, c, parallel_for);
 }
 
-void run_bwd(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
-  check(p);
+void run_bwd(const BwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for, int64_t num_threads) {
+  check(p, c);
   if (p.batch == 0 || p.num_heads == 0) return;
 #ifdef FLEXDMA_CPU_HAVE_AVX2
-  if (use_avx2()) return avx2::run_bwd_isa(p, parallel_for, num_threads);
+  if (use_avx2()) return avx2::run_bwd_isa(p, c, parallel_for, num_threads);
 #endif
-  base::run_bwd_isa(p, parallel_for, num_threads);
+  base::run_bwd_isa(p, c, parallel_for, num_threads);
 }
 
 }  // namespace cpu

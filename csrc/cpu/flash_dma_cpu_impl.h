@@ -259,7 +259,7 @@ struct Ctx {
   const int32_t* key_rank;  // with row_thr: the top-k rank keep rule (FwdParams::key_rank)
   const int32_t* row_thr;
 
-  explicit Ctx(const FwdParams& prm)
+  Ctx(const FwdParams& prm, const ScoreConsts& c)
       : p(prm),
         B(prm.batch),
         Q(prm.seqlen_q),
@@ -271,9 +271,11 @@ struct Ctx {
         causal_off(prm.seqlen_k - prm.seqlen_q),
         n_qt(ceil_div(prm.seqlen_q, kBlockM)),
         n_kt(ceil_div(prm.seqlen_k, kBlockN)),
-        scale(static_cast<A>(prm.softmax_scale)),
-        cap(static_cast<A>(prm.softcap)),
-        scale_over_cap(prm.softcap > 0 ? static_cast<A>(prm.softmax_scale) / static_cast<A>(prm.softcap) : A(0)),
+        // From the double values: for float64 inputs in double, for the others rounded to
+        // float (the params' values).
+        scale(static_cast<A>(c.softmax_scale)),
+        cap(static_cast<A>(c.softcap)),
+        scale_over_cap(c.softcap > 0 ? static_cast<A>(c.softmax_scale) / static_cast<A>(c.softcap) : A(0)),
         mask(static_cast<const uint8_t*>(prm.mask.ptr)),
         bias(static_cast<const T*>(prm.bias.ptr)),
         key_rank(static_cast<const int32_t*>(prm.key_rank.ptr)),
@@ -448,9 +450,9 @@ struct KeySide {
 
 // ------------------------------------------------------------------------------------ forward
 template <class T>
-void fwd_typed(const FwdParams& p, const ParallelFor& parallel_for) {
+void fwd_typed(const FwdParams& p, const ScoreConsts& consts, const ParallelFor& parallel_for) {
   using A = typename Elem<T>::acc;
-  const Ctx<T> cx(p);
+  const Ctx<T> cx(p, consts);
   const int64_t D = cx.D;
   const T* q = static_cast<const T*>(p.q);
   T* out = static_cast<T*>(p.out);
@@ -545,9 +547,9 @@ void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename El
 }
 
 template <class T>
-void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
+void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor& parallel_for, int64_t num_threads) {
   using A = typename Elem<T>::acc;
-  const Ctx<T> cx(p);
+  const Ctx<T> cx(p, consts);
   const int64_t D = cx.D, H = cx.H, Q = cx.Q;
   const T* q = static_cast<const T*>(p.q);
   const T* dout = static_cast<const T*>(p.dout);
@@ -742,30 +744,31 @@ void bwd_typed(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_
 }  // namespace
 
 // Entry points of this copy; the params are checked by the caller.
-inline void run_fwd_isa(const FwdParams& p, const ParallelFor& parallel_for) {
+inline void run_fwd_isa(const FwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for) {
   switch (p.dtype) {
     case DType::kFloat32:
-      return fwd_typed<float>(p, parallel_for);
+      return fwd_typed<float>(p, c, parallel_for);
     case DType::kFloat64:
-      return fwd_typed<double>(p, parallel_for);
+      return fwd_typed<double>(p, c, parallel_for);
     case DType::kBFloat16:
-      return fwd_typed<bf16_t>(p, parallel_for);
+      return fwd_typed<bf16_t>(p, c, parallel_for);
     case DType::kFloat16:
-      return fwd_typed<fp16_t>(p, parallel_for);
+      return fwd_typed<fp16_t>(p, c, parallel_for);
   }
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
 
-inline void run_bwd_isa(const BwdParams& p, const ParallelFor& parallel_for, int64_t num_threads) {
+inline void run_bwd_isa(const BwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for,
+                        int64_t num_threads) {
   switch (p.dtype) {
     case DType::kFloat32:
-      return bwd_typed<float>(p, parallel_for, num_threads);
+      return bwd_typed<float>(p, c, parallel_for, num_threads);
     case DType::kFloat64:
-      return bwd_typed<double>(p, parallel_for, num_threads);
+      return bwd_typed<double>(p, c, parallel_for, num_threads);
     case DType::kBFloat16:
-      return bwd_typed<bf16_t>(p, parallel_for, num_threads);
+      return bwd_typed<bf16_t>(p, c, parallel_for, num_threads);
     case DType::kFloat16:
-      return bwd_typed<fp16_t>(p, parallel_for, num_threads);
+      return bwd_typed<fp16_t>(p, c, parallel_for, num_threads);
   }
   throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
 }
