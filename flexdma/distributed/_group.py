@@ -114,11 +114,7 @@ def agree(group: dist.ProcessGroup, device: torch.device, fields: dict, problem:
     Without it, ranks that disagree on a size would hang or corrupt one another's data."""
     names = list(fields)
     mine = torch.tensor([0 if problem is None else 1] + [int(fields[n]) for n in names], dtype=torch.int64)
-    world = dist.get_world_size(group)
-    parts = [torch.empty_like(mine, device=device) for _ in range(world)]
-    dist.all_gather(parts, mine.to(device), group=group)
-    _count("forward", mine.numel() * 8 * (world - 1), mine.numel() * 8 * (world - 1))
-    rows: List[List[int]] = torch.stack(parts).tolist()  # the call's one host read of it
+    rows: List[List[int]] = all_gather(group, mine.to(device), "forward").tolist()  # the one host read
     if problem is not None:
         raise problem
     failed = [r for r, row in enumerate(rows) if row[0]]
@@ -136,13 +132,18 @@ def agree(group: dist.ProcessGroup, device: torch.device, fields: dict, problem:
             )
 
 
-def all_gather_bytes(group: dist.ProcessGroup, payload: torch.Tensor, direction: str) -> List[torch.Tensor]:
-    """All-gather a uint8 payload of the same size on every rank; returns the ranks' payloads."""
+# torch renamed all_gather_into_tensor to all_gather_single; both take (output, input, group).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_gather(group: dist.ProcessGroup, t: torch.Tensor, direction: str) -> torch.Tensor:
+    """Every rank's `t` (the same shape on each), stacked: (world, *t.shape)."""
     world = dist.get_world_size(group)
-    parts = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(parts, payload, group=group)
-    _count(direction, payload.numel() * (world - 1), payload.numel() * (world - 1))
-    return parts
+    out = t.new_empty(world * t.numel())
+    _all_gather_single(out, t.reshape(-1), group=group)
+    nbytes = t.numel() * t.element_size() * (world - 1)
+    _count(direction, nbytes, nbytes)
+    return out.view((world,) + tuple(t.shape))
 
 
 def all_to_all_rows(

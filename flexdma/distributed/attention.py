@@ -323,26 +323,25 @@ def context_parallel_attention(
         scores = torch.where(attn_mask[:, None, :], scores, _NEG_INF)
     Bs = scores.shape[0]
     first, second = chunk_of(rank, world)
-    # Small index tensors are made on the device (arange arithmetic): a host list copied to the
-    # GPU would wait for the stream's queued work first.
-    pos = torch.arange(2 * C, device=device)
-    local_index = torch.where(pos < C, first * C + pos, second * C + pos - C)
-    local_index = local_index.view(2, 1, 1, C).expand(2, Bs, Hb, C)
     Wc = min(W, C)
-    top_s, top_i = _best(scores.view(Bs, Hb, 2, C).permute(2, 0, 1, 3), local_index, Wc)
+    # Each chunk ranked on its own positions (the same order as the global ones), then moved to
+    # the chunk's place. Index tensors are made on the device: a host list copied to the GPU
+    # would wait for the stream's queued work first.
+    pos = torch.arange(C, device=device).expand(2, Bs, Hb, C)
+    top_s, top_i = _best(scores.view(Bs, Hb, 2, C).permute(2, 0, 1, 3), pos, Wc)
+    top_i[0] += first * C
+    top_i[1] += second * C
 
-    # 2. Every chunk's list, from every rank: one all-gather of (scores, indices) as bytes.
-    payload = torch.cat([top_s.reshape(-1).view(torch.uint8), top_i.reshape(-1).view(torch.uint8)])
-    gathered = _group.all_gather_bytes(pg, payload, "forward")
+    # 2. Every chunk's list, from every rank: one all-gather of (scores as float64, indices).
+    c = top_i.numel()
+    payload = torch.cat([top_s.double().reshape(-1).view(torch.int64), top_i.reshape(-1)])
+    gathered = _group.all_gather(pg, payload, "forward").view(world, 2, c)
+    lists_s = gathered[:, 0].view(torch.float64).to(top_s.dtype).view(world, 2, Bs, Hb, Wc)
+    lists_i = gathered[:, 1].view(world, 2, Bs, Hb, Wc)
     G = 2 * world
-    list_s = top_s.new_empty((G, Bs, Hb, Wc))
-    list_i = top_i.new_empty((G, Bs, Hb, Wc))
-    n_s = top_s.numel() * top_s.element_size()
-    for r, part in enumerate(gathered):
-        a, b = chunk_of(r, world)
-        s = part[:n_s].view(top_s.dtype).view(2, Bs, Hb, Wc)
-        i = part[n_s:].view(torch.int64).view(2, Bs, Hb, Wc)
-        list_s[a], list_s[b], list_i[a], list_i[b] = s[0], s[1], i[0], i[1]
+    # Chunk g is rank g's first (g < P), rank 2P-1-g's second (g >= P): chunk_of, as two slices.
+    list_s = torch.cat([lists_s[:, 0], lists_s[:, 1].flip(0)])
+    list_i = torch.cat([lists_i[:, 0], lists_i[:, 1].flip(0)])
 
     # 3. Candidates of every target: causal, each chunk's (the W best of the chunks before it);
     #    otherwise one target, the W best of all. Entries of later chunks rank below every entry
