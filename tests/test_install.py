@@ -24,6 +24,18 @@ from flexdma.__main__ import build_report
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _run(cmd, **kwargs) -> str:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, **kwargs)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def _python_in(folder, code, *flags) -> str:
+    """Runs `code` in a new interpreter with `folder` as its working directory and first on its
+    path (away from the source tree); returns what it printed."""
+    return _run([sys.executable, *flags, "-c", code], cwd=folder, env=dict(os.environ, PYTHONPATH=str(folder)))
+
+
 @pytest.fixture(scope="module")
 def setup_py():
     return runpy.run_path(str(ROOT / "setup.py"), run_name="flexdma_setup")
@@ -137,16 +149,8 @@ def test_load_error_names_the_torch_the_build_was_for(tmp_path):
         "STATIC_LIBSTDCXX = False\nWITH_CUDA = False\nCUDA_HEAD_DIMS = ()\nCUDA_ARCHS = ()\n"
         "CUDA_CODE = ()\nTORCH_VERSION = '2.0.0'\nTORCH_CUDA = None\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-c", "import flexdma._ext as e; print(e.LOAD_ERROR)"],
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"it was built against torch 2.0.0 and this is torch {torch.__version__}" in res.stdout
+    out = _python_in(tmp_path, "import flexdma._ext as e; print(e.LOAD_ERROR)")
+    assert f"it was built against torch 2.0.0 and this is torch {torch.__version__}" in out
 
 
 @pytest.mark.skipif(
@@ -162,19 +166,15 @@ def test_wheel_holds_the_package_and_imports_where_installed(tmp_path):
     had_egg_info = egg_info.exists()
     env = dict(os.environ, FLEXDMA_SKIP_CUDA="1")
     try:
-        res = subprocess.run(
+        _run(
             [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index"]
             + ["-w", str(tmp_path / "dist"), "."],
             cwd=ROOT,
             env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
         )
     finally:
         if not had_egg_info:  # pip builds the metadata in the tree: leave the tree as it was
             shutil.rmtree(egg_info, ignore_errors=True)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (whl,) = (tmp_path / "dist").glob("flexdma-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     assert all(n.startswith(("flexdma/", "flexdma-")) for n in names), sorted(names)
@@ -183,13 +183,7 @@ def test_wheel_holds_the_package_and_imports_where_installed(tmp_path):
     assert len([n for n in names if re.fullmatch(r"flexdma/_C\..*\.so", n)]) == 1
 
     site = tmp_path / "site"
-    res = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(whl)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site), str(whl)])
     code = (
         "import torch, flexdma\n"
         "q = torch.randn(1, 40, 2, 16)\n"
@@ -198,14 +192,5 @@ def test_wheel_holds_the_package_and_imports_where_installed(tmp_path):
         "torch.testing.assert_close(out, ref)\n"
         "print(flexdma.__file__)\n"
     )
-    res = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(site)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert Path(res.stdout.strip()).resolve() == (site / "flexdma" / "__init__.py").resolve()
-    assert flexdma.__file__ != res.stdout.strip()
+    printed = _python_in(site, code, "-W", "error").strip()
+    assert Path(printed).resolve() == (site / "flexdma" / "__init__.py").resolve() != Path(flexdma.__file__).resolve()
