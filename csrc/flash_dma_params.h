@@ -190,9 +190,11 @@ struct BwdParams : FwdParams {
   bool dbias_in_dtype = false;
 
   // Scratch owned by the caller, (B, H, Q) float32 (float64 for kFloat64), uninitialised, for the
-  // CPU kernel: it writes delta = rowsum(P * dP) into it, in full precision (rowsum(dout * out)
-  // from an out rounded to bf16/fp16 is too coarse for a broadcast dbias), and reads it back. The
-  // CUDA backward computes delta from out + out_resid into its own workspace (null here).
+  // CPU kernel: it writes delta = rowsum(P * dP) into it, summed from the P and dP it forms dS
+  // from (a one-hot row's dS is then exactly 0; rowsum(dout * out) differs from its dP in the last
+  // bits, and from an out rounded to bf16/fp16 it is too coarse for a broadcast dbias), and reads
+  // it back. The CUDA backward computes delta from out + out_resid into its own workspace (null
+  // here).
   void* softmax_d = nullptr;
 
   // dq's reduction order. The CUDA backward adds each key tile's dQ contribution into a float

@@ -513,29 +513,38 @@ void fwd_typed(const FwdParams& p, const ScoreConsts& consts, const ParallelFor&
 }
 
 // ----------------------------------------------------------------------------------- backward
-// Shared by both backward passes: from scores s (in place -> dS_raw) and dO V^T (dp), compute
-// P (into pbuf), dS = P * (dP - delta) (into ds, the gradient w.r.t. the score after the bias)
-// and dS_raw = dS * d(score)/d(q.k) (in place in s).
+// P = exp(S - lse) of a tile's rows, from scores s into pbuf; 0 on empty rows (lse = -inf).
+template <class A>
+void probs_tile(int64_t m, int64_t n, const A* lse_row, const A* s, A* pbuf) {
+  for (int64_t r = 0; r < m; ++r) {
+    A* prow = pbuf + r * kBlockN;
+    if (lse_row[r] == -std::numeric_limits<A>::infinity())
+      std::fill(prow, prow + n, A(0));
+    else
+      exp_sub_sum(s + r * kBlockN, lse_row[r], prow, n);
+  }
+}
+
+// From a tile's P (pbuf), dO V^T (dp) and, with softcap, its tanh values (th): dS = P * (dP -
+// delta) into ds (the gradient w.r.t. the score after the bias) and dS_raw = dS * d(score)/d(q.k)
+// into s.
 template <class T>
-void softmax_grad_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename Elem<T>::acc* lse_row,
-                       const typename Elem<T>::acc* delta_row, typename Elem<T>::acc* s,
-                       const typename Elem<T>::acc* th, const typename Elem<T>::acc* dp, typename Elem<T>::acc* pbuf,
-                       typename Elem<T>::acc* ds) {
+void dscores_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename Elem<T>::acc* lse_row,
+                  const typename Elem<T>::acc* delta_row, const typename Elem<T>::acc* pbuf,
+                  const typename Elem<T>::acc* th, const typename Elem<T>::acc* dp, typename Elem<T>::acc* ds,
+                  typename Elem<T>::acc* s) {
   using A = typename Elem<T>::acc;
   for (int64_t r = 0; r < m; ++r) {
     A* __restrict srow = s + r * kBlockN;
-    A* __restrict prow = pbuf + r * kBlockN;
     A* __restrict dsrow = ds + r * kBlockN;
+    const A* prow = pbuf + r * kBlockN;
     const A* dprow = dp + r * kBlockN;
-    const A l = lse_row[r];
-    if (l == -std::numeric_limits<A>::infinity()) {  // empty row: no gradient flows from it
-      std::fill(prow, prow + n, A(0));
+    if (lse_row[r] == -std::numeric_limits<A>::infinity()) {  // empty row: no gradient flows from it
       std::fill(dsrow, dsrow + n, A(0));
       std::fill(srow, srow + n, A(0));
       continue;
     }
     const A dl = delta_row[r];
-    exp_sub_sum(srow, l, prow, n);
     for (int64_t c = 0; c < n; ++c) dsrow[c] = prow[c] * (dprow[c] - dl);
     if (cx.cap > 0) {
       const A* trow = th + r * kBlockN;
@@ -553,14 +562,17 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
   const int64_t D = cx.D, H = cx.H, Q = cx.Q;
   const T* q = static_cast<const T*>(p.q);
   const T* dout = static_cast<const T*>(p.dout);
-  const T* out = static_cast<const T*>(p.out);
   const A* lse = static_cast<const A*>(p.lse);
-  // delta_i = sum_j P_ij dP_ij = dO_i . O_i, into softmax_d (caller-owned scratch), in the
-  // accumulation type. For float / double, out is stored in that type and dO . O is exact
-  // enough. For bf16 / fp16, dO . O from an output rounded to 16 bits (~4e-3 relative) would
-  // show in dq and, summed over rows and heads, in a broadcast dbias: there pass 1 sums P * dP
-  // in a first sweep over the key tiles (two extra tile GEMMs).
-  constexpr bool kDeltaFromOut = std::is_same<T, A>::value;
+  // delta_i = sum_j P_ij dP_ij, into softmax_d (caller-owned scratch), in the accumulation type,
+  // summed from the P and dP tiles that dS = P * (dP - delta) is then formed from; not
+  // FlashAttention's dO_i . O_i, equal in exact arithmetic and cheaper by a sweep over the keys:
+  // - where a row's P is one-hot (a saturated softmax; its true dS is 0), delta is then its kept
+  //   key's dP bit for bit, and dS exactly 0. dO . O, summed in another order, differs from that
+  //   dP in the last bits, and dbias carries the difference to whatever a huge bias multiplies it
+  //   by: Doge's bias exp(A * softplus(...)) reaches 1e7 and more, which puts errors of 1e3 into
+  //   its dA and dt_proj, whose values are near 1;
+  // - for bf16 / fp16, dO . O from an output rounded to 16 bits (~4e-3 relative) would show in dq
+  //   and, summed over rows and heads, in a broadcast dbias.
   A* delta = static_cast<A*>(p.softmax_d);
   T* dq = static_cast<T*>(p.dq);
   T* dk = static_cast<T*>(p.dk);
@@ -584,161 +596,199 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
 
   const KeySide<T> keys(cx, /*with_vt=*/true, parallel_for);
 
-  // Two schedules, same results. Split: pass 1 (dq) over (batch, head, query tile), then pass 2
-  // (dk, dv) over (batch, kv head, key tile); each recomputes S and dP. Fused: one item per
-  // (batch, kv head) does all of it with S and dP formed once (5 tile GEMMs instead of 7), but
-  // offers only B * KVH items and holds a float dq of its query heads per thread: taken when
-  // that keeps every thread busy and the dq fits. Needs delta up front, so float / double only.
-  const bool fused = kDeltaFromOut && cx.B * cx.KVH >= 2 * num_threads &&
-                     cx.group * Q * D <= (int64_t(1) << 24);  // dq scratch per thread <= 64 MiB (float)
+  // Two schedules, same results. Split: pass 1 (delta, dq) over (batch, head, query tile), then
+  // pass 2 (dk, dv, dbias) over (batch, kv head, key tile); each forms S and dP itself. Fused: one
+  // item per (batch, kv head) runs pass 1 over its query heads and tiles and adds the key side's
+  // gradients too, with S and dP formed once a tile pair where pass 1 keeps its tiles (5 tile
+  // GEMMs instead of 7), but offers only B * KVH items and holds a float dk and dv of all keys per
+  // thread: taken when that keeps every thread busy and they fit. Every sum adds its terms in the
+  // order of the split schedule (dk, dv and dbias over query heads, then query tiles), so both
+  // give the same bits.
+  const bool fused =
+      cx.B * cx.KVH >= 2 * num_threads && 2 * cx.K * D <= (int64_t(1) << 24);  // dk + dv <= 64 MiB (float)
 
-  // Pass 1: delta, then dq; one work item per (batch, head, query tile).
-  const auto pass1 = [&](int64_t begin, int64_t end) {
-    std::vector<A> qf(kBlockM * D), dof(kBlockM * D);
-    std::vector<A> s(kBlockM * kBlockN), th(kBlockM * kBlockN), dp(kBlockM * kBlockN), pb(kBlockM * kBlockN),
-        ds(kBlockM * kBlockN), dq_acc(kBlockM * D), pdp_sum(kBlockM);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t qt = item % cx.n_qt, h = (item / cx.n_qt) % H, b = item / (cx.n_qt * H);
-      const int64_t kvh = h / cx.group;
-      const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
-      const int64_t lrow = (b * H + h) * Q + i0;
-      std::fill(dq_acc.begin(), dq_acc.begin() + m * D, A(0));
-      std::fill(pdp_sum.begin(), pdp_sum.end(), A(0));
-      load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D, qf.data());
-      load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
-                dof.data());
-      const int64_t kt_end = cx.kt_end(i0, m);
-      if constexpr (kDeltaFromOut) {
-        const T* orows = out + b * p.o_batch_stride + h * p.o_head_stride + i0 * p.o_row_stride;
-        for (int64_t r = 0; r < m; ++r) delta[lrow + r] = dot(dof.data() + r * D, orows + r * p.o_row_stride, D);
+  // One tile pair's share of the key side: dV += P^T dO, dK += dS_raw^T Q into the rows of keys
+  // j0 .. j0 + n (dk_rows / dv_rows, row stride D), and dS into dbias. tt: [kBlockN][kBlockM]
+  // scratch for the transposed tiles.
+  const auto add_key_grads = [&](int64_t b, int64_t h, int64_t i0, int64_t m, int64_t j0, int64_t n, const A* pt,
+                                 const A* ds_raw, const A* ds, const A* qf, const A* dof, A* tt, A* dk_rows,
+                                 A* dv_rows) {
+    transpose(pt, kBlockN, m, n, tt, kBlockM);
+    gemm_acc(n, D, m, tt, kBlockM, dof, D, dv_rows, D);
+    transpose(ds_raw, kBlockN, m, n, tt, kBlockM);
+    gemm_acc(n, D, m, tt, kBlockM, qf, D, dk_rows, D);
+    if (dbias) {
+      for (int64_t r = 0; r < m; ++r) {
+        A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
+        const A* dsrow = ds + r * kBlockN;
+        for (int64_t c = 0; c < n; ++c) dst[c * db.col_stride] += dsrow[c];
       }
-      // Sweep 0 (bf16 / fp16 only): delta_i = sum_j P_ij dP_ij. Sweep 1: dS and dq. With one key
-      // tile sweep 1 reuses sweep 0's tiles.
-      for (int sweep = kDeltaFromOut ? 1 : 0; sweep < 2; ++sweep) {
-        for (int64_t ktile = 0; ktile < kt_end; ++ktile) {
-          const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
-          if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
-          const bool reuse = !kDeltaFromOut && sweep == 1 && kt_end == 1;
-          if (!reuse) {
-            cx.scores(b, h, i0, m, j0, n, qf.data(), D, keys.k_t(b, kvh, j0), keys.ld_t, s.data(), th.data());
-            gemm_set_padded(m, n, D, dof.data(), D, keys.v_t(b, kvh, j0), keys.ld_t, dp.data(), kBlockN);
-          }
-          if (sweep == 0) {
-            for (int64_t r = 0; r < m; ++r) {
-              const A l = lse[lrow + r];
-              if (l == -std::numeric_limits<A>::infinity()) continue;
-              A* prow = pb.data() + r * kBlockN;
-              exp_sub_sum(s.data() + r * kBlockN, l, prow, n);
-              pdp_sum[r] += dot(prow, dp.data() + r * kBlockN, n);
-            }
-            continue;
-          }
-          softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, s.data(), th.data(), dp.data(), pb.data(), ds.data());
-          gemm_acc(m, D, n, s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_acc.data(), D);
-        }
-        if (sweep == 0)
-          for (int64_t r = 0; r < m; ++r) delta[lrow + r] = pdp_sum[r];
-      }
-      store_rows(dq_acc.data(), m, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride + i0 * p.dq_row_stride,
-                 p.dq_row_stride);
     }
   };
-  if (!fused) parallel_for(cx.B * H * cx.n_qt, pass1);
 
-  // Pass 2 (split) or the whole backward (fused): dk, dv and dbias of key tile `ktile` of
-  // (b, kvh), over the query heads of kvh and every query tile. In the fused backward also that
-  // tile's share of dq (dq_rows: [group][Q][D] of this (b, kvh)); the products and their order
-  // are those of pass 1, so both schedules give the same bits.
+  // Query tile qt of (b, h): delta of its rows (sweep 0 over the key tiles: P, dP and the row
+  // sums of P * dP), then their dq into dq_acc (sweep 1: dS, then dS K) and, in the fused
+  // schedule, the key side's gradients into dk_rows / dv_rows (all keys of (b, kv head)) and
+  // dbias. With dq_acc null, delta only. Sweep 0's tiles of the first `kept_tiles` key tiles are
+  // kept for sweep 1 (P, dP and the tanh values); later ones are formed again by the same calls,
+  // so kept or not the bits are the same.
+  constexpr int64_t kTile = kBlockM * kBlockN;
+  struct RowScratch {
+    std::vector<A> qf, dof, s, th, dp, pb, ds, tt, pdp_sum, kept_p, kept_dp, kept_th;
+    int64_t kept_tiles;
+    RowScratch(int64_t D, int64_t kept, bool softcap)
+        : qf(kBlockM * D),
+          dof(kBlockM * D),
+          s(kTile),
+          th(softcap ? kTile : 0),
+          dp(kTile),
+          pb(kTile),
+          ds(kTile),
+          tt(kTile),
+          pdp_sum(kBlockM),
+          kept_p(kept * kTile),
+          kept_dp(kept * kTile),
+          kept_th(softcap ? kept * kTile : 0),
+          kept_tiles(kept) {}
+  };
+  const auto row_tile = [&](RowScratch& w, int64_t b, int64_t h, int64_t qt, A* dq_acc, A* dk_rows, A* dv_rows) {
+    const int64_t kvh = h / cx.group;
+    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
+    const int64_t lrow = (b * H + h) * Q + i0;
+    const int64_t kt_end = cx.kt_end(i0, m);
+    load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D, w.qf.data());
+    load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
+              w.dof.data());
+    // P, dP and the tanh values of key tile `ktile`: its kept slot, or the working tiles.
+    struct Tiles {
+      A *p, *dp, *th;
+    };
+    const auto tiles = [&](int64_t ktile) {
+      const bool kept = dq_acc && ktile < w.kept_tiles;
+      const bool cap = cx.cap > 0;
+      return kept ? Tiles{w.kept_p.data() + ktile * kTile, w.kept_dp.data() + ktile * kTile,
+                          cap ? w.kept_th.data() + ktile * kTile : nullptr}
+                  : Tiles{w.pb.data(), w.dp.data(), cap ? w.th.data() : nullptr};
+    };
+    const auto form = [&](const Tiles& t, int64_t j0, int64_t n) {
+      cx.scores(b, h, i0, m, j0, n, w.qf.data(), D, keys.k_t(b, kvh, j0), keys.ld_t, w.s.data(), t.th);
+      gemm_set_padded(m, n, D, w.dof.data(), D, keys.v_t(b, kvh, j0), keys.ld_t, t.dp, kBlockN);
+      probs_tile(m, n, lse + lrow, w.s.data(), t.p);
+    };
+    std::fill(w.pdp_sum.begin(), w.pdp_sum.end(), A(0));
+    for (int64_t ktile = 0; ktile < kt_end; ++ktile) {
+      const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
+      if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
+      const Tiles t = tiles(ktile);
+      form(t, j0, n);
+      for (int64_t r = 0; r < m; ++r)
+        if (lse[lrow + r] != -std::numeric_limits<A>::infinity())
+          w.pdp_sum[r] += dot(t.p + r * kBlockN, t.dp + r * kBlockN, n);
+    }
+    for (int64_t r = 0; r < m; ++r) delta[lrow + r] = w.pdp_sum[r];
+    if (!dq_acc) return;
+    std::fill(dq_acc, dq_acc + m * D, A(0));
+    for (int64_t ktile = 0; ktile < kt_end; ++ktile) {
+      const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
+      if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
+      const Tiles t = tiles(ktile);
+      if (ktile >= w.kept_tiles) form(t, j0, n);
+      dscores_tile(cx, m, n, lse + lrow, delta + lrow, t.p, t.th, t.dp, w.ds.data(), w.s.data());
+      gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_acc, D);
+      if (dk_rows)
+        add_key_grads(b, h, i0, m, j0, n, t.p, w.s.data(), w.ds.data(), w.qf.data(), w.dof.data(), w.tt.data(),
+                      dk_rows + j0 * D, dv_rows + j0 * D);
+    }
+  };
+  const auto store_dq = [&](const A* dq_acc, int64_t b, int64_t h, int64_t qt) {
+    const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
+    store_rows(dq_acc, m, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride + i0 * p.dq_row_stride, p.dq_row_stride);
+  };
+  // Up to 16 key tiles (1024 keys, 0.5 to 1.5 MiB a thread) are kept from sweep 0 to sweep 1.
+  const int64_t kept_tiles = std::min<int64_t>(16, cx.n_kt);
+
+  if (fused) {
+    // One work item per (batch, kv head): pass 1 over its query heads and query tiles, in order.
+    parallel_for(cx.B * cx.KVH, [&](int64_t begin, int64_t end) {
+      RowScratch w(D, kept_tiles, cx.cap > 0);
+      std::vector<A> dq_acc(kBlockM * D), dk_rows(static_cast<size_t>(cx.K * D)), dv_rows(dk_rows.size());
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kvh = item % cx.KVH, b = item / cx.KVH;
+        std::fill(dk_rows.begin(), dk_rows.end(), A(0));
+        std::fill(dv_rows.begin(), dv_rows.end(), A(0));
+        for (int64_t hh = 0; hh < cx.group; ++hh) {
+          const int64_t h = kvh * cx.group + hh;
+          for (int64_t qt = 0; qt < cx.n_qt; ++qt) {
+            row_tile(w, b, h, qt, dq_acc.data(), dk_rows.data(), dv_rows.data());
+            store_dq(dq_acc.data(), b, h, qt);
+          }
+        }
+        store_rows(dk_rows.data(), cx.K, D, dk + b * p.dk_batch_stride + kvh * p.dk_head_stride, p.dk_row_stride);
+        store_rows(dv_rows.data(), cx.K, D, dv + b * p.dv_batch_stride + kvh * p.dv_head_stride, p.dv_row_stride);
+      }
+    });
+    return;
+  }
+
+  // Pass 1: delta and dq, one work item per (batch, head, query tile).
+  parallel_for(cx.B * H * cx.n_qt, [&](int64_t begin, int64_t end) {
+    RowScratch w(D, kept_tiles, cx.cap > 0);
+    std::vector<A> dq_acc(kBlockM * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t qt = item % cx.n_qt, h = (item / cx.n_qt) % H, b = item / (cx.n_qt * H);
+      row_tile(w, b, h, qt, dq_acc.data(), nullptr, nullptr);
+      store_dq(dq_acc.data(), b, h, qt);
+    }
+  });
+
+  // Pass 2: dk, dv and dbias, one work item per (batch, kv head, key tile), over the query heads
+  // of the kv head and every query tile, S and dP formed again.
   struct Scratch {
     std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
     explicit Scratch(int64_t D)
         : qf(kBlockM * D),
           dof(kBlockM * D),
-          s(kBlockM * kBlockN),
-          th(kBlockM * kBlockN),
-          dp(kBlockM * kBlockN),
-          pb(kBlockM * kBlockN),
-          ds(kBlockM * kBlockN),
-          tt(kBlockN * kBlockM),
+          s(kTile),
+          th(kTile),
+          dp(kTile),
+          pb(kTile),
+          ds(kTile),
+          tt(kTile),
           dk_acc(kBlockN * D),
           dv_acc(kBlockN * D) {}
   };
-  auto key_tile = [&](Scratch& w, int64_t b, int64_t kvh, int64_t ktile, A* dq_rows) {
-    const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
-    std::fill(w.dk_acc.begin(), w.dk_acc.begin() + n * D, A(0));
-    std::fill(w.dv_acc.begin(), w.dv_acc.begin() + n * D, A(0));
-    const A* ktile_t = keys.k_t(b, kvh, j0);
-    const A* vtile_t = keys.v_t(b, kvh, j0);
-    for (int64_t hh = 0; hh < cx.group; ++hh) {
-      const int64_t h = kvh * cx.group + hh;
-      for (int64_t qt = cx.qt_begin(j0); qt < cx.n_qt; ++qt) {
-        const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
-        if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
-        load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
-                  w.qf.data());
-        load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
-                  w.dof.data());
-        cx.scores(b, h, i0, m, j0, n, w.qf.data(), D, ktile_t, keys.ld_t, w.s.data(), w.th.data());
-        gemm_set_padded(m, n, D, w.dof.data(), D, vtile_t, keys.ld_t, w.dp.data(), kBlockN);
-        const int64_t lrow = (b * H + h) * Q + i0;
-        softmax_grad_tile(cx, m, n, lse + lrow, delta + lrow, w.s.data(), w.th.data(), w.dp.data(), w.pb.data(),
-                          w.ds.data());
-        // dV += P^T dO, dK += dS_raw^T Q (transposed tiles in tt, [kBlockN][kBlockM]).
-        transpose(w.pb.data(), kBlockN, m, n, w.tt.data(), kBlockM);
-        gemm_acc(n, D, m, w.tt.data(), kBlockM, w.dof.data(), D, w.dv_acc.data(), D);
-        transpose(w.s.data(), kBlockN, m, n, w.tt.data(), kBlockM);
-        gemm_acc(n, D, m, w.tt.data(), kBlockM, w.qf.data(), D, w.dk_acc.data(), D);
-        if (dq_rows) gemm_acc(m, D, n, w.s.data(), kBlockN, keys.k_rows(b, kvh, j0), D, dq_rows + (hh * Q + i0) * D, D);
-        if (dbias) {
-          for (int64_t r = 0; r < m; ++r) {
-            A* __restrict dst = dbias + Ctx<T>::offset(db, b, h, i0 + r) + j0 * db.col_stride;
-            const A* dsrow = w.ds.data() + r * kBlockN;
-            for (int64_t c = 0; c < n; ++c) dst[c * db.col_stride] += dsrow[c];
-          }
+  parallel_for(cx.B * cx.KVH * cx.n_kt, [&](int64_t begin, int64_t end) {
+    Scratch w(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
+      const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);
+      std::fill(w.dk_acc.begin(), w.dk_acc.begin() + n * D, A(0));
+      std::fill(w.dv_acc.begin(), w.dv_acc.begin() + n * D, A(0));
+      for (int64_t hh = 0; hh < cx.group; ++hh) {
+        const int64_t h = kvh * cx.group + hh;
+        for (int64_t qt = cx.qt_begin(j0); qt < cx.n_qt; ++qt) {
+          const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
+          if (!cx.tile_any(b, h, i0, m, j0, n)) continue;
+          load_rows(q + b * p.q_batch_stride + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, m, D,
+                    w.qf.data());
+          load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i0 * p.do_row_stride, p.do_row_stride, m, D,
+                    w.dof.data());
+          cx.scores(b, h, i0, m, j0, n, w.qf.data(), D, keys.k_t(b, kvh, j0), keys.ld_t, w.s.data(), w.th.data());
+          gemm_set_padded(m, n, D, w.dof.data(), D, keys.v_t(b, kvh, j0), keys.ld_t, w.dp.data(), kBlockN);
+          const int64_t lrow = (b * H + h) * Q + i0;
+          probs_tile(m, n, lse + lrow, w.s.data(), w.pb.data());
+          dscores_tile(cx, m, n, lse + lrow, delta + lrow, w.pb.data(), w.th.data(), w.dp.data(), w.ds.data(),
+                       w.s.data());
+          add_key_grads(b, h, i0, m, j0, n, w.pb.data(), w.s.data(), w.ds.data(), w.qf.data(), w.dof.data(),
+                        w.tt.data(), w.dk_acc.data(), w.dv_acc.data());
         }
       }
+      store_rows(w.dk_acc.data(), n, D, dk + b * p.dk_batch_stride + kvh * p.dk_head_stride + j0 * p.dk_row_stride,
+                 p.dk_row_stride);
+      store_rows(w.dv_acc.data(), n, D, dv + b * p.dv_batch_stride + kvh * p.dv_head_stride + j0 * p.dv_row_stride,
+                 p.dv_row_stride);
     }
-    store_rows(w.dk_acc.data(), n, D, dk + b * p.dk_batch_stride + kvh * p.dk_head_stride + j0 * p.dk_row_stride,
-               p.dk_row_stride);
-    store_rows(w.dv_acc.data(), n, D, dv + b * p.dv_batch_stride + kvh * p.dv_head_stride + j0 * p.dv_row_stride,
-               p.dv_row_stride);
-  };
-
-  if (!fused) {
-    // Pass 2: one work item per (batch, kv head, key tile).
-    parallel_for(cx.B * cx.KVH * cx.n_kt, [&](int64_t begin, int64_t end) {
-      Scratch w(D);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
-        key_tile(w, b, kvh, ktile, nullptr);
-      }
-    });
-  } else if constexpr (kDeltaFromOut) {
-    // One work item per (batch, kv head): delta, then its key tiles in order, dq summed in
-    // float over them as pass 1 would.
-    parallel_for(cx.B * cx.KVH, [&](int64_t begin, int64_t end) {
-      Scratch w(D);
-      std::vector<A> dq_rows(static_cast<size_t>(cx.group * Q * D));
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t kvh = item % cx.KVH, b = item / cx.KVH;
-        std::fill(dq_rows.begin(), dq_rows.end(), A(0));
-        for (int64_t hh = 0; hh < cx.group; ++hh) {
-          const int64_t h = kvh * cx.group + hh;
-          for (int64_t i = 0; i < Q; ++i) {
-            load_rows(dout + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride, 0, 1, D, w.dof.data());
-            delta[(b * H + h) * Q + i] =
-                dot(w.dof.data(), out + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride, D);
-          }
-        }
-        for (int64_t ktile = 0; ktile < cx.n_kt; ++ktile) key_tile(w, b, kvh, ktile, dq_rows.data());
-        for (int64_t hh = 0; hh < cx.group; ++hh) {
-          const int64_t h = kvh * cx.group + hh;
-          store_rows(dq_rows.data() + hh * Q * D, Q, D, dq + b * p.dq_batch_stride + h * p.dq_head_stride,
-                     p.dq_row_stride);
-        }
-      }
-    });
-  }
+  });
 }
 
 }  // namespace
