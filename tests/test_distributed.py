@@ -4,14 +4,19 @@ each rank receives against the bound (at most 2 W rows per fetch plane, whatever
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
-from cp_worker import spawn
+from cp_worker import free_port, spawn
 from utils import assert_close_to_ref
 
 import flexdma
 from flexdma.distributed import context_parallel_attention, exchange_stats, shard_sequence, unshard_sequence
+from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DynamicMaskAttention, rotary_cos_sin
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
@@ -289,3 +294,47 @@ def test_nccl_bf16_matches_one_gpu(world):
 
 def test_gloo_bf16_rule():
     spawn(2, _bf16_worker, dict(B=2, L=256, H=4, KVH=2, D=64, Bb=2, Hb=2, W=24, pad=True), "cpu")
+
+
+def _run_example(nproc: int, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+    cmd += ["-m", "flexdma.examples.doge_cp", "--check", "--dtype", "float64", "--seq-len", "96", "--window", "8"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    checks = [line for line in res.stdout.splitlines() if "check:" in line]
+    assert len(checks) == nproc and all(line.endswith("ok") for line in checks), res.stdout
+    return res.stdout
+
+
+@pytest.mark.parametrize(
+    "nproc, args",
+    [(3, ("--steps", "2")), (4, ("--cp", "2", "--fsdp", "--steps", "2"))],
+    ids=["cp3", "fsdp-dp2-cp2"],
+)
+def test_doge_cp_example_matches_one_process(nproc, args):
+    """The recipe (flexdma/examples/doge_cp.py): transformers' Doge with its sequence sharded, the
+    loss and every parameter gradient equal to the one-process model's (float64, 1e-10), with
+    plain all-reduced gradients over 3 ranks and with FSDP2 over a 2 x 2 data x context mesh."""
+    pytest.importorskip("transformers")
+    _run_example(nproc, *args)
+
+
+def _doge_decode_worker(rank, world):
+    import transformers
+
+    cfg = transformers.DogeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, keep_window_size=4, is_moe=False,
+    )  # fmt: skip
+    model = patch_doge(transformers.DogeForCausalLM(cfg).double(), cp_group=dist.group.WORLD)
+    ids = shard_sequence(torch.arange(8 * world).view(1, -1) % 64, 1)
+    pos = shard_sequence(torch.arange(8 * world).view(1, -1), 1)
+    out = model(input_ids=ids, position_ids=pos)  # the default use_cache: a prefill fills it
+    with pytest.raises(ValueError, match="decoding"):
+        model(input_ids=ids[:, :1], position_ids=pos[:, -1:] + 1, past_key_values=out.past_key_values)
+
+
+def test_patched_doge_with_cp_rejects_decoding():
+    pytest.importorskip("transformers")
+    spawn(2, _doge_decode_worker)

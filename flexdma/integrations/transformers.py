@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from .. import distributed
 from .._install import extra_install_command
 from ..api import flash_dma_attention
 from ..perkey import decode
@@ -657,7 +658,7 @@ def _attend_entries(self, query_states, key_states, value_states, idx, score, ke
     )
 
 
-def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+def patch_doge(model: torch.nn.Module, backend: str = "auto", cp_group=None) -> torch.nn.Module:
     """Run a transformers Doge model's dynamic mask attention through flexdma's per-key top-W path.
 
     Every DogeAttention gets a forward that computes Doge's dt_states per key and calls
@@ -665,6 +666,12 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
     keep_window_size=config.keep_window_size); the model's attention mask becomes the (B, K) padding
     mask (attn_implementation "flexdma_doge"), so no (B, H, Q, K) tensor is built, in training or in
     generate (DynamicCache). Returns the model, patched in place.
+
+    With `cp_group` (a ProcessGroup or 1-D DeviceMesh: context parallel) the model takes this rank's
+    tokens of a sequence sharded in the head-tail layout (flexdma.distributed.shard_sequence of
+    input_ids, position_ids with the tokens' global positions, and the labels shifted before
+    sharding) and every attention layer attends over the whole sequence
+    (flexdma.distributed.context_parallel_attention); training and prefill only.
     """
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
@@ -686,8 +693,56 @@ def patch_doge(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module
     # an error, not a silent mix).
     model_id = next(_MODEL_IDS)
     for m in layers:
-        m.forward = types.MethodType(_doge_attention_forward, m)
+        m.forward = types.MethodType(_doge_attention_forward if cp_group is None else _doge_cp_forward, m)
+        m._flexdma_cp_group = cp_group
         m._flexdma_backend = backend
         m._flexdma_model_id = model_id
     model.set_attn_implementation(DOGE_NAME)
     return model
+
+
+def _doge_cp_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: Tuple[torch.Tensor, torch.Tensor],
+    attention_mask: Optional[torch.Tensor] = None,
+    past_key_values=None,
+    cache=None,
+    cache_position=None,
+    **kwargs,
+):
+    """DogeAttention.forward under context parallel (patch_doge's cp_group): the projections of this
+    rank's tokens as transformers computes them, then context_parallel_attention over the whole
+    sequence with the per-key dt_states as the bias and the local (B, S) padding mask."""
+    cache = cache if cache is not None else past_key_values
+    given = sorted(n for n, v in kwargs.items() if v is not None and n not in _DOGE_IGNORED_KWARGS | {"position_ids"})
+    if given:
+        raise TypeError(
+            f"patch_doge with cp_group: DogeAttention got {given}; a context-parallel layer takes one sequence "
+            "sharded over the ranks (no packed sequences, attention weights or causality switch)"
+        )
+    if self.training and self.attention_dropout:
+        raise ValueError(f"patch_doge: flexdma attention has no dropout; attention_dropout={self.attention_dropout}")
+    input_shape = hidden_states.shape[:-1]
+    q, k, v, _ = _doge_projections(self, hidden_states, position_embeddings, cache, cache_position)
+    if k.shape[-2] != input_shape[1]:
+        raise ValueError(
+            "patch_doge with cp_group: a step over cached keys (decoding) is not supported under context "
+            "parallel; generate with a model patched without cp_group"
+        )
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape != input_shape):
+        raise ValueError(
+            f"patch_doge with cp_group: expected this rank's (batch, {input_shape[1]}) padding mask, got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    out = distributed.context_parallel_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        _doge_scores(self, v)[:, :, None, :],
+        keep_window_size=self.keep_window_size,
+        group=self._flexdma_cp_group,
+        attn_mask=None if attention_mask is None else attention_mask.bool(),
+        softmax_scale=self.scaling,
+    )
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
