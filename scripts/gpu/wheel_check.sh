@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The wheel of README's Install, checked on the GPU machine: build it (sm_90a; head dims
 # FLEXDMA_HEAD_DIMS, default 64,128 to save time), check what it holds, install it into a fresh
-# environment that sees the machine's torch (a venv with --system-site-packages) and run the GPU
+# folder of its own, ahead of the machine's torch on the path, and run the GPU
 # smoke tests there with no nvcc on PATH, against the installed wheel, not the source tree:
 # `python -m flexdma` and a few GPU tests (TESTS: pytest arguments relative to tests/).
 #   bash scripts/gpu/wheel_check.sh OUTDIR     # summary on stdout, OUTDIR/wheel_check.log, build log
@@ -57,22 +57,22 @@ sys.exit(any(problems.values()))
 EOF
 check "the wheel holds the package, its extension and nothing else" $?
 
-# 3. A fresh environment with the machine's torch; pip runs from the system (the venv has none).
-$PY -m venv --system-site-packages --without-pip "$w/venv" >> "$log" 2>&1
-"$w/venv/bin/python" -m pip install -q --no-index --no-deps "$whl" >> "$log" 2>&1
-check "install the wheel into a fresh venv (--system-site-packages)" $?
-VPY=$w/venv/bin/python
+# 3. A fresh folder of its own for the wheel, ahead of the machine's packages (torch, pytest) on
+# the path: a venv does not see a torch the machine provides through PYTHONPATH.
+$PY -m pip install -q --no-index --no-deps --target "$w/site" "$whl" >> "$log" 2>&1
+check "install the wheel into a fresh folder (pip install --target)" $?
+VPY=$PY
 
 # 4. The smoke tests: nvcc (and the CUDA toolkit's folder) off PATH, run from a folder that holds
 # copies of the tests only, so `import flexdma` can find nothing but the installed wheel.
 path=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -n "$d" ] && [ ! -x "$d/nvcc" ] && echo "$d"; done | paste -sd:)
 mkdir -p "$w/run/tests" && cp tests/conftest.py tests/utils.py tests/test_*.py "$w/run/tests/"
 cd "$w/run"
-run() { env -u CUDA_HOME -u CUDA_PATH -u PYTHONPATH PATH="$path" PYTHONNOUSERSITE=1 "$@"; }
+run() { env -u CUDA_HOME -u CUDA_PATH PYTHONPATH="$w/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$path" "$@"; }
 run sh -c '! command -v nvcc' > /dev/null
 check "no nvcc on the tests' PATH" $?
-run "$VPY" -c "import flexdma, os, sys; sys.exit(not os.path.realpath(flexdma.__file__).startswith(os.path.realpath(sys.prefix) + os.sep))"
-check "flexdma imports from the venv ($(run "$VPY" -c 'import flexdma; print(flexdma.__file__)' 2>/dev/null))" $?
+run "$VPY" -c "import flexdma, os, sys; sys.exit(not os.path.realpath(flexdma.__file__).startswith(os.path.realpath('$w/site') + os.sep))"
+check "flexdma imports from the installed wheel ($(run "$VPY" -c 'import flexdma; print(flexdma.__file__)' 2>/dev/null))" $?
 run "$VPY" -W error -c "import flexdma" >> "$log" 2>&1
 check "import flexdma without a warning (python -W error)" $?
 run timeout 120 "$VPY" -m flexdma >> "$log" 2>&1
