@@ -224,10 +224,27 @@ std::vector<Seq> varlen_seqs(const at::Tensor& cu_q, const at::Tensor& cu_k, int
   return seqs;
 }
 
-// The selection of one sequence (window > 0): key_rank / row_thr of its per-key bias (float64
-// scores ranked as float32, as flash_dma_attention's selection ranks them).
+// float64 scores (P1, P2, K) as float32 keys in their order, every one distinct, -inf kept (not
+// eligible): the selection ranks only by order, and rounding the scores to float32 would tie those
+// apart by less than float32's resolution. The rule of flexdma/perkey/contract.py's float64_order,
+// which the dense per-key path's selection ranks: key j's value falls with its rank by (score
+// desc, index asc; NaN first), as float32 bit patterns from the smallest normal number up.
+at::Tensor float64_order(const at::Tensor& scores) {
+  constexpr int64_t kFltMinBits = 0x00800000, kMaxKeys = 0x7F800000 - kFltMinBits;  // below +inf's bits
+  const int64_t K = scores.size(-1);
+  TORCH_CHECK_VALUE(K <= kMaxKeys, "flexdma::varlen: a float64 bias takes at most ", kMaxKeys,
+                    " keys a sequence to select from, got ", K);
+  const at::Tensor by_rank = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true));
+  const at::Tensor ranks = at::arange(K, by_rank.options()).expand_as(by_rank);
+  const at::Tensor rank = at::empty_like(by_rank).scatter_(-1, by_rank, ranks);
+  const double inf = std::numeric_limits<double>::infinity();
+  return ((K - 1 + kFltMinBits) - rank).to(at::kInt).view(at::kFloat).masked_fill(scores == -inf, -inf);
+}
+
+// The selection of one sequence (window > 0): key_rank / row_thr of its per-key bias, float64
+// scores by their float64 order, as flash_dma_attention's selection ranks them.
 std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const Seq& s, int64_t window, bool causal) {
-  const at::Tensor scores = bias.scalar_type() == at::kDouble ? bias.squeeze(2).to(at::kFloat) : bias.squeeze(2);
+  const at::Tensor scores = bias.scalar_type() == at::kDouble ? float64_order(bias.squeeze(2)) : bias.squeeze(2);
   auto [rank, thr, lists] = topk_select_cpu(scores, window, s.nq, causal, kTopkCpuTileRows);
   return {rank, thr};
 }

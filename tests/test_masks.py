@@ -355,17 +355,32 @@ def test_keep_window_size_float64_ranks_in_float64(backend, Q):
     assert (wrong - ref).abs().max() > 1e-3  # the float32 rule's keys give another output
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flexdma::varlen_fwd's CPU selection (ops/flexdma_ops.cpp, varlen_select) ranks float64 scores as float32",
-)
 def test_varlen_keep_window_size_float64_ranks_in_float64():
-    K, W = 48, 5
-    bias = _near_tie_bias(K, range(10, 40, 3), seed=7)[0, :, 0]  # (heads, total_k)
+    """The packed op (flexdma::varlen_fwd / varlen_bwd's CPU selection) selects each sequence on
+    its float64 scores: output and gradients are attention over the float64 mask (1e-12)."""
+    W, lens = 5, (48, 41)
+    biases = [_near_tie_bias(n, range(10, 40, 3), seed=7 + i)[0, :, 0] for i, n in enumerate(lens)]
+    bias = torch.cat(biases, -1).requires_grad_()  # (heads, total_k)
     torch.manual_seed(0)
-    q, k, v = (t[0] for t in make_qkv(1, K, K, 4, 2, 64, dtype=torch.float64))
-    cu = torch.tensor([0, K], dtype=torch.int32)
-    out = flexdma.flash_dma_attention_varlen(q, k, v, cu, cu, K, K, bias, is_causal=True, keep_window_size=W)
-    mask = flexdma.create_mask(bias[None, :, None], W, is_causal=True, query_len=K)
-    ref, _ = flexdma.attention_ref(q[None], k[None], v[None], mask, bias[None, :, None], is_causal=True)
-    torch.testing.assert_close(out, ref[0], rtol=1e-12, atol=1e-12)
+    q, k, v = (t[0].requires_grad_() for t in make_qkv(1, sum(lens), sum(lens), 4, 2, 64, dtype=torch.float64))
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    out = flexdma.flash_dma_attention_varlen(
+        q, k, v, cu, cu, max(lens), max(lens), bias, is_causal=True, keep_window_size=W
+    )
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v, bias), dout)
+    refs, wrongs = [], []
+    for i, n in enumerate(lens):
+        rows = slice(sum(lens[:i]), sum(lens[: i + 1]))
+        qi, ki, vi, bi = q[rows][None], k[rows][None], v[rows][None], bias[:, rows][None, :, None]
+        mask = flexdma.create_mask(bi.detach(), W, is_causal=True, query_len=n)
+        refs.append(flexdma.attention_ref(qi, ki, vi, mask, bi, is_causal=True)[0][0])
+        mask32 = flexdma.create_mask(bi.detach().float(), W, is_causal=True, query_len=n)
+        wrongs.append(flexdma.attention_ref(qi, ki, vi, mask32, bi, is_causal=True)[0][0])
+    ref = torch.cat(refs)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, torch.autograd.grad(ref, (q, k, v, bias), dout)):
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+    # The float32 rule's keys give another output in every sequence.
+    for i, wrong in enumerate(wrongs):
+        assert (wrong - refs[i]).abs().max() > 1e-3
