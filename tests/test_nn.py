@@ -394,3 +394,87 @@ def test_kept_set_updates_equal_the_selection_of_every_prefix(seed, per_step):
         for t in range(T):
             assert torch.equal(members(rows.idx, rows.keep[:, :, t]), want(n0 + t + 1)), (n0, t)
         kept = rows.kept
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_step", [1, 3])
+def test_float64_kept_set_updates_rank_in_float64(per_step, device):
+    # flexdma.perkey.decode on float64 scores ranks them in float64, as the selection does: keys
+    # whose scores differ below float32's resolution are not ties (the newer, higher one wins),
+    # positive and negative ones alike, beside NaN, -0.0 / +0.0, -inf and padding. On CUDA the
+    # float64 steps take the torch ops, not the float32 kernel.
+    from flexdma.perkey import decode
+
+    g = torch.Generator().manual_seed(3)
+    B, P, K, W, K0 = 2, 3, 40, 6, 3
+    s = torch.randn(B, P, K, generator=g, dtype=torch.float64)
+    steps = torch.rand(B, P, 9, generator=g, dtype=torch.float64).add(0.5).cumsum(-1)
+    s[..., 4:13] = 3.0 + 1e-12 * steps  # rising with the index, above every other score
+    s[0, 1, 20:26] = -0.5 - 1e-12 * torch.arange(6, 0, -1, dtype=torch.float64)
+    s[0, 1, 14:20] = -10.0  # so the negative group competes for the last slots of its plane
+    s[0, 0, 30], s[1, 1, 31], s[1, 2, 32] = float("nan"), -0.0, 0.0
+    s[1, 0, 33:35] = float("-inf")
+    assert (s[..., 4:13].float() == 3.0).all() and (s[0, 1, 20:26].float() == -0.5).all()
+    eligible = (torch.rand(B, 1, K, generator=g) < 0.9).expand(B, P, K)
+    s, eligible = s.to(device), eligible.to(device)
+    masked = s.masked_fill(~eligible, float("-inf"))
+
+    def members(idx, keep):  # key membership (free slots repeat key indices: added, not written)
+        return torch.zeros(B, P, K, dtype=torch.int64, device=device).scatter_add_(-1, idx, keep.long()) > 0
+
+    def want(scores, n):  # the top-W of the first n keys (a stable float64 sort)
+        kept = decode.last_row(scores[..., :n], W)
+        return members(kept.idx, kept.valid)
+
+    kept = decode.last_row(masked[..., :K0], W)
+    differs = 0  # prefixes whose float32 rule keeps other keys: the near ties decide
+    for n0 in range(K0, K, per_step):
+        T = min(per_step, K - n0)
+        rows = decode.append_rows(kept, s[..., n0 : n0 + T], n0, eligible[..., n0 : n0 + T])
+        for t in range(T):
+            assert torch.equal(members(rows.idx, rows.keep[:, :, t]), want(masked, n0 + t + 1)), (n0, t)
+            differs += not torch.equal(want(masked, n0 + t + 1), want(masked.float(), n0 + t + 1))
+        kept = rows.kept
+    assert differs > 10
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+def test_float64_cache_steps_rank_in_float64(per_step):
+    # A float64 DynamicMaskAttention decoded through its cache's O(W) kept-set update equals the
+    # whole sequence at once when scores tie only in float32: a group of tokens whose importance
+    # scores rise by ~1e-9 relative (one float32 value), above every other key, with unrelated
+    # keys and values. The float64 order keeps the group's newest W, the float32 rule its oldest.
+    torch.manual_seed(0)
+    B, S, P, W, hidden = 2, 40, 6, 5, 32
+    group = range(10, 10 + W + 4)
+    layer = DynamicMaskAttention(hidden, 4, 2, keep_window_size=W, dtype=torch.float64)
+    with torch.no_grad():
+        layer.A.uniform_(0.5, 1.0)
+    # z(x) = G x: the pre-softplus scores of every kv head (v_proj has no bias). Group token i is
+    # random with its component in G's row space replaced: z = c + 1e-9 * i in every head.
+    G = layer.dt_proj.detach() @ layer.v_proj.weight.detach()
+    pinv = torch.linalg.pinv(G)  # (hidden, KVH): G @ pinv = I
+    x = torch.randn(B, S, hidden, dtype=torch.float64)
+    c = (x @ G.T).max().item() + 3.0
+    for i, t in enumerate(group):
+        r = x[:, t] - x[:, t] @ G.T @ pinv.T
+        x[:, t] = r + (c + 1e-9 * i) * pinv.sum(-1)
+    rope = lambda a, b: rotary_cos_sin(torch.arange(a, b), 8, dtype=torch.float64)  # noqa: E731
+    full, full_cache = layer(x, rope(0, S), use_cache=True)
+    bias = full_cache.bias[:, :, None, :]  # (B, KVH, 1, S)
+    g = bias[..., list(group)]
+    assert (g.float() == g[..., :1].float()).all() and (g.diff(dim=-1) > 0).all()
+    assert (bias[..., list(group)].amin(-1) > bias[..., [t for t in range(S) if t not in group]].amax(-1)).all()
+    out, cache = layer(x[:, :P], rope(0, P), use_cache=True)
+    outs = [out]
+    with torch.no_grad():
+        for t in range(P, S, per_step):
+            e = min(t + per_step, S)
+            out, cache = layer(x[:, t:e], rope(t, e), past_key_value=cache, use_cache=True)
+            outs.append(out)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-12, rtol=1e-10)
+    want = flexdma.create_mask(bias, W, is_causal=True, query_len=S)[:, :, -1]
+    got = torch.zeros(want.shape, dtype=torch.int32).scatter_add_(-1, cache.sel_idx, cache.sel_valid.int())
+    assert torch.equal(got > 0, want)
+    assert want[..., group[-W] : group[-1] + 1].all() and want.sum(-1).eq(W).all()  # the group's newest W
+    assert not torch.equal(flexdma.create_mask(bias.float(), W, is_causal=True, query_len=S)[:, :, -1], want)

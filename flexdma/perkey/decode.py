@@ -36,12 +36,18 @@ class KeptSet(NamedTuple):
 
 
 def _order_key(s: torch.Tensor) -> torch.Tensor:
-    """int32 that orders like the scores, NaN above +inf and -0.0 equal to +0.0 (the selection's
-    order without the index tie-break)."""
-    bits = s.float().view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    """An integer that orders like the scores, NaN above +inf and -0.0 equal to +0.0 (the
+    selection's order without the index tie-break): int64 for float64 scores, which the selection
+    ranks in float64 (contract.float64_order), else int32 of the float32 value (float16 / bfloat16
+    convert exactly)."""
+    if s.dtype == torch.float64:
+        bits, flip = s.view(torch.int64), 0x7FFFFFFFFFFFFFFF
+    else:
+        bits, flip = s.float().view(torch.int32), 0x7FFFFFFF
+    # A negative number's bits grow with its magnitude: all but the sign flipped, they fall.
+    key = torch.where(bits < 0, bits ^ flip, bits)
     key = torch.where(s == 0, torch.zeros_like(key), key)
-    return torch.where(s.isnan(), torch.full_like(key, 0x7FFFFFFF), key)
+    return torch.where(s.isnan(), torch.full_like(key, flip), key)
 
 
 def last_row(scores: torch.Tensor, window: int) -> KeptSet:
@@ -68,7 +74,7 @@ def append(kept: KeptSet, s_new: torch.Tensor, position: int, eligible: torch.Te
     eligible = eligible & (s_new != float("-inf"))
     order = _order_key(kept.score)
     # The worst kept key: the lowest score, among equal ones the highest index.
-    worst = order.masked_fill(~kept.valid, 2**31 - 1).min(-1, keepdim=True).values
+    worst = order.masked_fill(~kept.valid, torch.iinfo(order.dtype).max).min(-1, keepdim=True).values
     worst_slot = kept.idx.masked_fill(~(kept.valid & (order == worst)), -1).argmax(-1)
     free = ~kept.valid.all(-1)
     slot = torch.where(free, (~kept.valid).int().argmax(-1), worst_slot)
@@ -101,8 +107,9 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     extends): on CUDA with an int start by one kernel (flexdma/perkey/triton_rows.py), else by
     torch ops, which then write their result back (under transformers' compiled generation the set
     so stays in the buffers the prefill allocated: a CUDA graph's outputs are overwritten by its
-    next replay)."""
-    if isinstance(start, int) and _one_kernel_ok(kept.idx.device):
+    next replay). float64 scores take the torch ops: the kernel ranks in float32, and a float64
+    set is ranked in float64 (_order_key)."""
+    if isinstance(start, int) and kept.score.dtype != torch.float64 and _one_kernel_ok(kept.idx.device):
         from .triton_rows import append_rows as one_kernel
 
         return one_kernel(kept, s_new, start, eligible)
