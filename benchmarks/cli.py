@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -34,7 +34,7 @@ from flexdma.reference import attention_ref
 from . import configs, cp, cpu, decode, report, topk, varlen
 from . import inputs as inputs_mod
 from . import peers as peers_mod
-from .common import public_argv, write_json
+from .common import peak_memory, public_argv, write_json
 
 WARMUP_MS, REP_MS = 25, 100
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -157,18 +157,6 @@ def _bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median"))
 
 
-def _peak(fn) -> Dict[str, float]:
-    """Peak allocated memory during one call, absolute and above what was allocated before it."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    res = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del res
-    return {"peak_mib": peak / 2**20, "extra_mib": (peak - before) / 2**20}
-
-
 def _error_record(e: BaseException) -> dict:
     if isinstance(e, peers_mod.Unavailable):
         return {"status": "unavailable", "reason": str(e)}
@@ -214,7 +202,7 @@ def _time_peer(peer: str, case: configs.Case, inp, direction: str, options) -> d
         torch.cuda.synchronize()
         rec["prep_s"] = time.perf_counter() - t0
         rec["ms"] = _bench(call)
-        rec.update(_peak(call))
+        rec.update(peak_memory(call))
         rec["status"] = "ok"
     except BaseException as e:  # noqa: BLE001 - a peer's failure is a result, not a crash
         if isinstance(e, KeyboardInterrupt):

@@ -8,7 +8,7 @@ import gc
 import json
 import os
 import time
-from typing import List
+from typing import Dict, List
 
 import torch
 
@@ -166,3 +166,15 @@ class Saving:
 
         self.doc[key] = Rows()
         return self.doc[key]
+
+
+def peak_memory(fn) -> Dict[str, float]:
+    """Peak allocated memory during one call, absolute and above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del res
+    return {"peak_mib": peak / 2**20, "extra_mib": (peak - before) / 2**20}

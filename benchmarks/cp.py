@@ -58,7 +58,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .common import Saving, public_argv, run_section, runs_of, table
+import flexdma
+import flexdma.distributed as fdist
+from flexdma.integrations.transformers import patch_doge
+
+from .common import Saving, peak_memory, public_argv, run_section, runs_of, table
 from .topk import DOGE, _pair, _time
 
 SCHEMA = "flexdma-cp-bench/1"
@@ -192,16 +196,12 @@ def _peak(fn, cuda: bool) -> Optional[dict]:
     """Peak allocated memory during one call: absolute, and above what was allocated before it."""
     if not cuda:
         return None
-    from .cli import _peak as peak  # cli imports this module: taken when called
-
     gc.collect()
-    return peak(fn)
+    return peak_memory(fn)
 
 
 def _exchanged(fn, cuda: bool) -> dict:
     """This rank's exchange counters over one call of fn."""
-    import flexdma.distributed as fdist
-
     fdist.exchange_stats(reset=True)
     out = fn()
     if cuda:
@@ -259,8 +259,6 @@ def _fwd_and_train(call, leaves: list, dout: torch.Tensor):
 
 def cp_row(ranks: Ranks, shape: dict, L: int, dtype, seed: int) -> dict:
     """The per-key CP call at L tokens over the ranks: times, bytes, peaks (every rank calls this)."""
-    import flexdma.distributed as fdist
-
     P, dev, cuda = ranks.P, ranks.device, ranks.cuda
     case = dict(name=f"L={size(L)} P={P}", L=L, P=P, L_local=L // P, bias_heads=shape["KVH"], **shape)
     case["dtype"] = str(dtype).replace("torch.", "")
@@ -289,8 +287,6 @@ def cp_row(ranks: Ranks, shape: dict, L: int, dtype, seed: int) -> dict:
 
 def single_row(shape: dict, L: int, dtype, device, cuda: bool, seed: int) -> dict:
     """flash_dma_attention over the whole sequence on this process's device alone."""
-    import flexdma
-
     row: dict = dict(case=dict(name=f"one GPU L={size(L)}", L=L, P=1, **shape))
     try:
         q, k, v = _qkv(shape, L, device, dtype, seed + 1)
@@ -363,8 +359,6 @@ def dense_row(ranks: Ranks, shape: dict, L: int, dtype, seed: int, options=DENSE
 def _doge_model(config: dict, L: int, device, dtype, group=None):
     from transformers import DogeConfig, DogeForCausalLM
 
-    from flexdma.integrations.transformers import patch_doge
-
     torch.manual_seed(0)  # the same weights on every rank
     cfg = DogeConfig(max_position_embeddings=L, **config)
     model = DogeForCausalLM(cfg)
@@ -410,8 +404,6 @@ def _doge_step(model, ids, pos, labels, total: int, group=None) -> Callable:
 
 
 def doge_cp_row(ranks: Ranks, config: dict, L: int, dtype) -> dict:
-    import flexdma.distributed as fdist
-
     P, cuda = ranks.P, ranks.cuda
     row: dict = dict(case=dict(name=f"Doge CP L={size(L)} P={P}", L=L, P=P, A=f"U{list(A_RANGE)}", **config))
     model = _doge_model(config, L, ranks.device, dtype, ranks.group)
