@@ -338,3 +338,51 @@ def _doge_decode_worker(rank, world):
 def test_patched_doge_with_cp_rejects_decoding():
     pytest.importorskip("transformers")
     spawn(2, _doge_decode_worker)
+
+
+def _decode_worker(rank, world):
+    """A decode step over a cache sharded unevenly by rank (one shard empty at 3 ranks) against the
+    one-process per-key call over the whole cache, float64 (1e-12); what moves is the lists and
+    one partial output per rank."""
+    cases = [
+        dict(B=1, K=37, Q=1, H=2, KVH=1, D=16, Bb=1, Hb=1, W=5),
+        dict(B=2, K=40, Q=3, H=4, KVH=2, D=32, Bb=2, Hb=2, W=9, pad=True),
+        dict(B=2, K=29, Q=1, H=4, KVH=2, D=16, Bb=1, Hb=4, W=64, pad=True, softcap=3.0),
+        dict(B=1, K=50, Q=2, H=2, KVH=2, D=8, Bb=1, Hb=1, W=1),
+    ]
+    for n, c in enumerate(cases):
+        g = torch.Generator().manual_seed(100 + n)
+        B, K, Q, H, KVH, D, W = (c[x] for x in ("B", "K", "Q", "H", "KVH", "D", "W"))
+        q = torch.randn(B, Q, H, D, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(B, K, KVH, D, generator=g, dtype=torch.float64) for _ in range(2))
+        bias = torch.rand(c["Bb"], c["Hb"], 1, K, generator=g, dtype=torch.float64)
+        mask = (torch.rand(B, K, generator=g) > 0.3) if c.get("pad") else None
+        kw = dict(softcap=c.get("softcap", 0.0))
+        want = flexdma.flash_dma_attention(
+            q, k, v, None if mask is None else mask[:, None, None, :], bias, keep_window_size=W, **kw
+        )
+        # Shards: a permutation of the positions cut at random points (ranks hold any keys).
+        perm = torch.randperm(K, generator=g)
+        cuts = sorted(torch.randint(0, K + 1, (world - 1,), generator=g).tolist())
+        if world == 3:
+            cuts[0] = 0  # rank 0's shard is empty
+        own = perm[([0] + cuts)[rank] : (cuts + [K])[rank]].sort().values
+        exchange_stats(reset=True)
+        got = flexdma.distributed.context_parallel_decode(
+            q, k[:, own], v[:, own], bias[..., own], keep_window_size=W, key_index=own,
+            attn_mask=None if mask is None else mask[:, own], **kw,
+        )  # fmt: skip
+        assert _max_err(got, want) <= TOL, (rank, c, _max_err(got, want))
+        sent = exchange_stats()["forward_sent_bytes"]
+        Bs = B if (mask is not None or c["Bb"] == B) else 1
+        lists = 2 * Bs * c["Hb"] * W * 8
+        assert sent == (world - 1) * (13 * 8 + lists + B * Q * H * D * 8 + B * H * Q * 8), (sent, c)
+    with pytest.raises(ValueError, match="inference-only"):
+        flexdma.distributed.context_parallel_decode(
+            q.requires_grad_(), k, v, bias, keep_window_size=2, key_index=torch.arange(k.shape[1])
+        )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_decode_over_a_sharded_cache(world):
+    spawn(world, _decode_worker)
