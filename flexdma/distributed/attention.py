@@ -42,10 +42,10 @@ from .layout import chunk_of, owner_of
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 _NEG_INF = float("-inf")
-# What every rank of a call must agree on (one int64 each, floats by their bits).
-_SIGNATURE = (
+# What every rank of a call must agree on (one int64 each, floats by their bits); each entry
+# point adds its own fields.
+SIGNATURE = (
     "batch",
-    "local_length",
     "heads",
     "kv_heads",
     "head_dim",
@@ -54,11 +54,26 @@ _SIGNATURE = (
     "bias_heads",
     "attn_mask",
     "keep_window_size",
-    "is_causal",
     "softmax_scale",
     "softcap",
-    "requires_grad",
 )
+
+
+def signature(query, key, bias, attn_mask, window: int, scale: float, softcap: float) -> dict:
+    """The SIGNATURE fields of a checked call."""
+    return dict(
+        batch=query.shape[0],
+        heads=query.shape[2],
+        kv_heads=key.shape[2],
+        head_dim=query.shape[3],
+        dtype=_DTYPE_CODES[query.dtype],
+        bias_batch=bias.shape[0],
+        bias_heads=bias.shape[1],
+        attn_mask=attn_mask is not None,
+        keep_window_size=window,
+        softmax_scale=_group.float_bits(scale),
+        softcap=_group.float_bits(softcap),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +290,7 @@ def context_parallel_attention(
     """
     pg = _group.resolve(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    problem, fields = None, dict.fromkeys(_SIGNATURE, 0)
+    problem, fields = None, dict.fromkeys(SIGNATURE + ("local_length", "is_causal", "requires_grad"), 0)
     device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
     try:
         bias, W, scale, softcap = _check_local(
@@ -285,19 +300,9 @@ def context_parallel_attention(
         B, L, H, D = query.shape
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias))
         fields.update(
-            batch=B,
+            signature(query, key, bias, attn_mask, W, scale, softcap),
             local_length=L,
-            heads=H,
-            kv_heads=key.shape[2],
-            head_dim=D,
-            dtype=_DTYPE_CODES[query.dtype],
-            bias_batch=bias.shape[0],
-            bias_heads=bias.shape[1],
-            attn_mask=attn_mask is not None,
-            keep_window_size=W,
             is_causal=is_causal,
-            softmax_scale=_group.float_bits(scale),
-            softcap=_group.float_bits(softcap),
             requires_grad=needs_grad,
         )
     except (TypeError, ValueError) as e:

@@ -24,24 +24,10 @@ from .. import _checks
 from ..api import flash_dma_attention
 from ..perkey import contract as perkey
 from . import _group
-from .attention import _DTYPE_CODES, _NEG_INF
+from .attention import _NEG_INF, SIGNATURE, signature
 
-_SIGNATURE = (
-    "batch",
-    "query_rows",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "bias_batch",
-    "bias_heads",
-    "attn_mask",
-    "keep_window_size",
-    "softmax_scale",
-    "softcap",
-)
-# Global key positions are compared below this bound (the order key packs them in 32 bits).
-_MAX_INDEX = (1 << 32) - 1
+# Positions of the padding entries of a short list: above every cached key's.
+_MAX_INDEX = (1 << 62) - 1
 
 
 def _check_local(query, key, value, attn_bias, attn_mask, key_index, keep_window_size, softmax_scale, softcap):
@@ -110,27 +96,14 @@ def context_parallel_decode(
     W-entry top list per selection plane and one partial output and log-sum-exp per row: O(P·W)
     entries, never a cached row. Inference only (no autograd)."""
     pg = _group.resolve(group)
-    problem, fields = None, dict.fromkeys(_SIGNATURE, 0)
+    problem, fields = None, dict.fromkeys(SIGNATURE + ("query_rows",), 0)
     device = key.device if isinstance(key, torch.Tensor) else torch.device("cpu")
     try:
         bias, W, scale, softcap = _check_local(
             query, key, value, attn_bias, attn_mask, key_index, keep_window_size, softmax_scale, softcap
         )
         _group.check_device(pg, device, "key")
-        fields.update(
-            batch=query.shape[0],
-            query_rows=query.shape[1],
-            heads=query.shape[2],
-            kv_heads=key.shape[2],
-            head_dim=query.shape[3],
-            dtype=_DTYPE_CODES[query.dtype],
-            bias_batch=bias.shape[0],
-            bias_heads=bias.shape[1],
-            attn_mask=attn_mask is not None,
-            keep_window_size=W,
-            softmax_scale=_group.float_bits(scale),
-            softcap=_group.float_bits(softcap),
-        )
+        fields.update(signature(query, key, bias, attn_mask, W, scale, softcap), query_rows=query.shape[1])
     except (TypeError, ValueError) as e:
         problem = e
     _group.agree(pg, _group.comm_device(pg, device), fields, problem)
