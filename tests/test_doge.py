@@ -468,6 +468,11 @@ def test_cuda_static_cache_compiled_generation():
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # The model compiled whole (its prompt and steps traced, Inductor), DynamicCache: the same tokens.
+    compiled = copy.deepcopy(patched)
+    compiled.compile(fullgraph=True)
+    torch._dynamo.reset()
+    assert torch.equal(compiled.generate(ids, **kw).sequences, want.sequences)
 
 
 @torch.no_grad()
@@ -542,3 +547,170 @@ def test_packed_batch_rejections():
         patched(input_ids=ids[:1], cu_seq_lens_q=cu, use_cache=False)
     with pytest.raises(ValueError, match="seq_idx"):
         patched(input_ids=ids, seq_idx=torch.zeros(2, 6, dtype=torch.int32), use_cache=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile(model, fullgraph=True) of a patched model, called as users call it. aot_eager (the
+# traced forward and backward graphs run by eager kernels) where Inductor's compile time would make
+# the test slow; the Trainer test compiles with the default backend, Inductor.
+
+
+def _output_cache(out):
+    # The cache the model returns: `cache` from transformers 5.24 on, `past_key_values` before.
+    return next(out[k] for k in ("cache", "past_key_values") if k in out)
+
+
+def _call_kwargs(form: str, mask: bool, use_cache):
+    """A batch of one sequence, a left-padded batch, or rows of sequences packed by position ids
+    that restart (one of a single token); with or without the attention mask, with use_cache left
+    at its default or False."""
+    B = 1 if form == "one" else 2
+    kw = dict(input_ids=_ids(B, 12))
+    am = torch.ones(B, 12, dtype=torch.long)
+    if form == "padded":
+        am[1, :4] = 0
+    if form == "packed":
+        kw["position_ids"] = torch.stack([torch.cat([torch.arange(n) for n in lens]) for lens in ([5, 7], [3, 1, 8])])
+    if mask:
+        kw["attention_mask"] = am
+    if use_cache is False:
+        kw["use_cache"] = False
+    return kw
+
+
+@pytest.mark.parametrize("use_cache", ["default", False], ids=["use_cache_default", "no_cache"])
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no_mask"])
+@pytest.mark.parametrize("form", ["one", "padded", "packed"])
+def test_compiled_train_steps_match_eager(form, mask, use_cache):
+    # Two train steps (forward, backward, AdamW step) of the compiled model and of the eager one:
+    # the same logits, gradients and kept sets (with a cache), one graph for both steps. Traced, a
+    # call without attention_mask runs through the packed path whatever its position ids (nothing
+    # is read on the host): the same numbers as the eager model's padded call.
+    _, eager = _models(torch.float64, layers=1)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    kw = _call_kwargs(form, mask, use_cache)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        runs = []
+        for m, call, opt in ((eager, eager, opts[0]), (model, compiled, opts[1])):
+            out = call(**kw, labels=kw["input_ids"])
+            out.loss.backward()
+            grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+            cache = _output_cache(out) if use_cache == "default" else None
+            kept = None if cache is None else fx._kept_state(cache, m.model.layers[0].self_attn).kept
+            runs.append((out.logits.detach(), grads, kept))
+            opt.step()
+            opt.zero_grad()
+        (le, ge, ke), (lc, gc, kc) = runs
+        torch.testing.assert_close(lc, le, atol=1e-12, rtol=1e-10)
+        assert ge.keys() == gc.keys() and any("dt_proj" in n for n in ge) and any(n.endswith(".A") for n in ge)
+        for n in ge:
+            torch.testing.assert_close(gc[n], ge[n], atol=1e-12, rtol=1e-10, msg=lambda m: f"{n}: {m}")
+        assert (kc is None) == (use_cache != "default")
+        if kc is not None:
+            assert torch.equal(kc.idx, ke.idx) and torch.equal(kc.valid, ke.valid)
+            torch.testing.assert_close(kc.score, ke.score, atol=1e-12, rtol=1e-10)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_compiled_generate_matches_eager(cache_implementation):
+    # generate of the compiled model (its prompt and its decode steps traced; a static cache's
+    # prompt on the window of the capacity that ends at its last key): the eager model's tokens.
+    _, patched = _models(torch.float32, layers=2)
+    ids = _ids(2, 7)
+    am = torch.ones(2, 7, dtype=torch.long)
+    am[0, :2] = 0
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    if cache_implementation == "static":
+        kw["cache_implementation"] = "static"
+    want = patched.generate(ids, **kw)
+    compiled = copy.deepcopy(patched)
+    compiled.compile(fullgraph=True, backend="aot_eager")
+    torch._dynamo.reset()
+    assert torch.equal(compiled.generate(ids, **kw), want)
+
+
+def test_trainer_trains_the_compiled_model(tmp_path):
+    # transformers.Trainer on the model compiled whole with the default backend (Inductor), as users
+    # train: the eager model's losses and parameters step after step, and the loss goes down (one
+    # sequence, no attention_mask, use_cache left at its default).
+    pytest.importorskip("accelerate")  # the Trainer needs it
+    _, patched = _models(torch.float32, layers=1)
+    seq = _ids(1, 12)[0]
+    data = [{"input_ids": seq, "labels": seq}] * 8
+    runs = []
+    for compiled in (False, True):
+        model = copy.deepcopy(patched)
+        if compiled:
+            torch._dynamo.reset()
+            model.compile(fullgraph=True)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(compiled)), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2,
+            lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        runs.append(([h["loss"] for h in trainer.state.log_history if "loss" in h], model))
+    (le, eager), (lc, model) = runs
+    assert len(lc) == 4 and lc[-1] < lc[0], lc
+    assert lc == pytest.approx(le, rel=1e-5)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_mask_interface_takes_transformers_masks_only():
+    # The padding-mask builder patch_doge installs takes the masks transformers composes for Doge --
+    # causal, and causal within the packed sequences of position ids that restart -- and refuses a
+    # custom overlay (it would vary the visible keys by row).
+    from transformers.masking_utils import create_causal_mask
+
+    _, patched = _models(torch.float32, layers=1)
+    params = inspect.signature(create_causal_mask).parameters
+    kw = dict(config=patched.config, attention_mask=None, position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = torch.randn(1, 6, 32)
+    kw["cache" if "cache" in params else "past_key_values"] = None
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(6)
+    assert create_causal_mask(**kw) is None  # packed: the layers read the sequences from the position ids
+    am = torch.ones(1, 6, dtype=torch.long)
+    am[0, 0] = 0
+    assert torch.equal(create_causal_mask(**{**kw, "attention_mask": am}), am.bool())
+    for overlay in ("or_mask_function", "and_mask_function"):
+        with pytest.raises(NotImplementedError, match="custom mask overlays"):
+            create_causal_mask(**kw, **{overlay: lambda b, h, q, kv: kv >= 0})
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no_mask"])
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_cuda_compiled_train_step(form, mask):
+    # On CUDA with Inductor, as users train: a bf16 train step of the compiled model (head_dim 64:
+    # the flexdma CUDA ops in the graph; without attention_mask the packed ones) against the eager
+    # model's, within bf16's rounding of fused and unfused ops.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
+    _, eager = _models(torch.float32, layers=2, hidden=256)
+    eager = eager.to("cuda", torch.bfloat16)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True)
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _call_kwargs(form, mask, "default").items()}
+    torch._dynamo.reset()
+    runs = []
+    for m, call in ((eager, eager), (model, compiled)):
+        out = call(**kw, labels=kw["input_ids"])
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (le, ge), (lc, gc) = runs
+    assert _rel_err(lc, le) < 2e-2
+    assert ge.keys() == gc.keys()
+    for n in ge:
+        assert _rel_err(gc[n], ge[n]) < 5e-2, n

@@ -172,10 +172,12 @@ def _doge_padding_mask(
 
     if kv_length is None or kv_length <= 0:
         raise ValueError(f"patch_doge: the mask interface needs the key length (kv_length), got {kv_length!r}")
-    if mask_function is not causal_mask_function and not _is_packed_causal(mask_function, causal_mask_function):
+    if mask_function is not causal_mask_function and not _is_packed_causal(
+        mask_function, causal_mask_function, attention_mask, kwargs.get("use_vmap", False)
+    ):
         raise NotImplementedError(
-            "patch_doge supports the plain causal mask (+ padding) only: packed sequences, "
-            "sliding windows and custom mask overlays vary by row"
+            "patch_doge takes transformers' causal mask (with padding, or with the packed sequences it "
+            "finds in position ids) only: sliding windows and custom mask overlays vary by row"
         )
     if attention_mask is None:
         return None
@@ -190,21 +192,33 @@ def _doge_padding_mask(
     return mask
 
 
-def _is_packed_causal(mask_function, causal) -> bool:
+def _is_packed_causal(mask_function, causal, attention_mask, use_vmap: bool) -> bool:
     """Whether mask_function is transformers' causal mask restricted to packed sequences (what it
-    builds for position ids that restart): the patched layers read the packing from the position
-    ids themselves. Recognised by its parts, in the releases tested (README): and_masks of the
-    causal mask (4.56; 5.x wraps it in remap_positions_for_packed_sequence) and
-    packed_sequence_mask_function."""
+    builds for position ids that restart, and traced for any position ids: it cannot read them
+    there): the patched layers read the packing from the position ids themselves. Recognised by
+    its parts, in the releases tested (README): and_masks of the causal mask (4.56; 5.x wraps it in
+    remap_positions_for_packed_sequence) and packed_sequence_mask_function."""
 
     def cells(f):
         return [c.cell_contents for c in (getattr(f, "__closure__", None) or ())]
 
     def name(f):
-        return getattr(f, "__qualname__", "")
+        # (Not getattr with a default: traced, that gives the default for a function made in the graph.)
+        try:
+            return f.__qualname__
+        except AttributeError:
+            return ""
 
     if not name(mask_function).startswith("and_masks."):
         return False
+    try:
+        mask_function.__closure__
+    except AttributeError:
+        # Traced (torch.compile), a function made inside the graph shows no closure. By what
+        # transformers passes: it composes a mask for packing only without a padding mask, and
+        # 5.x says use_vmap for a custom overlay (4.56 does not: there a traced and_mask_function
+        # overlay without padding passes unseen).
+        return attention_mask is None and not use_vmap
     parts = next((c for c in cells(mask_function) if isinstance(c, tuple)), ())
     packed = [p for p in parts if name(p).startswith("packed_sequence_mask_function.")]
     rest = [p for p in parts if p not in packed]
@@ -313,7 +327,7 @@ def _doge_attention_forward(
         # A static cache returns its capacity, unwritten slots included. The keys written so far:
         # a one-token step with kept sets attends through them, the new key's position a device
         # tensor (no host wait: a CUDA graph can hold the step); any other call reads the count on
-        # the host and runs on the written keys alone.
+        # the host and runs on the written keys alone (traced, on a window of the capacity).
         end = _static_end(cache, self.layer_idx, cache_position)
         state = _kept_state(cache, self)
         if _steps_through(self, state, grad, input_shape, key_states):
@@ -321,6 +335,8 @@ def _doge_attention_forward(
                 self, query_states, key_states, value_states, new_values, attention_mask, cache, state,
                 end - input_shape[1], -1,
             )  # fmt: skip
+        if torch.compiler.is_compiling():
+            return _doge_static_traced(self, query_states, key_states, value_states, attention_mask, cache, end)
         n = int(end)
         key_states, value_states = key_states[:, :, :n], value_states[:, :, :n]
         if attention_mask is not None:
@@ -349,30 +365,68 @@ def _doge_attention_forward(
     # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
     dt_states = _doge_scores(self, value_states)
     packed = _packed_offsets(kwargs, attention_mask, K != input_shape[1], input_shape)
-    if packed is not None:
-        # A packed prompt leaves no kept sets in a cache: a later step selects over its keys.
-        # Every (batch row, sequence) a sequence of its own: the rows flattened into one token axis.
-        cu, longest = packed
-        B, L = input_shape
-        out = flash_dma_attention_varlen(
-            query_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
-            key_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
-            value_states.transpose(1, 2).reshape(B * L, -1, self.head_dim),
-            cu,
-            cu,
-            longest,
-            longest,
-            dt_states.transpose(0, 1).reshape(dt_states.shape[1], B * L),
-            is_causal=True,
-            softmax_scale=self.scaling,
-            keep_window_size=self.keep_window_size,
-            backend=getattr(self, "_flexdma_backend", "auto"),
+    if packed is None:
+        out = _doge_dense(self, attention_mask, query_states, key_states, value_states, dt_states)
+    else:
+        out = _doge_varlen(self, *packed, query_states, key_states, value_states, dt_states)
+    if cache is not None:
+        # After a packed prompt too: the next token sees every key, as a selection over the cache would.
+        _keep_newest_row(self, cache, dt_states, attention_mask, K, kept_padding, static)
+    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _keep_newest_row(self, cache, dt_states, eligible, length: int, padding, static: bool) -> None:
+    """Keep in the cache the kept set of the newest row, which sees every key: what the next
+    token's step updates. `eligible`: None, or (B, K) False where a key is not one (padding);
+    `length` and `padding`: what the kept state records (_KeptState)."""
+    scores = dt_states.detach()
+    if eligible is not None:
+        scores = scores.masked_fill(~eligible[:, None, :].bool(), float("-inf"))
+    kept = decode.last_row(scores, self.keep_window_size)
+    if static and not torch.compiler.is_compiling():
+        # The compiled decode steps update these in place: static addresses to CUDA graphs.
+        for t in kept:
+            torch._dynamo.mark_static_address(t)
+    _set_kept_state(cache, self, _KeptState(kept, length, padding))
+
+
+def _doge_static_traced(self, query_states, key_states, value_states, attention_mask, cache, end):
+    """New tokens against a static cache without its kept sets, traced (torch.compile): the key
+    count `end` stays a device tensor, so the written keys cannot be sliced off. The rows attend to
+    the window of the capacity that ends at the last written key (slots before the first one masked
+    out), whose bottom-right causal cut is theirs; the kept sets come from every slot's score, the
+    unwritten ones masked out, and index the cache's slots."""
+    B, _, cap, _ = key_states.shape
+    if attention_mask is not None and tuple(attention_mask.shape) != (B, cap):
+        raise ValueError(
+            f"patch_doge: expected the static cache's ({B}, {cap}) padding mask from the model, got "
+            f"{tuple(attention_mask.shape)}"
         )
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
-    # The query rows are the last Q of the K keys (cache or not): bottom-right causal. The padding
-    # mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
+    slot = torch.arange(cap, device=key_states.device)
+    written = (slot < end).expand(B, cap)
+    if attention_mask is not None:
+        written = written & attention_mask.bool()
+    window = end - cap + slot
+    rows = window.clamp(min=0)
+    dt_states = _doge_scores(self, value_states)
+    out = _doge_dense(
+        self,
+        written.index_select(1, rows) & (window >= 0),
+        query_states,
+        key_states.index_select(2, rows),
+        value_states.index_select(2, rows),
+        dt_states.index_select(2, rows),
+    )
+    _keep_newest_row(self, cache, dt_states, written, -1, attention_mask, True)
+    return self.o_proj(out.reshape(*out.shape[:2], -1).contiguous()), None
+
+
+def _doge_dense(self, attention_mask, query_states, key_states, value_states, dt_states) -> torch.Tensor:
+    """One sequence a batch row: flash_dma_attention with the padding mask, (B, Q, H, D). The query
+    rows are the last Q of the K keys (cache or not): bottom-right causal."""
+    # The padding mask goes in 4-D: a 2-D one would read as (Q, K) when batch == Q.
     pad = None if attention_mask is None else attention_mask[:, None, None, :]
-    out = flash_dma_attention(
+    return flash_dma_attention(
         query_states.transpose(1, 2),
         key_states.transpose(1, 2),
         value_states.transpose(1, 2),
@@ -383,25 +437,39 @@ def _doge_attention_forward(
         keep_window_size=self.keep_window_size,
         backend=getattr(self, "_flexdma_backend", "auto"),
     )
-    if cache is not None:
-        # The newest row sees every key: its kept set is what the next token's step updates.
-        scores = dt_states.detach()
-        if attention_mask is not None:
-            scores = scores.masked_fill(~attention_mask[:, None, :].bool(), float("-inf"))
-        kept = decode.last_row(scores, self.keep_window_size)
-        if static and not torch.compiler.is_compiling():
-            # The compiled decode steps update these in place: static addresses to CUDA graphs.
-            for t in kept:
-                torch._dynamo.mark_static_address(t)
-        _set_kept_state(cache, self, _KeptState(kept, K, kept_padding))
-    return self.o_proj(out.reshape(*input_shape, -1).contiguous()), None
+
+
+def _doge_varlen(self, cu, longest: int, query_states, key_states, value_states, dt_states) -> torch.Tensor:
+    """Packed rows: every (batch row, sequence) a sequence of its own, the rows flattened into one
+    token axis, through flash_dma_attention_varlen; (B, L, H, D)."""
+    B, _, L, D = query_states.shape
+    out = flash_dma_attention_varlen(
+        query_states.transpose(1, 2).reshape(B * L, -1, D),
+        key_states.transpose(1, 2).reshape(B * L, -1, D),
+        value_states.transpose(1, 2).reshape(B * L, -1, D),
+        cu,
+        cu,
+        longest,
+        longest,
+        dt_states.transpose(0, 1).reshape(dt_states.shape[1], B * L),
+        is_causal=True,
+        softmax_scale=self.scaling,
+        keep_window_size=self.keep_window_size,
+        backend=getattr(self, "_flexdma_backend", "auto"),
+    )
+    return out.reshape(B, L, *out.shape[1:])
 
 
 def _packed_offsets(kwargs, attention_mask, cached: bool, input_shape) -> Optional[Tuple[torch.Tensor, int]]:
     """(cu_seqlens over the flattened batch, the longest sequence) of a packed batch, or None: from
     DataCollatorWithFlattening's FlashAttention kwargs, else from position ids that restart where
-    transformers finds packing (no padding mask, no cached keys before the call). Reading the
-    offsets waits for the device, as transformers' own check does."""
+    transformers looks for packing (no padding mask) and the patched layer can take it (no cached
+    keys before the call). Reading the position ids waits for the device, as transformers' own
+    check does. Traced (torch.compile, torch.export), whether they restart is not asked on the host:
+    the offsets come for every such call (as many as the sequences: a data-dependent size, no
+    graph break), with the row length as the longest, and one sequence a row runs through the
+    packed call too. (torch.cond would choose on the device, but in torch 2.13 attributes set after
+    it on objects made in the graph -- the cache's layers, with use_cache -- are lost.)"""
     B, L = input_shape
     given = {n: kwargs.get(n) for n in _PACKED_KWARGS if kwargs.get(n) is not None}
     if given:
@@ -426,18 +494,24 @@ def _packed_offsets(kwargs, attention_mask, cached: bool, input_shape) -> Option
     new = new.expand(B, L).clone()
     new[:, 0] = True  # every batch row starts a sequence
     starts = new.flatten().nonzero().flatten()
-    if starts.numel() == B:  # one sequence a row: not packed
+    traced = torch.compiler.is_compiling()
+    if not traced and starts.numel() == B:  # one sequence a row: not packed
         return None
     cu = torch.cat((starts, starts.new_tensor([B * L]))).to(torch.int32)
-    return cu, int(cu.diff().max())
+    return cu, L if traced else int(cu.diff().max())
 
 
 def _doge_scores(layer, value_states: torch.Tensor) -> torch.Tensor:
     """Doge's dt_states of the keys whose values are given ((B, KVH, K, D)), op for op: one
     importance score per key and kv head, (B, KVH, K), in the values' dtype."""
     B, _, K, _ = value_states.shape
-    dt = layer.dt_proj(value_states.transpose(1, 2).reshape(B, K, -1))
-    return torch.exp(layer.A * torch.nn.functional.softplus(dt)).transpose(-1, -2).to(value_states.dtype)
+    # Turned to (B, KVH, K) and made contiguous before the elementwise ops (the same values), so
+    # that their gradients, from the per-key ops' contiguous dbias, have their inputs' layout.
+    # Transposed after them, a compiled graph run by eager kernels (aot_eager) fails in the
+    # backward: torch's fake softplus_backward lays a transposed gradient out otherwise than its
+    # kernel does, and a view of the kernel's result then fails.
+    dt = layer.dt_proj(value_states.transpose(1, 2).reshape(B, K, -1)).transpose(1, 2).contiguous()
+    return torch.exp(layer.A[:, None] * torch.nn.functional.softplus(dt)).to(value_states.dtype)
 
 
 # A number per patch_doge call (copies of a cache keep it, as they keep the kept sets).
@@ -494,7 +568,7 @@ def _set_kept_state(cache, layer, state: _KeptState) -> None:
         for name, update in _CACHE_HOOKS.items():
             method = getattr(type(cache), name, None)
             if method is not None:
-                setattr(cache, name, types.MethodType(_hooked(method, update), cache))
+                setattr(cache, name, _CacheHook(cache, method, update))
     elif states[0] != layer._flexdma_model_id:
         raise ValueError(
             "patch_doge: this cache was filled by another model (its kept sets belong to that model's "
@@ -503,22 +577,25 @@ def _set_kept_state(cache, layer, state: _KeptState) -> None:
     states[1][layer.layer_idx] = state
 
 
-def _hooked(method, update):
-    """`method` of the cache's class, then `update` on every layer's kept set. Bound to the cache
-    as a method (types.MethodType), so a deep copy of the cache rebinds it to the copy."""
+class _CacheHook:
+    """`method` of the cache's class, then `update` on every layer's kept set: an instance
+    attribute of the cache in place of its class's method. A plain object, not a bound method, so
+    that torch.compile traces its creation inside a compiled forward (the cache is made there with
+    use_cache); a deep copy of the cache copies it with its `cache` set to the copy."""
 
-    def run(self, *args, **kwargs):
-        out = method(self, *args, **kwargs)
-        per_layer = self._flexdma_kept[1]
+    def __init__(self, cache, method, update):
+        self.cache, self.method, self.update = cache, method, update
+
+    def __call__(self, *args, **kwargs):
+        out = self.method(self.cache, *args, **kwargs)
+        per_layer = self.cache._flexdma_kept[1]
         for i, st in list(per_layer.items()):
-            new = update(st, *args, **kwargs)
+            new = self.update(st, *args, **kwargs)
             if new is None:
                 del per_layer[i]
             else:
                 per_layer[i] = new
         return out
-
-    return run
 
 
 def _check_padding(cache, state: "_KeptState", attention_mask: Optional[torch.Tensor], earlier) -> None:
