@@ -298,7 +298,8 @@ def context_parallel_attention(
         )
         _group.check_device(pg, device, "query")
         B, L, H, D = query.shape
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias))
+        # Whether the exchange's backward (a collective) runs: only key, value and bias reach it.
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (key, value, bias))
         fields.update(
             signature(query, key, bias, attn_mask, W, scale, softcap),
             local_length=L,
