@@ -37,6 +37,7 @@ import torch.distributed as dist
 from .. import _checks
 from ..api import flash_dma_attention
 from ..perkey import contract as perkey
+from ..perkey.decode import order_key
 from . import _group
 from .layout import chunk_of, owner_of
 
@@ -81,12 +82,10 @@ def signature(query, key, bias, attn_mask, window: int, scale: float, softcap: f
 
 
 def _order_key(scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """One int64 per entry that orders like (score desc, index asc): the float32 score's bits made
-    monotone in the high word, the complement of the index (< 2^32) in the low word. Unique per
-    key, so torch.topk's unspecified tie order cannot matter."""
-    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0: -0.0 ranks as 0.0
-    monotone = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return monotone * (1 << 32) + ((1 << 32) - 1 - index)
+    """One int64 per entry that orders like (score desc, index asc): the kept sets' order of the
+    float32 score (perkey.decode.order_key) in the high word, the complement of the index
+    (< 2^32) in the low word. Unique per key, so torch.topk's unspecified tie order cannot matter."""
+    return order_key(scores).to(torch.int64) * (1 << 32) + ((1 << 32) - 1 - index)
 
 
 def _best(scores: torch.Tensor, index: torch.Tensor, k: int):

@@ -35,7 +35,7 @@ class KeptSet(NamedTuple):
     score: torch.Tensor  # (B, P, W) the kept keys' scores, in the scores' dtype
 
 
-def _order_key(s: torch.Tensor) -> torch.Tensor:
+def order_key(s: torch.Tensor) -> torch.Tensor:
     """An integer that orders like the scores, NaN above +inf and -0.0 equal to +0.0 (the
     selection's order without the index tie-break): int64 for float64 scores, which the selection
     ranks in float64 (contract.float64_order), else int32 of the float32 value (float16 / bfloat16
@@ -72,13 +72,13 @@ def append(kept: KeptSet, s_new: torch.Tensor, position: int, eligible: torch.Te
     s_new (B, P); `eligible` (B, P) is False where it is padding. A tie keeps the older key."""
     s_new = s_new.to(kept.score.dtype)
     eligible = eligible & (s_new != float("-inf"))
-    order = _order_key(kept.score)
+    order = order_key(kept.score)
     # The worst kept key: the lowest score, among equal ones the highest index.
     worst = order.masked_fill(~kept.valid, torch.iinfo(order.dtype).max).min(-1, keepdim=True).values
     worst_slot = kept.idx.masked_fill(~(kept.valid & (order == worst)), -1).argmax(-1)
     free = ~kept.valid.all(-1)
     slot = torch.where(free, (~kept.valid).int().argmax(-1), worst_slot)
-    enter = eligible & (free | (_order_key(s_new) > worst[..., 0]))
+    enter = eligible & (free | (order_key(s_new) > worst[..., 0]))
     upd = (torch.arange(kept.idx.shape[-1], device=kept.idx.device) == slot[..., None]) & enter[..., None]
     return KeptSet(
         torch.where(upd, position, kept.idx),
@@ -108,7 +108,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     torch ops, which then write their result back (under transformers' compiled generation the set
     so stays in the buffers the prefill allocated: a CUDA graph's outputs are overwritten by its
     next replay). float64 scores take the torch ops: the kernel ranks in float32, and a float64
-    set is ranked in float64 (_order_key)."""
+    set is ranked in float64 (order_key)."""
     if isinstance(start, int) and kept.score.dtype != torch.float64 and _one_kernel_ok(kept.idx.device):
         from .triton_rows import append_rows as one_kernel
 

@@ -38,7 +38,7 @@ _NOT_KEPT = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def _order(s):
-    """The selection's order of float32 scores as int32 (flexdma.perkey.decode._order_key): the
+    """The selection's order of float32 scores as int32 (flexdma.perkey.decode.order_key): the
     float's order-preserving integer, -0.0 equal to +0.0, every NaN above +inf."""
     bits = s.to(tl.int32, bitcast=True)
     # Negative floats order backwards as integers: flip their magnitude bits.
