@@ -445,14 +445,10 @@ def context_parallel_attention(
         # Keys that may not be kept score -inf: candidates that scored -inf (padding, or a -inf
         # bias) and the chunk's padding.
         keep = cand_s[target, :, :, :n] > _NEG_INF
-        if is_causal:
-            rows = slice(t * C, (t + 1) * C)
-            own = (
-                torch.ones(B, 1, C, dtype=torch.bool, device=device) if attn_mask is None else attn_mask[:, None, rows]
-            )
-            keep = torch.cat([keep, own.expand(B, Hk, C)], dim=-1)
-        else:
-            rows = slice(0, L)
+        own = plan.own_rows[t]
+        if own is not None:
+            pad = torch.ones(B, 1, C, dtype=torch.bool, device=device) if attn_mask is None else attn_mask[:, None, own]
+            keep = torch.cat([keep, pad.expand(B, Hk, C)], dim=-1)
         b_all = torch.where(keep, b_all, _NEG_INF)
         outs.append(
             flash_dma_attention(
