@@ -170,7 +170,10 @@ def check(model, reference, ids, labels, loss, dtype, rank) -> bool:
         if err > worst:
             worst, name = err, n
     good = tol is None or worst <= tol
-    print(f"rank {rank} check: largest relative difference {worst:.2e} ({name}); {'ok' if good else 'MISMATCH'}")
+    print(
+        f"rank {rank} check: largest relative difference {worst:.2e} ({name}); {'ok' if good else 'MISMATCH'}",
+        flush=True,
+    )
     return good
 
 
