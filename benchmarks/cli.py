@@ -3,7 +3,7 @@
 Subcommands: forward, backward (training lengths at W=1024), window (window sweep at one
 length, forward and backward), decode-mask (one query, long keys, the dense-mask kernels and
 their peers), equivalence (agreement of every implementation with the float64 reference), topk (the
-per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/topk.py), decode
+per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/perkey.py), decode
 (decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), varlen (packed
 sequences against per-document calls, a padded batch and dense attention within documents;
 benchmarks/varlen.py), cp (context parallel over the ranks of a torchrun: benchmarks/cp.py; not
@@ -31,7 +31,7 @@ import torch
 import flexdma
 from flexdma.reference import attention_ref
 
-from . import configs, cp, cpu, decode, report, topk, varlen
+from . import configs, cp, cpu, decode, perkey, report, varlen
 from . import inputs as inputs_mod
 from . import peers as peers_mod
 from .common import peak_memory, public_argv, write_json
@@ -404,7 +404,7 @@ def _parse(argv=None):
             "window",
             "decode-mask",
             "equivalence",
-            "topk",
+            "perkey",
             "decode",
             "varlen",
             "cp",
@@ -460,8 +460,8 @@ def main(argv=None) -> int:
         path = report.write_results_md(args.results, args.md)
         print(f"wrote {path}")
         return 0
-    if args.subcommand == "topk":
-        topk.main(args, environment(args.commit))
+    if args.subcommand == "perkey":
+        perkey.main(args, environment(args.commit))
         return 0
     if args.subcommand == "decode":
         decode.main(args, environment(args.commit))

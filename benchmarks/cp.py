@@ -37,7 +37,7 @@ is the maximum over ranks (the step waits for the slowest rank). The first call 
 sets the counts: about WARMUP_MS of warm-up calls and REP_MS of timed calls, at least MIN_REPS,
 the same on every rank since the estimate is that maximum); the row reports the median. The
 one-GPU calls are timed the same way (the scaling ratio compares like with like) and also with
-triton's do_bench (do_bench_* in the JSON: the topk benchmark's convention).
+triton's do_bench (do_bench_* in the JSON: the perkey benchmark's convention).
 
 Without CUDA (gloo) the same script runs at a toy size (H=4, KVH=2, D=32, W=32, float32,
 lengths 256 and 512, a 2-layer Doge of hidden 64): a smoke test of the plumbing, not a timing.
@@ -63,7 +63,7 @@ import flexdma.distributed as fdist
 from flexdma.integrations.transformers import patch_doge
 
 from .common import Saving, peak_memory, public_argv, run_section, runs_of, table
-from .topk import DOGE, _pair, _time
+from .perkey import DOGE, _pair, _time
 
 SCHEMA = "flexdma-cp-bench/1"
 SECTIONS = ("cp", "single", "dense", "doge")

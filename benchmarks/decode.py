@@ -10,7 +10,7 @@ keys, and a 7B-class layer (H=32, KVH=8, D=128) at 128K. Peers, same run:
 - layer-sdpa: the same layer's projections + dense SDPA over every cached key;
 - kernel: the one-kernel step alone (flexdma.perkey.decode.attend_one: the kept set's update and
   the new row's attention over it), what layer-step spends in attention.
-Generation: transformers' DogeForCausalLM (topk.DOGE's config, A drawn in [0.5, 1.5]) generating
+Generation: transformers' DogeForCausalLM (perkey.DOGE's config, A drawn in [0.5, 1.5]) generating
 256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
 memory, patch_doge (the kept sets beside the cache; with DynamicCache, and with a static cache,
 which transformers generates with a compiled forward) against the same model without its dynamic
@@ -30,9 +30,10 @@ import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
 from flexdma.perkey import attention
+from flexdma.perkey import decode as kept_sets
 
 from .common import Saving, captured, chosen_peers, record, run_section, runs_of, table
-from .topk import DOGE, _peak, _time
+from .perkey import DOGE, _peak, _time
 
 SCHEMA = "flexdma-decode-bench/1"
 PEERS = ("api", "layer-step", "kernel", "sdpa", "layer-sdpa")
@@ -65,6 +66,27 @@ def _layer(c: dict) -> DynamicMaskAttention:
     return layer
 
 
+def kernel_case(B, H, KVH, D, K, W, module=None):
+    """One decode step's kernel alone (flexdma/perkey/triton_decode.py, or `module`, a copy of it
+    from another commit), on a kept set of the first K - 1 keys; the new key never enters, so every
+    call does the same work."""
+    if module is None:
+        # triton, where the kernel peer runs
+        from flexdma.perkey import triton_decode as module
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(B, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+    v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+    kept = kept_sets.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
+    # Score 0, below every exp(.) score: the new key never enters.
+    s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
+    eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
+    counter = torch.zeros(B * KVH, dtype=torch.int32, device=dev)
+    out = torch.empty(B, H, D, device=dev, dtype=dt)
+    return lambda: module.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+
+
 def _peer_fn(peer: str, c: dict):
     dev, dt = "cuda", torch.bfloat16
     B, K, H, KVH, D, W = 1, c["K"], c["H"], c["KVH"], c["D"], c["W"]
@@ -79,9 +101,7 @@ def _peer_fn(peer: str, c: dict):
         bias = torch.exp(torch.randn(B, KVH, 1, K, device=dev)).to(dt)
         return lambda: flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
     if peer == "kernel":
-        from .dev.decode_kernel import case
-
-        return case(B, H, KVH, D, K, W)
+        return kernel_case(B, H, KVH, D, K, W)
     layer = _layer(c)
     x = torch.randn(B, 1, H * D, device=dev, dtype=dt)
     cache_k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)

@@ -14,7 +14,7 @@ import os
 import re
 from typing import Dict, List, Optional
 
-from . import cp, cpu, decode, topk, varlen
+from . import cp, cpu, decode, perkey, varlen
 from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
@@ -172,7 +172,7 @@ def header(doc: dict) -> str:
     if flex_bwd and not any("best_options" in r for r in flex_bwd):
         lines.append(
             "- `flexattn` backward here ran with the small-block backward tiles only, before its option "
-            "sets were timed per run: not its fastest (see `docs/perf-log.md`, 2026-11-25)."
+            "sets were timed per run: not its fastest (see `benchmarks/perf-log.md`, 2026-11-25)."
         )
     for p, why in doc.get("peer_notes", {}).items():
         lines.append(f"- `{p}` not run: {why}")
@@ -299,7 +299,7 @@ def load_results(results_dir: str) -> List[dict]:
 
 
 def cuda_dev_section(results_dir: str) -> List[str]:
-    """The newest `benchmarks/dev/cuda_dev.py` run with model-shape rows: the dense-mask kernels
+    """The newest `scripts/dev/cuda_dev.py` run with model-shape rows: the dense-mask kernels
     (torch.ops.flexdma.fwd / bwd, tile activity bits inside the forward) against FlexAttention and
     dense SDPA in the same run, and that run's 32K, no-mask and decode rows."""
     paths = sorted(glob.glob(os.path.join(results_dir, "*_cuda_dev.json")))
@@ -371,7 +371,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     out = [
         f"## dense-mask kernels at model shapes (h100, `{name}`)",
         "",
-        "`python3 benchmarks/dev/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
+        "`python3 scripts/dev/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
         f"dense SDPA over all keys; {fwd_note}; bwd = fwd+bwd minus fwd (flexdma: the backward "
@@ -416,7 +416,7 @@ def write_results_md(results_dir: str, md_path: str) -> str:
                 "</details>",
                 "",
             ]
-    out += topk.section(results_dir)
+    out += perkey.section(results_dir)
     out += decode.section(results_dir)
     out += varlen.section(results_dir)
     out += cp.section(results_dir)

@@ -44,7 +44,7 @@ from flexdma.flex import sparse_mask_kernel_options
 
 from .common import Saving, newest_section, record, run_section, runs_of, table
 from .peers import compiled_flex
-from .topk import _launches, _pair, _peak, _time, kept_per_row
+from .perkey import _launches, _pair, _peak, _time, kept_per_row
 
 SCHEMA = "flexdma-varlen-bench/1"
 PEERS = (

@@ -17,7 +17,7 @@ constexpr int kTopkCpuTileRows = 64;
 constexpr int32_t kNeverKept = 2147483647;
 // Entries of one query tile's key list of the per-key selection: at most W + tile_rows - 1 keys
 // (and never more than K). Python's fake kernels mirror it for symbolic shapes (flexdma/perkey/
-// contract.py; tests/test_topk.py checks the two agree).
+// contract.py; tests/test_perkey.py checks the two agree).
 constexpr int64_t topk_list_cap(int64_t K, int64_t window, int64_t tile_rows) {
   return K < window + tile_rows - 1 ? K : window + tile_rows - 1;
 }

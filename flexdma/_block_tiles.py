@@ -113,7 +113,7 @@ def _tile_flags_kernel(
     tl.store(full_ptr + out, all_.to(tl.uint8))
 
 
-# Launch configuration (module level so that benchmarks/dev/flex_probe.py can sweep it).
+# Launch configuration (module level so that scripts/dev/flex_probe.py can sweep it).
 ROWS, NUM_WARPS, EARLY_EXIT = 16, 4, True
 
 

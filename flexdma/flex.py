@@ -39,7 +39,7 @@ __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 
 # FlexAttention's kernel options, chosen per (compute capability, head dim, element size, training)
-# from the fastest that fit in benchmarks/dev/flex_options.py (flexdma's own calls with a general
+# from the fastest that fit in scripts/dev/flex_options.py (flexdma's own calls with a general
 # mask and a bias that needs a gradient; its numbers are in the performance log):
 # - None: FlexAttention's own defaults.
 # - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a

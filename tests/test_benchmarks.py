@@ -78,7 +78,7 @@ def test_commit_label_must_name_a_file(tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli.main(["report", "--commit", bad, "--results", str(tmp_path), "--md", str(tmp_path / "r.md")])
         assert "--commit" in capsys.readouterr().err
-    assert cli._parse(["topk", "--commit", "abc1234-dirty"]).commit == "abc1234-dirty"
+    assert cli._parse(["perkey", "--commit", "abc1234-dirty"]).commit == "abc1234-dirty"
 
 
 def test_recorded_argv_hides_directories():
@@ -249,17 +249,17 @@ def test_equivalence_subcommand_on_cpu(tmp_path, capsys):
     assert "bf16 eager reference" in capsys.readouterr().out
 
 
-def test_topk_benchmark_table_and_report_section(tmp_path):
-    from benchmarks import topk
+def test_perkey_benchmark_table_and_report_section(tmp_path):
+    from benchmarks import perkey
 
     doc = dict(
-        schema=topk.SCHEMA,
+        schema=perkey.SCHEMA,
         date="2026-11-23T00:00:00Z",
         gpu_short="h100",
         commit="abc1234",
         rows=[
             dict(
-                case=topk.cases(quick=True)[0],
+                case=perkey.cases(quick=True)[0],
                 peers={
                     "flexdma": dict(fwd_ms=0.5, bwd_ms=1.0, fwd_bwd_ms=1.5, fwd_peak_mib=10.0, fwd_bwd_peak_mib=20.0),
                     "sdpa": dict(fwd_ms=1.0, bwd_ms=2.5, fwd_bwd_ms=3.5),
@@ -267,14 +267,14 @@ def test_topk_benchmark_table_and_report_section(tmp_path):
                     "dense-mask": dict(skipped="the dense mask is 131072 x 131072 bools"),
                 },
             ),
-            dict(case=topk.cases(quick=True)[-1], not_run="time budget"),
+            dict(case=perkey.cases(quick=True)[-1], not_run="time budget"),
         ],
     )
     (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
-    doc["rows"][0]["listed_flops"], doc["rows"][0]["dense_flops"] = topk.flops(topk.cases(quick=True)[0])
+    doc["rows"][0]["listed_flops"], doc["rows"][0]["dense_flops"] = perkey.flops(perkey.cases(quick=True)[0])
     doc["rows"][0]["peers"]["flexdma"].update(fwd_launches=7, fwd_bwd_launches=15)
     (tmp_path / "x.json").write_text(__import__("json").dumps(doc))
-    md = "\n".join(topk.section(str(tmp_path)))
+    md = "\n".join(perkey.section(str(tmp_path)))
     assert "0.500 / 1.500" in md and "2.00x / 2.33x" in md and "error: RuntimeError" in md
     assert "not run: time budget" in md and "commit abc1234" in md and "| 7 / 15 |" in md
     # 32K rows keep W = 2048 keys of up to 32K: the ideal is SDPA's time x listed / dense pairs.
@@ -323,15 +323,15 @@ def test_decode_benchmark_table_and_report_section(tmp_path):
     assert "commit def5678" in gen and "0.25 / 800 / 700" in gen
 
 
-def test_topk_flop_count():
-    from benchmarks import topk
+def test_perkey_flop_count():
+    from benchmarks import perkey
 
     # Q = K = 4, W = 2: rows keep 1, 2, 2, 2 keys and see 1, 2, 3, 4.
-    assert topk.kept_per_row(4, 4, 2) == (7, 10)
+    assert perkey.kept_per_row(4, 4, 2) == (7, 10)
     # Bottom-right causal with Q < K: the rows see K - Q + 1 .. K keys.
-    assert topk.kept_per_row(2, 5, 10) == (9, 9)
+    assert perkey.kept_per_row(2, 5, 10) == (9, 9)
     c = dict(B=2, Q=4, L=4, H=3, D=8, W=2)
-    assert topk.flops(c) == (4 * 8 * 3 * 2 * 7, 4 * 8 * 3 * 2 * 10)
+    assert perkey.flops(c) == (4 * 8 * 3 * 2 * 7, 4 * 8 * 3 * 2 * 10)
 
 
 def test_cpu_subcommand_and_its_report_section(tmp_path, capsys):

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from utils import assert_close_to_ref, make_qkv, reference_with_grads
 
 import flexdma
-from benchmarks.dev.saturated_grad import eager_doge
 from flexdma.nn import DynamicMaskAttention
+from scripts.dev.saturated_grad import eager_doge
 
 EXACT = dict(rtol=1e-12, atol=1e-12)
 

@@ -23,16 +23,16 @@ NEEDS_TRITON = {
     "flexdma.perkey.triton",
     "flexdma.perkey.triton_decode",
     "flexdma.perkey.triton_rows",
-    "benchmarks.dev.decode_kernel",
-    "benchmarks.dev.select_bench",
-    "benchmarks.dev.cuda_dev",
-    "benchmarks.dev.flex_check",
-    "benchmarks.dev.flex_options",
-    "benchmarks.dev.topk_dev",
-    "benchmarks.dev.kernel_times",
-    "benchmarks.dev.flex_docmask_options",
-    "benchmarks.dev.flex_probe",
-    "benchmarks.dev.host_parts",
+    "scripts.dev.decode_kernel",
+    "scripts.dev.select_bench",
+    "scripts.dev.cuda_dev",
+    "scripts.dev.flex_check",
+    "scripts.dev.flex_options",
+    "scripts.dev.perkey_dev",
+    "scripts.dev.kernel_times",
+    "scripts.dev.flex_docmask_options",
+    "scripts.dev.flex_probe",
+    "scripts.dev.host_parts",
 }
 ENTRY_SCRIPTS = {"benchmarks.__main__"}
 
@@ -44,9 +44,9 @@ ALLOWED_LOCAL = {
     ("flexdma/perkey/route.py", "flexdma.perkey.triton"),  # the same
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),  # triton, on the first CUDA decode step
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_rows"),  # the same
-    ("benchmarks/decode.py", "benchmarks.dev.decode_kernel"),  # triton, where the kernel peer runs
+    ("benchmarks/decode.py", "flexdma.perkey.triton_decode"),  # triton, where the kernel peer runs
     # triton, in the mode that runs the kernels; its summary of a report's CSV runs anywhere
-    ("benchmarks/dev/ncu_samples.py", "benchmarks.dev.topk_dev"),
+    ("scripts/dev/ncu_samples.py", "scripts.dev.perkey_dev"),
 }
 
 

@@ -87,7 +87,7 @@ def few_rows(call, query, key, value, attn_mask, attn_bias) -> tuple:
     of the first row (one sort of the keys it sees: decode.last_row), then one O(W) update a later
     row's new key (decode.append_rows, causal only: without causality every row keeps the first
     row's set), the kept entries' K / V rows and biases gathered. The same kept sets as the
-    selection (tests/test_topk.py); gradients reach q, k, v and the bias through the gathers."""
+    selection (tests/test_perkey.py); gradients reach q, k, v and the bias through the gathers."""
     B, Q, H, _ = query.shape
     K, KVH = key.shape[1], key.shape[2]
     scores = contract.selection_scores(attn_bias.detach(), attn_mask, H)  # (P1, P2, K)

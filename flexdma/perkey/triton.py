@@ -28,7 +28,7 @@ from .route import WIDE_FROM, need_tiles, plan
 _NEVER = tl.constexpr(NEVER)
 _LOG2E = tl.constexpr(LOG2E)
 
-# Launch configurations (module level so benchmarks/dev/topk_dev.py can sweep them).
+# Launch configurations (module level so scripts/dev/perkey_dev.py can sweep them).
 FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
 BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
 # Head dims above WIDE_FROM (route.py, with the rows per program): half the rows per program, fewer

@@ -3,22 +3,22 @@
 #   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
 #   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
 #                                                 # FlexAttention)
-#   bash scripts/gpu/gpu_suite.sh topk OUTDIR           # the per-key path's, the non-finite inputs' and packed sequences'
+#   bash scripts/gpu/gpu_suite.sh perkey OUTDIR           # the per-key path's, the non-finite inputs' and packed sequences'
 #                                                 # GPU tests (~7 min with XDIST=4; the interpreter tests are CPU tests)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
-#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (benchmarks/dev/flex_check.py)
+#   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (scripts/dev/flex_check.py)
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
-#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # benchmarks/dev/cuda_dev.py: the target shapes, kernel split
-#   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # benchmarks/dev/select_bench.py: the per-key selection alone
-#   bash scripts/gpu/gpu_suite.sh topkbench OUTDIR      # python -m benchmarks topk (PEERS: its --peers; default all)
+#   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # scripts/dev/cuda_dev.py: the target shapes, kernel split
+#   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # scripts/dev/select_bench.py: the per-key selection alone
+#   bash scripts/gpu/gpu_suite.sh perkeybench OUTDIR      # python -m benchmarks perkey (PEERS: its --peers; default all)
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
-#   bash scripts/gpu/gpu_suite.sh decodekernel OUTDIR   # benchmarks/dev/decode_kernel.py --sweep: the decode kernel alone
-#   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # benchmarks/dev/doge_decode_profile.py: a Doge decode token, profiled
+#   bash scripts/gpu/gpu_suite.sh decodekernel OUTDIR   # scripts/dev/decode_kernel.py --sweep: the decode kernel alone
+#   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # scripts/dev/doge_decode_profile.py: a Doge decode token, profiled
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, topk, sanitizer, cudadev, selbench, decodekernel, dogeprofile, topkbench, decodebench, varlenbench,
+#                                                 # tests, perkey, sanitizer, cudadev, selbench, decodekernel, dogeprofile, perkeybench, decodebench, varlenbench,
 #                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
@@ -68,8 +68,8 @@ if has tests; then
     --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests" $?
 fi
-if has topk; then
-  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_topk.py tests/test_nonfinite.py \
+if has perkey; then
+  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_perkey.py tests/test_nonfinite.py \
     tests/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
   tally "gpu tests (per-key, non-finite, varlen)" $?
 fi
@@ -88,15 +88,15 @@ if has sanitizer; then
   rm -f "$out/san.tmp"
 fi
 if has cudadev; then
-  timeout 200 $PY benchmarks/dev/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
+  timeout 200 $PY scripts/dev/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
   echo "cuda_dev rc=$?" | tee -a "$log"; grep -E '^(per_|decode|nomask|sdpa)|_ms"' "$out/cuda_dev.log" | tail -24
 fi
 if has selbench; then
-  timeout $(cap 200) $PY -m benchmarks.dev.select_bench --out "$out/select_bench.json" > "$out/select_bench.log" 2>&1
+  timeout $(cap 200) $PY -m scripts.dev.select_bench --out "$out/select_bench.json" > "$out/select_bench.log" 2>&1
   echo "select_bench rc=$?" | tee -a "$log"; grep case "$out/select_bench.log" | cut -c1-240
 fi
 if has decodekernel; then
-  timeout $(cap 300) $PY -m benchmarks.dev.decode_kernel --sweep --K 32768,131072 --out "$out/decode_kernel.json" \
+  timeout $(cap 300) $PY -m scripts.dev.decode_kernel --sweep --K 32768,131072 --out "$out/decode_kernel.json" \
     > "$out/decode_kernel.log" 2>&1
   echo "decode_kernel rc=$?" | tee -a "$log"
   # The defaults and the three fastest variants at each length (cold L2, graph replay: no host time).
@@ -106,13 +106,13 @@ for K in sorted({x['K'] for x in r}):
     for x in rows[:1] + sorted(rows[1:], key=lambda x: x['cold_graph_us'])[:3]: print(x)" "$out/decode_kernel.json" | tee -a "$log"
 fi
 if has dogeprofile; then
-  timeout $(cap 400) $PY -m benchmarks.dev.doge_decode_profile > "$out/doge_profile.log" 2>&1
+  timeout $(cap 400) $PY -m scripts.dev.doge_decode_profile > "$out/doge_profile.log" 2>&1
   echo "doge_decode_profile rc=$?" | tee -a "$log"; grep '^==' "$out/doge_profile.log"
 fi
-if has topkbench; then
-  timeout $(cap 560) $PY -m benchmarks topk ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
-    --out "$out" > "$out/topk_bench.log" 2>&1
-  echo "benchmarks topk rc=$?" | tee -a "$log"; grep '^|' "$out/topk_bench.log" | head -20
+if has perkeybench; then
+  timeout $(cap 560) $PY -m benchmarks perkey ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
+    --out "$out" > "$out/perkey_bench.log" 2>&1
+  echo "benchmarks perkey rc=$?" | tee -a "$log"; grep '^|' "$out/perkey_bench.log" | head -20
 fi
 if has decodebench; then
   timeout $(cap 560) $PY -m benchmarks decode --budget $(( $(cap 560) - 60 )) --commit "$commit" --out "$out" \
@@ -131,7 +131,7 @@ if has tests2; then
   tally "gpu tests (2)" $?
 fi
 if has flexcheck; then
-  timeout ${FLEX_TIMEOUT:-150} $PY benchmarks/dev/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
+  timeout ${FLEX_TIMEOUT:-150} $PY scripts/dev/flex_check.py --out "$out/flex_check.json" > "$out/flex_check.log" 2>&1
   echo "flex_check rc=$?" | tee -a "$log"; tail -40 "$out/flex_check.log"
 fi
 if has bench; then

@@ -17,7 +17,7 @@ import sys
 import torch
 
 import flexdma  # noqa: F401
-from benchmarks.dev.cuda_dev import top_w_mask
+from scripts.dev.cuda_dev import top_w_mask
 
 
 def main(case, D):

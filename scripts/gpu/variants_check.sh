@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that compares builds of the kernels: each variant is built in place in its own copy
 # of the tree (build_ext --inplace: no install, so the builds cannot overwrite each other), all
-# at once; then each is timed alone on the GPU, one after the other (benchmarks/dev/cuda_dev.py);
+# at once; then each is timed alone on the GPU, one after the other (scripts/dev/cuda_dev.py);
 # then their tests run side by side. Logs and JSON go into OUTDIR/variants.tgz (re-packed after
 # every phase, so a call cut off at its limit still returns what finished) and a table is printed.
 #   VARIANTS  ';'-separated "name|head dims|nvcc flags|cuda_dev parts|pytest args" (an empty
@@ -49,7 +49,7 @@ for i in "${!names[@]}"; do
   [ -z "${parts[$i]}" ] && continue
   t=$(( $(left) - 60 )); [ "$t" -gt 150 ] && t=150
   if [ "$t" -lt 20 ]; then echo "cuda_dev $name: skipped (deadline)"; continue; fi
-  ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t python3 benchmarks/dev/cuda_dev.py --parts "${parts[$i]}" \
+  ( cd /tmp/variant_$name && PYTHONPATH=. timeout $t python3 scripts/dev/cuda_dev.py --parts "${parts[$i]}" \
       --out "$w/cuda_dev_$name.json" > "$w/cuda_dev_$name.log" 2>&1 )
   echo "cuda_dev $name (${parts[$i]}) rc=$?"
 done

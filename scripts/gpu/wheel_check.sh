@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 w=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 TESTS=${TESTS:-"test_cuda_kernel.py
-test_topk.py -k test_cuda_head_dims_match_reference
+test_perkey.py -k test_cuda_head_dims_match_reference
 test_varlen.py -k test_cuda_packed_kernels_equal_documents or test_cuda_dense_packed_kernels_equal_documents"}
 failed=0
 say() { echo "$*" | tee -a "$log"; }

@@ -1,7 +1,7 @@
 """The per-key selection alone (flexdma::topk_select on CUDA): GPU time by do_bench and CUDA events
 of a CUDA-graph replay (no host time), device launches per call, and a check against the CPU op.
 
-python -m benchmarks.dev.select_bench [--out FILE.json]
+python -m scripts.dev.select_bench [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from triton.testing import do_bench
 
 import flexdma  # noqa: F401  (loads the ops)
 from benchmarks.common import captured
-from benchmarks.topk import _launches as launches
+from benchmarks.perkey import _launches as launches
 from flexdma import topk
 
 # (name, planes, K, Q, W, tile rows)

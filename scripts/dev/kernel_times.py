@@ -4,7 +4,7 @@ reference shapes and the model shapes, D = 128 / 64), and the dense packed forwa
 bench's cases (its inputs) against the documents' own forwards (no window). do_bench medians in ms; the
 selection and the forward's outputs are made once outside the timing.
 
-python -m benchmarks.dev.kernel_times TAG OUT.json
+python -m scripts.dev.kernel_times TAG OUT.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 import flexdma
 from benchmarks import varlen
-from benchmarks.dev.topk_dev import _bwd, _fwd, _inputs, _select
+from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _select
 
 # (B, L, H, KVH, D, selection plane heads)
 PERKEY = [

@@ -5,7 +5,7 @@ row per head dim and shape kind of the bench. What flex.sparse_mask_kernel_optio
 sliding window comes from this table. An option set that fails (out of resources) is reported as
 such.
 
-python -m benchmarks.dev.flex_window_options [OUT.json]
+python -m scripts.dev.flex_window_options [OUT.json]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks import topk
+from benchmarks import perkey
 from flexdma import flex
 
 SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
@@ -27,24 +27,24 @@ def main() -> None:
     torch._dynamo.config.cache_size_limit = 256
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     res = {"device": torch.cuda.get_device_name()}
-    for c in (c for c in topk.cases() if c["name"] in NAMES):
+    for c in (c for c in perkey.cases() if c["name"] in NAMES):
         for name, opts in SETS.items():
             key = f"{c['name']} {name}"
             try:
-                q, k, v, bias = topk._inputs(c, grad=False)
+                q, k, v, bias = perkey._inputs(c, grad=False)
                 with torch.no_grad():
-                    fn = topk._flex_window(c, q, k, v, bias, opts)
+                    fn = perkey._flex_window(c, q, k, v, bias, opts)
                     fn()
-                    res[f"{key} fwd"] = topk._time(fn)
-                q, k, v, bias = topk._inputs(c, grad=True)
-                fwd = topk._flex_window(c, q, k, v, bias, opts)
+                    res[f"{key} fwd"] = perkey._time(fn)
+                q, k, v, bias = perkey._inputs(c, grad=True)
+                fwd = perkey._flex_window(c, q, k, v, bias, opts)
 
                 def step():
                     out = fwd()
                     return torch.autograd.grad(out, (q, k, v, bias), torch.ones_like(out))
 
                 step()
-                res[f"{key} train"] = topk._time(step, warmup=10, rep=50)
+                res[f"{key} train"] = perkey._time(step, warmup=10, rep=50)
             except Exception as e:  # out of resources at these options is a result
                 res[f"{key} error"] = f"{type(e).__name__}: {str(e)[:120]}"
             print(key, {k2: v2 for k2, v2 in res.items() if k2.startswith(key)}, flush=True)

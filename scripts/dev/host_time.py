@@ -4,7 +4,7 @@ one JSON line tagged TAG. The host's speed moves these by up to 2x between runs,
 host-side change runs this in processes alternating between the two trees, several times each,
 and compares the medians.
 
-python -m benchmarks.dev.host_time TAG
+python -m scripts.dev.host_time TAG
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import torch
 
 import flexdma
-from benchmarks.topk import _inputs, _time
+from benchmarks.perkey import _inputs, _time
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Where a per-key call's time goes: torch.profiler over flash_dma_attention(keep_window_size=W)
 (forward, and forward + backward), device kernels and host time side by side.
 
-python -m benchmarks.dev.topk_profile [--L 32768] [--D 128] [--W 2048] [--host]
+python -m scripts.dev.perkey_profile [--L 32768] [--D 128] [--W 2048] [--host]
 --host: the host's time per call (calls issued back to back, no sync) against the GPU's, and
 the Python functions that take it (cProfile).
 """

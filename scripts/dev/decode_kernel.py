@@ -5,9 +5,9 @@ a CUDA-graph replay of it) and from back-to-back graph replays (no host time, L2
 programs per plane) and launch options, at several cache lengths: what bounds it, latency or
 bytes.
 
-python -m benchmarks.dev.decode_kernel [--K 32768,131072] [--sweep] [--out FILE.json]
-python -m benchmarks.dev.decode_kernel --K 131072 --once   # one call after warm-up, for ncu
-python -m benchmarks.dev.decode_kernel --baseline OLD.py    # also an earlier triton_decode.py, same run
+python -m scripts.dev.decode_kernel [--K 32768,131072] [--sweep] [--out FILE.json]
+python -m scripts.dev.decode_kernel --K 131072 --once   # one call after warm-up, for ncu
+python -m scripts.dev.decode_kernel --baseline OLD.py    # also an earlier triton_decode.py, same run
 """
 
 from __future__ import annotations
@@ -21,23 +21,13 @@ import torch
 from triton.testing import do_bench
 
 from benchmarks.common import captured
-from benchmarks.dev.select_bench import graph_us
-from flexdma.perkey import decode, triton_decode
+from benchmarks.decode import kernel_case
+from flexdma.perkey import triton_decode
+from scripts.dev.select_bench import graph_us
 
 
 def case(B, H, KVH, D, K, W, module=triton_decode):
-    torch.manual_seed(0)
-    dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, H, D, device=dev, dtype=dt)
-    k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
-    v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
-    kept = decode.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
-    # Score 0, below every exp(.) score: the new key never enters, so every call does the same work.
-    s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
-    eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
-    counter = torch.zeros(B * KVH, dtype=torch.int32, device=dev)
-    out = torch.empty(B, H, D, device=dev, dtype=dt)
-    return lambda: module.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+    return kernel_case(B, H, KVH, D, K, W, module)
 
 
 def _load(path: str):

@@ -1,9 +1,9 @@
 """Where the per-key kernels' warps wait, from Nsight Compute's warp-state samples.
 
-python -m benchmarks.dev.ncu_samples calls B L H KVH D PLANES
+python -m scripts.dev.ncu_samples calls B L H KVH D PLANES
     the selection, forward and backward of one per-key training call, twice (for
     `ncu --set full --import-source yes -k regex:<kernel> --launch-skip 1 -c 1`).
-python -m benchmarks.dev.ncu_samples regions SOURCE.csv ...
+python -m scripts.dev.ncu_samples regions SOURCE.csv ...
     a summary of `ncu -i REPORT --page source --csv --print-source sass`: the samples of the
     kernel's roles (the instructions before the first setmaxnreg, the computing warpgroups' after
     its increase, the loader's after its decrease), their stall reasons, and the computing warps'
@@ -22,7 +22,7 @@ import sys
 def calls(B: int, L: int, H: int, KVH: int, D: int, planes: int) -> None:
     import torch
 
-    from benchmarks.dev.topk_dev import _bwd, _fwd, _inputs, _select
+    from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _select
 
     torch.manual_seed(0)
     q, k, v, bias = _inputs(B, L, H, KVH, D, planes)

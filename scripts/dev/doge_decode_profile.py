@@ -1,10 +1,10 @@
-"""Where a Doge decode token's time goes: transformers' DogeForCausalLM (benchmarks.topk.DOGE's
+"""Where a Doge decode token's time goes: transformers' DogeForCausalLM (benchmarks.perkey.DOGE's
 config, A drawn in [0.5, 1.5]) generating after a prompt, patched by patch_doge (DynamicCache, or
 a static cache under transformers' compiled generation) or eager Doge. torch.profiler over a few
 decode tokens: the device operations a token launches, the GPU time they take, the host time a
 token takes, and the top operations by host and by device time.
 
-python -m benchmarks.dev.doge_decode_profile [--L 8192] [--B 1] [--tokens 8] [--peers flexdma,flexdma-static,eager]
+python -m scripts.dev.doge_decode_profile [--L 8192] [--B 1] [--tokens 8] [--peers flexdma,flexdma-static,eager]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexdma.integrations.transformers as hf
-from benchmarks.topk import DOGE
+from benchmarks.perkey import DOGE
 
 PEERS = ("flexdma", "flexdma-static", "eager")
 

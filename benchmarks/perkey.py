@@ -1,4 +1,4 @@
-"""`python -m benchmarks topk`: the per-key top-W path (flash_dma_attention(keep_window_size=W))
+"""`python -m benchmarks perkey`: the per-key top-W path (flash_dma_attention(keep_window_size=W))
 against its peers, selection included, one GPU, one process.
 
 Rows (bf16, causal, per-key bias, W=2048): B=1, H=2, KVH=1 at 8K / 16K / 32K / 128K, D in {128, 64};
@@ -39,7 +39,7 @@ from flexdma.perkey import decode as kept_sets
 from .common import Saving, chosen_peers, record, run_section, runs_of, table
 from .peers import compiled_flex
 
-SCHEMA = "flexdma-topk-bench/1"
+SCHEMA = "flexdma-perkey-bench/1"
 DENSE_MASK_MAX = 32768  # the dense-mask peer builds Q x K bools: up to 1 GiB at 32K
 FLEX_MAX = 65536  # FlexAttention visits every causal tile: kept to lengths it finishes in seconds
 
@@ -435,18 +435,18 @@ def section(results_dir: str) -> List[str]:
         if earlier is not None:
             doc = dict(doc, doge=earlier["doge"], doge_commit=earlier.get("commit"))
     note = (
-        "`python -m benchmarks topk`: bf16, causal, selection time included in flexdma's numbers; "
+        "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
         "peak = the call's memory above its inputs."
     )
     return run_section(doc, "per-key top-W", note, markdown(doc))
 
 
 def main(args, env: dict) -> str:
-    peers, doge = chosen_peers(args.peers, PEERS, "doge", "the train step rows", "topk")
+    peers, doge = chosen_peers(args.peers, PEERS, "doge", "the train step rows", "perkey")
     # Written after every row, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
     doc = dict(schema=SCHEMA, rows=[], unfinished=True)
-    saving = Saving(doc, args.out, env, "topk")
+    saving = Saving(doc, args.out, env, "perkey")
     run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
     if doge and not args.quick:
         try:

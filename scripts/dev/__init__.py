@@ -1,3 +1,3 @@
 """Timing scripts for kernel development: quick same-run comparisons of builds, option sweeps and
 profiles (the benchmark suite proper is `python -m benchmarks`). Run from the repository root, e.g.
-`PYTHONPATH=. python3 -m benchmarks.dev.cuda_dev --out results.json`."""
+`PYTHONPATH=. python3 -m scripts.dev.cuda_dev --out results.json`."""

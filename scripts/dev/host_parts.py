@@ -3,7 +3,7 @@ back, then the GPU drained; "host" is the issue time per call, "wall" adds the d
 is near wall the GPU waited on the host (or the launch queue filled). Ends with cProfile of a
 training call, by cumulative time.
 
-python -m benchmarks.dev.host_parts [L]
+python -m scripts.dev.host_parts [L]
 """
 
 import cProfile
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 import flexdma
 from benchmarks.common import issue_time
-from benchmarks.dev import topk_dev as TD
 from flexdma.perkey import contract, route
+from scripts.dev import perkey_dev as TD
 
 
 def main():

@@ -1,6 +1,6 @@
 """Kernel-level check and timing of the per-key top-W GPU path (no extension build needed).
 
-python -m benchmarks.dev.topk_dev --out results.json [--lengths 32768,131072] [--check]
+python -m scripts.dev.perkey_dev --out results.json [--lengths 32768,131072] [--check]
 Times selection, forward and backward (the C++ sm_90a backward where it applies, and the Triton one)
 against dense causal SDPA over all keys in the same run (do_bench medians), and with --check compares bf16 results against the
 float64 reference at small shapes (FlashAttention's 2x rule).

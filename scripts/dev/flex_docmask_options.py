@@ -2,7 +2,7 @@
 peer: a document + causal mask, no bias) at FlexAttention's defaults and at ONE_STAGE: what
 flex.sparse_mask_kernel_options takes for an inference call. do_bench medians in ms.
 
-python -m benchmarks.dev.flex_docmask_options
+python -m scripts.dev.flex_docmask_options
 """
 
 from __future__ import annotations
