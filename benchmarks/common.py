@@ -70,8 +70,8 @@ def runs_of(results_dir: str, schema: str) -> List[dict]:
 
 
 def newest_section(results_dir: str, schema: str, title: str, note: str, markdown) -> List[str]:
-    """RESULTS.md's section of the newest run of `schema` only (earlier runs stay in results/ and
-    the performance log): a heading with the GPU and commit, a note, the run's table."""
+    """RESULTS.md's section of the newest run of `schema` only (earlier runs stay in git history and
+    benchmarks/perf-log.md): a heading with the GPU and commit, a note, the run's table."""
     out = []
     for doc in runs_of(results_dir, schema)[:1]:
         out += run_section(doc, title, note, markdown(doc))

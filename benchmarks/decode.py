@@ -225,7 +225,7 @@ def _plain_sdpa_forward(
             mask = pad if mask is None else mask & pad
         # Two matmuls and a softmax: cuBLAS splits the reduction over the cached keys. (SDPA's flash
         # and efficient kernels give each head one CTA over every key, and cuDNN's builds an
-        # execution plan for every new key length: the perf log has both.)
+        # execution plan for every new key length: benchmarks/perf-log.md, 'The no-dynamic-mask peer, twice invalid'.)
         s = torch.matmul(q.reshape(B, KVH, H // KVH, -1), k.transpose(-1, -2)).float() * self.scaling
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))

@@ -172,7 +172,8 @@ def header(doc: dict) -> str:
     if flex_bwd and not any("best_options" in r for r in flex_bwd):
         lines.append(
             "- `flexattn` backward here ran with the small-block backward tiles only, before its option "
-            "sets were timed per run: not its fastest (see `benchmarks/perf-log.md`, 2026-11-25)."
+            "sets were timed per run: not its fastest (see `benchmarks/perf-log.md`, 'Issue 28: workspaces "
+            "through the op layer, wide-head per-key tiles, FlexAttention options')."
         )
     for p, why in doc.get("peer_notes", {}).items():
         lines.append(f"- `{p}` not run: {why}")

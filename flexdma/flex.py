@@ -40,7 +40,8 @@ __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 
 # FlexAttention's kernel options, chosen per (compute capability, head dim, element size, training)
 # from the fastest that fit in scripts/dev/flex_options.py (flexdma's own calls with a general
-# mask and a bias that needs a gradient; its numbers are in the performance log):
+# mask and a bias that needs a gradient; its numbers are in benchmarks/perf-log.md, 'Issue 28: workspaces
+# through the op layer, wide-head per-key tiles, FlexAttention options'):
 # - None: FlexAttention's own defaults.
 # - SMALL_BLOCKS: backward tiles that fit an H100's shared memory at every head dim up to 256 with a
 #   captured bias that needs a gradient, and one pipeline stage in both directions (a stage count

@@ -64,7 +64,8 @@ def _packed(kernel):
 # Spills measured and kept (kernel name pattern -> most bytes ptxas may spill there). The per-key
 # backward at D = 128 holds the next piece's S in flight beside dQ and the piece product's rows
 # during the reductions: ptxas (CUDA 13.0) spills four values there, two loads a piece, a cost the
-# early S more than pays for (benchmarks/perf-log.md has the measurement). Any other spill, or more bytes
+# early S more than pays for (benchmarks/perf-log.md, 'Change: the per-key backward issues the next piece's S
+# before this piece's reductions'). Any other spill, or more bytes
 # there, fails.
 KNOWN_SPILLS = {r"bwd_ws_kernelI\w+Li128EE": 16}
 

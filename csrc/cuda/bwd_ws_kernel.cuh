@@ -10,8 +10,9 @@
 //     accumulator per (batch, key, kv head) with 16-byte vector reductions.
 // Why this ownership (query-major): the rows of a query tile share one list of at most W + 127
 // keys, so its products are dense tiles; the key-major alternative covers 1.3-4x the listed pairs
-// (the perf log's measurement). What query-major pays is the dK / dV reduction, one float row per
-// list entry and 128 rows; it halves with every doubling of the rows that share a list.
+// (benchmarks/perf-log.md, 'Measured on the CPU: how the backward should own dK / dV'). What
+// query-major pays is the dK / dV reduction, one float row per list entry and 128 rows; it halves
+// with every doubling of the rows that share a list.
 // dbias (a per-key bias) is the column sum of dS, reduced over each warp's 16 rows by shuffles,
 // over the eight warps in smem, and added once per key. The float accumulators are zeroed before
 // and cast after the kernel (the op).
@@ -265,7 +266,8 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
     // P = exp2(S scaled + bias - lse) under the rank rule; dS = P (dP - delta).
     const int32_t* slot = reinterpret_cast<const int32_t*>(smem + L::kSlot + st * L::kKeepSlot);
     // Every piece takes both compares: this loader has no registers for the largest keys the
-    // causal skip needs, and the rank compare's skip alone is no faster here (the perf log).
+    // causal skip needs, and the rank compare's skip alone is no faster here (benchmarks/perf-log.md,
+    // 'Change: the forward's rank compare only on the pieces that hold a row's threshold').
     rank_keep_tile<true>(s, slot, thr, lim, scale_l2, qc);
     float colsum[kBlockN / 8][2];
 #pragma unroll

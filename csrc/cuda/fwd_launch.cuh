@@ -45,7 +45,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   // Two consecutive query heads share their operands when they share a kv head and every
   // broadcast operand (mask, bias, tile bits) maps both to one plane: head_ratio even. Paired
   // only where 128-row tiles of one head fill the GPU: with the keys split over CTAs (decoding)
-  // the paired kernel is the slower one (perf log).
+  // the paired kernel is the slower one (benchmarks/perf-log.md, 'head pairs packed into the forward's M, ping-pong').
   const auto shared = [](const Broadcast4d& t) { return !t.ptr || t.head_ratio % 2 == 0; };
   f.pair = kWs && !p.tile_keys.ptr && (p.num_heads / p.num_heads_k) % 2 == 0 && shared(p.mask) && shared(p.bias) &&
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;

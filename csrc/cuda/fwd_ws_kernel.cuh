@@ -27,7 +27,8 @@
 // issued its own, so one's softmax runs under the other's products instead of both contending for
 // the tensor cores and then both computing exponentials). It does so without mask and bias only:
 // with them the per-element work makes the warpgroups' softmax phases long and uneven, and a fixed
-// alternation makes the quicker one wait instead of overlapping anything (slower, in the perf log).
+// alternation makes the quicker one wait instead of overlapping anything (slower: benchmarks/perf-log.md,
+// 'head pairs packed into the forward's M, ping-pong').
 // Keys (fwd_key_source.cuh): where the key tiles come from, how they are copied and what drops a
 // score: SequenceKeys (the sequence's key tiles, mask and bias tiles) or ListedKeys (the per-key
 // top-W rule: the query tile's key list, the rank rule).
@@ -101,8 +102,8 @@ struct FwdWsSmem {
 // Whether the loader stages a persistent tile's setup (its list's tile count, its rows'
 // thresholds) in smem with its Q, so that the computing warps start the tile without reading
 // global memory. Only at D = 64: at D = 128 the computing warps' wait for Q ahead of deriving the
-// tile costs more than the reads it saves, with a fourth K / V stage as with three (measured; see
-// the perf log).
+// tile costs more than the reads it saves, with a fourth K / V stage as with three (benchmarks/perf-log.md,
+// 'Change: the persistent tile's setup staged by the loader, at D = 64 only').
 template <typename Keys, int D>
 constexpr bool kStagedSetup = Keys::kPersistent && D <= 64;
 
