@@ -1,4 +1,4 @@
-"""create_mask's per-key path (flexdma.topk's selection, then a comparison against the row
+"""create_mask's per-key path (flexdma.perkey's selection, then a comparison against the row
 thresholds) is bitwise the dense top-k it replaced: a frozen copy of that implementation is the oracle."""
 
 from typing import Optional

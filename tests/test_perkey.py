@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from utils import assert_graph_replays
 
 import flexdma
-from flexdma import topk
+from flexdma import perkey
 from flexdma.reference import attention_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -206,7 +206,7 @@ def test_cuda_every_listed_head_dim(case, D):
         warnings.simplefilter("always")
         _check_case("cuda", case, torch.bfloat16, D=D, softcap=softcap, backends=["auto"])
     fallbacks = [str(w.message) for w in seen if "falls back" in str(w.message)]
-    if topk.cuda_unsupported_reason(torch.empty(1, 1, 1, D, dtype=torch.bfloat16, device="cuda")) is None:
+    if perkey.cuda_unsupported_reason(torch.empty(1, 1, 1, D, dtype=torch.bfloat16, device="cuda")) is None:
         assert not fallbacks, fallbacks
 
 
@@ -265,16 +265,16 @@ def test_selection_is_the_dense_mask(device):
         B, Q, K, H, KVH, W, causal, *_ = case
         _, _, _, bias, pad = _inputs(case, device, torch.float32)
         m = None if pad is None else pad[:, None, None, :]
-        scores = topk.selection_scores(bias, m, H)
+        scores = perkey.selection_scores(bias, m, H)
         rows = 64 if device == "cpu" else 32
-        sel = topk.select(scores, W, Q, causal, rows)
-        dense = topk.keep_mask(sel, Q, K, causal)
+        sel = perkey.select(scores, W, Q, causal, rows)
+        dense = perkey.keep_mask(sel, Q, K, causal)
         want = _dense(bias, pad, W, Q, causal)
         shape = torch.broadcast_shapes(dense.shape, want.shape)
         assert torch.equal(dense.expand(shape), want.expand(shape)), case
         # Each tile's list holds every key some row of the tile keeps (and keys the last row sees
         # within the tile's largest threshold), in rank order.
-        lists = topk.tile_lists(sel, Q, rows)
+        lists = perkey.tile_lists(sel, Q, rows)
         n = lists[..., 0]
         for t in range(n.shape[-1]):
             union = dense[:, :, t * rows : (t + 1) * rows].any(2)
@@ -294,10 +294,10 @@ def test_cpu_and_cuda_selection_agree():
     scores[0, 1, ::3] = float("-inf")
     for causal in (True, False):
         for Q in (1, 1000, 3000):
-            a = topk.select(scores, 300, Q, causal, 32)
-            b = topk.select(scores.cuda(), 300, Q, causal, 32)
+            a = perkey.select(scores, 300, Q, causal, 32)
+            b = perkey.select(scores.cuda(), 300, Q, causal, 32)
             assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
-            la, lb = topk.tile_lists(a, Q, 32), topk.tile_lists(b, Q, 32).cpu()
+            la, lb = perkey.tile_lists(a, Q, 32), perkey.tile_lists(b, Q, 32).cpu()
             n = la[..., 0]
             assert torch.equal(n, lb[..., 0])
             for idx in n.flatten().nonzero().flatten().tolist()[:50]:
@@ -308,10 +308,10 @@ def test_cpu_and_cuda_selection_agree():
 
 def _assert_cuda_selection_is_the_cpu_op(scores, W, Q, causal, rows=128):
     # Ranks, thresholds and every list entry up to its length (the entries past it are unspecified).
-    a = topk.select(scores, W, Q, causal, rows)
-    b = topk.select(scores.cuda(), W, Q, causal, rows)
+    a = perkey.select(scores, W, Q, causal, rows)
+    b = perkey.select(scores.cuda(), W, Q, causal, rows)
     assert torch.equal(a.key_rank, b.key_rank.cpu()) and torch.equal(a.row_thr, b.row_thr.cpu())
-    la, lb = topk.tile_lists(a, Q, rows), topk.tile_lists(b, Q, rows).cpu()
+    la, lb = perkey.tile_lists(a, Q, rows), perkey.tile_lists(b, Q, rows).cpu()
     assert la.shape == lb.shape
     if la.numel() == 0:  # no rows or no planes: no lists
         return
@@ -356,17 +356,17 @@ def test_cuda_selection_repeats_at_unaligned_plane_strides():
     g = torch.Generator().manual_seed(0)
     for K, W in ((1175, 2048), (3001, 1024), (777, 256)):
         scores = torch.randn(2, 4, K, generator=g).exp().to(torch.bfloat16)
-        want = topk.select(scores, W, K, True, 128)
-        first = topk.select(scores.cuda(), W, K, True, 128)
+        want = perkey.select(scores, W, K, True, 128)
+        first = perkey.select(scores.cuda(), W, K, True, 128)
         assert torch.equal(want.key_rank, first.key_rank.cpu()) and torch.equal(want.row_thr, first.row_thr.cpu())
-        lf = topk.tile_lists(first, K, 128)
+        lf = perkey.tile_lists(first, K, 128)
         listed = torch.arange(lf.shape[-1], device="cuda") <= lf[..., :1]  # entries past a list's end are unspecified
         other = torch.randn(1, 3, K + 517, device="cuda")
         for _ in range(60):
-            topk.select(other, W, K + 517, True, 128)
-            got = topk.select(scores.cuda(), W, K, True, 128)
+            perkey.select(other, W, K + 517, True, 128)
+            got = perkey.select(scores.cuda(), W, K, True, 128)
             assert torch.equal(got.key_rank, first.key_rank) and torch.equal(got.row_thr, first.row_thr)
-            assert torch.equal(topk.tile_lists(got, K, 128) * listed, lf * listed)
+            assert torch.equal(perkey.tile_lists(got, K, 128) * listed, lf * listed)
         torch.cuda.synchronize()
 
 

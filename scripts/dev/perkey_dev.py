@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from flexdma import topk
+from flexdma import perkey
 from flexdma.perkey import route
 from flexdma.perkey import triton as T
 from flexdma.reference import attention_ref
@@ -35,9 +35,9 @@ def _tile_rows(q, k, plane_heads):
 
 
 def _select(q, k, bias, W, causal):
-    sc = topk.selection_scores(bias, None, q.shape[2])
+    sc = perkey.selection_scores(bias, None, q.shape[2])
     tr = _tile_rows(q, k, sc.shape[1])
-    return topk.Selection(*torch.ops.flexdma.topk_select(sc, W, q.shape[1], causal, tr))
+    return perkey.Selection(*torch.ops.flexdma.topk_select(sc, W, q.shape[1], causal, tr))
 
 
 def _fwd(q, k, v, bias, sel, scale, causal):
@@ -61,7 +61,7 @@ def check():
     ]:
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
         sel = _select(q, k, bias, W, causal)
-        km = topk.keep_mask(sel, L, L, causal)
+        km = perkey.keep_mask(sel, L, L, causal)
         scale = 1 / math.sqrt(D)
         do = torch.randn_like(q)
         out, lse, res = _fwd(q, k, v, bias, sel, scale, causal)
@@ -110,8 +110,8 @@ def bench(lengths, Ws, Ds, model=True):
             "D": D,
             "W": W,
             "plane_heads": ph,
-            "list_mean": topk.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].float().mean().item(),
-            "list_max": topk.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].max().item(),
+            "list_mean": perkey.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].float().mean().item(),
+            "list_max": perkey.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].max().item(),
             "sm90_fwd": route.sm90_takes(q, k, v, bias, 0.0),
         }
         r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)

@@ -15,7 +15,7 @@ from triton.testing import do_bench
 import flexdma  # noqa: F401  (loads the ops)
 from benchmarks.common import captured
 from benchmarks.perkey import _launches as launches
-from flexdma import topk
+from flexdma import perkey
 
 # (name, planes, K, Q, W, tile rows)
 CASES = [
@@ -51,16 +51,16 @@ def main():
     for name, P, K, Q, W, tr in chosen:
         torch.manual_seed(0)
         scores = torch.exp(torch.randn(1, P, K, device="cuda")).to(torch.bfloat16)
-        fn = lambda: topk.select(scores, W, Q, True, tr)  # noqa: E731
+        fn = lambda: perkey.select(scores, W, Q, True, tr)  # noqa: E731
         got = fn()
-        want = topk.select(scores.cpu(), W, Q, True, tr)
+        want = perkey.select(scores.cpu(), W, Q, True, tr)
         ok = torch.equal(want.key_rank, got.key_rank.cpu()) and torch.equal(want.row_thr, got.row_thr.cpu())
         r = dict(case=name, planes=P, K=K, Q=Q, W=W, tile_rows=tr, matches_cpu=ok)
         r["do_bench_us"] = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
         r["graph_us"] = graph_us(fn)
         r["launches"] = launches(fn)
         # Without query rows: the sorts and ranks alone (no walk items).
-        r["ranks_only_graph_us"] = graph_us(lambda: topk.select(scores, W, 0, True, tr))
+        r["ranks_only_graph_us"] = graph_us(lambda: perkey.select(scores, W, 0, True, tr))
         rows.append(r)
         print(r, flush=True)
     if args.out:

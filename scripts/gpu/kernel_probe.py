@@ -88,7 +88,7 @@ def main(case, D):
 def topk_case(case, L, D):
     dev, dt = "cuda", torch.bfloat16
     if case == "topkselect":  # the selection alone past 128K keys (its 4096-key chunks), 300 rows
-        from flexdma import topk
+        from flexdma import perkey as topk
 
         scores = torch.randn(1, 2, L, device=dev, dtype=dt)[:, 1:]
         topk.select(scores, 2048, 300, True, 128)
