@@ -372,7 +372,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     out = [
         f"## dense-mask kernels at model shapes (h100, `{name}`)",
         "",
-        "`python3 scripts/dev/cuda_dev.py --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
+        "`python -m scripts.dev.cuda_dev --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "
         "flexdma = torch.ops.flexdma.fwd / bwd (CUDA), FlexAttention compiled with the same mask and bias, "
         f"dense SDPA over all keys; {fwd_note}; bwd = fwd+bwd minus fwd (flexdma: the backward "

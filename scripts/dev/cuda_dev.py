@@ -6,7 +6,7 @@ per-row bias (1,1,Q,K) and a per-key bias (1,1,1,K); and causal without mask or 
 (B, KVH, L, L) = top-L/4 of a bias (B, KVH, 1, L) per row, against FlexAttention (compiled, the
 same mask and bias) and dense causal SDPA over all keys, in the same run.
 Median of triton.testing.do_bench. Usage, from the repository root:
-PYTHONPATH=. python3 scripts/dev/cuda_dev.py [--out results.json]
+python -m scripts.dev.cuda_dev [--out results.json]
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ of the causally visible bias per row. Times (median of triton.testing.do_bench):
   - flexdma's flex forward / backward (dq, dk, dv, dbias) vs a hand-written compiled
     flex_attention (score_mod indexing the bias, create_block_mask BlockMask), same kernel_options;
   - optionally a few backward kernel_options candidates.
-Writes JSON to the path given by --out. Run from the repository root with flexdma importable
-(installed, or PYTHONPATH=.): `python3 scripts/dev/flex_check.py --out flex.json [--sweep]`.
+Writes JSON to the path given by --out. Run from the repository root:
+`python -m scripts.dev.flex_check --out flex.json [--sweep]`.
 """
 
 from __future__ import annotations

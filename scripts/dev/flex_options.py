@@ -5,7 +5,8 @@ filled from. A training call is forward + backward with a (B, KVH, 1, L) bias th
 gradient (top-W general mask from create_mask); an inference call is the forward without grad.
 The bias gradient of each option set is compared with the defaults' (they must agree).
 
-Usage: python3 scripts/dev/flex_options.py [--dims 64,128,256] [--dtype bf16] [--out results.json]
+Usage, from the repository root:
+python -m scripts.dev.flex_options [--dims 64,128,256] [--dtype bf16] [--out results.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 hand-written compiled flex_attention: BlockMask build time (and the Triton tile kernel's configs),
 forward times, the cross terms (hand-written call with our BlockMask), a profiler table of our
 forward, then backward times. Lines starting with '==' are the results; the rest is detail.
-Ordered cheapest first so that a timeout still leaves the forward numbers."""
+Ordered cheapest first so that a timeout still leaves the forward numbers.
+
+python -m scripts.dev.flex_probe (from the repository root)"""
 
 import time
 

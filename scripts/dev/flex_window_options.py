@@ -1,4 +1,4 @@
-"""The topk bench's FlexAttention window peer (compiled, the last W keys a row sees, the per-key
+"""The perkey bench's FlexAttention window peer (compiled, the last W keys a row sees, the per-key
 bias as score_mod) at each kernel option set (FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE):
 forward without grad and the training call (forward + backward), do_bench medians in ms, at one
 row per head dim and shape kind of the bench. What flex.sparse_mask_kernel_options takes for a

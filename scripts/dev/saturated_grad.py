@@ -14,7 +14,7 @@ rounded to the dtype, so only the arithmetic differs. float16 cannot hold a bias
 rows report the non-finite values.
 
 On the GPU machine, from the repository root:
-    PYTHONPATH=. python3 scripts/dev/saturated_grad.py [--out results.json]
+    python -m scripts.dev.saturated_grad [--out results.json]
 (`--device cpu --dtypes float32 --backend cpu` runs the CPU kernel the same way.)
 """
 
