@@ -4,7 +4,7 @@ Q x K tensor.
 When the importance of a key does not depend on the query (a bias of shape
 ({1|B}, {1|KVH|H}, 1, K)), row i keeps the W best keys by (score desc, key index asc) among
 the keys it may see (causal cut, attn_mask). Causality makes the kept sets nest, so the whole
-mask fits in O(Q + K) per selection plane (see the per-key selection design note):
+mask fits in O(Q + K) per selection plane (docs/perkey.md, "Why it fits in O(N)"):
 
 - `key_rank[p, j]`: rank of key j in its plane, 0-based, in that order, among eligible keys
   (allowed by attn_mask and with a score other than -inf); `NEVER` (int32 max, csrc/flash_dma_constants.h's kNeverKept) for the others.

@@ -3,7 +3,7 @@
 The newest row sees every cached key, so it keeps the W best eligible keys by (score desc, index
 asc), the order of the selection's contract (flexdma/perkey/contract.py: NaN first, -0.0 ties
 +0.0, -inf never kept). When one key is appended, that set is the W best of the old set and the
-new key (fact 5 of the per-key selection design note): the new key enters if a slot is free or it
+new key (fact 5 of docs/perkey.md, "Why it fits in O(N)"): the new key enters if a slot is free or it
 outranks the worst kept key, which it then replaces. A step reads W keys, not K.
 
 `KeptSet` holds, per (batch, plane), W slots: key index, whether the slot holds a key, and the
