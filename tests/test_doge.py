@@ -19,7 +19,7 @@ import flexdma.integrations.transformers as fx  # noqa: E402
 VOCAB, W = 64, 5
 
 
-def _models(dtype, layers=2, hidden=32):
+def _models(dtype, layers=2, hidden=32, window=W):
     cfg = transformers.DogeConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -27,7 +27,7 @@ def _models(dtype, layers=2, hidden=32):
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        keep_window_size=W,
+        keep_window_size=window,
         is_moe=False,
         max_position_embeddings=512,
     )
@@ -694,23 +694,34 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_cuda_compiled_train_step(form, mask):
     # On CUDA with Inductor, as users train: a bf16 train step of the compiled model (head_dim 64:
     # the flexdma CUDA ops in the graph; without attention_mask the packed ones) against the eager
-    # model's, within bf16's rounding of fused and unfused ops.
+    # model's, within bf16's rounding of fused and unfused ops. Every row keeps all its keys (the
+    # window covers the 12 tokens): Inductor rounds the fused bias otherwise than eager bf16 ops,
+    # and at a near tie one ulp picks another key, a different model. What the compiled selection
+    # keeps is checked exactly in float64 (test_compiled_train_steps_match_eager).
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
-    _, eager = _models(torch.float32, layers=2, hidden=256)
+    _, eager = _models(torch.float32, layers=2, hidden=256, window=16)
     eager = eager.to("cuda", torch.bfloat16)
     model = copy.deepcopy(eager)
+    # The ground truth: the same (bf16-rounded) weights in float64, on the CPU kernels.
+    exact = copy.deepcopy(eager).to("cpu", torch.float64)
     compiled = torch.compile(model, fullgraph=True)
-    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _call_kwargs(form, mask, "default").items()}
+    kw = _call_kwargs(form, mask, "default")
     torch._dynamo.reset()
     runs = []
-    for m, call in ((eager, eager), (model, compiled)):
-        out = call(**kw, labels=kw["input_ids"])
+    for m, call, dev in ((exact, exact, "cpu"), (eager, eager, "cuda"), (model, compiled, "cuda")):
+        args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = call(**args, labels=args["input_ids"])
         out.loss.backward()
-        runs.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
-    (le, ge), (lc, gc) = runs
-    assert _rel_err(lc, le) < 2e-2
-    assert ge.keys() == gc.keys()
-    for n in ge:
-        assert _rel_err(gc[n], ge[n]) < 5e-2, n
+        runs.append(
+            (out.logits.detach().cpu(), {n: p.grad.cpu() for n, p in m.named_parameters() if p.grad is not None})
+        )
+    (lx, gx), (le, ge), (lc, gc) = runs
+    # FlashAttention's rule: the compiled bf16 model's error against float64 at most twice the
+    # eager bf16 model's, plus a floor (a gradient of a few elements summed over every token, as
+    # A's, cancels to a few ulps of its terms).
+    assert _rel_err(lc, lx) <= 2 * _rel_err(le, lx) + 1e-2
+    assert gx.keys() == ge.keys() == gc.keys()
+    for n in gx:
+        assert _rel_err(gc[n], gx[n]) <= 2 * _rel_err(ge[n], gx[n]) + 2e-2, n

@@ -209,16 +209,15 @@ def _is_packed_causal(mask_function, causal, attention_mask, use_vmap: bool) -> 
         except AttributeError:
             return ""
 
+    if torch.compiler.is_compiling():
+        # Traced, a function made inside the graph shows no closure, and not every dynamo reads its
+        # __qualname__ (torch 2.11's stops the graph there). By what transformers passes: it
+        # composes a mask for packing only without a padding mask, and 5.x says use_vmap for a
+        # custom overlay (4.56 does not: there a traced and_mask_function overlay without padding
+        # passes unseen).
+        return attention_mask is None and not use_vmap
     if not name(mask_function).startswith("and_masks."):
         return False
-    try:
-        mask_function.__closure__
-    except AttributeError:
-        # Traced (torch.compile), a function made inside the graph shows no closure. By what
-        # transformers passes: it composes a mask for packing only without a padding mask, and
-        # 5.x says use_vmap for a custom overlay (4.56 does not: there a traced and_mask_function
-        # overlay without padding passes unseen).
-        return attention_mask is None and not use_vmap
     parts = next((c for c in cells(mask_function) if isinstance(c, tuple)), ())
     packed = [p for p in parts if name(p).startswith("packed_sequence_mask_function.")]
     rest = [p for p in parts if p not in packed]
