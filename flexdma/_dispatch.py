@@ -2,8 +2,9 @@
 policy, and one table of (path, backend) -> implementation.
 
 - `Call`: a small frozen record of a validated call (shapes, dtype, device, is_causal, softcap,
-  the mask's and bias's shapes, whether a backward will follow, keep_window_size), built once by
-  flexdma.api (`Call.of`). Backends decide from it, not from the tensors.
+  the mask's and bias's shapes, whether a backward will follow, keep_window_size; on the per-key
+  path the bias's dtype and the operands' alignment), built once by flexdma.api (`Call.of`).
+  Backends decide from it, not from the tensors.
 - `unsupported_reason(path, backend, call)`: why a backend cannot take the call (None: it can).
 - `select(backend, call)`: auto is the CUDA kernels where they support the call, FlexAttention
   where they do not, the eager reference last; on CPU the C++ kernel of the op family, then the
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _ext, _ops, _tilebits
 from ._device import device_capability
@@ -74,6 +76,11 @@ class Call(NamedTuple):
     bias_shape: Optional[Tuple[int, ...]]
     requires_grad: bool  # a backward will follow (grad mode on, an input requires grad)
     keep_window_size: Optional[int]  # None: the dense path
+    # The per-key path's operand properties its C++ kernels' check reads (perkey/route.py); on the
+    # dense path these defaults.
+    bias_dtype: Optional[torch.dtype] = None
+    rows_aligned: bool = True  # q / k / v: 16-byte aligned rows, strides multiples of 8 elements
+    kv_row_stride: int = 0  # the larger of k's and v's row strides, in elements
 
     @property
     def path(self) -> str:
@@ -84,6 +91,10 @@ class Call(NamedTuple):
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         B, Q, H, D = q.shape
+        # The per-key fields: the bias's dtype, the operands' alignment, the larger K / V row stride.
+        perkey = ()
+        if keep_window_size is not None:
+            perkey = (bias.dtype, _rows_aligned(q, k, v), torch.sym_max(k.stride(1), v.stride(1)))
         return Call(
             q.device,
             q.dtype,
@@ -99,7 +110,22 @@ class Call(NamedTuple):
             None if bias is None else tuple(bias.shape),
             bool(requires_grad),
             keep_window_size,
+            *perkey,
         )
+
+
+def _rows_aligned(*tensors) -> bool:
+    """Whether the rows of each tensor (4-D) start on 16 bytes, with strides of multiples of 8
+    elements (a stride the trace leaves symbolic counts where it is settled without a guard).
+    Traced tensors have no data and a graph serves later tensors too: their pointers count as
+    aligned (PyTorch's allocators align them), and the op refuses one that is not, naming why."""
+    eager = _ops.plain_eager(tensors)
+    for t in tensors:
+        if not all(statically_known_true(s % 8 == 0) for s in t.stride()[:3]):
+            return False
+        if eager and t.data_ptr() % 16:
+            return False
+    return True
 
 
 def available_backends() -> List[str]:
@@ -118,8 +144,6 @@ def available_backends() -> List[str]:
 # ------------------------------------------------------------------------------ backend limits
 
 
-# flexdma::DType's values (csrc/flash_dma_params.h), for the kernels' own support check.
-_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 _KERNEL_REASONS: dict = {}
 
 
@@ -150,7 +174,7 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
     if f"{major}{minor}" not in archs:
         return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
     why = _kernels_reason(
-        call.batch, call.num_heads, call.num_kv_heads, call.head_dim, _DTYPE_CODES.get(call.dtype, -1), call.softcap
+        call.batch, call.num_heads, call.num_kv_heads, call.head_dim, _ext.DTYPE_CODES.get(call.dtype, -1), call.softcap
     )
     if why:
         return (

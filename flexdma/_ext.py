@@ -3,7 +3,9 @@
 - `C`: the flexdma._C module (its import registers torch.ops.flexdma.*), None where it did not
   load; `LOAD_ERROR` says why (None when it loaded).
 - `BUILD_INFO`: flexdma/_build_info.py (written by setup.py), None where absent.
-- `HAVE_TRITON`: triton is installed (the per-key CUDA kernels are Triton); not imported here.
+- `HAVE_TRITON`: triton is installed (the per-key Triton kernels, for the CUDA calls the C++ ones
+  do not take); not imported here.
+- `DTYPE_CODES`: flexdma::DType's values, as the kernels' support checks take dtypes through `C`.
 - The constants shared with the kernels, read from csrc/flash_dma_constants.h through `C`
   (None without the extension: nothing that reads them can run then).
 """
@@ -43,7 +45,7 @@ TILE_SIZE = C.TILE_SIZE if C is not None else None
 TILES_PER_WORD = C.TILES_PER_WORD if C is not None else None
 # Largest batch / head count of a CUDA grid.
 MAX_GRID_DIM = C.MAX_GRID_DIM if C is not None else None
-# Query rows per CTA of the C++ per-key forward: its lists' tiles are a multiple of it.
+# Query rows per CTA of the C++ per-key kernels: the tiles of the lists they read.
 TOPK_TILE_ROWS = C.TOPK_TILE_ROWS if C is not None else None
 # Query rows per tile of the CPU per-key selection's lists.
 TOPK_CPU_TILE_ROWS = C.TOPK_CPU_TILE_ROWS if C is not None else None
@@ -51,6 +53,9 @@ TOPK_CPU_TILE_ROWS = C.TOPK_CPU_TILE_ROWS if C is not None else None
 NEVER_KEPT = C.NEVER_KEPT if C is not None else None
 # log2(e): the kernels keep scores in log2 units.
 LOG2E = C.LOG2E if C is not None else None
+
+# flexdma::DType's values (csrc/flash_dma_params.h); a dtype without one is passed as -1.
+DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
 def with_cuda() -> bool:

@@ -1,6 +1,6 @@
 """Python side of the torch.ops.flexdma op family: fake (meta) kernels and autograd of the dense
-ops (fwd, bwd, tile_meta), and the autograd both attention paths share (`register_autograd`; the
-per-key ops' side is flexdma/perkey/ops.py).
+ops (fwd, bwd, tile_meta), and the autograd every attention forward op shares (`register_autograd`;
+the per-key ops' side, the Triton implementation's ops among them, is flexdma/perkey/ops.py).
 
 The schemas and the CPU/CUDA kernels are registered by the C++ extension (ops/); everything
 here is device-independent and registered once. Without the extension (flexdma._ext.C is None)
@@ -102,14 +102,17 @@ def plain_eager(tensors) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, direct: Optional[Direct] = None):
+def register_autograd(
+    fwd_name: str, call_bwd, n_tensors: int, bias_index: int, direct: Optional[Direct] = None, bwd_extra: int = 0
+):
     """Autograd of an attention forward op whose inputs are `n_tensors` tensors (q, k, v first, the
     bias at `bias_index`), then softmax_scale, is_causal, softcap, deterministic and the tile tensor
     the forward read (and maybe more), and whose outputs are (out, lse, out_resid); its backward is
     `call_bwd(grad_out, *tensors, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-    deterministic, tiles, out_resid)` -> (dq, dk, dv, dbias). The dense fwd and the per-key topk_fwd
-    both have this form. Returns the op as the API calls it (`eager_autograd`), through `direct`'s
-    implementations where it takes the call."""
+    deterministic, tiles, out_resid, *extra)` -> (dq, dk, dv, dbias), `extra` the forward's
+    `bwd_extra` inputs after the tile tensor. The dense fwd and the per-key perkey_fwd (and its
+    Triton implementation, whose extra is the lists' tile rows) have this form. Returns the op as
+    the API calls it (`eager_autograd`), through `direct`'s implementations where it takes the call."""
 
     def setup_context(ctx, inputs, output):
         tensors = inputs[:n_tensors]
@@ -119,6 +122,7 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, 
         ctx.save_for_backward(*tensors, out, lse, tiles, resid)
         ctx.cfg = (softmax_scale, is_causal, softcap)
         ctx.deterministic = deterministic
+        ctx.extra = tuple(inputs[n_tensors + 5 : n_tensors + 5 + bwd_extra])
         ctx.n_inputs = len(inputs)
         # LSE is an output for inspection (and for merging partial results), not a differentiable
         # one; out_resid only feeds the backward's row sums.
@@ -136,7 +140,7 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, 
             # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
             # as contiguous whatever its strides, and the kernels check head_dim's stride.
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-        args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid)
+        args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid, *ctx.extra)
         # The eager forward's direct implementation has its backward's, where no graph of the
         # backward is built (the op's autograd refuses double backward) and nothing came between
         # since the forward (a mode the backward alone runs under sees the op).
@@ -151,7 +155,8 @@ def register_autograd(fwd_name: str, call_bwd, n_tensors: int, bias_index: int, 
         return tuple(grads)
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
-    return eager_autograd(getattr(torch.ops.flexdma, fwd_name.split("::")[1]), setup_context, backward, direct)
+    namespace, name = fwd_name.split("::")
+    return eager_autograd(getattr(getattr(torch.ops, namespace), name), setup_context, backward, direct)
 
 
 def eager_autograd(op, setup_context, backward, direct: Optional[Direct] = None):

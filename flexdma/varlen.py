@@ -27,6 +27,7 @@ import torch
 from . import _checks, _dispatch, _ext, _ops
 from .api import flash_dma_attention
 from .perkey import contract as perkey
+from .perkey import ops as perkey_ops
 from .perkey import route as perkey_route
 
 
@@ -239,23 +240,21 @@ def _cuda_packed(q, k, v, cu_q, attn_bias, softcap, window, backward=False, dete
         return _dispatch.cuda_unsupported_reason(_sequence_call(q, k, v, attn_bias, False, softcap)) is None
     if attn_bias is None:
         return False
-    views = (q[None], k[None], v[None], attn_bias[None, :, None, :])
-    if backward:
-        return perkey_route.sm90_bwd_takes(*views, softcap, deterministic)
-    return perkey_route.sm90_takes(*views, softcap)
+    call = _sequence_call(q, k, v, attn_bias, False, softcap, window, rows=None)
+    return perkey_route.kernels_reason(call, backward, deterministic) is None
 
 
-def _perkey_selection(q, k, v, bias, is_causal, softcap, window):
-    """One sequence's selection (its views (1, n, heads, D), bias (1, heads, 1, nk)), with the tile
-    rows of the forward that reads it (flexdma/perkey/route.py), and whether the lists are read
-    (the CUDA kernels gather by them; the CPU kernel does not)."""
+def _perkey_selection(q, k, v, bias, is_causal, softcap, window, backward=False, deterministic=False):
+    """One sequence's route (flexdma/perkey/route.py; `backward`: the backward's too) and selection
+    (its views (1, n, heads, D), bias (1, heads, 1, nk)) with the route's tile rows, and the lists
+    where the kernels read them (the CUDA kernels gather by them; the CPU kernel does not)."""
     call = _dispatch.Call.of(
-        q, k, v, None, bias, is_causal=is_causal, softcap=softcap, keep_window_size=window, requires_grad=False
+        q, k, v, None, bias, is_causal=is_causal, softcap=softcap, keep_window_size=window, requires_grad=backward
     )
-    r = perkey_route.decide("cuda" if q.device.type == "cuda" else "cpu", call)
+    r = perkey_route.decide("cuda" if q.device.type == "cuda" else "cpu", call, deterministic)
     scores = perkey.selection_scores(bias, None, q.shape[2])
     sel = perkey.select(scores, window, q.shape[1], is_causal, r.tile_rows)
-    return sel, sel.tile_keys if q.device.type == "cuda" else None
+    return r, sel, sel.tile_keys if q.device.type == "cuda" else None
 
 
 def _seq_views(q, k, v, bias, s):
@@ -286,9 +285,9 @@ def _varlen_fwd_impl(
             continue
         qs, ks, vs, b = _seq_views(q, k, v, attn_bias, s)
         if window > 0:
-            sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window)
-            o, lse_s, r = torch.ops.flexdma.topk_fwd(
-                qs, ks, vs, b, sel.key_rank, sel.row_thr, softmax_scale, is_causal, softcap, deterministic, lists
+            route, sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window)
+            o, lse_s, r = perkey_ops.run_forward(
+                route, qs, ks, vs, b, sel.key_rank, sel.row_thr, softmax_scale, is_causal, softcap, deterministic, lists
             )
         else:
             o, lse_s, r = torch.ops.flexdma.fwd(
@@ -326,9 +325,9 @@ def _varlen_bwd_impl(
         lse_s = lse[None, :, q0 : q0 + nq].contiguous()
         r = out_resid[None, q0 : q0 + nq] if has_resid else None
         if window > 0:
-            sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window)
-            g = torch.ops.flexdma.topk_bwd(
-                d, qs, ks, vs, b, sel.key_rank, sel.row_thr, o, lse_s, softmax_scale, is_causal, softcap, want,
+            route, sel, lists = _perkey_selection(qs, ks, vs, b, is_causal, softcap, window, True, deterministic)
+            g = perkey_ops.run_backward(
+                route, d, qs, ks, vs, b, sel.key_rank, sel.row_thr, o, lse_s, softmax_scale, is_causal, softcap, want,
                 deterministic, lists, r,
             )  # fmt: skip
         else:

@@ -106,16 +106,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
       /*device_stores_dbias_dtype=*/true);
 }
 
-// The per-key forward over each query tile's listed keys (topk_fwd_sm90, varlen_fwd_cuda) into out /
+// The per-key forward over each query tile's listed keys (perkey_fwd, varlen_fwd_cuda) into out /
 // lse / resid, allocated by the caller (fwd_impl's `into`); `adjust` sets what the operands alone do
 // not say (packed sequences). The callers check q / k / v before any kernel runs (the packed ones
 // before the selection).
-void topk_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
-                  double softmax_scale, bool is_causal, double softcap, const at::Tensor& out, const at::Tensor& lse,
-                  const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
+void perkey_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                    const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
+                    double softmax_scale, bool is_causal, double softcap, const at::Tensor& out, const at::Tensor& lse,
+                    const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
   FwdParams rule;
-  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  fill_perkey_params(rule, q, k, bias, key_rank, row_thr);
   fwd_impl(q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, c10::nullopt,
            [&](const FwdParams& given) {
              FwdParams p = given;
@@ -128,42 +128,86 @@ void topk_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
            rule.key_rank, rule.row_thr, {out, lse});
 }
 
-// flexdma::topk_fwd_sm90.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_sm90_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                                  const at::Tensor& v, const at::Tensor& bias,
-                                                                  const at::Tensor& key_rank, const at::Tensor& row_thr,
-                                                                  const at::Tensor& tile_keys, int64_t tile_rows,
-                                                                  double softmax_scale, bool is_causal,
-                                                                  double softcap) {
+// q / k / v rows read 16 bytes at a time: 16-byte aligned rows, strides multiples of 8 elements.
+bool rows_aligned16(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+         t.stride(2) % 8 == 0;
+}
+
+int dtype_code(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf ? static_cast<int>(to_dtype(t))
+                                                                                     : -1;
+}
+
+// The C++ per-key kernels' check of a padded call (cuda::perkey_unsupported_reason, which Python's
+// route asks before choosing them), run before any launch: a call they do not take is refused with
+// its reason. The backward's conditions count torch's deterministic mode as `deterministic`.
+void check_perkey(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                  double softcap, bool backward, bool deterministic) {
+  cuda::PerkeyCall c;
+  c.batch = q.size(0);
+  c.seqlen_q = q.size(1);
+  c.num_heads = q.size(2);
+  c.head_dim = q.size(3);
+  c.seqlen_k = k.size(1);
+  c.num_heads_k = k.size(2);
+  c.dtype = dtype_code(q.scalar_type());
+  c.bias_dtype = dtype_code(bias.scalar_type());
+  c.softcap = static_cast<float>(softcap);
+  c.rows_aligned = rows_aligned16(q) && rows_aligned16(k) && rows_aligned16(v);
+  c.kv_row_stride = std::max(k.stride(1), v.stride(1));
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(q.get_device());
+  c.device_arch = props->major * 10 + props->minor;
+  c.backward = backward;
+  c.deterministic = deterministic || at::globalContext().deterministicAlgorithms();
+  const char* why = cuda::perkey_unsupported_reason(c);
+  TORCH_CHECK_VALUE(why == nullptr, op, " on CUDA (the C++ per-key kernels) does not take this call: ", why,
+                    " (flash_dma_attention routes such calls to the Triton kernels, flexdma_triton::",
+                    backward ? "perkey_bwd" : "perkey_fwd", ")");
+}
+
+// The lists of perkey_select's call with the C++ kernels' 128-row query tiles.
+Broadcast4d perkey_lists(const char* op, const c10::optional<at::Tensor>& tile_keys, const at::Tensor& key_rank,
+                         const at::Tensor& q) {
+  TORCH_CHECK_VALUE(
+      tile_keys.has_value() && tile_keys->defined(), op,
+      " on CUDA needs tile_keys, the third output of flexdma::perkey_select called with tile_rows=", kTopkTileRows);
+  return tile_keys_operand(*tile_keys, key_rank, q, kTopkTileRows);
+}
+
+// flexdma::perkey_fwd on CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, const at::Tensor& bias,
+                                                               const at::Tensor& key_rank, const at::Tensor& row_thr,
+                                                               double softmax_scale, bool is_causal, double softcap,
+                                                               bool /*deterministic: read by the backward*/,
+                                                               const c10::optional<at::Tensor>& tile_keys) {
   c10::cuda::CUDAGuard guard(q.device());
   check_qkv(q, k, v);
-  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
+  check_perkey("flexdma::perkey_fwd", q, k, v, bias, softcap, /*backward=*/false, /*deterministic=*/false);
+  const Broadcast4d keys = perkey_lists("flexdma::perkey_fwd", tile_keys, key_rank, q);
   auto [out, lse] = alloc_fwd_outputs(q);
   at::Tensor resid = alloc_out(q);
-  topk_fwd_run(q, k, v, bias, key_rank, row_thr, keys, tile_rows, softmax_scale, is_causal, softcap, out, lse, resid,
-               [](FwdParams&) {});
+  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kTopkTileRows, softmax_scale, is_causal, softcap, out, lse,
+                 resid, [](FwdParams&) {});
   return {out, lse, resid};
 }
 
-// The per-key backward over the same lists (bwd_ws_kernel.cuh; topk_bwd_sm90, varlen_bwd_cuda) into
-// dq (the caller's, as topk_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
+// The per-key backward over the same lists (bwd_ws_kernel.cuh; perkey_bwd, varlen_bwd_cuda) into
+// dq (the caller's, as perkey_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
 // (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_bwd_run(
     const at::Tensor& dout_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
     const at::Tensor& out, const at::Tensor& lse, void* resid, double softmax_scale, bool is_causal,
     bool bias_requires_grad, at::Tensor dq, const std::function<void(BwdParams&)>& adjust) {
   FwdParams rule;
-  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  fill_perkey_params(rule, q, k, bias, key_rank, row_thr);
   // Q / dO rows are copied 16 bytes at a time; out / dout / out_resid read in 4-byte pairs.
-  const auto rows16 = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
-           t.stride(2) % 8 == 0;
-  };
-  const at::Tensor dout = rows16(dout_in) ? dout_in : dout_in.contiguous();
+  const at::Tensor dout = rows_aligned16(dout_in) ? dout_in : dout_in.contiguous();
   TORCH_CHECK_VALUE(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && out.stride(2) % 2 == 0,
-                    "flexdma::topk_bwd_sm90: out's strides must be even (its rows are read in pairs), got ",
+                    "flexdma::perkey_bwd: out's strides must be even (its rows are read in pairs), got ",
                     out.strides());
   const int64_t nk = k.numel(), nb = bias_requires_grad ? bias.numel() : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream().stream();
@@ -190,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_bwd_run(
   return {dk, dv, db.has_value() ? *db : at::Tensor()};
 }
 
-// topk_bwd_run's float sums as dk / dv (k's and v's sizes and dtype) and dbias (the bias's; empty
+// perkey_bwd_run's float sums as dk / dv (k's and v's sizes and dtype) and dbias (the bias's; empty
 // where db is undefined), cast in one launch.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_sums(const at::Tensor& dk, const at::Tensor& dv,
                                                          const at::Tensor& db, const at::Tensor& k, const at::Tensor& v,
@@ -216,19 +260,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_sums(const at::Tensor& dk, c
   return {dk_out, dv_out, db_out};
 }
 
-// flexdma::topk_bwd_sm90.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_sm90_cuda(
+// flexdma::perkey_bwd on CUDA.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& tile_keys, int64_t tile_rows,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal,
-    bool bias_requires_grad) {
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
+    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const c10::optional<at::Tensor>& tile_keys, const c10::optional<at::Tensor>& out_resid) {
   c10::cuda::CUDAGuard guard(q.device());
   check_qkv(q, k, v);
-  const Broadcast4d keys = tile_keys_operand(tile_keys, key_rank, q, tile_rows);
-  void* resid = resid_ptr(out_resid, out, "flexdma::topk_bwd_sm90");
+  check_perkey("flexdma::perkey_bwd", q, k, v, bias, softcap, /*backward=*/true, deterministic);
+  const Broadcast4d keys = perkey_lists("flexdma::perkey_bwd", tile_keys, key_rank, q);
+  void* resid = resid_ptr(out_resid, out, "flexdma::perkey_bwd");
   at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = topk_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, tile_rows, out, lse, resid,
-                                   softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
+  auto [dk, dv, db] = perkey_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, kTopkTileRows, out, lse, resid,
+                                     softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
   auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
   return {dq, dk_out, dv_out, dbias};
 }
@@ -244,12 +289,12 @@ void launch_select(SelectParams& p, const at::Tensor& like) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// flexdma::topk_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
+// flexdma::perkey_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
 // topk_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor& scores, int64_t window,
-                                                                int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tensor& scores, int64_t window,
+                                                                  int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
   c10::cuda::CUDAGuard guard(scores.device());
-  topk_select_check(scores, window, seqlen_q, tile_rows);
+  perkey_select_check(scores, window, seqlen_q, tile_rows);
   SelectParams p;
   p.scores = scores.const_data_ptr();
   p.dtype = to_dtype(scores.scalar_type());
@@ -264,7 +309,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cuda(const at::Tensor
   p.tile_rows = tile_rows;
   p.is_causal = is_causal;
   const char* why = cuda::select_unsupported_reason(p);
-  TORCH_CHECK_VALUE(why == nullptr, "flexdma::topk_select on CUDA does not take this call: ", why);
+  TORCH_CHECK_VALUE(why == nullptr, "flexdma::perkey_select on CUDA does not take this call: ", why);
   const SelectOutputs o = alloc_select_outputs(scores, window, seqlen_q, tile_rows, /*zero_lists=*/false);
   p.list_cap = o.list_cap;
   p.key_rank = o.key_rank.data_ptr<int32_t>();
@@ -397,9 +442,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_packed_cuda(
   at::Tensor out4 = out.unsqueeze(0), lse4 = lse.unsqueeze(0);
   if (window > 0) {
     auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
-    topk_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *packed_bias(bias), rank.unsqueeze(0),
-                 thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
-                 out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
+    perkey_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *packed_bias(bias), rank.unsqueeze(0),
+                   thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
+                   out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
     return {out, lse, resid};
   }
   fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale, is_causal,
@@ -437,9 +482,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cud
     TORCH_CHECK_VALUE(softcap == 0.0, "flexdma::varlen_bwd_cuda: the per-key backward takes no softcap");
     auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
     auto [dk, dv, db] =
-        topk_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *bias4, rank.unsqueeze(0),
-                     thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
-                     softmax_scale, is_causal, bias_requires_grad, dq4, [&s](BwdParams& p) { packed_params(p, s); });
+        perkey_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *bias4, rank.unsqueeze(0),
+                       thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
+                       softmax_scale, is_causal, bias_requires_grad, dq4, [&s](BwdParams& p) { packed_params(p, s); });
     // The casts make tensors of their own (not views of the float buffer).
     auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, *bias);
     return {dq, dk_out, dv_out, dbias};
@@ -467,11 +512,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cud
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
 const bool kSupportCheckSet = (cuda_support_check() = &cuda::unsupported_reason, true);
+const bool kPerkeySupportCheckSet = (perkey_support_check() = &cuda::perkey_unsupported_reason, true);
 
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
-  m.impl("topk_select", &topk_select_cuda);
-  m.impl("topk_fwd_sm90", &topk_fwd_sm90_cuda);
-  m.impl("topk_bwd_sm90", &topk_bwd_sm90_cuda);
+  m.impl("perkey_select", &perkey_select_cuda);
+  m.impl("perkey_fwd", &perkey_fwd_cuda);
+  m.impl("perkey_bwd", &perkey_bwd_cuda);
   m.impl("varlen_fwd_cuda", &varlen_fwd_packed_cuda);
   m.impl("varlen_bwd_cuda", &varlen_bwd_packed_cuda);
   m.impl("fwd", &fwd_cuda);

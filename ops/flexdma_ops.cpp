@@ -39,16 +39,53 @@ PyObject* py_cuda_unsupported_reason(PyObject*, PyObject* args) {
   return PyUnicode_FromString(why);
 }
 
+// _C.perkey_unsupported_reason(batch, num_heads, num_heads_k, head_dim, seqlen_q, seqlen_k, dtype,
+// bias_dtype, softcap, rows_aligned, kv_row_stride, device_arch, backward, deterministic): the C++
+// per-key kernels' own check (cuda::perkey_unsupported_reason, cuda::PerkeyCall's fields) for
+// Python's per-key route; None when they take the call. dtypes as flexdma::DType's values (-1: none).
+PyObject* py_perkey_unsupported_reason(PyObject*, PyObject* args) {
+  flexdma::cuda::PerkeyCall c;
+  int aligned = 1, backward = 0, deterministic = 0;
+  double softcap = 0.0;
+  long long sizes[6] = {0, 0, 0, 0, 0, 0}, kv_row_stride = 0;
+  if (!PyArg_ParseTuple(args, "LLLLLLiidpLipp", &sizes[0], &sizes[1], &sizes[2], &sizes[3], &sizes[4], &sizes[5],
+                        &c.dtype, &c.bias_dtype, &softcap, &aligned, &kv_row_stride, &c.device_arch, &backward,
+                        &deterministic))
+    return nullptr;
+  const flexdma::PerkeySupportCheck check = flexdma::perkey_support_check();
+  if (check == nullptr) return PyUnicode_FromString("flexdma was built without CUDA kernels");
+  c.batch = sizes[0];
+  c.num_heads = sizes[1];
+  c.num_heads_k = sizes[2];
+  c.head_dim = sizes[3];
+  c.seqlen_q = sizes[4];
+  c.seqlen_k = sizes[5];
+  c.softcap = static_cast<float>(softcap);
+  c.rows_aligned = aligned != 0;
+  c.kv_row_stride = kv_row_stride;
+  c.backward = backward != 0;
+  c.deterministic = deterministic != 0;
+  const char* why = check(c);
+  if (why == nullptr) Py_RETURN_NONE;
+  return PyUnicode_FromString(why);
+}
+
 PyMethodDef kMethods[] = {
     {"topk_list_cap", py_topk_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
     {"cuda_unsupported_reason", py_cuda_unsupported_reason, METH_VARARGS,
      "The CUDA kernels' support check of a dense call: None, or why not."},
+    {"perkey_unsupported_reason", py_perkey_unsupported_reason, METH_VARARGS,
+     "The C++ per-key kernels' support check of a padded per-key call: None, or why not."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 
 namespace flexdma {
 SupportCheck& cuda_support_check() {
   static SupportCheck check = nullptr;
+  return check;
+}
+PerkeySupportCheck& perkey_support_check() {
+  static PerkeySupportCheck check = nullptr;
   return check;
 }
 }  // namespace flexdma
@@ -119,24 +156,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
 
 // tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
 // ranks and thresholds of each tile as it goes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                            const at::Tensor& v, const at::Tensor& bias,
-                                                            const at::Tensor& key_rank, const at::Tensor& row_thr,
-                                                            double softmax_scale, bool is_causal, double softcap,
-                                                            bool /*deterministic*/,
-                                                            const c10::optional<at::Tensor>& /*tile_keys*/) {
-  auto [out, lse] = topk_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
-                                  cpu_fwd(softmax_scale, softcap));
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& bias,
+                                                              const at::Tensor& key_rank, const at::Tensor& row_thr,
+                                                              double softmax_scale, bool is_causal, double softcap,
+                                                              bool /*deterministic*/,
+                                                              const c10::optional<at::Tensor>& /*tile_keys*/) {
+  auto [out, lse] = perkey_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
+                                    cpu_fwd(softmax_scale, softcap));
   return {out, lse, at::empty({0}, q.options())};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
     const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
-  return topk_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                       bias_requires_grad, deterministic, cpu_bwd(softmax_scale, softcap));
+  return perkey_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+                         bias_requires_grad, deterministic, cpu_bwd(softmax_scale, softcap));
 }
 
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with
@@ -161,9 +198,9 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
 
 // The per-key top-W selection of every plane of `scores` (P1, P2, K), -inf = ineligible. Ranked in
 // float32: the conversion from float16 / bfloat16 keeps every value and so the order.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> topk_select_cpu(const at::Tensor& scores, int64_t window,
-                                                               int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
-  topk_select_check(scores, window, seqlen_q, tile_rows);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tensor& scores, int64_t window,
+                                                                 int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
+  perkey_select_check(scores, window, seqlen_q, tile_rows);
   const int64_t K = scores.size(2), P = scores.size(0) * scores.size(1);
   const at::Tensor s = scores.to(at::kFloat).contiguous();
   const SelectOutputs o = alloc_select_outputs(scores, window, seqlen_q, tile_rows, /*zero_lists=*/true);
@@ -245,7 +282,7 @@ at::Tensor float64_order(const at::Tensor& scores) {
 // scores by their float64 order, as flash_dma_attention's selection ranks them.
 std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const Seq& s, int64_t window, bool causal) {
   const at::Tensor scores = bias.scalar_type() == at::kDouble ? float64_order(bias.squeeze(2)) : bias.squeeze(2);
-  auto [rank, thr, lists] = topk_select_cpu(scores, window, s.nq, causal, kTopkCpuTileRows);
+  auto [rank, thr, lists] = perkey_select_cpu(scores, window, s.nq, causal, kTopkCpuTileRows);
   return {rank, thr};
 }
 
@@ -266,8 +303,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
     at::Tensor o, l;
     if (window > 0) {
       auto [rank, thr] = varlen_select(*b, s, window, is_causal);
-      std::tie(o, l) = topk_fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, softmax_scale,
-                                     is_causal, softcap, run);
+      std::tie(o, l) = perkey_fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, softmax_scale,
+                                       is_causal, softcap, run);
     } else {
       std::tie(o, l) = fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, softmax_scale,
                                 is_causal, softcap, c10::nullopt, run);
@@ -299,8 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> g;
     if (window > 0) {
       auto [rank, thr] = varlen_select(*b, s, window, is_causal);
-      g = topk_bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, o, l.contiguous(),
-                        softmax_scale, is_causal, softcap, want_dbias, deterministic, run);
+      g = perkey_bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, o, l.contiguous(),
+                          softmax_scale, is_causal, softcap, want_dbias, deterministic, run);
     } else {
       g = bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, o, l.contiguous(),
                    softmax_scale, is_causal, softcap, want_dbias, deterministic, c10::nullopt, run);
@@ -339,45 +376,40 @@ TORCH_LIBRARY(flexdma, m) {
   // without reading their bytes.
   m.def("tile_meta(Tensor attn_mask, SymInt seqlen_q, SymInt seqlen_k, bool is_causal) -> Tensor",
         {at::Tag::pt2_compliant_tag});
-  // Per-key top-`window` selection in compact form (flexdma/topk.py states the contract):
+  // The per-key top-`window` selection in compact form (flexdma/perkey/contract.py states it):
   // key_rank (P1, P2, K), row_thr (P1, P2, Q) and, per query tile of `tile_rows` rows, the
   // length-prefixed list of the keys its rows keep, each 1 + cap entries, side by side:
   // (P1, P2, ceil(Q / tile_rows) * (1 + cap)) (one flat dim keeps the shape free of a guard on the
   // tile count under torch.export).
   m.def(
-      "topk_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
+      "perkey_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
       "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
       {at::Tag::pt2_compliant_tag});
-  // fwd / bwd with a top-k selection in place of attn_mask: row i keeps key j iff
+  // fwd / bwd with the per-key selection in place of attn_mask: row i keeps key j iff
   // key_rank[b, h, j] <= row_thr[b, h, i] (and causality). key_rank (1|B, 1|KVH|H, K) int32 ranks
   // the keys of a selection plane (INT32_MAX: never kept), row_thr (1|B, 1|KVH|H, Q) int32 (-1:
-  // the row keeps nothing); attn_bias is per key, (1|B, 1|KVH|H, 1, K). tile_keys is for the
-  // CUDA kernels; other devices ignore it. out_resid is out's rounding error (out - float(out)
-  // rounded to out's dtype) where a kernel keeps out in float but returns it rounded (the CUDA
-  // one): the backward's rowsum(dout * out) needs out in float for a per-key dbias summed over
-  // every row. Empty where the backward recomputes that sum itself (CPU).
+  // the row keeps nothing); attn_bias is per key, (1|B, 1|KVH|H, 1, K). out_resid is out's rounding
+  // error (out - float(out) rounded to out's dtype) where a kernel keeps out in float but returns it
+  // rounded (the CUDA one): the backward's rowsum(dout * out) needs out in float for a per-key
+  // dbias summed over every row. Empty where the backward recomputes that sum itself (CPU).
+  // On CUDA these are the C++ kernels (flexdma_cuda.cpp), which read tile_keys: perkey_select's
+  // lists of 128-row query tiles (kTopkTileRows); they take the calls cuda::perkey_unsupported_reason
+  // admits (flexdma._C.perkey_unsupported_reason) and refuse the others with its reason. The CPU
+  // kernels ignore tile_keys. The per-key route (flexdma/perkey/route.py) sends the CUDA calls these
+  // kernels do not take to the Triton kernels, registered as flexdma_triton::perkey_fwd / perkey_bwd
+  // (flexdma/perkey/ops.py).
   m.def(
-      "topk_fwd(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
+      "perkey_fwd(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
       "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor? tile_keys=None) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
-  // topk_fwd's C++ CUDA kernel (sm_90a builds, head dims 64 / 128; flexdma/_topk_triton.py's
-  // CUDA topk_fwd calls it where it applies and runs the Triton kernel elsewhere): tile_keys from
-  // topk_select with tile_rows a multiple of 128 (the kernel's query tiles), attn_bias in q's
-  // dtype, out_resid always written. No other device implements it.
+  // The gradients of perkey_fwd: the lists of the forward's call, out_resid as it returned it
+  // (empty: none). Returns (dq, dk, dv, dbias), dbias empty unless bias_requires_grad.
   m.def(
-      "topk_fwd_sm90(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
-      "Tensor tile_keys, int tile_rows, float softmax_scale, bool is_causal, float softcap) "
-      "-> (Tensor out, Tensor lse, Tensor out_resid)",
-      {at::Tag::pt2_compliant_tag});
-  // topk_bwd's C++ CUDA kernel (the same builds and head dims as topk_fwd_sm90, no softcap, not
-  // deterministic): the lists of the forward's call, out_resid as it returned it (empty: none).
-  // Returns (dq, dk, dv, dbias), dbias empty unless bias_requires_grad. No other device implements it.
-  m.def(
-      "topk_bwd_sm90(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
-      "Tensor row_thr, Tensor tile_keys, int tile_rows, Tensor out, Tensor lse, Tensor out_resid, "
-      "float softmax_scale, bool is_causal, bool bias_requires_grad) -> (Tensor dq, Tensor dk, Tensor dv, Tensor "
-      "dbias)",
+      "perkey_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
+      "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
+      "bool bias_requires_grad, bool deterministic, Tensor? tile_keys=None, Tensor? out_resid=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   // Packed sequences, FlashAttention's varlen layout: q (Tq, H, D), k / v (Tk, KVH, D), int32
   // offsets (batch + 1), attn_bias none or per key (heads, Tk); window > 0: each row keeps its
@@ -395,8 +427,8 @@ TORCH_LIBRARY(flexdma, m) {
       "Tensor? out_resid=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   // varlen_fwd / varlen_bwd on the CUDA kernels that read the offsets on the device, without host
-  // synchronisation: with a window the per-key kernels (the builds and head dims of topk_fwd_sm90 /
-  // topk_bwd_sm90; the backward without softcap, the selection made again), attn_bias (heads, Tk)
+  // synchronisation: with a window the C++ per-key kernels (those of perkey_fwd / perkey_bwd; the
+  // backward without softcap, the selection made again), attn_bias (heads, Tk)
   // required; with window 0 the dense kernels (every built head dim; attn_bias (heads, Tk) or none).
   // attn_bias in q's dtype. No other device implements them.
   m.def(
@@ -410,12 +442,6 @@ TORCH_LIBRARY(flexdma, m) {
       "float softmax_scale, bool is_causal, float softcap, int window, bool bias_requires_grad, "
       "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
-  m.def(
-      "topk_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
-      "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
-      "bool bias_requires_grad, bool deterministic, Tensor? tile_keys=None, Tensor? out_resid=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
-      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
@@ -424,9 +450,9 @@ TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);
-  m.impl("topk_select", &topk_select_cpu);
-  m.impl("topk_fwd", &topk_fwd_cpu);
-  m.impl("topk_bwd", &topk_bwd_cpu);
+  m.impl("perkey_select", &perkey_select_cpu);
+  m.impl("perkey_fwd", &perkey_fwd_cpu);
+  m.impl("perkey_bwd", &perkey_bwd_cpu);
 }
 
 }  // namespace flexdma

@@ -5,6 +5,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../csrc/cuda/flash_dma_cuda.h"
 #include "params_from_tensors.h"
 
 namespace flexdma {
@@ -14,6 +15,9 @@ namespace flexdma {
 // (flexdma_cuda.cpp) when the extension has CUDA kernels, null otherwise.
 using SupportCheck = const char* (*)(const FwdParams&);
 SupportCheck& cuda_support_check();
+// The C++ per-key kernels' check (cuda::perkey_unsupported_reason), reachable the same way.
+using PerkeySupportCheck = const char* (*)(const cuda::PerkeyCall&);
+PerkeySupportCheck& perkey_support_check();
 
 // `into`: where set (defined), the caller's out / lse (views of a packed call's own outputs, which
 // must not be views themselves), filled and returned; else fresh ones.
@@ -88,47 +92,47 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_impl(
   return {dq, dk, dv, dbias};
 }
 
-// flexdma::topk_fwd / topk_bwd: fwd / bwd with the top-k rank keep rule in place of a mask
+// flexdma::perkey_fwd / perkey_bwd: fwd / bwd with the per-key selection's keep rule in place of a mask
 // (FwdParams::key_rank / row_thr) and a per-key bias. Their own checks run first, so that a
 // wrong plane or bias is reported as such.
-inline std::tuple<at::Tensor, at::Tensor> topk_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                        const at::Tensor& bias, const at::Tensor& key_rank,
-                                                        const at::Tensor& row_thr, double softmax_scale, bool is_causal,
-                                                        double softcap,
-                                                        const std::function<void(const FwdParams&)>& run) {
+inline std::tuple<at::Tensor, at::Tensor> perkey_fwd_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& bias, const at::Tensor& key_rank,
+                                                          const at::Tensor& row_thr, double softmax_scale,
+                                                          bool is_causal, double softcap,
+                                                          const std::function<void(const FwdParams&)>& run) {
   check_qkv(q, k, v);
   FwdParams rule;
-  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  fill_perkey_params(rule, q, k, bias, key_rank, row_thr);
   return fwd_impl(q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, c10::nullopt, run, rule.key_rank,
                   rule.row_thr);
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> topk_bwd_impl(
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_impl(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
     const std::function<void(const BwdParams&)>& run, bool device_stores_dbias_dtype = false) {
   check_qkv(q, k, v);
   FwdParams rule;
-  fill_topk_params(rule, q, k, bias, key_rank, row_thr);
+  fill_perkey_params(rule, q, k, bias, key_rank, row_thr);
   return bwd_impl(dout, q, k, v, c10::nullopt, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
                   deterministic, c10::nullopt, run, device_stores_dbias_dtype, rule.key_rank, rule.row_thr);
 }
 
-// flexdma::topk_select's arguments, checked by every device's implementation.
-inline void topk_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
+// flexdma::perkey_select's arguments, checked by every device's implementation.
+inline void perkey_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
   const auto dt = scores.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-                   "flexdma::topk_select: scores must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::topk_select: scores must be 3-D (planes, planes, K), got shape ",
+                   "flexdma::perkey_select: scores must be float32, float16 or bfloat16, got ", dt);
+  TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::perkey_select: scores must be 3-D (planes, planes, K), got shape ",
                     scores.sizes());
-  TORCH_CHECK_VALUE(window > 0, "flexdma::topk_select: window must be positive, got ", window);
-  TORCH_CHECK_VALUE(seqlen_q >= 0, "flexdma::topk_select: seqlen_q must be >= 0, got ", seqlen_q);
-  TORCH_CHECK_VALUE(tile_rows > 0, "flexdma::topk_select: tile_rows must be positive, got ", tile_rows);
-  TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::topk_select: more keys than int32 ranks");
+  TORCH_CHECK_VALUE(window > 0, "flexdma::perkey_select: window must be positive, got ", window);
+  TORCH_CHECK_VALUE(seqlen_q >= 0, "flexdma::perkey_select: seqlen_q must be >= 0, got ", seqlen_q);
+  TORCH_CHECK_VALUE(tile_rows > 0, "flexdma::perkey_select: tile_rows must be positive, got ", tile_rows);
+  TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::perkey_select: more keys than int32 ranks");
 }
 
-// flexdma::topk_select's outputs for scores (P1, P2, K) (flexdma/perkey/contract.py's shapes) and
+// flexdma::perkey_select's outputs for scores (P1, P2, K) (flexdma/perkey/contract.py's shapes) and
 // its lists' capacity. tile_keys is zero-filled where `zero_lists` says so (the CPU op: entries past
 // a list's length then depend on nothing but the input); the CUDA kernel leaves them unwritten.
 struct SelectOutputs {

@@ -170,8 +170,8 @@ inline Broadcast4d plane_dims(const at::Tensor& x, int64_t num_heads) {
 // One plane operand of the top-k rank rule: int32 (Bs, Hs, n), Bs in {1, B}, Hs in {1, KVH, H},
 // n = `len` (K for key_rank, Q for row_thr), contiguous along n. Seen by the kernel as 4-D with
 // the n entries along `along_rows` ? rows (row_thr: (Bs, Hs, Q, 1)) : keys (key_rank: (Bs, Hs, 1, K)).
-inline Broadcast4d topk_plane(const at::Tensor& x, const char* name, const char* len_name, int64_t len, bool along_rows,
-                              const at::Tensor& q, int64_t kv_heads) {
+inline Broadcast4d perkey_plane(const at::Tensor& x, const char* name, const char* len_name, int64_t len,
+                                bool along_rows, const at::Tensor& q, int64_t kv_heads) {
   const int64_t B = q.size(0), H = q.size(2);
   TORCH_CHECK(x.scalar_type() == at::kInt, "flexdma: ", name, " must be int32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() == 3, "flexdma: ", name, " must be 3-D (batch, heads, ", len_name, "), got ", x.sizes());
@@ -187,18 +187,18 @@ inline Broadcast4d topk_plane(const at::Tensor& x, const char* name, const char*
   return b;
 }
 
-// The checks of flexdma::topk_fwd / topk_bwd besides fwd / bwd's: a per-key bias
+// The checks of flexdma::perkey_fwd / perkey_bwd besides fwd / bwd's: a per-key bias
 // ({1|B}, {1|KVH|H}, 1, K) and the two rank planes. Fills the rank rule into p.
-inline void fill_topk_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
-                             const at::Tensor& key_rank, const at::Tensor& row_thr) {
+inline void fill_perkey_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
+                               const at::Tensor& key_rank, const at::Tensor& row_thr) {
   TORCH_CHECK(bias.dim() == 4 && bias.size(2) == 1 && bias.size(3) == k.size(1),
-              "flexdma: topk attn_bias must be a per-key bias of shape (1|B, 1|KVH|H, 1, K=", k.size(1), "), got ",
-              bias.sizes());
-  p.key_rank = topk_plane(key_rank, "key_rank", "K", k.size(1), /*along_rows=*/false, q, k.size(2));
-  p.row_thr = topk_plane(row_thr, "row_thr", "Q", q.size(1), /*along_rows=*/true, q, k.size(2));
+              "flexdma: the per-key attn_bias must be a per-key bias of shape (1|B, 1|KVH|H, 1, K=", k.size(1),
+              "), got ", bias.sizes());
+  p.key_rank = perkey_plane(key_rank, "key_rank", "K", k.size(1), /*along_rows=*/false, q, k.size(2));
+  p.row_thr = perkey_plane(row_thr, "row_thr", "Q", q.size(1), /*along_rows=*/true, q, k.size(2));
 }
 
-// tile_keys of flexdma::topk_select for the CUDA forward: int32
+// tile_keys of flexdma::perkey_select for the CUDA kernels: int32
 // (P1, P2, ceil(Q / tile_rows) * (1 + cap)), planes as key_rank's, contiguous. Seen by the kernel
 // as rows of 1 + cap words, one a query tile.
 inline Broadcast4d tile_keys_operand(const at::Tensor& x, const at::Tensor& key_rank, const at::Tensor& q,
@@ -213,7 +213,7 @@ inline Broadcast4d tile_keys_operand(const at::Tensor& x, const at::Tensor& key_
                     x.sizes(), " differ from key_rank's ", key_rank.sizes());
   TORCH_CHECK_VALUE(n_tiles > 0 && x.size(2) % n_tiles == 0 && x.size(2) / n_tiles >= 1, "flexdma: tile_keys of shape ",
                     x.sizes(), " does not hold ", n_tiles, " lists of ", tile_rows,
-                    "-row query tiles (flexdma::topk_select with tile_rows=", tile_rows, ")");
+                    "-row query tiles (flexdma::perkey_select with tile_rows=", tile_rows, ")");
   Broadcast4d b = plane_dims(x, q.size(2));
   b.row_stride = x.size(2) / n_tiles;
   b.col_stride = 1;

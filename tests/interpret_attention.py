@@ -25,11 +25,13 @@ def check(B, L, H, KVH, D, W, causal, deterministic, seed):
     v = torch.randn(B, L, KVH, D, generator=g)
     bias = torch.randn(B, KVH, 1, L, generator=g) * 2
     dout = torch.randn(B, L, H, D, generator=g)
-    tile_rows = route.tile_rows_for(q.device, H, KVH, KVH, D, q.dtype)
+    tile_rows = route.plan(H, KVH, KVH, D)[1]  # the Triton kernels' tile rows (the route's on CUDA)
     # The CPU op's selection: the lists the CUDA kernel would give (the same contract).
     sel = contract.select(bias[:, :, 0, :], W, L, causal, tile_rows)
     scale = 1 / math.sqrt(D)
-    out, lse, resid = kernels.fwd(q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, scale, causal, 0.0)
+    out, lse, resid = kernels.fwd(
+        q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, deterministic, sel.tile_keys, tile_rows
+    )
     grads = kernels.bwd(
         dout,
         q,
@@ -47,6 +49,7 @@ def check(B, L, H, KVH, D, W, causal, deterministic, seed):
         deterministic,
         sel.tile_keys,
         resid,
+        tile_rows,
     )
     ins = [t.double().requires_grad_() for t in (q, k, v, bias)]
     ref_out, ref_lse = naive.attention(*ins[:3], ins[3], sel, scale=scale, is_causal=causal, softcap=0.0)

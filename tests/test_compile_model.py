@@ -79,8 +79,8 @@ def test_compile_fullgraph_training(device):
     # One graph per direction (fullgraph=True would have raised on a break; same shapes, no recompile).
     assert len(rec.forward) == 1 and len(rec.backward) == 1
     # DynamicMaskAttention's scores are per key: the per-key ops, no dense mask in the graph.
-    assert {"flexdma.topk_select.default", "flexdma.topk_fwd.default"} <= _targets(rec.forward)
-    assert "flexdma.topk_bwd.default" in _targets(rec.backward)
+    assert {"flexdma.perkey_select.default", "flexdma.perkey_fwd.default"} <= _targets(rec.forward)
+    assert "flexdma.perkey_bwd.default" in _targets(rec.backward)
     for c, e in losses:
         assert abs(c - e) <= 10 * _tol(device) * max(1.0, abs(e)), losses
     assert losses[-1][0] < losses[0][0]
@@ -99,7 +99,7 @@ def exported(request):
 @pytest.mark.parametrize("seqlen", [9, 12, 33])
 def test_export_dynamic_seqlen(exported, seqlen):
     model, ep, device = exported
-    assert sum(str(n.target) == "flexdma.topk_fwd.default" for n in ep.graph.nodes) == 2
+    assert sum(str(n.target) == "flexdma.perkey_fwd.default" for n in ep.graph.nodes) == 2
     tokens = torch.randint(VOCAB, (2, seqlen), device=device)
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(tokens), model(tokens), atol=_tol(device), rtol=_tol(device))
@@ -118,29 +118,33 @@ def test_aoti_package_runs(exported, tmp_path):
 
 
 def test_capability_lookup_compiles_once(monkeypatch):
-    """The per-key plan asks for the GPU's capability inside the traced model (sm90_forward); a
-    lookup that fills its cache while traced leaves a guard on the empty cache, and the second call
-    compiles again (the CUDA fullgraph test above saw two graphs). Simulated on CPU: an sm_90
-    build and device."""
-    pytest.importorskip("triton")
+    """The per-key route asks for the GPU's capability and the C++ kernels' check inside the traced
+    model (route.kernels_reason); a lookup that fills its cache while traced leaves a guard on the
+    empty cache, and the second call compiles again (the CUDA fullgraph test above saw two graphs).
+    Simulated on CPU: a CUDA build and an sm_90 device."""
     from torch._dynamo.testing import CompileCounter
 
-    from flexdma import _build_info, _device
+    from flexdma import _device, _dispatch, _ext
     from flexdma.perkey import route
 
-    monkeypatch.setattr(_build_info, "CUDA_HEAD_DIMS", [64, 128])
-    monkeypatch.setattr(_build_info, "CUDA_ARCHS", ["90"])
+    monkeypatch.setattr(_ext, "with_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(_device, "_CAPABILITY", {})
+    monkeypatch.setattr(route, "_REASONS", {})
     torch._dynamo.reset()
     counter = CompileCounter()
-    dev = torch.device("cuda", 0)
+    q, k, v = (torch.ones(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.ones(1, 2, 1, 8, dtype=torch.bfloat16)
+    call = _dispatch.Call.of(q, k, v, None, bias, is_causal=True, softcap=0.0, keep_window_size=4, requires_grad=False)
+    call = call._replace(device=torch.device("cuda", 0))
 
     @torch.compile(backend=counter, fullgraph=True)
     def f(x):
-        return x * (2 if route.sm90_forward(64, torch.bfloat16, dev) else 3)
+        return x * (2 if route.kernels_reason(call, False, False) is None else 3)
 
-    for _ in range(3):
-        assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0))
+    got = [f(torch.ones(3)) for _ in range(3)]
+    # Asked eagerly only now: the traced lookups filled the caches.
+    want = 2.0 if route.kernels_reason(call, False, False) is None else 3.0
+    assert all(torch.equal(g, torch.full((3,), want)) for g in got)
     assert counter.frame_count == 1
     torch._dynamo.reset()

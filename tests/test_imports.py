@@ -40,8 +40,7 @@ ENTRY_SCRIPTS = {"benchmarks.__main__"}
 # heavy dependency on first use, none breaks a cycle. (file, imported module)
 ALLOWED_LOCAL = {
     ("flexdma/_dispatch.py", "flexdma.flex"),  # torch's FlexAttention (and triton), on first use
-    ("flexdma/perkey/ops.py", "flexdma.perkey.triton"),  # triton, on the first per-key CUDA call
-    ("flexdma/perkey/route.py", "flexdma.perkey.triton"),  # the same
+    ("flexdma/perkey/ops.py", "flexdma.perkey.triton"),  # triton, on the first call that runs its kernels
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),  # triton, on the first CUDA decode step
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_rows"),  # the same
     ("benchmarks/decode.py", "flexdma.perkey.triton_decode"),  # triton, where the kernel peer runs

@@ -160,9 +160,10 @@ def test_few_rows_route_compiles_fullgraph():
 
 
 # Head dims 64 / 128: on an sm_90a build the forward and the backward are the C++ kernels
-# (flexdma::topk_fwd_sm90 / topk_bwd_sm90) over 128-row query tiles (the backward Triton's under a
-# softcap); fp16 and a softcap on some of them; a decode whose keys split; lists of several 64-entry
-# pieces over several query tiles, causal with GQA and per-query-head planes without causality.
+# (flexdma::perkey_fwd / perkey_bwd on CUDA) over 128-row query tiles (under a softcap, which the
+# C++ backward does not take, both are Triton's); fp16 and a softcap on some of them; a decode
+# whose keys split; lists of several 64-entry pieces over several query tiles, causal with GQA and
+# per-query-head planes without causality.
 SM90_CASES = CASES + [
     (1, 1, 2000, 2, 1, 600, True, "1", True, False),
     (2, 700, 700, 4, 2, 150, True, "KVH", True, False),
@@ -181,9 +182,28 @@ def test_cuda_head_dims_match_reference(case, D):
     i = SM90_CASES.index(case)
     dtype = torch.float16 if i % 3 == 1 else torch.bfloat16
     softcap = 5.0 if i % 4 == 2 else 0.0
-    if not route.sm90_forward(D, dtype, torch.device("cuda")):
-        pytest.skip("the C++ per-key forward is not built for this device / head dim")
-    _check_case("cuda", case, dtype, D=D, softcap=softcap, sm90=True)
+    why = route.kernels_reason(_case_call(case, dtype, D), False, False)
+    if why is not None:
+        pytest.skip(f"the C++ per-key kernels do not run here: {why}")
+    _check_case("cuda", case, dtype, D=D, softcap=softcap, cpp=True)
+
+
+def _call(q, k, v, bias, W, causal, softcap=0.0, requires_grad=True):
+    from flexdma import _dispatch
+
+    return _dispatch.Call.of(
+        q, k, v, None, bias, is_causal=causal, softcap=softcap, keep_window_size=W, requires_grad=requires_grad
+    )
+
+
+def _case_call(case, dtype, D, softcap=0.0):
+    """The dispatch's Call of a case on CUDA, a backward following (no inputs drawn)."""
+    B, Q, K, H, KVH, W, causal, bh, *_ = case
+    nb = {"1": 1, "KVH": KVH, "H": H}[bh]
+    q = torch.empty(B, Q, H, D, dtype=dtype, device="cuda")
+    k, v = (torch.empty(B, K, KVH, D, dtype=dtype, device="cuda") for _ in range(2))
+    bias = torch.empty(B if nb > 1 else 1, nb, 1, K, dtype=dtype, device="cuda")
+    return _call(q, k, v, bias, W, causal, softcap)
 
 
 # Every head dim the README lists, through backend="auto": the per-key CUDA kernels where they take
@@ -206,11 +226,11 @@ def test_cuda_every_listed_head_dim(case, D):
         warnings.simplefilter("always")
         _check_case("cuda", case, torch.bfloat16, D=D, softcap=softcap, backends=["auto"])
     fallbacks = [str(w.message) for w in seen if "falls back" in str(w.message)]
-    if perkey.cuda_unsupported_reason(torch.empty(1, 1, 1, D, dtype=torch.bfloat16, device="cuda")) is None:
+    if perkey.cuda_unsupported_reason(_case_call(case, torch.bfloat16, D, softcap)) is None:
         assert not fallbacks, fallbacks
 
 
-def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False, backends=None):
+def _check_case(device, case, dtype, D=16, softcap=0.0, cpp=False, backends=None):
     B, Q, K, H, KVH, W, causal, *_ = case
     q, k, v, bias, pad = _inputs(case, device, dtype, D=D)
     mask = _dense(bias, pad, W, Q, causal)
@@ -222,14 +242,15 @@ def _check_case(device, case, dtype, D=16, softcap=0.0, sm90=False, backends=Non
         gs = torch.autograd.grad(o, ins, grad.to(prec))
         ref[prec] = (o, lse) + gs
     if backends is None:
-        backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] and not sm90 else [])
+        backends = _backends(device) + (["flex"] if device == "cuda" and case in CASES[:2] and not cpp else [])
     for backend in backends:
         ins = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
-        if sm90:
+        if cpp:
             from flexdma.perkey import route
 
-            assert route.sm90_takes(*ins[:4], softcap), "the C++ forward must take this call"
-            assert route.sm90_bwd_takes(*ins[:4], softcap, False) == (softcap == 0), "the C++ backward's choice"
+            r = route.decide(backend, _call(*ins, W, causal, softcap))
+            want = "cuda" if softcap == 0 else "triton"  # the C++ backward takes no softcap
+            assert (r.forward, r.backward) == (want, want), r
         _poison_cuda_allocator()
         out, lse = flexdma.flash_dma_attention(
             ins[0],
@@ -619,11 +640,11 @@ def test_rejected_inputs(kwargs, match):
         flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=True, **kw)
 
 
-def test_opcheck_topk_select():
+def test_opcheck_perkey_select():
     scores = torch.randn(2, 3, 50)
     scores[0, 0, ::4] = float("-inf")
     for causal in (True, False):
-        torch.library.opcheck(torch.ops.flexdma.topk_select, (scores, 7, 40, causal, 16))
+        torch.library.opcheck(torch.ops.flexdma.perkey_select, (scores, 7, 40, causal, 16))
 
 
 def test_compile_fullgraph_and_export():
@@ -701,7 +722,7 @@ def test_dynamic_bias_matches_doge_formula():
 
 @pytest.mark.gpu
 def test_cuda_deterministic_backward_is_bitwise_reproducible():
-    from flexdma.perkey import triton as _topk_triton
+    from flexdma.perkey import triton as perkey_triton
 
     case = (2, 700, 700, 8, 2, 100, True, "KVH", True, False)
     q, k, v, bias, pad = _inputs(case, "cuda", torch.bfloat16, ties=False)
@@ -722,12 +743,12 @@ def test_cuda_deterministic_backward_is_bitwise_reproducible():
         )
         return torch.autograd.grad(out, ins, grad)
 
-    old = _topk_triton.PARTIAL_BYTES
+    old = perkey_triton.PARTIAL_BYTES
     try:
-        _topk_triton.PARTIAL_BYTES = 1 << 20  # several chunks of query tiles
+        perkey_triton.PARTIAL_BYTES = 1 << 20  # several chunks of query tiles
         first, second = grads(True), grads(True)
     finally:
-        _topk_triton.PARTIAL_BYTES = old
+        perkey_triton.PARTIAL_BYTES = old
     fast = grads(False)
     for a, b, c, name in zip(first, second, fast, ("dq", "dk", "dv", "dbias")):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"

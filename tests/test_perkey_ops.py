@@ -1,9 +1,10 @@
-"""flexdma::topk_fwd / topk_bwd on CPU: the top-k rank keep rule (key_rank, row_thr) against the
+"""flexdma::perkey_fwd / perkey_bwd on CPU: the top-k rank keep rule (key_rank, row_thr) against the
 float64 reference run with the dense bool mask it stands for, plus opcheck and input checks."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -14,8 +15,8 @@ from utils import assert_close_to_ref, assert_no_nan, make_qkv, reference_with_g
 import flexdma  # noqa: F401  (registers fake kernels and autograd)
 from flexdma.reference import causal_mask
 
-topk_fwd = torch.ops.flexdma.topk_fwd
-topk_bwd = torch.ops.flexdma.topk_bwd
+perkey_fwd = torch.ops.flexdma.perkey_fwd
+perkey_bwd = torch.ops.flexdma.perkey_bwd
 
 INT32_MAX = 2**31 - 1
 
@@ -159,7 +160,7 @@ def _params():
 def test_matches_reference_with_the_dense_mask(dtype, case):
     q, k, v, bias, key_rank, row_thr = _make(case, dtype)
     scale = 1.0 / math.sqrt(case.D)
-    out, lse, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, scale, case.causal, case.softcap, False)
+    out, lse, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, scale, case.causal, case.softcap, False)
     grad_out = torch.randn_like(out)
     dq, dk, dv, dbias = torch.autograd.grad(out, (q, k, v, bias), grad_out)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
@@ -196,7 +197,7 @@ def test_row_thr_minus_one_everywhere_gives_zeros():
     case = Case("all-empty", B=2, H=4, KVH=2, causal=True)
     q, k, v, bias, key_rank, _ = _make(case, torch.float32)
     row_thr = torch.full((1, 4, case.Q), -1, dtype=torch.int32)
-    out, lse, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
+    out, lse, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
     assert (out == 0).all() and torch.isneginf(lse).all()
     grads = torch.autograd.grad(out, (q, k, v, bias), torch.randn_like(out))
     for g in grads:
@@ -210,7 +211,7 @@ def test_gradcheck_fp64_bias_and_inputs():
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float64)
 
     def f(q, k, v, b):
-        return topk_fwd(q, k, v, b, key_rank, row_thr, 0.375, True, 2.0, False)[0]
+        return perkey_fwd(q, k, v, b, key_rank, row_thr, 0.375, True, 2.0, False)[0]
 
     assert torch.autograd.gradcheck(f, (q, k, v, bias), eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -218,14 +219,14 @@ def test_gradcheck_fp64_bias_and_inputs():
 def test_backward_is_bitwise_deterministic_across_thread_counts():
     case = Case("det", B=2, Q=150, K=200, H=4, KVH=2, plane=("1", "KVH"), bias=("1", "1"), W=50, causal=True, D=32)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32, requires_grad=False)
-    out, lse, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.2, True, 0.0, False)
+    out, lse, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.2, True, 0.0, False)
     grad_out = torch.randn_like(out)
     args = (grad_out, q, k, v, bias, key_rank, row_thr, out, lse, 0.2, True, 0.0, True, True)
-    first = topk_bwd(*args)
+    first = perkey_bwd(*args)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single = topk_bwd(*args)
+        single = perkey_bwd(*args)
     finally:
         torch.set_num_threads(threads)
     for a, b, name in zip(first, single, ("dq", "dk", "dv", "dbias")):
@@ -235,9 +236,9 @@ def test_backward_is_bitwise_deterministic_across_thread_counts():
 def test_tile_keys_is_accepted_and_ignored_on_cpu():
     case = Case("tk", Q=70, K=130, causal=True)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32, requires_grad=False)
-    out0, lse0, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
+    out0, lse0, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
     junk = torch.zeros(3, dtype=torch.int32)
-    out1, lse1, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False, junk)
+    out1, lse1, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False, junk)
     assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
 
 
@@ -246,20 +247,20 @@ def test_tile_keys_is_accepted_and_ignored_on_cpu():
 def test_opcheck_topk_fwd(is_causal):
     case = Case("oc", B=2, Q=5, K=7, H=4, KVH=2, plane=("1", "KVH"), bias=("B", "1"), W=3, causal=is_causal, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32)
-    torch.library.opcheck(topk_fwd, (q, k, v, bias, key_rank, row_thr, 0.25, is_causal, 0.0, False))
+    torch.library.opcheck(perkey_fwd, (q, k, v, bias, key_rank, row_thr, 0.25, is_causal, 0.0, False))
 
 
 @pytest.mark.parametrize("bias_requires_grad", [False, True])
 def test_opcheck_topk_bwd(bias_requires_grad):
     case = Case("oc", B=2, Q=5, K=7, H=4, KVH=2, plane=("B", "H"), bias=("1", "KVH"), W=3, causal=True, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32, requires_grad=False)
-    out, lse, _ = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
-    dbias = topk_bwd(
+    out, lse, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
+    dbias = perkey_bwd(
         torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True, 0.0, bias_requires_grad, True
     )[3]
     assert dbias.shape == (bias.shape if bias_requires_grad else (0,))
     torch.library.opcheck(
-        topk_bwd,
+        perkey_bwd,
         (torch.randn_like(out), q, k, v, bias, key_rank, row_thr, out, lse, 0.25, True, 0.0, bias_requires_grad, True),
     )
 
@@ -267,7 +268,7 @@ def test_opcheck_topk_bwd(bias_requires_grad):
 def test_no_double_backward():
     case = Case("dd", Q=5, K=7, W=3, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float64)
-    out = topk_fwd(q, k, v, bias, key_rank, row_thr, 0.25, False, 0.0, False)[0]
+    out = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, False, 0.0, False)[0]
     (dq,) = torch.autograd.grad(out.sum(), (q,), create_graph=True)
     with pytest.raises(NotImplementedError, match="double backward"):
         dq.sum().backward()
@@ -312,15 +313,15 @@ def test_rejected_inputs(which, name, override, message):
     g = _GOOD
     q, k, v = make_qkv(g["B"], g["Q"], g["K"], g["H"], g["KVH"], 8)
     kw = dict(attn_bias=g["attn_bias"], key_rank=g["key_rank"], row_thr=g["row_thr"])
-    out, lse, _ = topk_fwd(
+    out, lse, _ = perkey_fwd(
         q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False
     )  # valid as given
     kw.update(override)
     with pytest.raises(RuntimeError, match=message):
         if which == "fwd":
-            topk_fwd(q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False)
+            perkey_fwd(q, k, v, kw["attn_bias"], kw["key_rank"], kw["row_thr"], 0.25, False, 0.0, False)
         else:
-            topk_bwd(
+            perkey_bwd(
                 torch.randn_like(out),
                 q,
                 k,
@@ -338,49 +339,157 @@ def test_rejected_inputs(which, name, override, message):
             )
 
 
+def _cuda_operands(D, seed=0, offset=0):
+    """A causal GQA call on CUDA (bf16) and its selection with `tile_rows`-row lists: the operands of
+    perkey_fwd, q starting `offset` elements into its storage."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    B, L, H, KVH, W = 2, 200, 4, 2, 50
+    q = torch.randn(B * L * H * D + offset, device=dev, generator=g).bfloat16()[offset:].view(B, L, H, D)
+    k, v = (torch.randn(B, L, KVH, D, device=dev, generator=g).bfloat16() for _ in range(2))
+    bias = torch.randn(B, KVH, 1, L, device=dev, generator=g).bfloat16()
+    return q, k, v, bias, W
+
+
+def _call(q, k, v, bias, W, softcap=0.0, requires_grad=True):
+    from flexdma import _dispatch
+
+    return _dispatch.Call.of(
+        q, k, v, None, bias, is_causal=True, softcap=softcap, keep_window_size=W, requires_grad=requires_grad
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_requires_grad", [False, True])
-def test_opcheck_sm90_ops(bias_requires_grad):
-    # The C++ CUDA kernels' ops (sm_90a builds): schema, fake kernels and dispatch of topk_fwd_sm90
-    # and topk_bwd_sm90 on lists from topk_select with the kernels' 128-row tiles.
+def test_opcheck_cuda_ops(bias_requires_grad):
+    # perkey_fwd / perkey_bwd's CUDA kernels (the C++ ones): schema, fake kernels and dispatch, on
+    # lists from perkey_select with the kernels' 128-row tiles.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from flexdma.perkey import route
 
-    dev = torch.device("cuda")
-    if not route.sm90_forward(64, torch.bfloat16, dev):
-        pytest.skip("the C++ per-key kernels are not built for this device")
-    g = torch.Generator(device=dev).manual_seed(0)
-    B, L, H, KVH, D, W = 2, 200, 4, 2, 64, 50
-    q = torch.randn(B, L, H, D, device=dev, generator=g).bfloat16()
-    k, v = (torch.randn(B, L, KVH, D, device=dev, generator=g).bfloat16() for _ in range(2))
-    bias = torch.randn(B, KVH, 1, L, device=dev, generator=g).bfloat16()
-    rank, thr, keys = torch.ops.flexdma.topk_select(bias[:, :, 0], W, L, True, 128)
-    fwd_args = (q, k, v, bias, rank, thr, keys, 128, 0.125, True, 0.0)
-    torch.library.opcheck(torch.ops.flexdma.topk_fwd_sm90, fwd_args)
-    out, lse, resid = torch.ops.flexdma.topk_fwd_sm90(*fwd_args)
-    bwd_args = (torch.randn_like(out), q, k, v, bias, rank, thr, keys, 128, out, lse, resid, 0.125, True)
-    torch.library.opcheck(torch.ops.flexdma.topk_bwd_sm90, bwd_args + (bias_requires_grad,))
+    q, k, v, bias, W = _cuda_operands(64)
+    why = route.kernels_reason(_call(q, k, v, bias, W), True, False)
+    if why is not None:
+        pytest.skip(f"the C++ per-key kernels do not run here: {why}")
+    assert route.decide("cuda", _call(q, k, v, bias, W)) == route.Route("cuda", "cuda", "cuda", 128)
+    rank, thr, keys = torch.ops.flexdma.perkey_select(bias[:, :, 0], W, q.shape[1], True, 128)
+    fwd_args = (q, k, v, bias, rank, thr, 0.125, True, 0.0, False, keys)
+    torch.library.opcheck(perkey_fwd, fwd_args)
+    out, lse, resid = perkey_fwd(*fwd_args)
+    bwd_args = (torch.randn_like(out), q, k, v, bias, rank, thr, out, lse, 0.125, True, 0.0, bias_requires_grad)
+    torch.library.opcheck(perkey_bwd, bwd_args + (False, keys, resid))
 
 
-def test_sm90_backward_choice(monkeypatch):
-    # Where the C++ forward takes a call, the C++ backward takes it too unless a softcap or the
-    # deterministic mode (the flag, or torch's deterministic algorithms) asks for the Triton one.
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_requires_grad", [False, True])
+def test_opcheck_triton_ops(bias_requires_grad):
+    # The Triton kernels' ops (flexdma_triton::perkey_fwd / perkey_bwd) with the route's tile rows:
+    # head dim 32, which the C++ kernels do not take.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("triton")
     from flexdma.perkey import route
 
-    monkeypatch.setattr(route, "sm90_takes", lambda *args: True)
-    ops = (None,) * 4
-    assert route.sm90_bwd_takes(*ops, 0.0, False)
-    assert not route.sm90_bwd_takes(*ops, 5.0, False)
-    assert not route.sm90_bwd_takes(*ops, 0.0, True)
+    q, k, v, bias, W = _cuda_operands(32)
+    r = route.decide("cuda", _call(q, k, v, bias, W))
+    assert (r.forward, r.backward) == ("triton", "triton"), r
+    rank, thr, keys = torch.ops.flexdma.perkey_select(bias[:, :, 0], W, q.shape[1], True, r.tile_rows)
+    fwd_args = (q, k, v, bias, rank, thr, 0.125, True, 0.0, False, keys, r.tile_rows)
+    torch.library.opcheck(torch.ops.flexdma_triton.perkey_fwd, fwd_args)
+    out, lse, resid = torch.ops.flexdma_triton.perkey_fwd(*fwd_args)
+    bwd_args = (torch.randn_like(out), q, k, v, bias, rank, thr, out, lse, 0.125, True, 0.0, bias_requires_grad)
+    torch.library.opcheck(torch.ops.flexdma_triton.perkey_bwd, bwd_args + (False, keys, resid, r.tile_rows))
+
+
+@pytest.mark.gpu
+def test_cuda_ops_refuse_what_their_check_refuses():
+    # The C++ kernels' check (flexdma._C.perkey_unsupported_reason) is the one the ops run before
+    # launching: a softcap or the deterministic mode in the backward, q rows off 16 bytes, a bias in
+    # another dtype; each refused by the op with the check's reason, and routed to Triton.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flexdma.perkey import route
+
+    q, k, v, bias, W = _cuda_operands(64)
+    if route.kernels_reason(_call(q, k, v, bias, W), True, False) is not None:
+        pytest.skip("the C++ per-key kernels do not run here")
+    rank, thr, keys = torch.ops.flexdma.perkey_select(bias[:, :, 0], W, q.shape[1], True, 128)
+    out, lse, resid = perkey_fwd(q, k, v, bias, rank, thr, 0.125, True, 0.0, False, keys)
+    dout = torch.randn_like(out)
+
+    def bwd(softcap=0.0, deterministic=False):
+        return perkey_bwd(dout, q, k, v, bias, rank, thr, out, lse, 0.125, True, softcap, True, deterministic, keys)
+
+    call = _call(q, k, v, bias, W, softcap=5.0)
+    why = route.kernels_reason(call, True, False)
+    assert "softcap" in why and route.kernels_reason(call, False, False) is None
+    with pytest.raises(ValueError, match=re.escape(why)):
+        bwd(softcap=5.0)
+    why = route.kernels_reason(_call(q, k, v, bias, W), True, True)
+    assert "deterministic" in why
+    with pytest.raises(ValueError, match=re.escape(why)):
+        bwd(deterministic=True)
     prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)
-        assert not route.sm90_bwd_takes(*ops, 0.0, False)
+        assert route.kernels_reason(_call(q, k, v, bias, W), True, False) == why
+        with pytest.raises(ValueError, match=re.escape(why)):
+            bwd()
     finally:
         torch.use_deterministic_algorithms(prev, warn_only=warn)
-    monkeypatch.setattr(route, "sm90_takes", lambda *args: False)
-    assert not route.sm90_bwd_takes(*ops, 0.0, False)
+    q_off = _cuda_operands(64, offset=4)[0]
+    why = route.kernels_reason(_call(q_off, k, v, bias, W), False, False)
+    assert "16-byte" in why
+    with pytest.raises(ValueError, match=re.escape(why)):
+        perkey_fwd(q_off, k, v, bias, rank, thr, 0.125, True, 0.0, False, keys)
+    assert "bias" in route.kernels_reason(_call(q, k, v, bias.float(), W), False, False)
+    for call in (_call(q_off, k, v, bias, W), _call(q, k, v, bias, W, softcap=5.0)):
+        if flexdma._ext.HAVE_TRITON:
+            r = route.decide("cuda", call)
+            assert (r.forward, r.backward) == ("triton", "triton"), r
+
+
+def test_route_pairs_the_forward_with_its_backward(monkeypatch):
+    # A call a backward follows takes the C++ forward only where the C++ backward takes it too (each
+    # forward op's autograd runs its own backward op): decide asks the C++ check with the
+    # backward's conditions, the deterministic flag and torch's deterministic mode among them.
+    # Simulated on CPU: an sm_90 build and device, and a C++ check that refuses the deterministic
+    # backward.
+    from flexdma import _dispatch, _ext
+    from flexdma.perkey import route
+
+    asked = []
+
+    def check(*key):
+        asked.append(key)
+        backward, deterministic = key[-2:]
+        return "the per-key backward is not deterministic" if backward and deterministic else None
+
+    monkeypatch.setattr(route, "_cpp_reason", check)
+    monkeypatch.setattr(_ext, "with_cuda", lambda: True)
+    monkeypatch.setattr(route, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_ext, "HAVE_TRITON", True)
+    q, k, v = make_qkv(1, 300, 300, 4, 2, 64, dtype=torch.bfloat16)
+    bias = torch.randn(1, 2, 1, 300).bfloat16()
+    call = _dispatch.Call.of(q, k, v, None, bias, is_causal=True, softcap=0.0, keep_window_size=40, requires_grad=True)
+    call = call._replace(device=torch.device("cuda", 0))
+    assert route.decide("cuda", call) == route.Route("cuda", "cuda", "cuda", 128)
+    assert asked[-1][-2:] == (True, False)
+    r = route.decide("cuda", call, deterministic=True)
+    assert (r.forward, r.backward) == ("triton", "triton") and r.tile_rows == route.plan(4, 2, 2, 64)[1]
+    prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert route.decide("cuda", call).forward == "triton"
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn)
+    # No backward follows: the C++ forward, whatever the backward would need.
+    assert route.decide("cuda", call._replace(requires_grad=False), deterministic=True).forward == "cuda"
+    assert asked[-1][-2:] == (False, True)
+    monkeypatch.setattr(_ext, "HAVE_TRITON", False)
+    with pytest.raises(ValueError, match="triton is not installed"):
+        route.decide("cuda", call, deterministic=True)
 
 
 # ------------------------------------------------------------------------ eager calls' direct path
@@ -421,21 +530,29 @@ def test_plain_eager_refuses_modes_transforms_and_subclasses():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 32])
 @pytest.mark.parametrize("bias_requires_grad", [False, True])
-def test_eager_cuda_call_runs_the_cuda_implementation_directly(bias_requires_grad):
-    # An eager per-key call on CUDA runs topk_fwd's CUDA implementation (and its backward
-    # topk_bwd's) without the hop through the dispatcher; under a dispatch mode it goes through the
-    # ops. Both give the same outputs and gradients.
+def test_eager_cuda_call_runs_the_routed_kernels(D, bias_requires_grad):
+    # An eager per-key call on CUDA runs the route's ops: the C++ kernels (flexdma::perkey_fwd /
+    # perkey_bwd, registered in C++) where they take the call, else the Triton kernels without the
+    # dispatcher's hop into their Python-registered ops (under a dispatch mode it goes through the
+    # ops: flexdma_triton::perkey_fwd / perkey_bwd). Both give the same outputs and gradients.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from torch.profiler import ProfilerActivity, profile
 
+    from flexdma.perkey import route
+
     torch.manual_seed(0)
-    B, L, H, KVH, D, W = 1, 700, 4, 2, 64, 128
+    B, L, H, KVH, W = 1, 700, 4, 2, 128
     q, k, v = make_qkv(B, L, L, H, KVH, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
     bias = torch.randn(B, KVH, 1, L, device="cuda").exp().bfloat16().requires_grad_(bias_requires_grad)
     leaves = (q, k, v, bias) if bias_requires_grad else (q, k, v)
     g = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16)
+    r = route.decide("cuda", _call(q, k, v, bias, W))
+    if r.forward == "triton":
+        pytest.importorskip("triton")
+    ns = "flexdma" if r.forward == "cuda" else "flexdma_triton"
 
     def step():
         out = flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
@@ -444,10 +561,14 @@ def test_eager_cuda_call_runs_the_cuda_implementation_directly(bias_requires_gra
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         direct = step()
     names = {e.name for e in prof.events()}
-    assert "flexdma::topk_fwd" not in names and "flexdma::topk_bwd" not in names, sorted(names)
+    if r.forward == "cuda":
+        assert {"flexdma::perkey_fwd", "flexdma::perkey_bwd"} <= names, sorted(names)
+        assert not any(n.startswith("flexdma_triton::") for n in names), sorted(names)
+    else:
+        assert "flexdma_triton::perkey_fwd" not in names and "flexdma_triton::perkey_bwd" not in names, sorted(names)
     with _Recorder() as rec:
         through_ops = step()
-    assert "flexdma.topk_fwd.default" in rec.ops and "flexdma.topk_bwd.default" in rec.ops, rec.ops
+    assert f"{ns}.perkey_fwd.default" in rec.ops and f"{ns}.perkey_bwd.default" in rec.ops, rec.ops
     torch.testing.assert_close(direct[0], through_ops[0], atol=0, rtol=0)
     for a, b in zip(direct[1:], through_ops[1:]):  # float atomics: the same sums in other orders
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

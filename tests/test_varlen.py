@@ -198,10 +198,17 @@ PACKED_CASES = [
 ]
 
 
-def _packed_sm90_ok(D):
+def _cpp_perkey_ok(D):
+    """Whether the C++ per-key kernels (forward and backward) take bf16 calls of head dim D here."""
+    if not torch.cuda.is_available():
+        return False
+    from flexdma import _dispatch
     from flexdma.perkey import route
 
-    return torch.cuda.is_available() and route.sm90_forward(D, torch.bfloat16, torch.device("cuda"))
+    q, k, v = (torch.empty(1, 128, 2, D, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    bias = torch.empty(1, 2, 1, 128, dtype=torch.bfloat16, device="cuda")
+    call = _dispatch.Call.of(q, k, v, None, bias, is_causal=True, softcap=0.0, keep_window_size=8, requires_grad=True)
+    return route.kernels_reason(call, True, False) is None
 
 
 def _documents(q, k, v, bias, do, lq, lk, run):
@@ -225,18 +232,20 @@ def _documents(q, k, v, bias, do, lq, lk, run):
     return out, lse, grads
 
 
-def _documents_sm90(q, k, v, bias, do, lq, lk, causal, W):
-    """_documents through the padded path's CUDA per-key ops (topk_select, topk_fwd_sm90,
-    topk_bwd_sm90)."""
+def _documents_cpp(q, k, v, bias, do, lq, lk, causal, W):
+    """_documents through the padded path's per-key ops on CUDA, the C++ kernels (perkey_select with
+    their 128-row tiles, perkey_fwd, perkey_bwd)."""
     T = 128
 
     def run(qs, ks, vs, b, ds):
-        rank, thr, lists = torch.ops.flexdma.topk_select(b[:, :, 0], W, qs.shape[1], causal, T)
-        o, ls, r = torch.ops.flexdma.topk_fwd_sm90(qs, ks, vs, b, rank, thr, lists, T, 0.125, causal, 0.0)
+        rank, thr, lists = torch.ops.flexdma.perkey_select(b[:, :, 0], W, qs.shape[1], causal, T)
+        o, ls, r = torch.ops.flexdma.perkey_fwd(qs, ks, vs, b, rank, thr, 0.125, causal, 0.0, False, lists)
         return (
             o,
             ls,
-            torch.ops.flexdma.topk_bwd_sm90(ds, qs, ks, vs, b, rank, thr, lists, T, o, ls, r, 0.125, causal, True),
+            torch.ops.flexdma.perkey_bwd(
+                ds, qs, ks, vs, b, rank, thr, o, ls, 0.125, causal, 0.0, True, False, lists, r
+            ),
         )
 
     return _documents(q, k, v, bias, do, lq, lk, run)
@@ -250,7 +259,7 @@ def test_cuda_packed_kernels_equal_documents(case, D):
     # per-document ops: the same selection and tiles, so out and LSE agree up to the rounding of the
     # key splits a short document's own call takes (the packed call splits none), and the gradients
     # up to that and the order of the backward's float adds.
-    if not _packed_sm90_ok(D):
+    if not _cpp_perkey_ok(D):
         pytest.skip("needs the sm_90a per-key kernels at this head dim")
     lq, lk, H, KVH, bh, causal, W = case
     q, k, v, bias, cq, ck = (
@@ -272,7 +281,7 @@ def test_cuda_packed_kernels_equal_documents(case, D):
     poison_allocator([q, k, v, bias, *(torch.empty(t.numel(), device="cuda") for t in (k, v, bias))])
     got = torch.autograd.grad(out, leaves, do)
     with torch.no_grad():
-        ref, ref_lse, want = _documents_sm90(*(t.detach() for t in leaves), do, lq, lk, causal, W)
+        ref, ref_lse, want = _documents_cpp(*(t.detach() for t in leaves), do, lq, lk, causal, W)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(out, ref, atol=1.6e-2, rtol=1.6e-2)  # two bf16 steps
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-5)
@@ -285,7 +294,7 @@ def test_cuda_packed_kernels_equal_documents(case, D):
 def test_cuda_packed_kernels_within_the_rule():
     # bf16 packed kernels against the float64 reference of the documents: error at most ~2x the
     # bf16 reference's, plus a floor, for out and every gradient.
-    if not _packed_sm90_ok(128):
+    if not _cpp_perkey_ok(128):
         pytest.skip("needs the sm_90a per-key kernels at head dim 128")
     _assert_packed_within_the_rule([700, 1, 0, 333, 1500], 128, 96, seed=11)
 
@@ -319,7 +328,7 @@ def test_cuda_packed_graph_replays_forward_and_backward(W):
     # The packed training call (the per-key path's both selections, forward, backward) captured in
     # one CUDA graph (the offsets are never read by the host), replayed on new values, against
     # eager calls.
-    if not (_packed_sm90_ok(128) if W else _dense_built(128)):
+    if not (_cpp_perkey_ok(128) if W else _dense_built(128)):
         pytest.skip("needs the CUDA kernels of this path at head dim 128")
     lq = [400, 0, 1, 900, 129]
 
@@ -335,8 +344,8 @@ def test_cuda_packed_graph_replays_forward_and_backward(W):
 
 
 @pytest.mark.gpu
-def test_opcheck_packed_sm90_ops():
-    if not _packed_sm90_ok(64):
+def test_opcheck_packed_cuda_ops():
+    if not _cpp_perkey_ok(64):
         pytest.skip("needs the sm_90a per-key kernels at head dim 64")
     lq = [130, 0, 1, 77]
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
@@ -376,7 +385,7 @@ def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q, W):
     import subprocess
     import sys
 
-    if not _packed_sm90_ok(64):
+    if not _cpp_perkey_ok(64):
         pytest.skip("needs the sm_90a per-key kernels at head dim 64")
     r = subprocess.run(
         [sys.executable, "-c", _BAD_OFFSETS.format(cq=cq, max_q=max_q, W=W)],
@@ -528,7 +537,7 @@ def test_opcheck_packed_dense_ops(with_bias):
 def test_cuda_packed_max_seqlen_below_the_tokens_is_rejected(W):
     # max_seqlen sizes the kernels' grids: one that leaves no tile (0 here) would leave the offsets
     # unchecked on the device and the outputs unwritten; the op's host check names it first.
-    if not (_packed_sm90_ok(64) if W else _dense_built(64)):
+    if not (_cpp_perkey_ok(64) if W else _dense_built(64)):
         pytest.skip("needs the CUDA kernels of this path at head dim 64")
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack([5, 7], [5, 7], 4, 2, 64, 2, torch.bfloat16, seed=2))
     with pytest.raises(ValueError, match="longer than max_seqlen"):

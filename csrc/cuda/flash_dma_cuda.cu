@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "flash_dma_cuda.h"
@@ -35,6 +36,23 @@ void dispatch(const FwdParams& p, Fn&& fn) {
   FLEXDMA_FOR_EACH_HEAD_DIM(FLEXDMA_DISPATCH)
 #undef FLEXDMA_DISPATCH
 }
+
+#ifdef FLEXDMA_SM90A
+constexpr bool kSm90aBuild = true;
+#else
+constexpr bool kSm90aBuild = false;
+#endif
+
+// The per-key kernels' limits that the sizes and the operands' layout set (both checks below).
+const char* perkey_limits_reason(int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_k, bool rows_aligned,
+                                 int64_t kv_row_stride) {
+  if (ceil_div(seqlen_q, kTopkTileRows) * heads * batch >= (int64_t(1) << 31))
+    return "the per-key forward counts its query tiles x heads x batch in 32 bits";
+  if (!rows_aligned) return "the per-key kernels need 16-byte aligned q / k / v rows (strides multiples of 8)";
+  if (kv_row_stride < 0 || kv_row_stride >= (int64_t(1) << 31) || seqlen_k * kv_row_stride >= (int64_t(1) << 31))
+    return "the per-key kernels index key / value rows in 32 bits: seqlen_k x row stride must be below 2^31";
+  return nullptr;
+}
 }  // namespace
 
 const char* unsupported_reason(const FwdParams& p) {
@@ -54,19 +72,32 @@ const char* unsupported_reason(const FwdParams& p) {
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";
     if (!topk_head_dim(p.head_dim)) return "the top-k kernels take head dims 64 and 128, on sm_90a builds";
     if (p.mask.ptr) return "the top-k kernels take no attn_mask (the selection holds it)";
-    if (ceil_div(p.seqlen_q, kTopkTileRows) * p.num_heads * p.batch >= (int64_t(1) << 31))
-      return "the top-k forward counts its query tiles x heads x batch in 32 bits";
     if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTopkTileRows != 0)
       return "the top-k kernels read lists of query tiles of a multiple of 128 rows (their CTAs' rows)";
-    if (!aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) ||
-        !aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) ||
-        !aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride))
-      return "the top-k kernels need 16-byte aligned q / k / v rows";
-    const int64_t rs = p.k_row_stride > p.v_row_stride ? p.k_row_stride : p.v_row_stride;
-    if (p.k_row_stride < 0 || p.v_row_stride < 0 || rs >= (int64_t(1) << 31) || p.seqlen_k * rs >= (int64_t(1) << 31))
-      return "the top-k kernels index key / value rows in 32 bits: seqlen_k x row stride must be below 2^31";
+    const bool aligned = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
+                         aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
+                         aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
+    const int64_t rs = p.k_row_stride < 0 || p.v_row_stride < 0 ? -1 : std::max(p.k_row_stride, p.v_row_stride);
+    return perkey_limits_reason(p.batch, p.num_heads, p.seqlen_q, p.seqlen_k, aligned, rs);
   }
   return nullptr;
+}
+
+const char* perkey_unsupported_reason(const PerkeyCall& c) {
+  const int bf16 = static_cast<int>(DType::kBFloat16), fp16 = static_cast<int>(DType::kFloat16);
+  if (c.dtype != bf16 && c.dtype != fp16) return "the per-key kernels take bfloat16 and float16";
+  if (!kSm90aBuild) return "the per-key kernels are in sm_90a-only builds (FLEXDMA_CUDA_ARCHS=90), not this one";
+  if (!topk_head_dim(c.head_dim) || !head_dim_built(c.head_dim))
+    return "the per-key kernels take head dims 64 and 128 where the build has them (FLEXDMA_HEAD_DIMS)";
+  if (c.device_arch != 90) return "the per-key kernels run on sm_90 GPUs (H100, H200)";
+  if (c.bias_dtype != c.dtype) return "the per-key kernels take the bias in q's dtype";
+  if (c.num_heads_k <= 0 || c.num_heads % c.num_heads_k != 0) return "num_heads must be a multiple of num_heads_k";
+  if (c.num_heads > kMaxGridDim || c.batch > kMaxGridDim) return "batch and num_heads must be <= 65535";
+  if (c.softcap < 0.f) return "softcap must be >= 0";
+  if (c.backward && c.softcap != 0.f) return "the per-key backward takes no softcap";
+  if (c.backward && c.deterministic)
+    return "the per-key backward adds dK / dV / dbias with float atomics: not deterministic";
+  return perkey_limits_reason(c.batch, c.num_heads, c.seqlen_q, c.seqlen_k, c.rows_aligned, c.kv_row_stride);
 }
 
 int64_t fwd_workspace_bytes(const FwdParams& p) {

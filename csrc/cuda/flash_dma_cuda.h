@@ -10,6 +10,25 @@ namespace cuda {
 // flexdma._C.cuda_unsupported_reason (flexdma/_dispatch.py).
 const char* unsupported_reason(const FwdParams& params);
 
+// A per-key (keep_window_size) call as its C++ kernels see it, in plain values: what the padded
+// per-key ops (flexdma::perkey_fwd / perkey_bwd on CUDA) check before launching, and what Python's
+// per-key route asks through flexdma._C.perkey_unsupported_reason (flexdma/perkey/route.py).
+struct PerkeyCall {
+  int64_t batch = 0, num_heads = 0, num_heads_k = 0, head_dim = 0, seqlen_q = 0, seqlen_k = 0;
+  int dtype = -1;       // q / k / v's DType value; -1: none of DType's
+  int bias_dtype = -1;  // the per-key bias's
+  float softcap = 0.f;
+  bool rows_aligned = true;    // q / k / v: 16-byte aligned rows, strides multiples of 8 elements
+  int64_t kv_row_stride = 0;   // the larger of k's and v's row strides, in elements
+  int device_arch = 0;         // the GPU's compute capability, major * 10 + minor
+  bool backward = false;       // the backward's conditions too
+  bool deterministic = false;  // a bitwise reproducible backward wanted
+};
+
+// nullptr when the C++ per-key kernels (the forward; with call.backward the backward too) take the
+// call, else why not ("the per-key backward takes no softcap").
+const char* perkey_unsupported_reason(const PerkeyCall& call);
+
 // Bytes of device scratch a launch with these params needs (0: none). The caller allocates them,
 // through its own allocator (so that a failure is its out-of-memory error and the memory counts in
 // its statistics), and passes them as params.workspace; they may be freed once the launch's stream

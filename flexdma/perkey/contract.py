@@ -38,6 +38,32 @@ NEVER = _ext.NEVER_KEPT
 # Query rows per tile of the CPU selection's lists (the CPU kernel does not read the lists).
 CPU_TILE_ROWS = _ext.TOPK_CPU_TILE_ROWS
 
+# Query rows per CTA of the C++ per-key kernels (flexdma::perkey_fwd / perkey_bwd on CUDA;
+# csrc/cuda/fwd_ws_kernel.cuh): they read lists of tiles of this many rows.
+CUDA_TILE_ROWS = _ext.TOPK_TILE_ROWS
+
+# Rows of q per Triton program (perkey/triton.py): PACK query heads x tile_rows rows. Head dims
+# above WIDE_FROM: half the rows per program (triton.py's WIDE_* launch configurations). The route
+# picks the tile rows (perkey/route.py's `plan`); the kernels take the pack they imply.
+BLOCK_M = 128
+WIDE_FROM = 128
+WIDE_BLOCK_M = 64
+
+
+def block_m(head_dim: int) -> int:
+    return WIDE_BLOCK_M if head_dim > WIDE_FROM else BLOCK_M
+
+
+def pack_size(num_heads: int, num_kv_heads: int, plane_heads: int) -> int:
+    """Query heads one Triton program may serve: they must share a kv head and a selection plane."""
+    group = num_heads // num_kv_heads
+    if plane_heads == num_heads or group == 1:
+        return 1
+    pack = 1
+    while pack * 2 <= 8 and group % (pack * 2) == 0:
+        pack *= 2
+    return pack
+
 
 class Selection(NamedTuple):
     key_rank: torch.Tensor  # int32 (P1, P2, K)
@@ -84,7 +110,7 @@ def float64_order(scores: torch.Tensor) -> torch.Tensor:
     """float32 scores (P1, P2, K) in the order of the float64 `scores`, every one distinct: key j
     gets a value that falls with its rank by (score desc, key index asc; NaN first, as
     torch.sort and the selection op order them), -inf stays -inf (not eligible). The selection
-    (flexdma::topk_select, float32) of them is the selection of the float64 scores: it ranks only
+    (flexdma::perkey_select, float32) of them is the selection of the float64 scores: it ranks only
     by order, and rounding the float64 scores themselves would tie scores that differ below
     float32's resolution."""
     K = scores.shape[-1]
@@ -108,8 +134,8 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
 def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int) -> Selection:
     """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16: selection_scores'), with lists of query tiles of
     `tile_rows` rows (the route's, flexdma/perkey/route.py: what the forward that follows reads)."""
-    # The op's fake kernel and CUDA implementation: flexdma/perkey/ops.py (imported by the package).
-    return Selection(*torch.ops.flexdma.topk_select(scores, window, seqlen_q, is_causal, tile_rows))
+    # The op's fake kernel: flexdma/perkey/ops.py (imported by the package); its kernels are C++.
+    return Selection(*torch.ops.flexdma.perkey_select(scores, window, seqlen_q, is_causal, tile_rows))
 
 
 def tile_lists(sel: Selection, seqlen_q: int, tile_rows: int) -> torch.Tensor:

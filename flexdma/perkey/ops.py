@@ -1,8 +1,13 @@
-"""The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::topk_select,
-topk_fwd, topk_bwd, topk_fwd_sm90 and topk_bwd_sm90, and the CUDA implementations of topk_fwd /
-topk_bwd (flexdma/perkey/route.py's cuda_fwd / cuda_bwd, which pick the C++ sm_90a kernels or
-Triton). The schemas, the CPU kernels and the CUDA kernels of topk_select, topk_fwd_sm90 and
-topk_bwd_sm90 are the C++ extension's (ops/). Nothing is registered without it.
+"""The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::perkey_select,
+perkey_fwd and perkey_bwd, whose schemas and CPU / CUDA kernels are the C++ extension's (ops/; the
+CUDA ones are the C++ per-key kernels); and the Triton kernels (perkey/triton.py) as the ops
+flexdma_triton::perkey_fwd / perkey_bwd: the internal implementation that runs the CUDA calls the
+C++ kernels do not take (perkey/route.py decides which), with perkey_fwd's arguments and the
+lists' tile rows. Nothing is registered without the extension.
+
+`FORWARDS[(route.forward, route.backward)]` is the forward as the API calls it: each forward op's
+autograd runs its own backward op, and eager calls of the Triton one run its kernels without the
+dispatcher's hop into Python (flexdma/_ops.py's Direct).
 """
 
 from __future__ import annotations
@@ -10,15 +15,14 @@ from __future__ import annotations
 import torch
 
 from .. import _ext, _ops
-from . import route
 from .contract import list_cap
 
 LOADED = _ext.LOAD_ERROR is None
-topk_fwd = torch.ops.flexdma.topk_fwd if LOADED else None
-topk_bwd = torch.ops.flexdma.topk_bwd if LOADED else None
+perkey_fwd = torch.ops.flexdma.perkey_fwd if LOADED else None
+perkey_bwd = torch.ops.flexdma.perkey_bwd if LOADED else None
 
 
-def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
+def _perkey_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
     P1, P2, K = scores.shape
     cap = list_cap(K, window, tile_rows)
     n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
@@ -29,76 +33,112 @@ def _topk_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
     )
 
 
-# ---- topk_fwd / topk_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
+# ---- perkey_fwd / perkey_bwd: fwd / bwd with the per-key selection's keep rule (key_rank, row_thr) ----
+# The fakes of both implementations (flexdma_triton's take the tile rows last).
 
 
-def _topk_fwd_fake(
-    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None
-):
+def _perkey_fwd_fake(
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None,
+    tile_rows=None,
+):  # fmt: skip
     B, Q, H, _ = q.shape
     resid = q.new_empty(q.shape) if _ops.keeps_residual(q) else q.new_empty((0,))
     return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_ops.acc_dtype(q.dtype)), resid
 
 
-def _topk_bwd_fake(
-    grad_out,
-    q,
-    k,
-    v,
-    attn_bias,
-    key_rank,
-    row_thr,
-    out,
-    lse,
-    softmax_scale,
-    is_causal,
-    softcap,
-    bias_requires_grad,
-    deterministic,
-    tile_keys=None,
-    out_resid=None,
-):
-    return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
-
-
-def _topk_fwd_sm90_fake(q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, softmax_scale, is_causal, softcap):
-    B, Q, H, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=torch.float32), q.new_empty(q.shape)
-
-
-def _topk_bwd_sm90_fake(
-    grad_out, q, k, v, attn_bias, key_rank, row_thr, tile_keys, tile_rows, out, lse, out_resid, softmax_scale,
-    is_causal, bias_requires_grad,
+def _perkey_bwd_fake(
+    grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
+    deterministic, tile_keys=None, out_resid=None, tile_rows=None,
 ):  # fmt: skip
     return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
 
 
+# ---- flexdma_triton: the Triton kernels as ops ----
+
+_TRITON_FWD = (
+    "(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
+    "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor tile_keys, int tile_rows) "
+    "-> (Tensor out, Tensor lse, Tensor out_resid)"
+)
+_TRITON_BWD = (
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
+    "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
+    "bool bias_requires_grad, bool deterministic, Tensor tile_keys, Tensor? out_resid, int tile_rows) "
+    "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)"
+)
+_kernels = None
+
+
+def triton_kernels():
+    """flexdma/perkey/triton.py, loaded by the first call that runs it (it imports triton, an
+    optional dependency: not loaded by `import flexdma`)."""
+    global _kernels
+    if _kernels is None:
+        from . import triton as kernels
+
+        _kernels = kernels
+    return _kernels
+
+
+def _triton_fwd(*args):
+    return triton_kernels().fwd(*args)
+
+
+def _triton_bwd(*args):
+    return triton_kernels().bwd(*args)
+
+
 def _direct_takes(args) -> bool:
-    # topk_fwd's operands: q, k, v, attn_bias, key_rank, row_thr, then the scalars, then tile_keys.
-    if len(args) < 11 or args[10] is None or args[0].device.type != "cuda":
-        return False
+    # The Triton op's operands: q, k, v, attn_bias, key_rank, row_thr, then the scalars, then tile_keys.
     return _ops.plain_eager(args[:6] + args[10:11])
 
 
+def run_forward(route, *args):
+    """The routed forward op, without autograd, on flexdma::perkey_fwd's arguments (tile_keys included)."""
+    if route.forward == "triton":
+        return torch.ops.flexdma_triton.perkey_fwd(*args, route.tile_rows)
+    return perkey_fwd(*args)
+
+
+def run_backward(route, *args):
+    """The routed backward op on flexdma::perkey_bwd's arguments (tile_keys and out_resid included)."""
+    if route.backward == "triton":
+        return torch.ops.flexdma_triton.perkey_bwd(*args, route.tile_rows)
+    return perkey_bwd(*args)
+
+
 if LOADED:
-    torch.library.register_fake("flexdma::topk_select")(_topk_select_fake)
-    torch.library.register_fake("flexdma::topk_fwd")(_topk_fwd_fake)
-    torch.library.register_fake("flexdma::topk_bwd")(_topk_bwd_fake)
-    torch.library.register_fake("flexdma::topk_fwd_sm90")(_topk_fwd_sm90_fake)
-    torch.library.register_fake("flexdma::topk_bwd_sm90")(_topk_bwd_sm90_fake)
-    # topk_fwd as the API calls it (flexdma/_ops.py's eager_autograd): eager calls on CUDA run its
-    # CUDA implementation directly (route.cuda_fwd, and route.cuda_bwd for their backward).
-    topk_fwd_autograd = _ops.register_autograd(
-        "flexdma::topk_fwd",
-        lambda *args: topk_bwd(*args),
+    torch.library.register_fake("flexdma::perkey_select")(_perkey_select_fake)
+    torch.library.register_fake("flexdma::perkey_fwd")(_perkey_fwd_fake)
+    torch.library.register_fake("flexdma::perkey_bwd")(_perkey_bwd_fake)
+    # perkey_bwd looked up when the backward runs (a test spies on it).
+    perkey_fwd_autograd = _ops.register_autograd(
+        "flexdma::perkey_fwd", lambda *args: perkey_bwd(*args), n_tensors=6, bias_index=3
+    )
+    _ops.forbid_double_backward("flexdma::perkey_bwd")
+
+    tags = (torch.Tag.pt2_compliant_tag,)
+    torch.library.define("flexdma_triton::perkey_fwd", _TRITON_FWD, tags=tags)
+    torch.library.define("flexdma_triton::perkey_bwd", _TRITON_BWD, tags=tags)
+    torch.library.register_fake("flexdma_triton::perkey_fwd")(_perkey_fwd_fake)
+    torch.library.register_fake("flexdma_triton::perkey_bwd")(_perkey_bwd_fake)
+    if _ext.HAVE_TRITON:
+        torch.library.register_kernel("flexdma_triton::perkey_fwd", "cuda", _triton_fwd)
+        torch.library.register_kernel("flexdma_triton::perkey_bwd", "cuda", _triton_bwd)
+    triton_fwd_autograd = _ops.register_autograd(
+        "flexdma_triton::perkey_fwd",
+        lambda *args: torch.ops.flexdma_triton.perkey_bwd(*args),
         n_tensors=6,
         bias_index=3,
-        direct=_ops.Direct(_direct_takes, route.cuda_fwd, route.cuda_bwd) if _ext.HAVE_TRITON else None,
+        direct=_ops.Direct(_direct_takes, _triton_fwd, _triton_bwd),
+        bwd_extra=1,
     )
-    _ops.forbid_double_backward("flexdma::topk_bwd")
-    # topk_fwd's and topk_bwd's CUDA implementations hand the calls the C++ sm_90a kernels take to
-    # flexdma::topk_fwd_sm90 / topk_bwd_sm90 (route.cuda_fwd / cuda_bwd), the others to Triton
-    # (flexdma/perkey/triton.py).
-    if _ext.HAVE_TRITON:
-        torch.library.register_kernel("flexdma::topk_fwd", "cuda", route.cuda_fwd)
-        torch.library.register_kernel("flexdma::topk_bwd", "cuda", route.cuda_bwd)
+    _ops.forbid_double_backward("flexdma_triton::perkey_bwd")
+
+    # Arguments: perkey_fwd's, then the route's tile rows (which the C++ and CPU kernels know:
+    # CUDA_TILE_ROWS; the CPU kernel reads no lists).
+    FORWARDS = {
+        ("cuda", "cuda"): lambda *args: perkey_fwd_autograd(*args[:-1]),
+        ("cpu", "cpu"): lambda *args: perkey_fwd_autograd(*args[:-1]),
+        ("triton", "triton"): triton_fwd_autograd,
+    }

@@ -1,9 +1,11 @@
-"""GPU kernels of the per-key top-W path (flexdma/perkey/contract.py states the contract they
-implement; docs/kernels.md describes them), and their launchers. Imports triton: loaded by the
-first per-key CUDA call (flexdma/perkey/ops.py), not by `import flexdma`. Which forward runs and
-the selection's tile rows are flexdma/perkey/route.py's.
+"""Triton kernels of the per-key top-W path (flexdma/perkey/contract.py states the contract they
+implement; docs/kernels.md describes them), and their launchers: the implementation of
+flexdma_triton::perkey_fwd / perkey_bwd (flexdma/perkey/ops.py), which runs the CUDA calls the C++
+kernels do not take. Imports triton: loaded by the first call that runs them (ops.triton_kernels),
+not by `import flexdma`. Which calls come here and the selection's tile rows are
+flexdma/perkey/route.py's.
 
-- the selection they read: flexdma::topk_select's CUDA kernel (csrc/cuda/topk_select.cu).
+- the selection they read: flexdma::perkey_select's CUDA kernel (csrc/cuda/topk_select.cu).
 - `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
   a selection plane). The pack's rows share every gathered K / V tile; each element still gets the
   exact keep test (rank <= the row's threshold, causal cut), so the union list costs compute but
@@ -21,8 +23,7 @@ import triton
 import triton.language as tl
 
 from .._ext import LOG2E  # log2(e), csrc/flash_dma_constants.h's kLog2e
-from .contract import NEVER  # NEVER: key_rank of a key no row keeps
-from .route import WIDE_FROM, need_tiles, plan
+from .contract import NEVER, WIDE_FROM, block_m, pack_size  # NEVER: key_rank of a key no row keeps
 
 # The same, as the compile-time constants kernels may read.
 _NEVER = tl.constexpr(NEVER)
@@ -31,7 +32,7 @@ _LOG2E = tl.constexpr(LOG2E)
 # Launch configurations (module level so scripts/dev/perkey_dev.py can sweep them).
 FWD_CONFIG = dict(BN=128, num_warps=4, num_stages=2)
 BWD_CONFIG = dict(BN=64, num_warps=8, num_stages=3)
-# Head dims above WIDE_FROM (route.py, with the rows per program): half the rows per program, fewer
+# Head dims above WIDE_FROM (contract.py, with the rows per program): half the rows per program, fewer
 # keys a step and fewer stages, so that q / dO, the dQ accumulator and the K / V stages fit one SM
 # (the narrow dims' tiles need more than an H100's 227 KiB of shared memory at head dim 256).
 WIDE_FWD_CONFIG = dict(BN=64, num_warps=4, num_stages=2)
@@ -413,11 +414,18 @@ def _bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------- launchers
-def _geometry(q, k, bias, key_rank, tile_keys):
+def _geometry(q, k, bias, key_rank, tile_keys, tile_rows):
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
     P1, P2 = key_rank.shape[0], key_rank.shape[1]
-    pack, tile_rows = plan(H, KVH, P2, D, q.dtype, q.device)
+    # A program's rows are `pack` query heads x tile_rows: heads that share a kv head and a plane.
+    rows = block_m(D)
+    pack = rows // tile_rows if tile_rows > 0 else 0
+    if pack < 1 or pack * tile_rows != rows or pack > pack_size(H, KVH, P2):
+        raise ValueError(
+            f"tile_rows must be {rows} divided by a power of two up to {pack_size(H, KVH, P2)} (the query heads "
+            f"a program may serve here, head_dim {D}), got {tile_rows}"
+        )
     n_tiles = -(-Q // tile_rows)
     if n_tiles == 0 or tile_keys.shape[2] % n_tiles:
         raise ValueError(
@@ -448,15 +456,16 @@ def _strides(t):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def fwd(q, k, v, bias, key_rank, row_thr, tile_keys, softmax_scale, is_causal, softcap):
-    """(out, lse, out's rounding error) of the per-key top-W attention; inputs as flexdma::topk_fwd."""
+def fwd(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys, tile_rows):
+    """(out, lse, out's rounding error) of the per-key top-W attention: flexdma_triton::perkey_fwd
+    (flexdma::perkey_fwd's arguments, then the lists' tile rows)."""
     B, Q, H, D = q.shape
     out = torch.empty_like(q)
     resid = torch.empty_like(q)
     lse = torch.empty(B, H, Q, dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return out, lse, resid
-    g = _geometry(q, k, bias, key_rank, tile_keys)
+    g = _geometry(q, k, bias, key_rank, tile_keys, tile_rows)
     _fwd_kernel[g["grid"]](
         q,
         k,
@@ -516,13 +525,13 @@ def bwd(
     is_causal,
     softcap,
     bias_requires_grad,
-    deterministic=False,
-    tile_keys=None,
-    out_resid=None,
+    deterministic,
+    tile_keys,
+    out_resid,
+    tile_rows,
 ):
-    """(dq, dk, dv, dbias) of the per-key top-W attention; arguments as flexdma::topk_bwd (this is
-    its CUDA implementation)."""
-    tile_keys = need_tiles(tile_keys)
+    """(dq, dk, dv, dbias) of the per-key top-W attention: flexdma_triton::perkey_bwd
+    (flexdma::perkey_bwd's arguments, then the lists' tile rows)."""
     deterministic = bool(deterministic)
     B, Q, H, D = q.shape
     K, KVH = k.shape[1], k.shape[2]
@@ -540,7 +549,7 @@ def bwd(
         # The kernel reads the three with one set of strides.
         if not dout.stride() == out.stride() == out_resid.stride():
             dout, out, out_resid = (t.contiguous() for t in (dout, out, out_resid))
-        g = _geometry(q, k, bias, key_rank, tile_keys)
+        g = _geometry(q, k, bias, key_rank, tile_keys, tile_rows)
         n_tiles, n_bh = g["grid"]
 
         def launch(grid, tile_base, dk_, dv_, db_, partial):
