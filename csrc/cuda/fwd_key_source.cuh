@@ -1,6 +1,8 @@
 // Where the warp-specialized forward's key tiles come from, as a policy type: which key tiles a CTA
 // walks, how its loading warpgroup copies a tile's K / V rows and score operands into a stage, and
-// the rule that drops scores. The kernel (fwd_ws_kernel.cuh) is written once over the policy.
+// the rule that drops scores. The mainloop (fwd_ws_mainloop.cuh) is written once over the policy;
+// how it spends registers (FwdWsConfig) and which tiles a CTA takes (tile_scheduler.cuh) are
+// policies of their own.
 //   SequenceKeys: the sequence's key tiles, skipped by the mask's tile activity bits; contiguous
 //     K / V rows, the mask's keep bytes (raw, or built where a length or misalignment rules that
 //     out) and the bias tiles per 64-row half; scores dropped by keep tile, bounds and causality.
@@ -33,16 +35,12 @@ struct SequenceKeysOf {
   // Packed sequences take no mask (unsupported_reason): compiled out, the loader and the computing
   // warps hold none of its operands (with them the packed kernel spilled).
   static constexpr bool kMask = !kPackedSeqs;
-  // Q as S = Q K^T's A operand in registers (fwd_ws_kernel): only where the mask's operands leave
-  // room (the padded kernel at D = 128 spills with it).
-  static constexpr bool kQInRegisters = kPackedSeqs;
-  // One CTA a tile (the grid is the tiles, tile_scheduler.cuh's SingleTileScheduler).
-  static constexpr bool kPersistent = false;
 
   // The number of key tiles the CTA's tile `c` walks (before key splits): those its last rows see;
-  // none past a packed sequence's rows (CTAs of the longest sequence's tiles).
+  // none past a packed sequence's rows (CTAs of the longest sequence's tiles). No count is staged
+  // for it (the last argument: ListedKeys').
   template <typename Tile>
-  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c) {
+  __device__ static inline int64_t tiles(const FwdParams& p, Tile& c, int64_t = -1) {
     return !kPacked || c.m0 < c.seq.nq ? key_tile_end(p, c.seq, c.rows(c.two ? 1 : 0)) : 0;
   }
   // The end of the tiles that rows [mc, mc + 64) see: tiles past their causal end drop every score.
@@ -123,14 +121,10 @@ struct ListedKeys {
   static constexpr bool kPairs = false;
   static constexpr bool kPacked = true;  // packed sequences (FwdParams::cu_seqlens_q) too
   static constexpr bool kMask = true;    // never given one (unsupported_reason); its branches stay as measured
-  static constexpr bool kQInRegisters = true;
-  // A CTA an SM over tile after tile (PersistentTileScheduler): the next tile's Q and first gathers
-  // land during this one's last pieces and epilogue. Needs Q in registers (its smem then stages O)
-  // and no bias tiles (their stages hold the second Q buffer).
-  static constexpr bool kPersistent = true;
 
-  // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles. A
-  // packed sequence shorter than the longest has CTAs past its rows: no list, nothing to walk.
+  // The CTA's key list (count, then key indices) into c.list; its number of 64-entry tiles (or
+  // `known`, the count the loader staged: FwdWsConfig::kStagedSetup). A packed sequence shorter
+  // than the longest has CTAs past its rows: no list, nothing to walk.
   template <typename Tile>
   __device__ static inline int64_t tiles(const FwdParams& p, Tile& c, int64_t known = -1) {
     if (c.m0 >= c.seq.nq) {

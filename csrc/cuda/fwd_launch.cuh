@@ -19,7 +19,7 @@ struct FwdPlan {
   void (*kernel)(const FwdParams, const FwdFlags, const FwdSplit) = nullptr;
   int smem = 0, threads = kThreads, rows = kBlockM;
   int64_t units = 0;        // grid x per query tile: heads, or head pairs
-  bool persistent = false;  // a CTA an SM over the work items (Keys::kPersistent)
+  bool persistent = false;  // a CTA an SM over the work items (PersistentTileScheduler)
   int sms = 1;
   FwdFlags f;
   int splits = 1;
@@ -51,10 +51,11 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
     // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
-    plan.persistent = p.tile_keys.ptr && ListedKeys::kPersistent;
-    plan.kernel = p.tile_keys.ptr  ? fwd_ws_kernel<T, D, ListedKeys>
-                  : p.cu_seqlens_q ? fwd_ws_kernel<T, D, PackedSequenceKeys>
-                                   : fwd_ws_kernel<T, D, SequenceKeys>;
+    using K = FwdWsKernels<T, D>;
+    plan.persistent = p.tile_keys.ptr && K::Listed::kPersistent;
+    plan.kernel = p.tile_keys.ptr  ? fwd_ws_kernel<typename K::Listed>
+                  : p.cu_seqlens_q ? fwd_ws_kernel<typename K::PackedSequence>
+                                   : fwd_ws_kernel<typename K::Sequence>;
     plan.smem = FwdWsSmem<T, D>::kBytes;
     plan.threads = kWsThreads;
     plan.rows = f.pair ? kBlockM : kWsRows;

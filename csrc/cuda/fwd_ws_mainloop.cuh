@@ -1,37 +1,7 @@
-// Forward kernel, warp-specialized (sm_90a, head dims 64 / 128): one CTA of three warpgroups per
-// (128-row query tile, head, batch, key split), or per (64-row query tile, head pair, batch, key
-// split) where two query heads share every operand (FwdFlags::pair), one CTA per SM; or
-// (Keys::kPersistent, the per-key lists) one CTA per SM over work item after work item, the next
-// tile's Q and first gathers requested while this one's last pieces and epilogue run.
-//   warpgroup 0 loads: K / V tiles (contiguous, or gathered through the query tile's key list on
-//     the per-key path), the bias tiles, the mask bytes (raw by cp.async, or built where a length
-//     or misalignment rules that out) into rings of K stages (with the mask / bias / rank
-//     operands) and V stages, handed over by mbarriers;
-//   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile (paired: the same 64 rows of
-//     head h and h + 1) from the same stages: S = Q K^T (Q loaded once into smem by warpgroup 0,
-//     and from there into registers where the key source has room: Keys::kQInRegisters) and
-//     O += P V on wgmma, the online softmax in registers (O rescaled only when a row's max moves:
-//     softmax_step).
-// Why: in the one-warpgroup kernel (fwd_kernel.cuh) the threads that run the products also issue
-// every copy, compute its addresses and wait at a CTA barrier per tile, and each 64-row CTA reads
-// its own K / V. Here the copies and their integer work are off the computing warps' issue path,
-// a stage is released by the warps that used it instead of a CTA barrier (K as soon as S and the
-// softmax have read it, V after P V), each K / V byte serves 128 rows, and inside a computing
-// warpgroup S of the next tile is in flight while P V of this one runs (the softmax of tile t + 1
-// overlaps the tensor cores' P V of tile t). On the per-key lists at D = 64 a step takes two tiles
-// (kWidePieces): 128 keys a softmax step, where the registers allow it.
-// Paired (GQA: consecutive query heads over one kv head, with mask, bias and tile bits broadcast
-// over both): the loader copies one 64-row mask / bias tile for both warpgroups, half the bytes and
-// copy work of two query tiles of one head, and the warpgroups walk the same key tiles. That lets
-// their products alternate (FA3's ping-pong: a warpgroup issues its S / P.V once the other has
-// issued its own, so one's softmax runs under the other's products instead of both contending for
-// the tensor cores and then both computing exponentials). It does so without mask and bias only:
-// with them the per-element work makes the warpgroups' softmax phases long and uneven, and a fixed
-// alternation makes the quicker one wait instead of overlapping anything (slower: benchmarks/perf-log.md,
-// 'head pairs packed into the forward's M, ping-pong').
-// Keys (fwd_key_source.cuh): where the key tiles come from, how they are copied and what drops a
-// score: SequenceKeys (the sequence's key tiles, mask and bias tiles) or ListedKeys (the per-key
-// top-W rule: the query tile's key list, the rank rule).
+// The warp-specialized forward's mainloop (fwd_ws_kernel.cuh composes it with the epilogue and a
+// tile scheduler): its shared memory (FwdWsSmem), the loading warpgroup's copies
+// (FwdWsMainloop::load) and the computing warpgroups' walk over the key tiles (fwd_ws_compute),
+// written once over a key source (fwd_key_source.cuh) and a kernel configuration (FwdWsConfig).
 #pragma once
 #include <math_constants.h>
 
@@ -40,7 +10,6 @@
 #include "../flash_dma_params.h"
 #include "constants.cuh"
 #include "copy.cuh"
-#include "fwd_epilogue.cuh"
 #include "fwd_key_source.cuh"
 #include "fwd_scores.cuh"
 #include "mask.cuh"
@@ -57,14 +26,41 @@ namespace cuda {
 
 constexpr int kWsThreads = 3 * kThreads;
 constexpr int kWsRows = 2 * kBlockM;  // query rows of a CTA
+
+// How the warp-specialized forward spends its registers and shared memory, apart from where its
+// keys come from (the key source) and which tiles a CTA takes (the tile scheduler).
+//   kQInRegisters: Q as S = Q K^T's A operand in registers (loaded once Q has landed): S then
+//     reads only K from smem. A 64 x 64 product with both operands in smem reads as many smem
+//     bytes as the tensor cores take cycles for it, next to P.V's V and the loader's gathers. Only
+//     where the key source's operands leave room (the padded kernel with its mask at D = 128
+//     spills with it); a persistent CTA needs it (its Q buffer stages O).
+//   kWidePieces: the computing warpgroups take the listed keys 128 at a time (two ring stages, two
+//     64-entry pieces of the list, a softmax step): a wgmma wait, a row-max shuffle and a rescale
+//     check per 128 keys instead of per 64, and longer product batches between them. Where the
+//     registers allow: at D = 64 S of 128 keys (64 registers), its P (32), O (32) and Q (16) fit
+//     the computing warps' 200; at D = 128 (O and Q 96) ptxas spills ~190 bytes, and still does
+//     with 216 (the loader at 72, which then spills as well). The rank rule's key lists only.
+//   kStagedSetup: the loader stages a persistent tile's setup (its list's tile count, its rows'
+//     thresholds) in smem with its Q, so that the computing warps start the tile without reading
+//     global memory. Only at D = 64: at D = 128 the computing warps' wait for Q ahead of deriving
+//     the tile costs more than the reads it saves, with a fourth K / V stage as with three
+//     (measured; see the perf log).
 // Registers per thread after the hand-over (setmaxnreg): it moves registers only within the CTA's
-// launch allocation, 384 x 168 = 64512 (__launch_bounds__), so 128 x 104 + 256 x 200 must not
-// exceed it (it is equal; asking more, the computing warps would wait for registers forever). The
-// computing warps hold O (D / 2), S (32) and P (16) with S of the next tile and P.V of this one in
-// flight; the loader's mask and bias copies (two 64-row halves, 64-bit addresses) need about 100.
-constexpr int kLoadRegs = 104, kComputeRegs = 200;
-static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
-              "setmaxnreg cannot hand out more registers than the CTA was launched with");
+// launch allocation, 384 x 168 = 64512 (__launch_bounds__), so 128 x kLoadRegs + 256 x
+// kComputeRegs must not exceed it (104 / 200 make it equal; asking more, the computing warps would
+// wait for registers forever). The computing warps hold O (D / 2), S (32) and P (16) with S of the
+// next tile and P.V of this one in flight; the loader's mask and bias copies (two 64-row halves,
+// 64-bit addresses) need about 100.
+template <bool kQRegs, bool kWide, bool kStaged>
+struct FwdWsConfig {
+  static constexpr bool kQInRegisters = kQRegs;
+  static constexpr bool kWidePieces = kWide;
+  static constexpr bool kStagedSetup = kStaged;
+  static constexpr int kLoadRegs = 104, kComputeRegs = 200;
+  static_assert(kThreads * kLoadRegs + 2 * kThreads * kComputeRegs <= kWsThreads * (65536 / kWsThreads / 8 * 8),
+                "setmaxnreg cannot hand out more registers than the CTA was launched with");
+  static_assert(!kWidePieces || kQInRegisters, "the wide walk reads Q from registers");
+};
 
 template <typename T, int D>
 struct FwdWsSmem {
@@ -75,7 +71,7 @@ struct FwdWsSmem {
   static constexpr int kKeepSlot = 2 * kBlockM * kLdKeep;
   static constexpr int kBiasSlot = kWsRows * kLdBias * 2;
   static constexpr int kBars = 0;  // full / empty barriers of the K and the V stages
-  // Q's full barrier; persistent (Keys::kPersistent): two, one a Q buffer, then each buffer's
+  // Q's full barrier; persistent (PersistentTileScheduler): two, one a Q buffer, then each buffer's
   // "free" barrier (the computing warps' epilogue staged out of it).
   static constexpr int kQBar = 224;
   static constexpr int kIdx = 256;  // ListedKeys: key indices of 4 tiles (64 words each)
@@ -98,23 +94,6 @@ struct FwdWsSmem {
   static_assert(kSetup + 2 * 8 <= kQ, "the tile setup must fit before Q");
   static_assert(kIdx + 4 * 256 <= kQ, "the index ring must fit before Q");
 };
-
-// Whether the loader stages a persistent tile's setup (its list's tile count, its rows'
-// thresholds) in smem with its Q, so that the computing warps start the tile without reading
-// global memory. Only at D = 64: at D = 128 the computing warps' wait for Q ahead of deriving the
-// tile costs more than the reads it saves, with a fourth K / V stage as with three (benchmarks/perf-log.md,
-// 'Change: the persistent tile's setup staged by the loader, at D = 64 only').
-template <typename Keys, int D>
-constexpr bool kStagedSetup = Keys::kPersistent && D <= 64;
-
-// Whether the computing warpgroups take the listed keys 128 at a time (two ring stages, two 64-entry
-// pieces of the list, a softmax step): a wgmma wait, a row-max shuffle and a rescale check per 128
-// keys instead of per 64, and longer product batches between them. Where the registers allow: at
-// D = 64 S of 128 keys (64 registers), its P (32), O (32) and Q (16) fit the computing warps' 200;
-// at D = 128 (O and Q 96) ptxas spills ~190 bytes, and still does with 216 (the loader at 72, which
-// then spills as well).
-template <typename Keys, int D>
-constexpr bool kWidePieces = Keys::kRankRule && !Keys::kPairs && !Keys::kTileBits && D <= 64;
 
 // Q buffer qb (its two 64-row tiles), its full barrier and (persistent) its free barrier.
 template <typename T, int D>
@@ -161,97 +140,117 @@ struct FwdWsTile {
   __device__ inline int64_t next(ActiveTiles& a, int64_t t) const { return meta0 ? a.next(t, n_end) : t; }
 };
 
-// Warpgroup 0: requests key tile i's K (with its mask / bias / rank operands) into K stage
-// i % kStages and its V into V stage i % kStages, each once the computing warpgroups have released
-// that stage's previous use, in the order K(i + 1), V(i) (the products need K a tile before V).
-// A stage is published by arrivals that fire when the copies land (cp.async.mbarrier.arrive), plus
-// an ordinary arrival after the plain shared-memory stores of a K stage: the loader never waits for
-// its own copies, only for free stages.
-// Persistent, the ring positions (pk, pv) run on from the CTA's previous tile, Q goes to buffer qb,
-// and the copies are waited for once, after the CTA's last tile.
-template <typename T, int D, typename Keys>
-__device__ inline void fwd_ws_load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem,
-                                   RingPos<FwdWsSmem<T, D>::kStages>& pk, RingPos<FwdWsSmem<T, D>::kStages>& pv,
-                                   int qb = 0) {
-  using L = FwdWsSmem<T, D>;
-  constexpr int S = L::kStages;
-  uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
-  uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S;
-  T* sK = reinterpret_cast<T*>(smem + L::kK);
-  T* sV = reinterpret_cast<T*>(smem + L::kV);
-  uint8_t* sKeep = smem + L::kKeep;
-  T* sB = reinterpret_cast<T*>(smem + L::kBias);
-  const SeqInfo& seq = c.seq;
-  typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
+// The forward's mainloop over key source Keys and configuration Config: its smem layout, and the
+// loading warpgroup's copies. The computing warpgroups' side is fwd_ws_compute.
+template <typename T_, int D_, typename Keys_, typename Config_>
+struct FwdWsMainloop {
+  using T = T_;
+  static constexpr int D = D_;
+  using Keys = Keys_;
+  using Config = Config_;
+  using Smem = FwdWsSmem<T, D>;
+  static constexpr int S = Smem::kStages;
+  using Pos = RingPos<S>;
+  static_assert(fwd_warp_specialized<D>(), "the warp-specialized forward is built for D = 64 / 128");
+  static_assert(!Config::kWidePieces || (Keys::kRankRule && !Keys::kPairs && !Keys::kTileBits),
+                "the wide walk takes every tile of a key list two at a time");
 
-  // Q of both warpgroups, once (rows past seqlen_q zero).
-  for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
-    const int64_t mh = c.rows(wg);
-    const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
-    issue_rows<T, D>(q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
-                     (int)imin(kBlockM, seq.nq - mh), f.qkv_vec);
+  // Warpgroup 0: requests key tile i's K (with its mask / bias / rank operands) into K stage
+  // i % kStages and its V into V stage i % kStages, each once the computing warpgroups have
+  // released that stage's previous use, in the order K(i + 1), V(i) (the products need K a tile
+  // before V). A stage is published by arrivals that fire when the copies land
+  // (cp.async.mbarrier.arrive), plus an ordinary arrival after the plain shared-memory stores of a
+  // K stage: the loader never waits for its own copies, only for free stages.
+  // kPersistent (a CTA over several tiles), the ring positions (pk, pv) run on from the CTA's
+  // previous tile, Q goes to buffer qb, and the copies are waited for once, after the CTA's last
+  // tile.
+  template <bool kPersistent>
+  __device__ static inline void load(const FwdParams& p, const FwdFlags& f, const FwdWsTile& c, unsigned char* smem,
+                                     Pos& pk, Pos& pv, int qb = 0) {
+    using L = Smem;
+    uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
+    uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S;
+    T* sK = reinterpret_cast<T*>(smem + L::kK);
+    T* sV = reinterpret_cast<T*>(smem + L::kV);
+    uint8_t* sKeep = smem + L::kKeep;
+    T* sB = reinterpret_cast<T*>(smem + L::kBias);
+    const SeqInfo& seq = c.seq;
+    typename Keys::template Loader<T, D, FwdWsTile> keys(p, f, c, seq, reinterpret_cast<int32_t*>(smem + L::kIdx));
+
+    // Q of both warpgroups, once (rows past seqlen_q zero).
+    for (int wg = 0; wg < (c.two ? 2 : 1); ++wg) {
+      const int64_t mh = c.rows(wg);
+      const T* q = static_cast<const T*>(p.q) + seq.q_offset(p) + c.head(wg) * p.q_head_stride;
+      issue_rows<T, D>(q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2, q + mh * p.q_row_stride, p.q_row_stride,
+                       (int)imin(kBlockM, seq.nq - mh), f.qkv_vec);
+    }
+    uint64_t* full_q = q_full<T, D>(smem, qb);
+    if constexpr (Config::kStagedSetup) {
+      static_assert(kPersistent, "a tile's setup is staged in the Q buffers of a persistent CTA");
+      // The tile's setup for the computing warps, so that they read no global memory to start it:
+      // the list's tile count (a plain store, published by this thread's arrival) and the rows'
+      // thresholds (copies, published by the copies' arrival).
+      if (threadIdx.x == 0) *q_setup<T, D>(smem, qb) = c.n_all;
+      Keys::stage_row_terms(p, seq, c.h, c.m0, q_thr<T, D>(smem, qb));
+    }
+    mbar_arrive_copies(full_q);
+    mbar_arrive(full_q);
+
+    ActiveTiles active = c.active();
+    int64_t t = c.next(active, c.t_begin);
+    if (t >= c.n_end) {
+      if constexpr (!kPersistent) cp_async_wait<0>();  // no copy may land in the smem of a later CTA
+      return;
+    }
+    keys.start(t);
+
+    // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
+    // in the first round that is the phase before the barrier's first, which counts as complete.
+    // The next stage of a ring, once free.
+    auto acquire = [&](uint64_t* empty, Pos& pos) {
+      const int st = pos.stage;
+      mbar_wait(&empty[st], pos.phase ^ 1u);
+      pos.advance();
+      return st;
+    };
+    auto load_k = [&](int64_t t) {
+      const int st = acquire(empty_k, pk);
+      keys.template load_k<L>(t, st, sK, sKeep, sB);
+      mbar_arrive_copies(&full_k[st]);
+      mbar_arrive(&full_k[st]);
+    };
+    auto load_v = [&](int64_t t) {
+      const int st = acquire(empty_v, pv);
+      keys.template load_v<L>(t, st, sV);
+      mbar_arrive_copies(&full_v[st]);
+    };
+
+    load_k(t);
+    for (;;) {
+      const int64_t tn = c.next(active, t + 1);
+      if (tn < c.n_end) load_k(tn);
+      load_v(t);
+      if (tn >= c.n_end) break;
+      t = tn;
+    }
+    if constexpr (!kPersistent) cp_async_wait<0>();
   }
-  uint64_t* full_q = q_full<T, D>(smem, qb);
-  if constexpr (kStagedSetup<Keys, D>) {
-    // The tile's setup for the computing warps, so that they read no global memory to start it:
-    // the list's tile count (a plain store, published by this thread's arrival) and the rows'
-    // thresholds (copies, published by the copies' arrival).
-    if (threadIdx.x == 0) *q_setup<T, D>(smem, qb) = c.n_all;
-    Keys::stage_row_terms(p, seq, c.h, c.m0, q_thr<T, D>(smem, qb));
-  }
-  mbar_arrive_copies(full_q);
-  mbar_arrive(full_q);
+};
 
-  ActiveTiles active = c.active();
-  int64_t t = c.next(active, c.t_begin);
-  if (t >= c.n_end) {
-    if constexpr (!Keys::kPersistent) cp_async_wait<0>();  // no copy may land in the smem of a later CTA
-    return;
-  }
-  keys.start(t);
-
-  // Positions in the K and V rings. Use i of a stage waits for release i - S, of the other parity;
-  // in the first round that is the phase before the barrier's first, which counts as complete.
-  // The next stage of a ring, once free.
-  auto acquire = [&](uint64_t* empty, RingPos<S>& pos) {
-    const int st = pos.stage;
-    mbar_wait(&empty[st], pos.phase ^ 1u);
-    pos.advance();
-    return st;
-  };
-  auto load_k = [&](int64_t t) {
-    const int st = acquire(empty_k, pk);
-    keys.template load_k<L>(t, st, sK, sKeep, sB);
-    mbar_arrive_copies(&full_k[st]);
-    mbar_arrive(&full_k[st]);
-  };
-  auto load_v = [&](int64_t t) {
-    const int st = acquire(empty_v, pv);
-    keys.template load_v<L>(t, st, sV);
-    mbar_arrive_copies(&full_v[st]);
-  };
-
-  load_k(t);
-  for (;;) {
-    const int64_t tn = c.next(active, t + 1);
-    if (tn < c.n_end) load_k(tn);
-    load_v(t);
-    if (tn >= c.n_end) break;
-    t = tn;
-  }
-  if constexpr (!Keys::kPersistent) cp_async_wait<0>();
-}
-
-// Warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every stage in
-// order. A warpgroup whose rows see none of a tile (past its causal end, or past seqlen_q) only
-// waits for the stage and releases it.
-// Persistent, the stage position `at_io` runs on from the CTA's previous tile, and Q is buffer qb
+// Computing warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every
+// stage in order, then (not idle) those rows out through Epilogue. A warpgroup whose rows see none
+// of a tile (past its causal end, or past seqlen_q) only waits for the stage and releases it.
+// kPersistent, the stage position `at_io` runs on from the CTA's previous tile, and Q is buffer qb
 // in use qphase.
-template <typename T, int D, typename Keys>
+template <typename Mainloop, bool kPersistent, typename Epilogue>
 __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, const FwdWsTile& c,
-                                      unsigned char* smem, int wg, RingPos<FwdWsSmem<T, D>::kStages>& at_io, int qb = 0,
+                                      unsigned char* smem, int wg, typename Mainloop::Pos& at_io, int qb = 0,
                                       uint32_t qphase = 0) {
-  using L = FwdWsSmem<T, D>;
+  using T = typename Mainloop::T;
+  constexpr int D = Mainloop::D;
+  using Keys = typename Mainloop::Keys;
+  using Config = typename Mainloop::Config;
+  using L = typename Mainloop::Smem;
   constexpr int S = L::kStages;
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
   uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S;
@@ -270,11 +269,11 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // Persistent, every warpgroup waits for its Q, idle or not: a buffer is handed back only after
   // its copies have landed. With the staged setup the caller has waited for it (the setup lands
   // with Q).
-  if constexpr (Keys::kPersistent && !kStagedSetup<Keys, D>) mbar_wait(full_q, qphase);
+  if constexpr (kPersistent && !Config::kStagedSetup) mbar_wait(full_q, qphase);
 
   // The rank rule's per-row terms of this thread's rows g, g + 8 (ListedKeys).
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  if constexpr (kStagedSetup<Keys, D>)
+  if constexpr (Config::kStagedSetup)
     Keys::row_terms_staged(p, c.seq, q_thr<T, D>(smem, qb), c.m0, mc, w, g, thr, lim);
   else
     Keys::row_terms(p, c.seq, head, mc, w, g, thr, lim);
@@ -302,11 +301,8 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   auto release = [&](uint64_t* empty, Pos at) { mbar_arrive(&empty[at.stage]); };
   // Descriptors built once and moved by constants (desc_advance): Q's, and stage 0's K and V.
   const uint64_t dq = desc_k_major<kBlockM>(sQ, 0);
-  // Q as wgmma's A operand in registers (loaded once Q has landed), where the key source has room
-  // for it: S = Q K^T then reads only K from smem. A 64 x 64 product with both operands in smem
-  // reads as many smem bytes as the tensor cores take cycles for it, next to P.V's V and the
-  // loader's gathers.
-  constexpr bool kQRegs = Keys::kQInRegisters;
+  // Q as wgmma's A operand in registers (FwdWsConfig::kQInRegisters).
+  constexpr bool kQRegs = Config::kQInRegisters;
   uint32_t qa[kQRegs ? D / 16 : 1][4];
   const uint64_t dk0 = desc_k_major<kBlockN>(sK, 0), dv0 = desc_mn_major<kBlockN>(sV, 0);
   // Before the walk's first product: Q has landed (one CTA a tile; persistent, waited for above),
@@ -315,7 +311,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // four 8 x 8 blocks.
   // ln: this thread's lane.
   auto load_q = [&](int ln) {
-    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);
+    if constexpr (!kPersistent) mbar_wait(full_q, qphase);
     if constexpr (kQRegs) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
@@ -388,7 +384,6 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // waited for in it, so the branches between steps see none in flight. On return t and at are past
   // the walk.
   auto fwd_ws_walk_wide = [&](int64_t& t, Pos& at) {
-    static_assert(!kWidePieces<Keys, D> || kQRegs, "the wide walk reads Q from registers");
     float sw[2][kBlockN / 8][4];
     uint32_t pw[2][kBlockN / 16][4];
     // One step: S of the piece at tile tn (stages n0, n1; kTwo: both tiles) and, kPV, P.V of the
@@ -517,7 +512,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   ActiveTiles active = c.active();
   Pos at = at_io;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
-  if constexpr (kWidePieces<Keys, D>) {
+  if constexpr (Config::kWidePieces) {
     if (t < own_end) fwd_ws_walk_wide(t, at);
   } else if (t < own_end) {
     load_q(lane);
@@ -581,7 +576,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // This warpgroup's Q tile stages its output rows: every product that read it has completed,
     // and Q has landed (one CTA a tile, a warpgroup with no tile to walk has not waited for it
     // yet; its copies must not land on the staged rows).
-    if constexpr (!Keys::kPersistent) mbar_wait(full_q, qphase);
+    if constexpr (!kPersistent) mbar_wait(full_q, qphase);
     T* stage = q_buffer<T, D>(smem, qb) + wg * L::kTileKV / 2;
     // The warp's ldmatrix reads of its Q rows (kQInRegisters) ordered before the epilogue's writes
     // over them by a warp barrier, the ordering compute-sanitizer's racecheck recognises (their
@@ -590,126 +585,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
     // Dense packed: the sequence's offsets are read again here rather than held in registers
     // across the walk (the per-key kernel has the registers).
     const SeqInfo seq = Keys::kRankRule ? c.seq : SeqInfo::of<Keys::kPacked>(p, c.b);
-    // Persistent: the epilogue's fragment addresses are derived here from an opaque copy of tid,
-    // not hoisted out of the tile loop and held (spilled) across every tile's walk.
-    int tid_e = tid;
-    if constexpr (Keys::kPersistent) asm volatile("" : "+r"(tid_e));
-    fwd_epilogue<T, D>(p, f, sp, o, row_max, row_sum, seq, head, mc, tid_e, stage, c.split);
-  }
-}
-
-// The tile of work item `work` (tile_scheduler.cuh's order, heaviest first).
-template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, WorkTile work,
-                                        int64_t n_known = -1) {
-  FwdWsTile c;
-  c.pair = Keys::kPairs && f.pair;
-  c.h = work.unit << (c.pair ? 1 : 0);
-  c.b = work.b;
-  c.seq = SeqInfo::of<Keys::kPacked>(p, c.b);
-  const int64_t m_tile = work.m_tile;
-  c.kvh = c.h / (p.num_heads / p.num_heads_k);
-  c.m0 = m_tile * (c.pair ? kBlockM : kWsRows);
-  c.two = c.pair || c.m0 + kBlockM < c.seq.nq;
-  c.list = nullptr;
-  int64_t n_all;
-  if constexpr (Keys::kPersistent)
-    n_all = Keys::tiles(p, c, n_known);  // n_known: the loader's count (computing warps), or -1
-  else
-    n_all = Keys::tiles(p, c);
-  c.n_all = n_all;
-  c.split = (int)work.split;
-  SingleTileScheduler::key_range(n_all, sp.n, work.split, c.t_begin, c.n_end);
-  c.meta0 = c.meta1 = nullptr;
-  if (Keys::kTileBits && Keys::kMask && p.mask.ptr) {
-    const Plane<uint32_t> meta(p.tile_meta, c.b, c.h);
-    c.meta0 = meta.at(c.m0 / kBlockM, 0);
-    if (c.halves() == 2) c.meta1 = meta.at(c.m0 / kBlockM + 1, 0);
-  }
-  return c;
-}
-// The tile of this CTA (one a tile). Units of the grid's x: head pairs when paired (then 64-row
-// query tiles), else heads.
-template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp) {
-  return fwd_ws_tile<Keys>(p, f, sp, SingleTileScheduler::get((int)p.num_heads >> (Keys::kPairs && f.pair ? 1 : 0)));
-}
-
-// The tile of persistent work item w (PersistentTileScheduler's order).
-template <typename Keys>
-__device__ inline FwdWsTile fwd_ws_tile_at(const FwdParams& p, const FwdFlags& f, const FwdSplit& sp, unsigned w,
-                                           int64_t n_known = -1) {
-  const unsigned m_tiles = (unsigned)ceil_div(p.seqlen_q, kWsRows);
-  return fwd_ws_tile<Keys>(p, f, sp, PersistentTileScheduler::get(w, (unsigned)p.num_heads, m_tiles, (unsigned)p.batch),
-                           n_known);
-}
-
-template <typename T, int D, typename Keys>
-__global__ void __launch_bounds__(kWsThreads, 1) fwd_ws_kernel(const FwdParams p, const FwdFlags f, const FwdSplit sp) {
-  static_assert(fwd_warp_specialized<D>(), "the warp-specialized forward is built for D = 64 / 128");
-  static_assert(!Keys::kPersistent || (Keys::kQInRegisters && !Keys::kBiasTiles && !Keys::kPairs),
-                "a persistent CTA stages O in its Q buffer and keeps the second in the bias stages");
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
-  using L = FwdWsSmem<T, D>;
-  RingPos<L::kStages> pk, pv;
-
-  if (threadIdx.x == 0) {
-    mbar_init_kv_ring<L::kStages>(reinterpret_cast<uint64_t*>(smem + L::kBars), kThreads, 2 * kThreads);
-    mbar_init(q_full<T, D>(smem, 0), 2 * kThreads);
-    if constexpr (Keys::kPersistent) {
-      mbar_init(q_full<T, D>(smem, 1), 2 * kThreads);
-      mbar_init(q_free<T, D>(smem, 0), 2 * kThreads);
-      mbar_init(q_free<T, D>(smem, 1), 2 * kThreads);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-
-  if constexpr (Keys::kPersistent) {
-    // Tile i of this CTA takes Q buffer i % 2 (use i / 2); the loader refills a buffer once both
-    // computing warpgroups have staged their output out of it (its free barrier, use i / 2 - 1).
-    const unsigned items =
-        (unsigned)PersistentTileScheduler::items(ceil_div(p.seqlen_q, kWsRows), p.num_heads, p.batch, sp.n);
-    if (threadIdx.x < kThreads) {
-      regs_release<kLoadRegs>();
-      int i = 0;
-      for (unsigned w = blockIdx.x; w < items; w += gridDim.x, ++i) {
-        const int qb = i & 1;
-        if (i >= 2) mbar_wait(q_free<T, D>(smem, qb), ((i >> 1) - 1) & 1);
-        // The previous tile's reads of the index ring done before this tile's first writes there.
-        named_barrier(NamedBarrier::kLoad, kThreads);
-        fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, pk, pv, qb);
-      }
-      cp_async_wait<0>();  // no copy may land in the smem of a later CTA
-    } else {
-      regs_claim<kComputeRegs>();
-      const int wg = warpgroup_uniform() - 1;
-      int i = 0;
-      for (unsigned w = blockIdx.x; w < items; w += gridDim.x, ++i) {
-        const int qb = i & 1;
-        const uint32_t qphase = (i >> 1) & 1;
-        if constexpr (kStagedSetup<Keys, D>) {
-          // The loader's setup of the tile (its list's tile count, its rows' thresholds) lands with Q.
-          mbar_wait(q_full<T, D>(smem, qb), qphase);
-          const FwdWsTile c = fwd_ws_tile_at<Keys>(p, f, sp, w, *q_setup<T, D>(smem, qb));
-          fwd_ws_compute<T, D, Keys>(p, f, sp, c, smem, wg, pk, qb, qphase);
-        } else {
-          fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile_at<Keys>(p, f, sp, w), smem, wg, pk, qb, qphase);
-        }
-        mbar_arrive(q_free<T, D>(smem, qb));
-      }
-    }
-    return;
-  }
-  // The tile is derived after the register hand-over: values live across it travel through local
-  // memory.
-  if (threadIdx.x < kThreads) {
-    regs_release<kLoadRegs>();
-    fwd_ws_load<T, D, Keys>(p, f, fwd_ws_tile<Keys>(p, f, sp), smem, pk, pv);
-  } else {
-    regs_claim<kComputeRegs>();
-    fwd_ws_compute<T, D, Keys>(p, f, sp, fwd_ws_tile<Keys>(p, f, sp), smem, warpgroup_uniform() - 1, pk);
+    Epilogue::template store<kPersistent>(p, f, sp, o, row_max, row_sum, seq, head, mc, tid, stage, c.split);
   }
 }
 

@@ -1,6 +1,9 @@
-// Which work a forward CTA takes: its (query tile, head or head pair, batch, key split) from the
-// block index, and the grid the launcher starts for it. One type for both forwards and their
-// launcher, so that the grid and the kernels agree on the order.
+// Which work a CTA takes: its (query tile, head or head pair, batch, key split) from the block
+// index, and the grid the launcher starts for it. The kernels take the scheduler as a type (the
+// warp-specialized forward, FwdWsKernel, as a template parameter), and the launchers build their
+// grids from the same type, so that the grid and the kernels agree on the order. Used by both
+// forwards and the per-key backward; the dense backward's CTAs are key tiles (BwdKeyTileScheduler,
+// bwd_scheduler.cuh).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,6 +26,7 @@ struct WorkTile {
 // the most keys); launched first, with heads interleaved, the long tiles of the last head do not
 // form the tail.
 struct SingleTileScheduler {
+  static constexpr bool kPersistent = false;
   static dim3 grid(int64_t m_tiles, int64_t units, int64_t batch, int splits) {
     return dim3((unsigned)(m_tiles * units), (unsigned)batch, (unsigned)splits);
   }
@@ -49,6 +53,7 @@ struct SingleTileScheduler {
 // (heaviest under causal) to the first across every unit and batch, so that a CTA's next tile is
 // about as long as the others' and the ring of stages runs on from one tile into the next.
 struct PersistentTileScheduler {
+  static constexpr bool kPersistent = true;
   __host__ __device__ static int64_t items(int64_t m_tiles, int64_t units, int64_t batch, int splits) {
     return m_tiles * units * batch * splits;
   }
