@@ -450,6 +450,23 @@ def test_cuda_ops_refuse_what_their_check_refuses():
             assert (r.forward, r.backward) == ("triton", "triton"), r
 
 
+def test_perkey_check_takes_the_routes_arguments():
+    # flexdma._C.perkey_unsupported_reason parses the argument list route._cpp_reason hands it (a
+    # CPU build answers that it has no CUDA kernels); a short list is a TypeError.
+    from flexdma import _ext
+
+    check = _ext.C.perkey_unsupported_reason
+    key = (2, 8, 2, 64, 300, 300, 2, 2, 0.0, True, 1024, 90, True, False)
+    why = check(*key)
+    with pytest.raises(TypeError):
+        check(*key[:-1])
+    if not _ext.with_cuda():
+        assert why == "flexdma was built without CUDA kernels"
+        return
+    refused = check(*key[:8], 5.0, *key[9:])  # the backward under a softcap
+    assert refused is not None and ("softcap" in refused or refused == why), (why, refused)
+
+
 def test_route_pairs_the_forward_with_its_backward(monkeypatch):
     # A call a backward follows takes the C++ forward only where the C++ backward takes it too (each
     # forward op's autograd runs its own backward op): decide asks the C++ check with the

@@ -45,7 +45,7 @@ void run_bwd(const BwdParams& params, void* stream);
 void run_tile_meta(const FwdParams& params, int64_t mask_batches, int64_t mask_heads, void* meta, int64_t n_words,
                    void* stream);
 
-// The per-key selection (flexdma::topk_select): nullptr when the kernel takes these params, else
+// The per-key selection (flexdma::perkey_select): nullptr when the kernel takes these params, else
 // why not; the scratch it needs (its first select_counter_bytes zeroed by the caller on the
 // launch's stream); one launch over every plane.
 const char* select_unsupported_reason(const SelectParams& params);

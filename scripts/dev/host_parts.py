@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import flexdma
 from benchmarks.common import issue_time
-from flexdma.perkey import contract, route
+from flexdma.perkey import contract, ops
 from scripts.dev import perkey_dev as TD
 
 
@@ -26,10 +26,11 @@ def main():
     torch.manual_seed(0)
     q, k, v, bias = TD._inputs(1, L, 2, 1, D, 1)
     s = 1 / math.sqrt(D)
-    sel = TD._select(q, k, bias, 2048, True)
-    tr = TD._tile_rows(q, k, 1)
+    r = TD._route(q, k, v, bias, 2048, True)
+    sel = TD._select(q, bias, 2048, True, r)
+    tr = r.tile_rows
     sc = contract.selection_scores(bias, None, 2)
-    o, lse, res = TD._fwd(q, k, v, bias, sel, s, True)
+    o, lse, res = TD._fwd(r, q, k, v, bias, sel, s, True)
     do = torch.randn_like(q)
     qg, kg, vg, bg = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
 
@@ -64,15 +65,15 @@ def main():
             _keep["out"] = api_fwd_grad()
         return torch.autograd.grad(_keep["out"], (qg, kg, vg, bg), do, retain_graph=True)
 
-    def topk_bwd_op():
-        return torch.ops.flexdma.topk_bwd(
-            do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
+    def perkey_bwd_op():
+        return ops.run_backward(
+            r, do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
         )
 
     parts = {
         "api_fwd_grad": api_fwd_grad,
         "bwd_only": bwd_only,
-        "topk_bwd_op": topk_bwd_op,
+        "perkey_bwd_op": perkey_bwd_op,
         "sdpa_fwd": lambda: F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2).expand(-1, 2, -1, -1),
@@ -85,22 +86,11 @@ def main():
             torch.empty(10, device="cuda"),
         ),
         "selection_scores": lambda: contract.selection_scores(bias, None, 2),
-        "topk_select_op": lambda: torch.ops.flexdma.topk_select(sc, 2048, L, True, tr),
+        "perkey_select_op": lambda: torch.ops.flexdma.perkey_select(sc, 2048, L, True, tr),
         "contract_select": lambda: contract.select(sc, 2048, L, True, tr),
-        "fwd_sm90_op": lambda: torch.ops.flexdma.topk_fwd_sm90(
-            q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, s, True, 0.0
-        ),
-        "route_cuda_fwd": lambda: route.cuda_fwd(
-            q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
-        ),
-        "topk_fwd_op_nograd": lambda: torch.ops.flexdma.topk_fwd(
-            q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
-        ),
-        "bwd_sm90_op": lambda: torch.ops.flexdma.topk_bwd_sm90(
-            do, q, k, v, bias, sel.key_rank, sel.row_thr, sel.tile_keys, tr, o, lse, res, s, True, True
-        ),
-        "route_cuda_bwd": lambda: route.cuda_bwd(
-            do, q, k, v, bias, sel.key_rank, sel.row_thr, o, lse, s, True, 0.0, True, False, sel.tile_keys, res
+        # The route's forward op without autograd (the C++ kernels' flexdma::perkey_fwd, or Triton's).
+        "perkey_fwd_op_nograd": lambda: ops.run_forward(
+            r, q, k, v, bias, sel.key_rank, sel.row_thr, s, True, 0.0, False, sel.tile_keys
         ),
         "api_fwd": api_fwd,
         "api_train": api_train,

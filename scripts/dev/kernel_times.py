@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 import flexdma
 from benchmarks import varlen
-from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _select
+from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _route, _select
 
 # (B, L, H, KVH, D, selection plane heads)
 PERKEY = [
@@ -37,14 +37,15 @@ def perkey(res: dict) -> None:
     for B, L, H, KVH, D, ph in PERKEY:
         torch.manual_seed(0)
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
-        sel = _select(q, k, bias, 2048, True)
+        r = _route(q, k, v, bias, 2048, True)
+        sel = _select(q, bias, 2048, True, r)
         scale = 1 / math.sqrt(D)
         name = f"B={B} L={L} H={H} KVH={KVH} D={D}"
-        res[f"perkey fwd {name}"] = do_bench(lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=50, rep=200)
-        out, lse, resid = _fwd(q, k, v, bias, sel, scale, True)
+        res[f"perkey fwd {name}"] = do_bench(lambda: _fwd(r, q, k, v, bias, sel, scale, True), warmup=50, rep=200)
+        out, lse, resid = _fwd(r, q, k, v, bias, sel, scale, True)
         do = torch.randn_like(q)
         res[f"perkey bwd {name}"] = do_bench(
-            lambda: _bwd(do, q, k, v, bias, sel, out, lse, resid, scale, True, True), warmup=25, rep=100
+            lambda: _bwd(r, do, q, k, v, bias, sel, out, lse, resid, scale, True), warmup=25, rep=100
         )
 
 

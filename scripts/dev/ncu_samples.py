@@ -22,16 +22,17 @@ import sys
 def calls(B: int, L: int, H: int, KVH: int, D: int, planes: int) -> None:
     import torch
 
-    from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _select
+    from scripts.dev.perkey_dev import _bwd, _fwd, _inputs, _route, _select
 
     torch.manual_seed(0)
     q, k, v, bias = _inputs(B, L, H, KVH, D, planes)
     do = torch.randn_like(q)
     scale = 1 / math.sqrt(D)
+    r = _route(q, k, v, bias, 2048, True)
     for _ in range(2):
-        sel = _select(q, k, bias, 2048, True)
-        out, lse, resid = _fwd(q, k, v, bias, sel, scale, True)
-        _bwd(do, q, k, v, bias, sel, out, lse, resid, scale, True, True)
+        sel = _select(q, bias, 2048, True, r)
+        out, lse, resid = _fwd(r, q, k, v, bias, sel, scale, True)
+        _bwd(r, do, q, k, v, bias, sel, out, lse, resid, scale, True)
     torch.cuda.synchronize()
 
 

@@ -1,7 +1,7 @@
 """Kernel-level check and timing of the per-key top-W GPU path (no extension build needed).
 
 python -m scripts.dev.perkey_dev --out results.json [--lengths 32768,131072] [--check]
-Times selection, forward and backward (the C++ sm_90a backward where it applies, and the Triton one)
+Times selection, forward and backward (the C++ kernels where the route takes them, and the Triton ones)
 against dense causal SDPA over all keys in the same run (do_bench medians), and with --check compares bf16 results against the
 float64 reference at small shapes (FlashAttention's 2x rule).
 """
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from flexdma import perkey
-from flexdma.perkey import route
+from flexdma import _dispatch, perkey
+from flexdma.perkey import ops, route
 from flexdma.perkey import triton as T
 from flexdma.reference import attention_ref
 
@@ -30,25 +30,30 @@ def _inputs(B, L, H, KVH, D, plane_heads, dtype=torch.bfloat16, grad=False):
     return q, k, v, bias
 
 
-def _tile_rows(q, k, plane_heads):
-    return route.tile_rows_for(q.device, q.shape[2], k.shape[2], plane_heads, q.shape[3], q.dtype)
+def _route(q, k, v, bias, W, causal):
+    """The call's route (flexdma/perkey/route.py), a backward following: the C++ kernels where they
+    take it, else the Triton ones."""
+    call = _dispatch.Call.of(q, k, v, None, bias, is_causal=causal, softcap=0.0, keep_window_size=W, requires_grad=True)
+    return route.decide("cuda", call)
 
 
-def _select(q, k, bias, W, causal):
+def _triton(r):
+    # The Triton kernels on the route's lists (their tile rows suit both kernels).
+    return r._replace(forward="triton", backward="triton")
+
+
+def _select(q, bias, W, causal, r):
     sc = perkey.selection_scores(bias, None, q.shape[2])
-    tr = _tile_rows(q, k, sc.shape[1])
-    return perkey.Selection(*torch.ops.flexdma.topk_select(sc, W, q.shape[1], causal, tr))
+    return perkey.Selection(*torch.ops.flexdma.perkey_select(sc, W, q.shape[1], causal, r.tile_rows))
 
 
-def _fwd(q, k, v, bias, sel, scale, causal):
-    # topk_fwd's CUDA implementation: the C++ sm_90a kernel where it applies, else Triton.
-    return route.cuda_fwd(q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, False, sel.tile_keys)
+def _fwd(r, q, k, v, bias, sel, scale, causal):
+    return ops.run_forward(r, q, k, v, bias, sel.key_rank, sel.row_thr, scale, causal, 0.0, False, sel.tile_keys)
 
 
-def _bwd(do, q, k, v, bias, sel, out, lse, res, scale, causal, sm90):
-    # topk_bwd's CUDA implementation (the C++ sm_90a kernel where it applies), or the Triton one.
+def _bwd(r, do, q, k, v, bias, sel, out, lse, res, scale, causal):
     args = (do, q, k, v, bias, *sel[:2], out, lse, scale, causal, 0.0, True, False, sel.tile_keys, res)
-    return route.cuda_bwd(*args) if sm90 else T.bwd(*args)
+    return ops.run_backward(r, *args)
 
 
 def check():
@@ -60,12 +65,13 @@ def check():
         (1, 600, 8, 2, 64, 700, 2, True),
     ]:
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
-        sel = _select(q, k, bias, W, causal)
+        r = _route(q, k, v, bias, W, causal)
+        sel = _select(q, bias, W, causal, r)
         km = perkey.keep_mask(sel, L, L, causal)
         scale = 1 / math.sqrt(D)
         do = torch.randn_like(q)
-        out, lse, res = _fwd(q, k, v, bias, sel, scale, causal)
-        dq, dk, dv, db = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, causal, True)
+        out, lse, res = _fwd(r, q, k, v, bias, sel, scale, causal)
+        dq, dk, dv, db = _bwd(r, do, q, k, v, bias, sel, out, lse, res, scale, causal)
         errs = {}
         for prec in (torch.float64, torch.bfloat16):
             ins = [t.detach().to(prec).requires_grad_() for t in (q, k, v, bias)]
@@ -73,7 +79,7 @@ def check():
             (o.float() * do.float()).sum().backward()
             errs[prec] = (o, lse_r, *[t.grad for t in ins])
         ref, low = errs[torch.float64], errs[torch.bfloat16]
-        res = {"shape": [B, L, H, KVH, D, W, ph, causal]}
+        res = {"shape": [B, L, H, KVH, D, W, ph, causal], "route": r.forward}
         ok = True
         for name, mine, r, lo in zip(("out", "lse", "dq", "dk", "dv", "dbias"), (out, lse, dq, dk, dv, db), ref, low):
             fin = torch.isfinite(r)
@@ -101,7 +107,8 @@ def bench(lengths, Ws, Ds, model=True):
         torch.cuda.empty_cache()
         q, k, v, bias = _inputs(B, L, H, KVH, D, ph)
         scale = 1 / math.sqrt(D)
-        sel = _select(q, k, bias, W, True)
+        rt = _route(q, k, v, bias, W, True)
+        sel = _select(q, bias, W, True, rt)
         r = {
             "B": B,
             "L": L,
@@ -110,39 +117,33 @@ def bench(lengths, Ws, Ds, model=True):
             "D": D,
             "W": W,
             "plane_heads": ph,
-            "list_mean": perkey.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].float().mean().item(),
-            "list_max": perkey.tile_lists(sel, L, _tile_rows(q, k, ph))[..., 0].max().item(),
-            "sm90_fwd": route.sm90_takes(q, k, v, bias, 0.0),
+            "list_mean": perkey.tile_lists(sel, L, rt.tile_rows)[..., 0].float().mean().item(),
+            "list_max": perkey.tile_lists(sel, L, rt.tile_rows)[..., 0].max().item(),
+            "cpp": rt.forward == "cuda",
         }
-        r["select_ms"] = do_bench(lambda: _select(q, k, bias, W, True), warmup=25, rep=100)
-        r["fwd_ms"] = do_bench(lambda: _fwd(q, k, v, bias, sel, scale, True), warmup=25, rep=100)
+        tr = _triton(rt)
+        r["select_ms"] = do_bench(lambda: _select(q, bias, W, True, rt), warmup=25, rep=100)
+        r["fwd_ms"] = do_bench(lambda: _fwd(rt, q, k, v, bias, sel, scale, True), warmup=25, rep=100)
         # The Triton forward on the same lists, where the C++ one ran above.
-        r["fwd_triton_ms"] = do_bench(lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0), warmup=25, rep=100)
-        out, lse, res = _fwd(q, k, v, bias, sel, scale, True)
+        r["fwd_triton_ms"] = do_bench(lambda: _fwd(tr, q, k, v, bias, sel, scale, True), warmup=25, rep=100)
+        out, lse, res = _fwd(rt, q, k, v, bias, sel, scale, True)
         do = torch.randn_like(q)
-        r["bwd_ms"] = do_bench(
-            lambda: _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, False), warmup=10, rep=50
-        )
-        r["sm90_bwd"] = route.sm90_bwd_takes(q, k, v, bias, 0.0, False)
-        if r["sm90_bwd"]:
-            r["bwd_sm90_ms"] = do_bench(
-                lambda: _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, True), warmup=10, rep=50
+        r["bwd_ms"] = do_bench(lambda: _bwd(tr, do, q, k, v, bias, sel, out, lse, res, scale, True), warmup=10, rep=50)
+        if r["cpp"]:
+            r["bwd_cpp_ms"] = do_bench(
+                lambda: _bwd(rt, do, q, k, v, bias, sel, out, lse, res, scale, True), warmup=10, rep=50
             )
             # The two backwards on the same call: the largest difference of each gradient,
             # relative to its largest magnitude.
-            a = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, True)
-            b = _bwd(do, q, k, v, bias, sel, out, lse, res, scale, True, False)
-            r["sm90_vs_triton_rel"] = [
+            a = _bwd(rt, do, q, k, v, bias, sel, out, lse, res, scale, True)
+            b = _bwd(tr, do, q, k, v, bias, sel, out, lse, res, scale, True)
+            r["cpp_vs_triton_rel"] = [
                 ((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30)).item()
                 for x, y in zip(a, b)
             ]
         for name, cfgs, fn in (
-            ("fwd", T.FWD_CONFIG, lambda: T.fwd(q, k, v, bias, *sel, scale, True, 0.0)),
-            (
-                "bwd",
-                T.BWD_CONFIG,
-                lambda: T.bwd(do, q, k, v, bias, *sel[:2], out, lse, scale, True, 0.0, True, False, sel.tile_keys, res),
-            ),
+            ("fwd", T.FWD_CONFIG, lambda: _fwd(tr, q, k, v, bias, sel, scale, True)),
+            ("bwd", T.BWD_CONFIG, lambda: _bwd(tr, do, q, k, v, bias, sel, out, lse, res, scale, True)),
         ):
             if not SWEEP:
                 break

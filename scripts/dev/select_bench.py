@@ -1,4 +1,4 @@
-"""The per-key selection alone (flexdma::topk_select on CUDA): GPU time by do_bench and CUDA events
+"""The per-key selection alone (flexdma::perkey_select on CUDA): GPU time by do_bench and CUDA events
 of a CUDA-graph replay (no host time), device launches per call, and a check against the CPU op.
 
 python -m scripts.dev.select_bench [--out FILE.json]

@@ -5,7 +5,7 @@ queries x 333 keys with a per-row / per-key bias, forward and backward, for comp
 model: issue 19's model shape (B=2, L=8K, H=16, KVH=4, top-2048 of a bias per kv head and key), forward and
 backward; pairs: B=4, L=333, H=16, KVH=4 (enough 128-row tiles for the forward to pair heads), mask
 and bias per kv head, forward and backward, then a forward without either (the paired warpgroups'
-turns); topk: the per-key top-W path (flexdma::topk_select, topk_fwd_sm90 and topk_bwd_sm90) at
+turns); topk: the per-key top-W path (flexdma::perkey_select, perkey_fwd and perkey_bwd) at
 333 x 333, W=100, GQA with a bias per kv head; topkdecode: one query over 5000 keys, W=600, whose
 list splits over keys; topk32k: the per-key forward at the target shape, W=2048, for a profiler; topkselect: the
 selection alone over 140000 keys, 4096-key chunks).
@@ -88,10 +88,10 @@ def main(case, D):
 def topk_case(case, L, D):
     dev, dt = "cuda", torch.bfloat16
     if case == "topkselect":  # the selection alone past 128K keys (its 4096-key chunks), 300 rows
-        from flexdma import perkey as topk
+        from flexdma import perkey
 
         scores = torch.randn(1, 2, L, device=dev, dtype=dt)[:, 1:]
-        topk.select(scores, 2048, 300, True, 128)
+        perkey.select(scores, 2048, 300, True, 128)
         torch.cuda.synchronize()
         return
     Q, H, KVH, W = {"topk": (L, 4, 2, 100), "topkdecode": (1, 2, 1, 600), "topk32k": (L, 2, 1, 2048)}[case]
