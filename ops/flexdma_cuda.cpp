@@ -144,13 +144,8 @@ int dtype_code(at::ScalarType t) {
 // its reason. The backward's conditions count torch's deterministic mode as `deterministic`.
 void check_perkey(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                   double softcap, bool backward, bool deterministic) {
-  cuda::PerkeyCall c;
-  c.batch = q.size(0);
-  c.seqlen_q = q.size(1);
-  c.num_heads = q.size(2);
-  c.head_dim = q.size(3);
-  c.seqlen_k = k.size(1);
-  c.num_heads_k = k.size(2);
+  // batch, num_heads, num_heads_k, head_dim, seqlen_q, seqlen_k
+  cuda::PerkeyCall c{q.size(0), q.size(2), k.size(2), q.size(3), q.size(1), k.size(1)};
   c.dtype = dtype_code(q.scalar_type());
   c.bias_dtype = dtype_code(bias.scalar_type());
   c.softcap = static_cast<float>(softcap);

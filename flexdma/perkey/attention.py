@@ -19,14 +19,10 @@ def run(backend: str, call, query, key, value, attn_mask, attn_bias, scale: floa
     r = route.decide(backend, call, deterministic)
     scores = contract.selection_scores(attn_bias.detach(), attn_mask, call.num_heads)
     sel = contract.select(scores, call.keep_window_size, call.seqlen_q, call.is_causal, r.tile_rows)
+    operands = (query, key, value, attn_bias, sel.key_rank, sel.row_thr)
     if r.forward == "flex":
         return flex.flex_topk_attention(
-            query,
-            key,
-            value,
-            attn_bias,
-            sel.key_rank,
-            sel.row_thr,
+            *operands,
             is_causal=call.is_causal,
             softmax_scale=scale,
             softcap=call.softcap,
@@ -38,12 +34,7 @@ def run(backend: str, call, query, key, value, attn_mask, attn_bias, scale: floa
         )
     # The route's forward op and, through its autograd, the route's backward op (perkey/ops.py).
     out, lse, _ = ops.FORWARDS[(r.forward, r.backward)](
-        query,
-        key,
-        value,
-        attn_bias,
-        sel.key_rank,
-        sel.row_thr,
+        *operands,
         scale,
         call.is_causal,
         call.softcap,
