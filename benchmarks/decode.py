@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import flexdma
 import flexdma.integrations.transformers as hf
 from flexdma.nn import DMACache, DynamicMaskAttention
-from flexdma.perkey import attention
+from flexdma.perkey import cache as perkey_cache
 from flexdma.perkey import decode as kept_sets
 
 from .common import Saving, captured, chosen_peers, record, run_section, runs_of, table
@@ -71,8 +71,7 @@ def kernel_case(B, H, KVH, D, K, W, module=None):
     from another commit), on a kept set of the first K - 1 keys; the new key never enters, so every
     call does the same work."""
     if module is None:
-        # triton, where the kernel peer runs
-        from flexdma.perkey import triton_decode as module
+        module = kept_sets.kernels()[0]  # loads triton, where the kernel peer runs
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(B, H, D, device=dev, dtype=dt)
@@ -156,7 +155,7 @@ def run(quick: bool = False, peers=PEERS, budget: float = 300.0, rows: Optional[
 
 
 # The API with a few new rows after a long context (a chunk, speculative decoding): the few-rows
-# route (flexdma/perkey/attention.py: kept sets and one dense-mask call) against the selection over
+# route (flexdma/perkey/cache.py: kept sets and one dense-mask call) against the selection over
 # every key, same inputs, same run; what FEW_ROWS (the largest row count the route takes) rests on.
 API_ROWS = (1, 4, 16, 64)
 
@@ -168,7 +167,7 @@ def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1
     k = torch.randn(1, K, KVH, D, device=dev, dtype=dt)
     v = torch.randn(1, K, KVH, D, device=dev, dtype=dt)
     bias = torch.exp(torch.randn(1, KVH, 1, K, device=dev)).to(dt)
-    taken = attention.few_rows_ok
+    taken = perkey_cache.few_rows_ok
     for Q in API_ROWS:
         row = dict(
             case=dict(name=f"K={K // 1024}K H={H} KVH={KVH}, {Q} new rows", K=K, Q=Q, H=H, KVH=KVH, D=D, W=W), peers={}
@@ -181,8 +180,8 @@ def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1
         for peer, route in (("few-rows", lambda c: True), ("selection", lambda c: False)):
             rec = {}
             # The route forced either way (few_rows takes any such call; the default takes it up to
-            # attention.FEW_ROWS rows).
-            attention.few_rows_ok = route
+            # perkey_cache.FEW_ROWS rows).
+            perkey_cache.few_rows_ok = route
             try:
                 with torch.no_grad():
                     call()
@@ -191,7 +190,7 @@ def api_rows(K: int = 131072, H: int = 2, KVH: int = 1, D: int = 128, W: int = 1
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
-                attention.few_rows_ok = taken
+                perkey_cache.few_rows_ok = taken
             record(row, peer, rec)
         rows.append(row)
     return rows

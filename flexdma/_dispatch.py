@@ -16,6 +16,7 @@ policy, and one table of (path, backend) -> implementation.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -25,6 +26,7 @@ from . import _ext, _ops, _tilebits
 from ._device import device_capability
 from ._warnings import warn_once as _warn_once
 from .perkey import attention as perkey_attention
+from .perkey import cache as perkey_cache
 from .perkey import route as perkey_route
 from .reference import attention_ref
 
@@ -283,15 +285,20 @@ def _dense_reference(call: Call, q, k, v, mask, bias, scale, deterministic, need
 
 
 def _perkey(backend: str) -> Callable:
+    # A few query rows (decoding through the API, a short chunk): their kept sets from one sort of
+    # the keys and O(W) updates, then this backend's dense kernels (_dense_op, called directly)
+    # over the gathered entries, where they take that call: flexdma/perkey/cache.py decides and
+    # runs it. The reference stays the dense mask; FlexAttention selects in its mask_mod.
+    dense_reason = (lambda c: unsupported_reason("dense", backend, c)) if backend in ("cuda", "cpu") else None
+
     def run(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-        # A few query rows (decoding through the API, a short chunk): their kept sets from one sort
-        # of the keys and O(W) updates, then the dense-mask kernels over the gathered entries,
-        # where this backend's dense path takes that call. The reference stays the dense mask.
-        if backend in ("cuda", "cpu") and perkey_attention.few_rows_ok(call):
-            args = perkey_attention.few_rows(call, q, k, v, mask, bias)
-            dense = Call.of(*args, is_causal=False, softcap=call.softcap, requires_grad=call.requires_grad)
-            if unsupported_reason("dense", backend, dense) is None:
-                return IMPLEMENTATIONS[("dense", backend)](dense, *args, scale, deterministic, need_lse)
+        how = perkey_cache.route(q, k, call=call, dense_reason=dense_reason)
+        if how != perkey_cache.SELECTION:
+            dense = perkey_cache.gathered_call(call)
+            return perkey_cache.attend(
+                how, q, k, v, bias, call=call, mask=mask,
+                dense=functools.partial(_dense_op, dense, scale=scale, deterministic=deterministic, need_lse=need_lse),
+            )  # fmt: skip
         # FlexAttention loaded only where it runs the call.
         flex = _flex_module()[0] if backend == "flex" else None
         return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=flex)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -11,6 +12,7 @@ import torch.nn as nn
 from . import distributed
 from .api import flash_dma_attention
 from .dynamic import dynamic_bias, dynamic_mask_attention
+from .perkey import cache as perkey_cache
 from .perkey import contract as perkey
 from .perkey import decode
 from .varlen import flash_dma_attention_varlen
@@ -78,45 +80,28 @@ class DMACache(tuple):
         the kept set in O(W) (flexdma.perkey.decode.append): no selection over all keys."""
         return self.extend(key, value, bias, padding[:, None])[0]
 
-    def _appended(self, key, value, bias, padding):
+    def grown(self, key, value, bias, padding) -> "DMACache":
+        """The cache with T keys appended (key, value (B, T, KVH, D), bias (B, KVH, 1, T), padding
+        (B, T)) and this cache's kept set, which the step that grows it updates in place to the
+        newest row's (a step consumes the cache it extends, as the key / value buffers do)."""
         n = self.length
-        return (
+        bufs = (
             _append(self._bufs[0], n, key, 1),
             _append(self._bufs[1], n, value, 1),
             _append(self._bufs[2], n, bias[:, :, 0, :], 2),
             _append(self._bufs[3], n, padding, 1),
         )
+        return DMACache(bufs, n + key.shape[1], self.kept_set)
 
     def extend(self, key, value, bias, padding):
         """Append T keys (key, value (B, T, KVH, D), bias (B, KVH, 1, T), padding (B, T)): the new
         cache, and the T new rows' kept sets over the old slots and the new keys
         (flexdma.perkey.decode.Rows), one O(W) update a key."""
-        n, T = self.length, key.shape[1]
-        bufs = self._appended(key, value, bias, padding)
+        cache = self.grown(key, value, bias, padding)
         B, P = self.kept_set.idx.shape[:2]
+        T = key.shape[1]
         s_new = bias[:, :, 0, :].detach().expand(B, P, T)
-        rows = decode.append_rows(self.kept_set, s_new, n, padding[:, None, :].expand(B, P, T))
-        return DMACache(bufs, n + T, rows.kept), rows
-
-    def attend_one(self, query, key, value, bias, padding, softmax_scale: float):
-        """One new token on CUDA (query (B, 1, H, D), key, value (B, 1, KVH, D), bias (B, KVH, 1, 1),
-        padding (B, 1)): the new cache, its kept set updated in place (a step consumes the cache it
-        extends, as the key / value buffers do), and the row's attention over it (B, 1, H, D), one
-        kernel (flexdma.perkey.decode.attend_one)."""
-        n = self.length
-        bufs = self._appended(key, value, bias, padding)
-        B, P = self.kept_set.idx.shape[:2]
-        out = decode.attend_one(
-            query[:, 0],
-            bufs[0].transpose(1, 2),
-            bufs[1].transpose(1, 2),
-            self.kept_set,
-            bias[:, :, 0, 0].detach(),
-            n,
-            padding[:, :1].expand(B, P),
-            softmax_scale,
-        )
-        return out[:, None], DMACache(bufs, n + 1, self.kept_set)
+        return cache, decode.append_rows(self.kept_set, s_new, self.length, padding[:, None, :].expand(B, P, T))
 
     def kept(self):
         """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
@@ -247,8 +232,11 @@ class DynamicMaskAttention(nn.Module):
                     f"attention_mask must be a bool (batch, {total}) padding mask, got "
                     f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
                 )
-        decoding = isinstance(past_key_value, DMACache) and past_key_value.sel_idx.shape[-1] == self.keep_window_size
-        if decoding and S <= decode.MAX_ROWS:
+        kept = past_key_value.kept_set if isinstance(past_key_value, DMACache) else None
+        # The bias (dynamic_bias of v, dt_proj and A) records a backward where one of them does.
+        tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, self.dt_proj, self.A))
+        how = perkey_cache.route(q, k, kept, self.keep_window_size, grad=tracked, gathers_bias=True)
+        if how != perkey_cache.SELECTION:
             # Decoding (or a few tokens a step): the kept set is updated with each new key and each
             # row attends to its own, O(W) a token -- the earlier columns of attention_mask must be
             # the ones the cache was built with.
@@ -258,16 +246,14 @@ class DynamicMaskAttention(nn.Module):
                 else attention_mask[:, -S:]
             )
             bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
-            tracked = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, bias))
-            if S == 1 and not tracked and decode.one_kernel_reason(q[:, 0], k.dtype) is None:
-                out, cache = past_key_value.attend_one(q, k, v, bias, pad, 1.0 / math.sqrt(self.head_dim))
-                return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
-            cache, rows = past_key_value.extend(k, v, bias, pad)
-            idx = rows.idx.transpose(1, 2)[..., None].expand(B, rows.idx.shape[-1], rows.idx.shape[1], self.head_dim)
-            ks, vs = cache[0].gather(1, idx), cache[1].gather(1, idx)
+            cache = past_key_value.grown(k, v, bias, pad)
+            scale = 1.0 / math.sqrt(self.head_dim)
             # The biases from the cache (not the kept set's detached scores): gradients reach them.
-            bias = cache.bias.gather(-1, rows.idx)[:, :, None, :]
-            out = flash_dma_attention(q, ks, vs, rows.keep, bias, is_causal=False, backend=self.backend)
+            out = perkey_cache.attend(
+                how, q, cache[0], cache[1], cache.bias[:, :, None, :], kept=kept,
+                scores=bias[:, :, 0, :].detach(), start=past_key_value.length, eligible=pad, scale=scale,
+                dense=functools.partial(flash_dma_attention, is_causal=False, softmax_scale=scale, backend=self.backend),
+            )  # fmt: skip
             return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
         if past_key_value is not None:
             pk, pv = past_key_value

@@ -77,8 +77,8 @@ def test_matches_create_mask_and_reference(device, case):
     _check_case(device, case, torch.float64 if device == "cpu" else torch.bfloat16)
 
 
-# A few query rows (at most attention.FEW_ROWS) after a long context: the route through the kept
-# sets of decode.py and one dense-mask call (flexdma/perkey/attention.py's few_rows) instead of the
+# A few query rows (at most cache.FEW_ROWS) after a long context: the route through the kept sets
+# of decode.py and one dense-mask call (flexdma/perkey/cache.py's few_rows) instead of the
 # selection over all keys.
 FEW_ROWS_CASES = [
     (2, 1, 300, 4, 2, 64, True, "KVH", True, False),
@@ -94,23 +94,46 @@ FEW_ROWS_CASES = [
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_few_rows_route_matches_the_reference(device, case, monkeypatch):
-    from flexdma.perkey import attention
+    from flexdma.perkey import cache
 
     taken = []
-    few_rows = attention.few_rows
-    monkeypatch.setattr(attention, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
+    few_rows = cache.few_rows
+    monkeypatch.setattr(cache, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     _check_case(device, case, dtype, backends=["cpu"] if device == "cpu" else ["cuda"])
     assert taken, "the call did not take the few-rows route"
 
 
+@pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_few_rows_dense_call_is_decided_from_the_sizes(case, monkeypatch):
+    # The route decides the gathered entries' dense-mask call from the call's sizes, before any
+    # data moves (cache.gathered_call: what the dispatcher's support check reads and the dense op
+    # runs): the Call of the gathered operands themselves, and it runs once.
+    from flexdma import _dispatch
+
+    seen = []
+    dense_op = _dispatch._dense_op
+    monkeypatch.setattr(
+        _dispatch, "_dense_op", lambda call, *a, **k: seen.append((call, a[:5])) or dense_op(call, *a, **k)
+    )
+    q, k, v, bias, pad = _inputs(case, "cpu", torch.float32)
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+    mask = None if pad is None else pad[:, None, None, :]
+    W, causal = case[5], case[6]
+    flexdma.flash_dma_attention(*ins[:3], mask, ins[3], is_causal=causal, keep_window_size=W, backend="cpu")
+    assert len(seen) == 1, "the call did not take the few-rows route once"
+    decided, operands = seen[0]
+    want = _dispatch.Call.of(*operands, is_causal=False, softcap=0.0, requires_grad=True)
+    assert decided == want, (decided, want)
+
+
 def test_few_rows_route_empty_batch(monkeypatch):
     # A batch of 0 rows through the route: empty outputs and gradients of the inputs' shapes.
-    from flexdma.perkey import attention
+    from flexdma.perkey import cache
 
     taken = []
-    few_rows = attention.few_rows
-    monkeypatch.setattr(attention, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
+    few_rows = cache.few_rows
+    monkeypatch.setattr(cache, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
     q, k, v = torch.randn(0, 2, 4, 16), torch.randn(0, 300, 2, 16), torch.randn(0, 300, 2, 16)
     bias = torch.randn(1, 2, 1, 300)
     ins = [t.requires_grad_() for t in (q, k, v, bias)]
@@ -125,7 +148,7 @@ def test_few_rows_route_empty_batch(monkeypatch):
 def test_few_rows_route_equals_the_selection_route(monkeypatch):
     # Against the per-key op over the selection, bf16 with ties and -inf scores: the same kept keys,
     # so outputs, LSE and gradients agree to the dense-mask kernel's rounding.
-    from flexdma.perkey import attention
+    from flexdma.perkey import cache
 
     g = torch.Generator().manual_seed(3)
     B, Q, K, H, KVH, D, W = 2, 6, 500, 4, 2, 32, 40
@@ -136,7 +159,7 @@ def test_few_rows_route_equals_the_selection_route(monkeypatch):
     runs = []
     for few in (True, False):
         if not few:
-            monkeypatch.setattr(attention, "few_rows_ok", lambda call: False)
+            monkeypatch.setattr(cache, "few_rows_ok", lambda call: False)
         ins = [t.clone().requires_grad_() for t in (q, k, v, bias)]
         out, lse = flexdma.flash_dma_attention(
             *ins[:3], pad[:, None, None, :], ins[3], is_causal=True, keep_window_size=W, return_lse=True, backend="cpu"

@@ -12,6 +12,7 @@ mask -- Doge's dynamic mask does -- get it back as a differentiable flexdma bias
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import types
@@ -23,6 +24,7 @@ import torch
 from .. import distributed
 from .._install import extra_install_command
 from ..api import flash_dma_attention
+from ..perkey import cache as perkey_cache
 from ..perkey import decode
 from ..varlen import flash_dma_attention_varlen
 
@@ -329,9 +331,10 @@ def _doge_attention_forward(
         # the host and runs on the written keys alone (traced, on a window of the capacity).
         end = _static_end(cache, self.layer_idx, cache_position)
         state = _kept_state(cache, self)
-        if _steps_through(self, state, grad, input_shape, key_states):
+        how = _step_route(self, state, grad, query_states, key_states)
+        if how != perkey_cache.SELECTION:
             return _doge_decode_step(
-                self, query_states, key_states, value_states, new_values, attention_mask, cache, state,
+                self, how, query_states, key_states, value_states, new_values, attention_mask, cache, state,
                 end - input_shape[1], -1,
             )  # fmt: skip
         if torch.compiler.is_compiling():
@@ -353,13 +356,13 @@ def _doge_attention_forward(
             "patch_doge? (static caches and prepared 4-D masks are not supported)"
         )
     state = _kept_state(cache, self) if cache is not None else None
-    # With autograd recording, the full path: it recomputes every key's score, so gradients reach
-    # them all (the kept sets hold detached scores).
-    if not static and _steps_through(self, state, grad, input_shape, key_states) and state.length == K - input_shape[1]:
-        T = input_shape[1]
-        return _doge_decode_step(
-            self, query_states, key_states, value_states, new_values, attention_mask, cache, state, K - T, K
-        )
+    T = input_shape[1]
+    if not static and state is not None and state.length == K - T:
+        how = _step_route(self, state, grad, query_states, key_states)
+        if how != perkey_cache.SELECTION:
+            return _doge_decode_step(
+                self, how, query_states, key_states, value_states, new_values, attention_mask, cache, state, K - T, K
+            )
 
     # Doge's dt_states, op for op: one importance score per key and kv head, (B, KVH, K).
     dt_states = _doge_scores(self, value_states)
@@ -664,19 +667,23 @@ def _static_end(cache, layer_idx: int, cache_position: Optional[torch.Tensor]) -
     return count
 
 
-def _steps_through(self, state: Optional["_KeptState"], grad: bool, input_shape, key_states) -> bool:
-    """Whether this call's new tokens go through the cache's kept sets (a few tokens, no autograd
-    recording, kept sets of this layer's shape) rather than a selection over every cached key."""
-    return (
-        state is not None
-        and not grad
-        and input_shape[1] <= decode.MAX_ROWS
-        and tuple(state.kept.idx.shape) == (input_shape[0], key_states.shape[1], self.keep_window_size)
+def _step_route(self, state: Optional["_KeptState"], grad: bool, query_states, key_states) -> str:
+    """How this call's new tokens run (flexdma.perkey.cache.route): through the cache's kept sets
+    (a few tokens of kept sets of this layer's shape; one kernel where it takes the step) or the
+    selection over every cached key. The step attends with the kept sets' scores, detached: with
+    autograd recording, the selection, which recomputes every key's score, so gradients reach
+    them all."""
+    return perkey_cache.route(
+        query_states.transpose(1, 2),
+        key_states.transpose(1, 2),
+        None if state is None else state.kept,
+        self.keep_window_size,
+        grad=grad,
     )
 
 
 def _doge_decode_step(
-    self, query_states, key_states, value_states, new_values, attention_mask, cache, state, start, length
+    self, how, query_states, key_states, value_states, new_values, attention_mask, cache, state, start, length
 ):
     """T new tokens, keys start .. start + T - 1 of the cache, in O(W) each: their scores (from
     new_values, their value rows), the kept set updated with one key after the other (a key enters
@@ -686,8 +693,7 @@ def _doge_decode_step(
     whole capacity) a device tensor: no host wait, so a CUDA graph can hold the step. The padding
     mask covers the keys written so far (its last T columns: the new tokens); `length`: the key
     count the kept state records (-1 for a static cache, which counts its keys itself)."""
-    B, KVH = key_states.shape[:2]
-    T = query_states.shape[2]
+    B, T = key_states.shape[0], query_states.shape[2]
     if attention_mask is not None and isinstance(start, torch.Tensor):
         # A static cache: the mask spans its capacity, the new tokens' columns start at `start`.
         _check_padding(cache, state, attention_mask, start)
@@ -700,38 +706,16 @@ def _doge_decode_step(
         _check_padding(cache, state, None, 0)
         eligible = torch.ones(B, T, dtype=torch.bool, device=key_states.device)
     s_new = _doge_scores(self, new_values)  # (B, KVH, T)
-    if T == 1 and decode.one_kernel_reason(query_states[:, :, 0], key_states.dtype) is None:
-        # One kernel: the kept set updated in place (this cache's own state) and the row attended.
-        out = decode.attend_one(
-            query_states[:, :, 0], key_states, value_states, state.kept, s_new[..., 0], start,
-            eligible.expand(B, KVH), self.scaling,
-        )  # fmt: skip
-        kept = state.kept
-    else:
-        rows = decode.append_rows(state.kept, s_new, start, eligible[:, None, :].expand(B, KVH, T))
-        out = _attend_entries(self, query_states, key_states, value_states, rows.idx, rows.score, rows.keep)
-        kept = rows.kept
+    # The kept set updated in place (this cache's own state), each row attending to its own.
+    backend = getattr(self, "_flexdma_backend", "auto")
+    out = perkey_cache.attend(
+        how, query_states.transpose(1, 2), key_states.transpose(1, 2), value_states.transpose(1, 2), None,
+        kept=state.kept, scores=s_new, start=start, eligible=eligible, scale=self.scaling,
+        dense=functools.partial(flash_dma_attention, is_causal=False, softmax_scale=self.scaling, backend=backend),
+    )  # fmt: skip
     padding = attention_mask if attention_mask is not None else state.padding
-    _set_kept_state(cache, self, _KeptState(kept, length, padding))
+    _set_kept_state(cache, self, _KeptState(state.kept, length, padding))
     return self.o_proj(out.reshape(B, T, -1).contiguous()), None
-
-
-def _attend_entries(self, query_states, key_states, value_states, idx, score, keep):
-    """The new rows (query_states (B, H, T, D)) attending to the cache entries idx (B, KVH, E) with
-    their scores as the bias, row t to the entries keep (B, KVH, T or 1, E) marks: a gather of E
-    K / V rows and one dense-mask call. (B, T, H, D)."""
-    gather = idx[..., None].expand(*idx.shape, key_states.shape[-1])
-    ks, vs = key_states.gather(2, gather), value_states.gather(2, gather)
-    return flash_dma_attention(
-        query_states.transpose(1, 2),
-        ks.transpose(1, 2),
-        vs.transpose(1, 2),
-        keep,
-        score[:, :, None, :].to(query_states.dtype),
-        is_causal=False,
-        softmax_scale=self.scaling,
-        backend=getattr(self, "_flexdma_backend", "auto"),
-    )
 
 
 def patch_doge(model: torch.nn.Module, backend: str = "auto", cp_group=None) -> torch.nn.Module:

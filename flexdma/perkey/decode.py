@@ -3,51 +3,28 @@
 The newest row sees every cached key, so it keeps the W best eligible keys by (score desc, index
 asc), the order of the selection's contract (flexdma/perkey/contract.py: NaN first, -0.0 ties
 +0.0, -inf never kept). When one key is appended, that set is the W best of the old set and the
-new key (fact 5 of docs/perkey.md, "Why it fits in O(N)"): the new key enters if a slot is free or it
+new key (fact 5 of the per-key selection design note): the new key enters if a slot is free or it
 outranks the worst kept key, which it then replaces. A step reads W keys, not K.
 
-`KeptSet` holds, per (batch, plane), W slots: key index, whether the slot holds a key, and the
-key's score (the bias value the attention adds). Used by flexdma.nn.DMACache and by
-flexdma.integrations.transformers' patched Doge layers.
+`KeptSet` (flexdma/perkey/kept.py) holds, per (batch, plane), W slots: key index, whether the slot
+holds a key, and the key's score (the bias value the attention adds). Used by flexdma.nn.DMACache
+and by flexdma.integrations.transformers' patched Doge layers, whose steps flexdma/perkey/cache.py
+routes and runs.
 
-On CUDA one new row a step goes through `attend_one` (flexdma/perkey/triton_decode.py): the update
-in place and the row's attention over the updated set in one kernel. A few rows a step go through
-`append_rows` (on CUDA one kernel, flexdma/perkey/triton_rows.py) and the attention over the
-gathered entries.
+On CUDA the kernels do the updates: `attend_one` (flexdma/perkey/triton_decode.py) one new row's
+update in place and its attention over the updated set in one kernel, `append_rows` a few rows'
+updates in one kernel (flexdma/perkey/triton_rows.py). Both modules import triton: `kernels`
+loads them, on the first CUDA step.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from .. import _ext
-
-# New rows a cached step takes through the kept sets (a few tokens: speculative decoding, small
-# prefill chunks); one O(W) update a key, so longer chunks run the full selection.
-MAX_ROWS = 64
-
-
-class KeptSet(NamedTuple):
-    idx: torch.Tensor  # (B, P, W) int64 key index of each slot
-    valid: torch.Tensor  # (B, P, W) bool: the slot holds a kept key
-    score: torch.Tensor  # (B, P, W) the kept keys' scores, in the scores' dtype
-
-
-def order_key(s: torch.Tensor) -> torch.Tensor:
-    """An integer that orders like the scores, NaN above +inf and -0.0 equal to +0.0 (the
-    selection's order without the index tie-break): int64 for float64 scores, which the selection
-    ranks in float64 (contract.float64_order), else int32 of the float32 value (float16 / bfloat16
-    convert exactly)."""
-    if s.dtype == torch.float64:
-        bits, flip = s.view(torch.int64), 0x7FFFFFFFFFFFFFFF
-    else:
-        bits, flip = s.float().view(torch.int32), 0x7FFFFFFF
-    # A negative number's bits grow with its magnitude: all but the sign flipped, they fall.
-    key = torch.where(bits < 0, bits ^ flip, bits)
-    key = torch.where(s == 0, torch.zeros_like(key), key)
-    return torch.where(s.isnan(), torch.full_like(key, flip), key)
+from .kept import KeptSet, Rows, order_key
 
 
 def last_row(scores: torch.Tensor, window: int) -> KeptSet:
@@ -87,16 +64,6 @@ def append(kept: KeptSet, s_new: torch.Tensor, position: int, eligible: torch.Te
     )
 
 
-class Rows(NamedTuple):
-    """T new rows against a kept set: the union of their kept sets (the W slots before the step,
-    then the T new keys) and which entries each row keeps."""
-
-    idx: torch.Tensor  # (B, P, W + T) int64 key index of each entry
-    score: torch.Tensor  # (B, P, W + T) its score
-    keep: torch.Tensor  # (B, P, T, W + T) bool: row t keeps entry e
-    kept: KeptSet  # the kept set after the last new key
-
-
 def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tensor], eligible: torch.Tensor) -> Rows:
     """T new keys at positions start .. start + T - 1 with scores s_new (B, P, T), `eligible`
     (B, P, T) False for padding, and the T rows that end at them: row t sees the old keys and new
@@ -110,9 +77,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     next replay). float64 scores take the torch ops: the kernel ranks in float32, and a float64
     set is ranked in float64 (order_key)."""
     if isinstance(start, int) and kept.score.dtype != torch.float64 and _one_kernel_ok(kept.idx.device):
-        from .triton_rows import append_rows as one_kernel
-
-        return one_kernel(kept, s_new, start, eligible)
+        return kernels()[1].append_rows(kept, s_new, start, eligible)
     B, P, W = kept.idx.shape
     T = s_new.shape[-1]
     first = kept
@@ -168,10 +133,17 @@ def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def kernels() -> tuple:
+    """(triton_decode, triton_rows): the decode kernels' modules, loaded here (the one place) by
+    the first CUDA step: they import triton, which `import flexdma` does not load. Both import
+    their types from kept.py, not from this module: no cycle."""
+    from . import triton_decode, triton_rows
+
+    return triton_decode, triton_rows
+
+
 def attend_one(*args, **kwargs) -> torch.Tensor:
     """One new row on CUDA in one kernel: flexdma/perkey/triton_decode.py's decode_step (the kept
     set updated in place to append(kept, s_new, position, eligible), and the row's attention over
-    it), loaded by the first step: it imports triton."""
-    from .triton_decode import decode_step
-
-    return decode_step(*args, **kwargs)
+    it)."""
+    return kernels()[0].decode_step(*args, **kwargs)

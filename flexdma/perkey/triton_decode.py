@@ -1,7 +1,7 @@
 """One decode step of the per-key path on CUDA (one new token): the kept set's O(W) update, in place
 and bit for bit flexdma.perkey.decode.append's, and the new row's attention over the updated set,
 in one kernel launch (its counters: a zeroed buffer it leaves zero): no host synchronisation, so a
-CUDA graph can hold it. Imports triton: loaded by the first call, not by `import flexdma`. Under
+CUDA graph can hold it. Imports triton: loaded by decode.kernels, not by `import flexdma`. Under
 torch.compile the launch is a triton_op (flexdma::decode_step), which Inductor inlines into its
 graph: transformers' compiled generation replays the one kernel from its CUDA graph.
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import KeptSet
+from .kept import KeptSet
 from .triton import _LOG2E, _tanh, _within
 
 # Slots per attention block: at most BLOCK_BUDGET / (query rows x padded head dim). Triton lays
@@ -38,7 +38,7 @@ _NOT_KEPT = tl.constexpr(2**63 - 1)
 
 @triton.jit
 def _order(s):
-    """The selection's order of float32 scores as int32 (flexdma.perkey.decode.order_key): the
+    """The selection's order of float32 scores as int32 (flexdma.perkey.kept.order_key): the
     float's order-preserving integer, -0.0 equal to +0.0, every NaN above +inf."""
     bits = s.to(tl.int32, bitcast=True)
     # Negative floats order backwards as integers: flip their magnitude bits.
