@@ -34,7 +34,7 @@ import flexdma.integrations.transformers as hf
 from flexdma.flex import sparse_mask_kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
-from flexdma.perkey import decode as kept_sets
+from flexdma.perkey import cache as perkey_cache
 
 from .common import Saving, chosen_peers, record, run_section, runs_of, table
 from .peers import compiled_flex
@@ -283,13 +283,13 @@ def _without_dynamic_mask():
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=softmax_scale, enable_gqa=True)
         return out.transpose(1, 2)
 
-    saved = hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state
+    saved = hf.flash_dma_attention, perkey_cache.MAX_ROWS, hf._set_kept_state
     # No kept sets either: a decode step would otherwise still select over every key to build them.
-    hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = sdpa, 0, lambda *args: None
+    hf.flash_dma_attention, perkey_cache.MAX_ROWS, hf._set_kept_state = sdpa, 0, lambda *args: None
     try:
         yield
     finally:
-        hf.flash_dma_attention, kept_sets.MAX_ROWS, hf._set_kept_state = saved
+        hf.flash_dma_attention, perkey_cache.MAX_ROWS, hf._set_kept_state = saved
 
 
 def doge_rows(lengths=(16384, 65536), rows: Optional[list] = None) -> List[dict]:
