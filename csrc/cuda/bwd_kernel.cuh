@@ -24,6 +24,7 @@
 #include "bwd_dq_accum.cuh"
 #include "bwd_epilogue.cuh"
 #include "bwd_mainloop.cuh"
+#include "fwd_key_source.cuh"
 #include "constants.cuh"
 #include "copy.cuh"
 #include "gemm.cuh"
@@ -33,18 +34,21 @@
 #include "seq_info.cuh"
 #include "smem_layout.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
 
 // kPart 0: dK, dV, dQ and dbias in one pass. Wider heads than 128 cannot hold both accumulators
 // (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
-// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK, dQ and dbias. kPacked: packed sequences
-// (BwdParams::cu_seqlens_q), a kernel of its own so that the padded one holds no sequence offsets
-// in its registers.
-template <typename T, int D, int kPart, bool kPacked>
+// kPart 1 accumulates dV (no V, dP^T or dS), kPart 2 dK, dQ and dbias. Keys: the key source,
+// SequenceKeys or PackedSequenceKeys (packed sequences, BwdParams::cu_seqlens_q: a kernel of its
+// own so that the padded one holds no sequence offsets in its registers). Scheduler: which (key
+// tile, kv head, batch) a CTA takes (KeyTileScheduler).
+template <typename T, int D, int kPart, typename Keys, typename Scheduler>
 __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     bwd_kernel(const BwdParams p, const BwdDbias dbias, const BwdFlags f, const DqAccum dqa) {
+  constexpr bool kPacked = Keys::kPacked;
   constexpr bool kDv = kPart != 2, kDk = kPart != 1;
   static_assert(kPart == 0 || D > 128, "narrow heads take both accumulators in one pass");
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -62,7 +66,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   float* sDS = reinterpret_cast<float*>(smem + L::kDS);
   float* sDB = reinterpret_cast<float*>(smem + L::kDB);
 
-  const int n_tile = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const typename Scheduler::Tile tile = Scheduler::get();
+  const int n_tile = tile.n_tile, kvh = tile.kvh, b = tile.b;
   const int n0 = n_tile * kBlockN;
   // Packed sequences: the key tiles past a sequence's keys have nothing to do.
   const SeqInfo seq = SeqInfo::of<kPacked>(p, b);

@@ -5,7 +5,7 @@
 #include "bwd_dbias.cuh"
 #include "bwd_kernel.cuh"
 #include "bwd_prepost.cuh"
-#include "bwd_ws_kernel.cuh"
+#include "perkey_bwd_kernel.cuh"
 #include "launch.h"
 
 namespace flexdma {
@@ -38,12 +38,14 @@ int64_t bwd_workspace_bytes(const BwdParams& p) {
 // point to zeroed float (B, K, KVH, D) accumulators and p.dbias_accum, where set, to a zeroed float
 // one in the bias's layout; the caller casts them.
 template <typename T, int D>
-void launch_topk_bwd(const BwdParams& p, cudaStream_t stream) {
-  if constexpr (fwd_warp_specialized<D>()) {
-    constexpr int kSmem = BwdWsSmem<T, D>::kBytes;
-    cudaFuncSetAttribute(bwd_ws_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    const dim3 grid = SingleTileScheduler::grid(ceil_div(p.seqlen_q, 2 * kBlockM), p.num_heads, p.batch, 1);
-    bwd_ws_kernel<T, D><<<grid, kBwdWsThreads, kSmem, stream>>>(p);
+void launch_perkey_bwd(const BwdParams& p, cudaStream_t stream) {
+  if constexpr (perkey_bwd_built<D>()) {
+    using Scheduler = SingleTileScheduler;
+    constexpr auto kernel = perkey_bwd_kernel<T, D, ListedKeys, Scheduler>;
+    constexpr int kSmem = PerkeyBwdSmem<T, D>::kBytes;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    const dim3 grid = Scheduler::grid(ceil_div(p.seqlen_q, 2 * kBlockM), p.num_heads, p.batch, 1);
+    kernel<<<grid, kPerkeyBwdThreads, kSmem, stream>>>(p);
   }
 }
 
@@ -53,10 +55,12 @@ void launch_dense_bwd(const BwdParams& p, cudaStream_t stream) {
   constexpr int kSmem = BwdSmem<T, D>::kBytes;
   // dK / dV in one pass up to D = 128, as a dV pass and a dK (+ dQ, dbias) pass above.
   constexpr bool kSplit = D > 128;
-  constexpr auto main_pass = bwd_kernel < T, D, kSplit ? 1 : 0, kPacked > ;
+  using Keys = SequenceKeysOf<kPacked>;
+  constexpr auto main_pass = bwd_kernel < T, D, kSplit ? 1 : 0, Keys, KeyTileScheduler > ;
   cudaFuncSetAttribute(main_pass, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if constexpr (kSplit)
-    cudaFuncSetAttribute(bwd_kernel<T, D, 2, kPacked>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    cudaFuncSetAttribute(bwd_kernel<T, D, 2, Keys, KeyTileScheduler>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kSmem);
   BwdFlags f;
   f.qkv_vec = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
               aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
@@ -90,19 +94,20 @@ void launch_dense_bwd(const BwdParams& p, cudaStream_t stream) {
     const Broadcast4d& a = p.dbias_accum;
     dbias.vec = p.dbias_in_dtype && a.col_stride == 1 && aligned16(a.ptr, a.batch_stride, a.row_stride, a.head_stride);
   }
-  const dim3 grid_q((unsigned)(m_tiles * p.num_heads), (unsigned)p.batch);
-  bwd_pre_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa, pf);
-  const dim3 grid_kv((unsigned)n_tiles, (unsigned)p.num_heads_k, (unsigned)p.batch);
+  const dim3 grid_q = QueryTileScheduler::grid(m_tiles, p.num_heads, p.batch);
+  bwd_pre_kernel<T, D, QueryTileScheduler><<<grid_q, kThreads, 0, stream>>>(p, dqa, pf);
+  const dim3 grid_kv = KeyTileScheduler::grid(n_tiles, p.num_heads_k, p.batch);
   main_pass<<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
-  if constexpr (kSplit) bwd_kernel<T, D, 2, kPacked><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
-  bwd_post_kernel<T, D><<<grid_q, kThreads, 0, stream>>>(p, dqa);
+  if constexpr (kSplit)
+    bwd_kernel<T, D, 2, Keys, KeyTileScheduler><<<grid_kv, kThreads, kSmem, stream>>>(p, dbias, f, dqa);
+  bwd_post_kernel<T, D, QueryTileScheduler><<<grid_q, kThreads, 0, stream>>>(p, dqa);
 }
 
 // p.workspace holds bwd_workspace_bytes(p) bytes (the caller's allocation).
 template <typename T, int D>
 void launch_bwd(const BwdParams& p, cudaStream_t stream) {
   if (p.tile_keys.ptr) {
-    launch_topk_bwd<T, D>(p, stream);
+    launch_perkey_bwd<T, D>(p, stream);
     return;
   }
   if (p.cu_seqlens_q)

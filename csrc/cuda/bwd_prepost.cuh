@@ -14,6 +14,7 @@
 #include "mma_sm80.cuh"
 #include "seq_info.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -23,10 +24,11 @@ struct PreFlags {
   bool vec;
 };
 
-template <typename T, int D>
+// Scheduler: which (query tile, head, batch) a CTA takes (QueryTileScheduler).
+template <typename T, int D, typename Scheduler>
 __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, const DqAccum ws, const PreFlags f) {
   const int nh = (int)p.num_heads;
-  const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const int64_t h = Scheduler::head(nh), m_tile = Scheduler::m_tile(nh), b = Scheduler::batch();
   // Packed sequences: the offsets are read here first; the tiles past a sequence's rows have no
   // workspace slot.
   const SeqInfo seq = SeqInfo::of<true>(p, b);
@@ -70,10 +72,10 @@ __global__ void __launch_bounds__(kThreads) bwd_pre_kernel(const BwdParams p, co
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, typename Scheduler>
 __global__ void __launch_bounds__(kThreads) bwd_post_kernel(const BwdParams p, const DqAccum dqa) {
   const int nh = (int)p.num_heads;
-  const int64_t h = (int)blockIdx.x % nh, m_tile = (int)blockIdx.x / nh, b = blockIdx.y;
+  const int64_t h = Scheduler::head(nh), m_tile = Scheduler::m_tile(nh), b = Scheduler::batch();
   const SeqInfo seq = SeqInfo::of<true>(p, b);
   const int64_t m0 = m_tile * kBlockM;
   if (m0 >= seq.nq) return;

@@ -1,6 +1,7 @@
-// Per-key backward, warp-specialized (sm_90a, head dims 64 / 128; flexdma::topk_bwd_sm90): one CTA
-// of three warpgroups per (128-row query tile, head, batch), walking the query tile's key list
-// (ListedKeys, the forward's key source) in 64-entry pieces.
+// Per-key backward, warp-specialized (sm_90a, the per-key forward's head dims: perkey_bwd_built):
+// one CTA of three warpgroups per (128-row query tile, head, batch), from the tile scheduler,
+// walking the query tile's key list (the key source Keys: ListedKeys, the forward's) in 64-entry
+// pieces.
 //   warpgroup 0 loads: Q and dO of the tile once, then each piece's gathered K and V rows with its
 //     slot (key indices, ranks, biases) into a ring of stages, as the forward's loader does;
 //   warpgroups 1 and 2 own rows [0, 64) and [64, 128): S = Q K^T and dP = dO V^T (both operands in
@@ -36,17 +37,17 @@
 namespace flexdma {
 namespace cuda {
 
-constexpr int kBwdWsThreads = 3 * kThreads;
+constexpr int kPerkeyBwdThreads = 3 * kThreads;
 // Registers after the hand-over (setmaxnreg, within the launch's 384 x 168): the computing warps
 // hold dQ (D / 2), S and dP (32 each) and then a piece's dK or dV (D / 2); the loader's gathers
 // need few.
 constexpr int kBwdLoadRegs = 72, kBwdComputeRegs = 216;
 static_assert(kThreads * kBwdLoadRegs + 2 * kThreads * kBwdComputeRegs <=
-                  kBwdWsThreads * (65536 / kBwdWsThreads / 8 * 8),
+                  kPerkeyBwdThreads * (65536 / kPerkeyBwdThreads / 8 * 8),
               "setmaxnreg cannot hand out more registers than the CTA was launched with");
 
 template <typename T, int D>
-struct BwdWsSmem {
+struct PerkeyBwdSmem {
   static constexpr int kStages = 2;
   static constexpr int kTileKV = tile_bytes<D>();                  // 64 rows x D, swizzled
   static constexpr int kKeepSlot = KeyList<T, D>::kSlotWords * 4;  // a stage's slot (ListedKeys' name)
@@ -89,16 +90,17 @@ constexpr bool p_offsets_match() {
 }
 static_assert(p_offsets_match(), "p_offset0's XOR form must be sw128_offset");
 
-// What the warpgroups of a CTA derive alike (ListedKeys reads b, h, kvh, m0 and sets list).
-struct BwdWsTile {
+// What the warpgroups of a CTA derive alike (the key source reads b, h, kvh, m0 and sets list).
+struct PerkeyBwdTile {
   int64_t b, h, kvh, m0;
   SeqInfo seq;  // batch b's rows (padded, or a packed sequence's)
   const int32_t* list;
 };
 
-template <typename T, int D>
-__device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64_t n_pieces, unsigned char* smem) {
-  using L = BwdWsSmem<T, D>;
+template <typename T, int D, typename Keys>
+__device__ inline void perkey_bwd_load(const BwdParams& p, const PerkeyBwdTile& c, int64_t n_pieces,
+                                       unsigned char* smem) {
+  using L = PerkeyBwdSmem<T, D>;
   constexpr int S = L::kStages;
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
   uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S, *full_q = full_k + 4 * S;
@@ -106,8 +108,8 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
   T* sV = reinterpret_cast<T*>(smem + L::kV);
   const SeqInfo& seq = c.seq;
   const FwdFlags none{};
-  typename ListedKeys::template Loader<T, D, BwdWsTile, false, false> keys(p, none, c, seq,
-                                                                           reinterpret_cast<int32_t*>(smem + L::kIdx));
+  typename Keys::template Loader<T, D, PerkeyBwdTile, false, false> keys(p, none, c, seq,
+                                                                         reinterpret_cast<int32_t*>(smem + L::kIdx));
 
   // Q and dO of both halves, once; rows past seqlen_q are zero (their P and dS come out 0).
   for (int half = 0; half < 2; ++half) {
@@ -142,10 +144,10 @@ __device__ inline void bwd_ws_load(const BwdParams& p, const BwdWsTile& c, int64
 }
 
 // Computing warpgroup wg: rows [64 wg, 64 wg + 64) of the tile over every piece of the list.
-template <typename T, int D>
-__device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, int64_t n_pieces, unsigned char* smem,
-                                      int wg) {
-  using L = BwdWsSmem<T, D>;
+template <typename T, int D, typename Keys>
+__device__ inline void perkey_bwd_compute(const BwdParams& p, const PerkeyBwdTile& c, int64_t n_pieces,
+                                          unsigned char* smem, int wg) {
+  using L = PerkeyBwdSmem<T, D>;
   constexpr int S = L::kStages;
   uint64_t* full_k = reinterpret_cast<uint64_t*>(smem + L::kBars);
   uint64_t *empty_k = full_k + S, *full_v = full_k + 2 * S, *empty_v = full_k + 3 * S, *full_q = full_k + 4 * S;
@@ -161,7 +163,7 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   const SeqInfo& seq = c.seq;
 
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
-  ListedKeys::row_terms(p, seq, c.h, mc, w, g, thr, lim);
+  Keys::row_terms(p, seq, c.h, mc, w, g, thr, lim);
   // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
   // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
   // row each sum a quarter of it.
@@ -414,12 +416,13 @@ __device__ inline void bwd_ws_compute(const BwdParams& p, const BwdWsTile& c, in
   }
 }
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParams p) {
-  static_assert(fwd_warp_specialized<D>(), "the per-key backward is built for D = 64 / 128 on sm_90a");
+// Keys: the key source (ListedKeys); Scheduler: which (query tile, head, batch) a CTA takes.
+template <typename T, int D, typename Keys, typename Scheduler>
+__global__ void __launch_bounds__(kPerkeyBwdThreads, 1) perkey_bwd_kernel(const BwdParams p) {
+  static_assert(perkey_bwd_built<D>(), "the per-key backward is built for D = 64 / 128 on sm_90a");
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + smem_align_pad<true>(smem_raw);
-  using L = BwdWsSmem<T, D>;
+  using L = PerkeyBwdSmem<T, D>;
 
   if (threadIdx.x == 0) {
     // The K / V ring's barriers, then full_q (two arrivals of every loader).
@@ -431,20 +434,20 @@ __global__ void __launch_bounds__(kBwdWsThreads, 1) bwd_ws_kernel(const BwdParam
   __syncthreads();
 
   // Heaviest query tiles first (the last tiles' lists are the longest under causality).
-  BwdWsTile c;
-  const WorkTile work = SingleTileScheduler::get((int)p.num_heads);
+  PerkeyBwdTile c;
+  const WorkTile work = Scheduler::get((int)p.num_heads);
   c.h = work.unit;
   c.m0 = (int64_t)work.m_tile * (2 * kBlockM);
   c.b = work.b;
   c.seq = SeqInfo::of<true>(p, c.b);
   c.kvh = c.h / (p.num_heads / p.num_heads_k);
-  const int64_t n_pieces = ListedKeys::tiles(p, c);
+  const int64_t n_pieces = Keys::tiles(p, c);
   if (threadIdx.x < kThreads) {
     regs_release<kBwdLoadRegs>();
-    bwd_ws_load<T, D>(p, c, n_pieces, smem);
+    perkey_bwd_load<T, D, Keys>(p, c, n_pieces, smem);
   } else {
     regs_claim<kBwdComputeRegs>();
-    bwd_ws_compute<T, D>(p, c, n_pieces, smem, warpgroup_uniform() - 1);
+    perkey_bwd_compute<T, D, Keys>(p, c, n_pieces, smem, warpgroup_uniform() - 1);
   }
 }
 

@@ -82,6 +82,13 @@ constexpr bool fwd_warp_specialized() {
   return use_wgmma<D>() && !fwd_q_in_smem<D>();
 }
 
+// Head dims the per-key backward (perkey_bwd_kernel.cuh) is built for: those of the per-key
+// forward (the warp-specialized one), whose loader and key lists it reuses.
+template <int D>
+constexpr bool perkey_bwd_built() {
+  return fwd_warp_specialized<D>();
+}
+
 // [key][query] 16-bit dS tile. On wgmma it is a 64-row tile in the 128-byte swizzle, read as the
 // MN-major A operand (no A registers next to dK / dV); on mma.sync 144-byte rows, so the
 // transposed ldmatrix row reads and the fragment stores each cover the banks once. The fragment

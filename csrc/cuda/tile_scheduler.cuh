@@ -2,8 +2,8 @@
 // index, and the grid the launcher starts for it. The kernels take the scheduler as a type (the
 // warp-specialized forward, FwdWsKernel, as a template parameter), and the launchers build their
 // grids from the same type, so that the grid and the kernels agree on the order. Used by both
-// forwards and the per-key backward; the dense backward's CTAs are key tiles (BwdKeyTileScheduler,
-// bwd_scheduler.cuh).
+// forwards and the per-key backward; the dense backward's main pass takes key tiles
+// (KeyTileScheduler), its pre / post kernels query tiles (QueryTileScheduler).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -69,6 +69,36 @@ struct PersistentTileScheduler {
     t.split = w / m_tiles;
     return t;
   }
+};
+
+// The dense backward's main pass (bwd_kernel.cuh): a CTA per (key tile, kv head, batch), in the
+// grid's order (each CTA walks every query tile of its key tile: no order balances better).
+struct KeyTileScheduler {
+  struct Tile {
+    int n_tile, kvh, b;
+  };
+  static dim3 grid(int64_t n_tiles, int64_t kv_heads, int64_t batch) {
+    return dim3((unsigned)n_tiles, (unsigned)kv_heads, (unsigned)batch);
+  }
+  __device__ static inline Tile get() {
+    Tile t;
+    t.n_tile = blockIdx.x;
+    t.kvh = blockIdx.y;
+    t.b = blockIdx.z;
+    return t;
+  }
+};
+
+// The backward's pre / post kernels (bwd_prepost.cuh): a CTA per (query tile, head, batch), heads
+// fastest, in the grid's order (every CTA does the same work).
+struct QueryTileScheduler {
+  static dim3 grid(int64_t m_tiles, int64_t heads, int64_t batch) {
+    return dim3((unsigned)(m_tiles * heads), (unsigned)batch);
+  }
+  // The CTA's head, query tile and batch; `heads`: the grid's heads per query tile.
+  __device__ static inline int head(int heads) { return (int)blockIdx.x % heads; }
+  __device__ static inline int m_tile(int heads) { return (int)blockIdx.x / heads; }
+  __device__ static inline unsigned batch() { return blockIdx.y; }
 };
 
 }  // namespace cuda
