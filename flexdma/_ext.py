@@ -46,9 +46,9 @@ TILES_PER_WORD = C.TILES_PER_WORD if C is not None else None
 # Largest batch / head count of a CUDA grid.
 MAX_GRID_DIM = C.MAX_GRID_DIM if C is not None else None
 # Query rows per CTA of the C++ per-key kernels: the tiles of the lists they read.
-TOPK_TILE_ROWS = C.TOPK_TILE_ROWS if C is not None else None
+PERKEY_TILE_ROWS = C.PERKEY_TILE_ROWS if C is not None else None
 # Query rows per tile of the CPU per-key selection's lists.
-TOPK_CPU_TILE_ROWS = C.TOPK_CPU_TILE_ROWS if C is not None else None
+PERKEY_CPU_TILE_ROWS = C.PERKEY_CPU_TILE_ROWS if C is not None else None
 # key_rank of a key no row keeps (int32 max).
 NEVER_KEPT = C.NEVER_KEPT if C is not None else None
 # log2(e): the kernels keep scores in log2 units.

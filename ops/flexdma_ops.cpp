@@ -10,8 +10,8 @@
 #include "op_impl.h"
 
 namespace {
-// _C.topk_list_cap(K, window, tile_rows): the list cap rule of csrc/flash_dma_constants.h.
-PyObject* py_topk_list_cap(PyObject*, PyObject* args) {
+// _C.perkey_list_cap(K, window, tile_rows): the list cap rule of csrc/flash_dma_constants.h.
+PyObject* py_perkey_list_cap(PyObject*, PyObject* args) {
   long long K = 0, window = 0, tile_rows = 0;
   if (!PyArg_ParseTuple(args, "LLL", &K, &window, &tile_rows)) return nullptr;
   return PyLong_FromLongLong(flexdma::topk_list_cap(K, window, tile_rows));
@@ -71,7 +71,7 @@ PyObject* py_perkey_unsupported_reason(PyObject*, PyObject* args) {
 }
 
 PyMethodDef kMethods[] = {
-    {"topk_list_cap", py_topk_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
+    {"perkey_list_cap", py_perkey_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
     {"cuda_unsupported_reason", py_cuda_unsupported_reason, METH_VARARGS,
      "The CUDA kernels' support check of a dense call: None, or why not."},
     {"perkey_unsupported_reason", py_perkey_unsupported_reason, METH_VARARGS,
@@ -98,8 +98,8 @@ PyObject* PyInit__C(void) {
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (PyModule_AddIntConstant(m, "TILE_SIZE", flexdma::kTileSize) < 0 ||
-      PyModule_AddIntConstant(m, "TOPK_TILE_ROWS", flexdma::kTopkTileRows) < 0 ||
-      PyModule_AddIntConstant(m, "TOPK_CPU_TILE_ROWS", flexdma::kTopkCpuTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "PERKEY_TILE_ROWS", flexdma::kTopkTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "PERKEY_CPU_TILE_ROWS", flexdma::kTopkCpuTileRows) < 0 ||
       PyModule_AddIntConstant(m, "NEVER_KEPT", flexdma::kNeverKept) < 0 ||
       PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
       PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||

@@ -786,7 +786,7 @@ def test_list_cap_matches_the_extension():
     for K in (1, 7, 64, 200, 5000):
         for window in (1, 3, 64, 300):
             for rows in (16, 64, 128):
-                assert contract.list_cap(K, window, rows) == _C.topk_list_cap(K, window, rows)
+                assert contract.list_cap(K, window, rows) == _C.perkey_list_cap(K, window, rows)
     assert contract.NEVER == _C.NEVER_KEPT == 2**31 - 1
-    assert contract.CPU_TILE_ROWS == _C.TOPK_CPU_TILE_ROWS
+    assert contract.CPU_TILE_ROWS == _C.PERKEY_CPU_TILE_ROWS
     assert math.isclose(_C.LOG2E, math.log2(math.e), rel_tol=1e-15)

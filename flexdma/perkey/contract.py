@@ -36,11 +36,11 @@ from ..reference import expand_heads
 NEVER = _ext.NEVER_KEPT
 
 # Query rows per tile of the CPU selection's lists (the CPU kernel does not read the lists).
-CPU_TILE_ROWS = _ext.TOPK_CPU_TILE_ROWS
+CPU_TILE_ROWS = _ext.PERKEY_CPU_TILE_ROWS
 
 # Query rows per CTA of the C++ per-key kernels (flexdma::perkey_fwd / perkey_bwd on CUDA;
 # csrc/cuda/fwd_ws_kernel.cuh): they read lists of tiles of this many rows.
-CUDA_TILE_ROWS = _ext.TOPK_TILE_ROWS
+CUDA_TILE_ROWS = _ext.PERKEY_TILE_ROWS
 
 # Rows of q per Triton program (perkey/triton.py): PACK query heads x tile_rows rows. Head dims
 # above WIDE_FROM: half the rows per program (triton.py's WIDE_* launch configurations). The route
@@ -125,7 +125,7 @@ def float64_order(scores: torch.Tensor) -> torch.Tensor:
 
 def list_cap(K: int, window: int, tile_rows: int) -> int:
     """Entries of a tile's list: at most W + tile_rows - 1 keys (and never more than K). The rule
-    is csrc/flash_dma_constants.h's topk_list_cap (flexdma._C.topk_list_cap); it is written here
+    is csrc/flash_dma_constants.h's topk_list_cap (flexdma._C.perkey_list_cap); it is written here
     again because the fake kernels call it with symbolic sizes, which the C++ one cannot take
     (tests/test_perkey.py checks that the two agree)."""
     return min(K, window + tile_rows - 1)

@@ -15,9 +15,9 @@ as routed (perkey/attention.py, perkey/ops.py), without a second decision:
             deterministic); else "triton":
             flexdma_triton::perkey_fwd / perkey_bwd (triton.py)   `plan`'s
   cpu       "cpu": flexdma::perkey_fwd / perkey_bwd's CPU kernels   CPU_TILE_ROWS
-  flex      "flex": FlexAttention (flexdma/flex.py); on CPU no      `plan`'s on CUDA (unread)
-            backward
-  reference "reference": naive.py's dense mask, under autograd
+  flex      "flex": FlexAttention (flexdma/flex.py); on CPU no      `plan`'s on CUDA, else
+            backward                                              CPU_TILE_ROWS (neither
+  reference "reference": naive.py's dense mask, under autograd   reads the lists)
 
 Each forward op's autograd runs its own backward op (perkey/ops.py pairs them), so a call a
 backward follows takes the C++ forward only where the C++ backward takes it too.
