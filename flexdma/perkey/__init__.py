@@ -4,11 +4,21 @@
   the path's argument checks and constants (from csrc/flash_dma_constants.h via flexdma._C);
 - naive.py: the dense-mask reference of the path (keep_mask + attention_ref), which tests and
   the `reference` backend use;
-- route.py: which kernels run a call (C++ sm_90a forward, Triton, CPU op, FlexAttention,
-  reference) and the selection's tile rows, decided once before any data moves;
-- ops.py: the per-key ops' fake kernels, autograd and CUDA registrations;
-- triton.py: the Triton kernels and launchers (imports triton; loaded by the first CUDA call);
-- attention.py: the path's entry from the dispatcher.
+- route.py: which kernels run a call, forward and backward (the C++ kernels where their own check,
+  asked through flexdma._C, takes the call; else Triton; the CPU op, FlexAttention, the
+  reference), and the selection's tile rows, decided once before any data moves;
+- ops.py: the per-key ops' fake kernels and autograd (flexdma::perkey_select / perkey_fwd /
+  perkey_bwd, whose kernels are C++), and the Triton kernels as the internal ops
+  flexdma_triton::perkey_fwd / perkey_bwd;
+- triton.py: the Triton kernels and launchers (imports triton; loaded by the first call that runs
+  them);
+- attention.py: the path's entry from the dispatcher: route, selection, the routed forward;
+- cache.py: a cache step (a few new query rows against cached keys), decided and run in one place
+  for the API, nn and the Hugging Face integration;
+- kept.py: the kept set of a cached row, the types decode.py and the decode kernels share;
+- decode.py: the kept set's O(W) updates as keys arrive, in torch;
+- triton_decode.py, triton_rows.py: those updates and the step's attention as Triton kernels, for
+  one new row and for a few (import triton; loaded by decode.py when a step runs them).
 """
 
 from . import contract, naive, ops, route  # noqa: F401
