@@ -555,6 +555,61 @@ void dscores_tile(const Ctx<T>& cx, int64_t m, int64_t n, const typename Elem<T>
   }
 }
 
+// dbias's accumulator: work items (b, kv head, key tile) must never share an element; the caller
+// guarantees that across (b, kv head). A bias broadcast over keys gets no accumulator (its gradient
+// is zero, BwdParams): key tiles would share its elements.
+template <class T>
+void check_dbias_accum(const Ctx<T>& cx, const Broadcast4d& db) {
+  if ((db.batch_stride == 0 && cx.B > 1) || (db.head_stride == 0 && cx.KVH > 1) ||
+      (db.head_stride != 0 && cx.group % db.head_ratio != 0 && db.head_ratio % cx.group != 0))
+    throw std::invalid_argument("flexdma cpu: dbias accumulator shared across (batch, kv head) work items");
+  if (db.col_stride == 0 && cx.K > 1)
+    throw std::invalid_argument("flexdma cpu: dbias accumulator broadcast over keys (its gradient is zero)");
+}
+
+constexpr int64_t kBwdTile = kBlockM * kBlockN;
+
+// A thread's scratch for the backward's query tiles (bwd_typed's row_tile): the tile's Q and dO
+// rows, the working score tiles, the rows' sums of P * dP, and the P / dP / tanh tiles of the
+// first `kept` key tiles, kept from the delta sweep for the dq sweep.
+template <class A>
+struct BwdRowScratch {
+  std::vector<A> qf, dof, s, th, dp, pb, ds, tt, pdp_sum, kept_p, kept_dp, kept_th;
+  int64_t kept_tiles;
+  BwdRowScratch(int64_t D, int64_t kept, bool softcap)
+      : qf(kBlockM * D),
+        dof(kBlockM * D),
+        s(kBwdTile),
+        th(softcap ? kBwdTile : 0),
+        dp(kBwdTile),
+        pb(kBwdTile),
+        ds(kBwdTile),
+        tt(kBwdTile),
+        pdp_sum(kBlockM),
+        kept_p(kept * kBwdTile),
+        kept_dp(kept * kBwdTile),
+        kept_th(softcap ? kept * kBwdTile : 0),
+        kept_tiles(kept) {}
+};
+
+// A thread's scratch for the split schedule's key tiles (bwd_typed's pass 2): the query tile's Q
+// and dO rows, its score tiles, and the key tile's dk / dv sums.
+template <class A>
+struct BwdKeyScratch {
+  std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
+  explicit BwdKeyScratch(int64_t D)
+      : qf(kBlockM * D),
+        dof(kBlockM * D),
+        s(kBwdTile),
+        th(kBwdTile),
+        dp(kBwdTile),
+        pb(kBwdTile),
+        ds(kBwdTile),
+        tt(kBwdTile),
+        dk_acc(kBlockN * D),
+        dv_acc(kBlockN * D) {}
+};
+
 template <class T>
 void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor& parallel_for, int64_t num_threads) {
   using A = typename Elem<T>::acc;
@@ -578,21 +633,11 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
   T* dk = static_cast<T*>(p.dk);
   T* dv = static_cast<T*>(p.dv);
 
-  // dbias. Work items (b, kv head, key tile) must never share an accumulator element; the
-  // caller guarantees that across (b, kv head).
-  // Broadcast4d holds a const pointer (it also describes the read-only mask / bias); the
+  // dbias. Broadcast4d holds a const pointer (it also describes the read-only mask / bias); the
   // accumulator it points to here is a writable buffer owned by the caller.
   A* dbias = static_cast<A*>(const_cast<void*>(p.dbias_accum.ptr));
   const Broadcast4d& db = p.dbias_accum;
-  // A bias broadcast over keys gets no accumulator (its gradient is zero, BwdParams): key tiles
-  // would share its elements.
-  if (dbias) {
-    if ((db.batch_stride == 0 && cx.B > 1) || (db.head_stride == 0 && cx.KVH > 1) ||
-        (db.head_stride != 0 && cx.group % db.head_ratio != 0 && db.head_ratio % cx.group != 0))
-      throw std::invalid_argument("flexdma cpu: dbias accumulator shared across (batch, kv head) work items");
-    if (db.col_stride == 0 && cx.K > 1)
-      throw std::invalid_argument("flexdma cpu: dbias accumulator broadcast over keys (its gradient is zero)");
-  }
+  if (dbias) check_dbias_accum(cx, db);
 
   const KeySide<T> keys(cx, /*with_vt=*/true, parallel_for);
 
@@ -632,25 +677,7 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
   // dbias. With dq_acc null, delta only. Sweep 0's tiles of the first `kept_tiles` key tiles are
   // kept for sweep 1 (P, dP and the tanh values); later ones are formed again by the same calls,
   // so kept or not the bits are the same.
-  constexpr int64_t kTile = kBlockM * kBlockN;
-  struct RowScratch {
-    std::vector<A> qf, dof, s, th, dp, pb, ds, tt, pdp_sum, kept_p, kept_dp, kept_th;
-    int64_t kept_tiles;
-    RowScratch(int64_t D, int64_t kept, bool softcap)
-        : qf(kBlockM * D),
-          dof(kBlockM * D),
-          s(kTile),
-          th(softcap ? kTile : 0),
-          dp(kTile),
-          pb(kTile),
-          ds(kTile),
-          tt(kTile),
-          pdp_sum(kBlockM),
-          kept_p(kept * kTile),
-          kept_dp(kept * kTile),
-          kept_th(softcap ? kept * kTile : 0),
-          kept_tiles(kept) {}
-  };
+  using RowScratch = BwdRowScratch<A>;
   const auto row_tile = [&](RowScratch& w, int64_t b, int64_t h, int64_t qt, A* dq_acc, A* dk_rows, A* dv_rows) {
     const int64_t kvh = h / cx.group;
     const int64_t i0 = qt * kBlockM, m = std::min(kBlockM, Q - i0);
@@ -666,8 +693,8 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
     const auto tiles = [&](int64_t ktile) {
       const bool kept = dq_acc && ktile < w.kept_tiles;
       const bool cap = cx.cap > 0;
-      return kept ? Tiles{w.kept_p.data() + ktile * kTile, w.kept_dp.data() + ktile * kTile,
-                          cap ? w.kept_th.data() + ktile * kTile : nullptr}
+      return kept ? Tiles{w.kept_p.data() + ktile * kBwdTile, w.kept_dp.data() + ktile * kBwdTile,
+                          cap ? w.kept_th.data() + ktile * kBwdTile : nullptr}
                   : Tiles{w.pb.data(), w.dp.data(), cap ? w.th.data() : nullptr};
     };
     const auto form = [&](const Tiles& t, int64_t j0, int64_t n) {
@@ -743,22 +770,8 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
 
   // Pass 2: dk, dv and dbias, one work item per (batch, kv head, key tile), over the query heads
   // of the kv head and every query tile, S and dP formed again.
-  struct Scratch {
-    std::vector<A> qf, dof, s, th, dp, pb, ds, tt, dk_acc, dv_acc;
-    explicit Scratch(int64_t D)
-        : qf(kBlockM * D),
-          dof(kBlockM * D),
-          s(kTile),
-          th(kTile),
-          dp(kTile),
-          pb(kTile),
-          ds(kTile),
-          tt(kTile),
-          dk_acc(kBlockN * D),
-          dv_acc(kBlockN * D) {}
-  };
   parallel_for(cx.B * cx.KVH * cx.n_kt, [&](int64_t begin, int64_t end) {
-    Scratch w(D);
+    BwdKeyScratch<A> w(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t ktile = item % cx.n_kt, kvh = (item / cx.n_kt) % cx.KVH, b = item / (cx.n_kt * cx.KVH);
       const int64_t j0 = ktile * kBlockN, n = std::min(kBlockN, cx.K - j0);

@@ -28,6 +28,46 @@
 namespace flexdma {
 namespace cuda {
 
+// O += P V of one key tile (V at sv): P's C fragments s repacked as A fragments pa, then the product
+// (on wgmma issued and left in flight; on mma.sync computed). qf: Q's fragments (below D = 128).
+template <typename T, int D, typename QFrags>
+__device__ inline void fwd_pv_tile(float (&s)[kBlockN / 8][4], uint32_t (&pa)[kBlockN / 16][4], float (&o)[D / 8][4],
+                                   QFrags& qf, uint32_t q_live, const T* sv, int lane) {
+  constexpr bool kWg = use_wgmma<D>();
+  constexpr bool kQSmem = fwd_q_in_smem<D>();
+  constexpr int kLd = tile_ld(D);
+  // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
+  c_to_a<T>(s, pa);
+  if constexpr (kWg) {
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(o, pa[kk], sv, kk);
+    wgmma_commit();
+    // Q's fragments are read only by the S wgmma. ptxas (CUDA 13.0) took them for dead after
+    // that read and gave their registers to P at D = 64 (wrong S from the second key tile on).
+    // A real instruction that rewrites them here keeps them live across P.V; q_live is 0 at
+    // run time (softcap >= 0 is checked before launch).
+    if constexpr (!kQSmem) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
+        mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
+        mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
+      }
+  }
+}
+
 // At D=64 three CTAs fit an SM (71 KiB smem each) once registers stay <= 168 (no spill): 12 warps
 // per SM instead of 8 to hide latency. At D=128 smem (105 KiB) allows two. D=32 (53 KiB) takes
 // D=64's bound, D=96 (85 KiB, 250 registers) D=128's; D=192 / 256 (149 / 190 KiB) run one.
@@ -195,37 +235,7 @@ __global__ void __launch_bounds__(kThreads, D <= 64    ? 3
                                                bias_row_step, keep, nullptr, no_rank, no_rank, 0, 0, w * 16 + g, qc);
       online_softmax<D>(s, row_max, row_sum, o, later);
 
-      // O += P V, P's C fragments repacked as A fragments (16 keys per k step).
-      c_to_a<T>(s, pa);
-      if constexpr (kWg) {
-        fence_regs(o);
-        fence_regs(pa);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) wgmma_rs_mn<T, D, kBlockN>(o, pa[kk], sv, kk);
-        wgmma_commit();
-        // Q's fragments are read only by the S wgmma. ptxas (CUDA 13.0) took them for dead after
-        // that read and gave their registers to P at D = 64 (wrong S from the second key tile on).
-        // A real instruction that rewrites them here keeps them live across P.V; q_live is 0 at
-        // run time (softcap >= 0 is checked before launch).
-        if constexpr (!kQSmem) {
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) qf[kk][e] ^= q_live;
-        }
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-          for (int dp = 0; dp < D / 16; ++dp) {
-            uint32_t vb[4];
-            ldmatrix_x4_trans(vb,
-                              sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + dp * 16 + (lane >> 4) * 8);
-            mma_16816<T>(o[2 * dp], pa[kk], vb[0], vb[1]);
-            mma_16816<T>(o[2 * dp + 1], pa[kk], vb[2], vb[3]);
-          }
-      }
+      fwd_pv_tile<T, D>(s, pa, o, qf, q_live, sv, lane);
       if (tn >= n_end) break;
 
       land(cur ^ 1);  // tile tn landed; every warp is done with tile t's bias and keep bytes

@@ -237,6 +237,199 @@ struct FwdWsMainloop {
   }
 };
 
+// The wide walk (FwdWsConfig::kWidePieces) of fwd_ws_compute: the list's tiles [t, own_end) two at a
+// time (every tile of a list is visited; only its last step can be one tile), S of a step's two
+// tiles issued with the previous step's P.V and its softmax run while that P.V does. Every wgmma a
+// step issues is waited for in it, so the branches between steps see none in flight. On return t
+// and at are past the walk. The stage waits and releases, Q's load, the products' issues and the
+// score stage are fwd_ws_compute's; O, the softmax statistics and Q's fragments its registers.
+template <typename T, int D, typename Pos, typename Wait, typename Release, typename LoadQ, typename IssueS,
+          typename IssuePV, typename Scores, typename QFrags>
+__device__ inline void fwd_ws_walk_wide(int64_t& t, Pos& at, int64_t own_end, int lane, uint64_t* full_k,
+                                        uint64_t* empty_k, uint64_t* full_v, uint64_t* empty_v, Wait& wait,
+                                        Release& release, LoadQ& load_q, IssueS& issue_s_rs, IssuePV& issue_pv,
+                                        Scores& scores, QFrags& qa, float (&o)[D / 8][4], float (&row_max)[2],
+                                        float (&row_sum)[2], float (&alpha)[2]) {
+  float sw[2][kBlockN / 8][4];
+  uint32_t pw[2][kBlockN / 16][4];
+  // One step: S of the piece at tile tn (stages n0, n1; kTwo: both tiles) and, kPV, P.V of the
+  // previous two-tile piece (stages v0, v1) under its softmax.
+  auto step = [&](auto two, auto pv, int64_t tn, Pos n0, Pos n1, Pos v0, Pos v1) {
+    constexpr bool kTwo = decltype(two)::value, kPV = decltype(pv)::value;
+    wait(full_k, n0);
+    if constexpr (kTwo) wait(full_k, n1);
+    if constexpr (kPV) {
+      wait(full_v, v0);
+      wait(full_v, v1);
+    }
+    // K / V rows written by cp.async (generic proxy), read by wgmma (async proxy).
+    fence_proxy_async();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sw[h][n][e] = 0.f;
+    fence_regs(sw[0]);
+    fence_regs(sw[1]);
+    fence_regs(qa);
+    wgmma_fence();
+    issue_s_rs(sw[0], n0.stage);
+    if constexpr (kTwo) issue_s_rs(sw[1], n1.stage);
+    wgmma_commit();
+    if constexpr (kPV) {
+      fence_regs(o);
+      fence_regs(pw[0]);
+      fence_regs(pw[1]);
+      wgmma_fence();
+      issue_pv(pw[0], v0.stage);
+      issue_pv(pw[1], v1.stage);
+      wgmma_commit();
+      wgmma_wait<1>();  // S; P.V still runs
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(sw[0]);
+    fence_regs(sw[1]);
+    scores(sw[0], tn, n0.stage);
+    if constexpr (kTwo) {
+      scores(sw[1], tn + 1, n1.stage);
+    } else {
+#pragma unroll
+      for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sw[1][n][e] = -CUDART_INF_F;
+    }
+    softmax_step(sw, row_max, row_sum, alpha);  // the rank rule's scores are scaled: fwd_scores' 1
+    release(empty_k, n0);
+    if constexpr (kTwo) release(empty_k, n1);
+    if constexpr (kPV) {
+      wgmma_wait<0>();
+      fence_regs(o);
+      release(empty_v, v0);
+      release(empty_v, v1);
+      rescale_o_if<D>(o, alpha);  // the first step's O is still 0: no rescale
+    }
+    c_to_a<T>(sw[0], pw[0]);
+    if constexpr (kTwo) c_to_a<T>(sw[1], pw[1]);
+  };
+  // P.V of the walk's last piece (stages v0, v1; kTwo: both).
+  auto last_pv = [&](auto two, Pos v0, Pos v1) {
+    constexpr bool kTwo = decltype(two)::value;
+    wait(full_v, v0);
+    if constexpr (kTwo) wait(full_v, v1);
+    fence_proxy_async();
+    fence_regs(o);
+    fence_regs(pw[0]);
+    fence_regs(pw[1]);
+    wgmma_fence();
+    issue_pv(pw[0], v0.stage);
+    if constexpr (kTwo) issue_pv(pw[1], v1.stage);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+    release(empty_v, v0);
+    if constexpr (kTwo) release(empty_v, v1);
+  };
+  constexpr std::true_type kBoth{};
+  constexpr std::false_type kOne{}, kNoPV{};
+  constexpr std::true_type kWithPV{};
+  // The ldmatrix addresses derived here from an opaque copy of the lane, not hoisted out of the
+  // tile loop and held (spilled) across every tile's walk.
+  int lane_q = lane;
+  asm volatile("" : "+r"(lane_q));
+  load_q(lane_q);
+  Pos a0 = at, a1 = at.next();
+  bool two = t + 1 < own_end;
+  if (two)
+    step(kBoth, kNoPV, t, a0, a1, a0, a1);
+  else
+    step(kOne, kNoPV, t, a0, a1, a0, a1);
+  while (two && t + 2 < own_end) {
+    const int64_t tn = t + 2;
+    const Pos n0 = a1.next(), n1 = n0.next();
+    const bool two_n = tn + 1 < own_end;
+    if (two_n)
+      step(kBoth, kWithPV, tn, n0, n1, a0, a1);
+    else
+      step(kOne, kWithPV, tn, n0, n1, a0, a1);
+    a0 = n0;
+    a1 = n1;
+    t = tn;
+    two = two_n;
+  }
+  if (two)
+    last_pv(kBoth, a0, a1);
+  else
+    last_pv(kOne, a0, a1);
+  t += two ? 2 : 1;
+  at = two ? a1.next() : a1;
+}
+
+// The walk a tile a step of fwd_ws_compute over the tiles [t, own_end) that its rows see (those of
+// c's activity bits, `active`): S of a tile issued with P.V of the one before, its softmax under
+// that P.V. On return t and at are past the walk. The stage waits and releases, Q's load, the
+// turns, the products' issues and the softmax step are fwd_ws_compute's; S, P, O and the rescale
+// factors its registers.
+template <typename T, int D, typename Pos, typename Wait, typename Release, typename LoadQ, typename Turn,
+          typename PassTurn, typename GemmS, typename GemmPV, typename SoftmaxTile>
+__device__ inline void fwd_ws_walk(const FwdWsTile& c, ActiveTiles& active, int64_t& t, Pos& at, int64_t own_end,
+                                   int lane, uint64_t* full_k, uint64_t* empty_k, uint64_t* full_v, uint64_t* empty_v,
+                                   Wait& wait, Release& release, LoadQ& load_q, Turn& my_turn, PassTurn& pass_turn,
+                                   GemmS& gemm_s, GemmPV& gemm_pv, SoftmaxTile& softmax_tile,
+                                   float (&s)[kBlockN / 8][4], uint32_t (&pa)[kBlockN / 16][4], float (&o)[D / 8][4],
+                                   float (&alpha)[2]) {
+  load_q(lane);
+  wait(full_k, at);
+  // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
+  // proxy): the fence orders the two for this thread once the barriers say they have landed.
+  fence_proxy_async();
+  my_turn(true);
+  gemm_s(at.stage);
+  pass_turn(false);
+  wgmma_wait<0>();
+  fence_regs(s);
+  softmax_tile(t, at.stage);  // O is still 0: no rescale
+  release(empty_k, at);
+  c_to_a<T>(s, pa);
+  // Every wgmma issued in an iteration is waited for in it, and the loop exits before issuing;
+  // the stage waits come before the first issue: ptxas serialises all wgmmas where one may still
+  // be in flight across a branch (C7514 / C7515).
+  for (;;) {
+    const int64_t tn = c.next(active, t + 1);
+    if (tn >= own_end) break;
+    const Pos an = at.next();
+    wait(full_k, an);
+    wait(full_v, at);
+    fence_proxy_async();
+    my_turn(false);
+    gemm_s(an.stage);
+    gemm_pv(at.stage);
+    pass_turn(false);
+    wgmma_wait<1>();  // S of tile tn; P.V of tile t still runs
+    fence_regs(s);
+    softmax_tile(tn, an.stage);
+    release(empty_k, an);
+    wgmma_wait<0>();
+    fence_regs(o);
+    release(empty_v, at);
+    rescale_o_if<D>(o, alpha);
+    c_to_a<T>(s, pa);
+    at = an;
+    t = tn;
+  }
+  wait(full_v, at);
+  fence_proxy_async();
+  my_turn(false);
+  gemm_pv(at.stage);
+  pass_turn(true);
+  wgmma_wait<0>();
+  fence_regs(o);
+  release(empty_v, at);
+  at.advance();
+  t = c.next(active, t + 1);
+}
+
 // Computing warpgroups 1 and 2 (wg 0 / 1): rows [64 wg, 64 wg + 64) of the CTA's tile over every
 // stage in order, then (not idle) those rows out through Epilogue. A warpgroup whose rows see none
 // of a tile (past its causal end, or past seqlen_q) only waits for the stage and releases it.
@@ -378,127 +571,7 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   // The same on S, then the softmax step.
   auto softmax_tile = [&](int64_t t, int st) { softmax_step(s, row_max, row_sum, alpha, scores(s, t, st)); };
 
-  // The walk 128 keys a step (kWidePieces): the list's tiles [t, own_end) two at a time (every tile
-  // of a list is visited; only its last step can be one tile), S of a step's two tiles issued with
-  // the previous step's P.V and its softmax run while that P.V does. Every wgmma a step issues is
-  // waited for in it, so the branches between steps see none in flight. On return t and at are past
-  // the walk.
-  auto fwd_ws_walk_wide = [&](int64_t& t, Pos& at) {
-    float sw[2][kBlockN / 8][4];
-    uint32_t pw[2][kBlockN / 16][4];
-    // One step: S of the piece at tile tn (stages n0, n1; kTwo: both tiles) and, kPV, P.V of the
-    // previous two-tile piece (stages v0, v1) under its softmax.
-    auto step = [&](auto two, auto pv, int64_t tn, Pos n0, Pos n1, Pos v0, Pos v1) {
-      constexpr bool kTwo = decltype(two)::value, kPV = decltype(pv)::value;
-      wait(full_k, n0);
-      if constexpr (kTwo) wait(full_k, n1);
-      if constexpr (kPV) {
-        wait(full_v, v0);
-        wait(full_v, v1);
-      }
-      // K / V rows written by cp.async (generic proxy), read by wgmma (async proxy).
-      fence_proxy_async();
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sw[h][n][e] = 0.f;
-      fence_regs(sw[0]);
-      fence_regs(sw[1]);
-      fence_regs(qa);
-      wgmma_fence();
-      issue_s_rs(sw[0], n0.stage);
-      if constexpr (kTwo) issue_s_rs(sw[1], n1.stage);
-      wgmma_commit();
-      if constexpr (kPV) {
-        fence_regs(o);
-        fence_regs(pw[0]);
-        fence_regs(pw[1]);
-        wgmma_fence();
-        issue_pv(pw[0], v0.stage);
-        issue_pv(pw[1], v1.stage);
-        wgmma_commit();
-        wgmma_wait<1>();  // S; P.V still runs
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(sw[0]);
-      fence_regs(sw[1]);
-      scores(sw[0], tn, n0.stage);
-      if constexpr (kTwo) {
-        scores(sw[1], tn + 1, n1.stage);
-      } else {
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sw[1][n][e] = -CUDART_INF_F;
-      }
-      softmax_step(sw, row_max, row_sum, alpha);  // the rank rule's scores are scaled: fwd_scores' 1
-      release(empty_k, n0);
-      if constexpr (kTwo) release(empty_k, n1);
-      if constexpr (kPV) {
-        wgmma_wait<0>();
-        fence_regs(o);
-        release(empty_v, v0);
-        release(empty_v, v1);
-        rescale_o_if<D>(o, alpha);  // the first step's O is still 0: no rescale
-      }
-      c_to_a<T>(sw[0], pw[0]);
-      if constexpr (kTwo) c_to_a<T>(sw[1], pw[1]);
-    };
-    // P.V of the walk's last piece (stages v0, v1; kTwo: both).
-    auto last_pv = [&](auto two, Pos v0, Pos v1) {
-      constexpr bool kTwo = decltype(two)::value;
-      wait(full_v, v0);
-      if constexpr (kTwo) wait(full_v, v1);
-      fence_proxy_async();
-      fence_regs(o);
-      fence_regs(pw[0]);
-      fence_regs(pw[1]);
-      wgmma_fence();
-      issue_pv(pw[0], v0.stage);
-      if constexpr (kTwo) issue_pv(pw[1], v1.stage);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(o);
-      release(empty_v, v0);
-      if constexpr (kTwo) release(empty_v, v1);
-    };
-    constexpr std::true_type kBoth{};
-    constexpr std::false_type kOne{}, kNoPV{};
-    constexpr std::true_type kWithPV{};
-    // The ldmatrix addresses derived here from an opaque copy of the lane, not hoisted out of the
-    // tile loop and held (spilled) across every tile's walk.
-    int lane_q = lane;
-    asm volatile("" : "+r"(lane_q));
-    load_q(lane_q);
-    Pos a0 = at, a1 = at.next();
-    bool two = t + 1 < own_end;
-    if (two)
-      step(kBoth, kNoPV, t, a0, a1, a0, a1);
-    else
-      step(kOne, kNoPV, t, a0, a1, a0, a1);
-    while (two && t + 2 < own_end) {
-      const int64_t tn = t + 2;
-      const Pos n0 = a1.next(), n1 = n0.next();
-      const bool two_n = tn + 1 < own_end;
-      if (two_n)
-        step(kBoth, kWithPV, tn, n0, n1, a0, a1);
-      else
-        step(kOne, kWithPV, tn, n0, n1, a0, a1);
-      a0 = n0;
-      a1 = n1;
-      t = tn;
-      two = two_n;
-    }
-    if (two)
-      last_pv(kBoth, a0, a1);
-    else
-      last_pv(kOne, a0, a1);
-    t += two ? 2 : 1;
-    at = two ? a1.next() : a1;
-  };
+  // The walk 128 keys a step (kWidePieces): fwd_ws_walk_wide.
 
   // Paired, the warpgroups take turns to issue (ping-pong), warpgroup 0 first. Both walk the same
   // tiles, so each issue's wait for this warpgroup's turn meets one hand-over from the other:
@@ -513,57 +586,12 @@ __device__ inline void fwd_ws_compute(const FwdParams& p, const FwdFlags& f, con
   Pos at = at_io;  // the stages of tile t
   int64_t t = c.next(active, c.t_begin);
   if constexpr (Config::kWidePieces) {
-    if (t < own_end) fwd_ws_walk_wide(t, at);
+    if (t < own_end)
+      fwd_ws_walk_wide<T, D>(t, at, own_end, lane, full_k, empty_k, full_v, empty_v, wait, release, load_q, issue_s_rs,
+                             issue_pv, scores, qa, o, row_max, row_sum, alpha);
   } else if (t < own_end) {
-    load_q(lane);
-    wait(full_k, at);
-    // K / V rows (and Q) were written by cp.async (generic proxy) and are read by wgmma (async
-    // proxy): the fence orders the two for this thread once the barriers say they have landed.
-    fence_proxy_async();
-    my_turn(true);
-    gemm_s(at.stage);
-    pass_turn(false);
-    wgmma_wait<0>();
-    fence_regs(s);
-    softmax_tile(t, at.stage);  // O is still 0: no rescale
-    release(empty_k, at);
-    c_to_a<T>(s, pa);
-    // Every wgmma issued in an iteration is waited for in it, and the loop exits before issuing;
-    // the stage waits come before the first issue: ptxas serialises all wgmmas where one may still
-    // be in flight across a branch (C7514 / C7515).
-    for (;;) {
-      const int64_t tn = c.next(active, t + 1);
-      if (tn >= own_end) break;
-      const Pos an = at.next();
-      wait(full_k, an);
-      wait(full_v, at);
-      fence_proxy_async();
-      my_turn(false);
-      gemm_s(an.stage);
-      gemm_pv(at.stage);
-      pass_turn(false);
-      wgmma_wait<1>();  // S of tile tn; P.V of tile t still runs
-      fence_regs(s);
-      softmax_tile(tn, an.stage);
-      release(empty_k, an);
-      wgmma_wait<0>();
-      fence_regs(o);
-      release(empty_v, at);
-      rescale_o_if<D>(o, alpha);
-      c_to_a<T>(s, pa);
-      at = an;
-      t = tn;
-    }
-    wait(full_v, at);
-    fence_proxy_async();
-    my_turn(false);
-    gemm_pv(at.stage);
-    pass_turn(true);
-    wgmma_wait<0>();
-    fence_regs(o);
-    release(empty_v, at);
-    at.advance();
-    t = c.next(active, t + 1);
+    fwd_ws_walk<T, D>(c, active, t, at, own_end, lane, full_k, empty_k, full_v, empty_v, wait, release, load_q, my_turn,
+                      pass_turn, gemm_s, gemm_pv, softmax_tile, s, pa, o, alpha);
   }
   for (; t < c.n_end; t = c.next(active, t + 1), at.advance()) {
     wait(full_k, at);

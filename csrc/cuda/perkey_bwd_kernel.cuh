@@ -143,6 +143,118 @@ __device__ inline void perkey_bwd_load(const BwdParams& p, const PerkeyBwdTile& 
   cp_async_wait<0>();
 }
 
+// lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
+// delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8 of rows [mc, mc + 64) of
+// head h (warp w, lane quarter qc): the four lanes of a row each sum a quarter of it.
+template <typename T, int D>
+__device__ inline void perkey_bwd_row_terms(const BwdParams& p, const SeqInfo& seq, int64_t h, int64_t mc, int w, int g,
+                                            int qc, float (&l2)[2], float (&delta)[2]) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t r = mc + w * 16 + g + 8 * hh;
+    l2[hh] = CUDART_INF_F;
+    float acc = 0.f;
+    if (r < seq.nq) {
+      l2[hh] = lse_log2(static_cast<const float*>(p.lse)[seq.lse_offset(p, h) + r]);
+      const int64_t ro = seq.o_offset(p) + h * p.o_head_stride + r * p.o_row_stride;
+      const T* o = static_cast<const T*>(p.out) + ro;
+      const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + ro : nullptr;
+      const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride + r * p.do_row_stride;
+#pragma unroll
+      for (int u = 0; u < D / 4; u += 2) {
+        const int col = qc * (D / 4) + u;
+        const float2 dv = unpack2<T>(*reinterpret_cast<const uint32_t*>(d + col));
+        float2 ov = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + col));
+        if (res) {
+          const float2 rv = unpack2<T>(*reinterpret_cast<const uint32_t*>(res + col));
+          ov.x += rv.x;
+          ov.y += rv.y;
+        }
+        acc = fmaf(dv.x, ov.x, fmaf(dv.y, ov.y, acc));
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    delta[hh] = acc;
+  }
+}
+
+// dbias of a piece, warp w of computing warpgroup wg's part: the column sums of dS over the warp's
+// 16 rows (lanes of one qc hold one column pair), one reduction per listed key and warp, into
+// piece buffer buf of the smem layout L's dbias sums.
+template <typename L>
+__device__ inline void perkey_bwd_colsums(float (&colsum)[kBlockN / 8][2], unsigned char* smem, int buf, int wg, int w,
+                                          int g, int qc) {
+#pragma unroll
+  for (int n = 0; n < kBlockN / 8; ++n)
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      float v = colsum[n][x];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      colsum[n][x] = v;
+    }
+  // Lanes g = 0 of each warp hold its 64 column sums: into this piece's buffer, summed over the
+  // eight warps after the barrier below (one reduction per key instead of eight).
+  if (g == 0) {
+    float* db = reinterpret_cast<float*>(smem + L::kDB) + (buf * 8 + wg * 4 + w) * kBlockN;
+#pragma unroll
+    for (int n = 0; n < kBlockN / 8; ++n)
+      *reinterpret_cast<float2*>(db + n * 8 + 2 * qc) = make_float2(colsum[n][0], colsum[n][1]);
+  }
+}
+
+// The product's rows go to the float accumulator a 128-byte line per row and instruction: in
+// the fragment order an instruction covers 16 rows x 32 bytes, and the L2 adds such scattered
+// sectors at 60% of the rate it adds whole lines (scripts/gpu/reduce_bench.cu). Each line of
+// columns is turned through the warp's staging: the fragments' 8-byte pairs in, then 16 bytes
+// of one row a lane out (lanes 8 i .. 8 i + 7 one row), unit u of row r at u ^ (r & 7) so that
+// both sides take the fewest wavefronts.
+// acc: computing warpgroup wg's piece product (the lane's rows are those of keys[i]), turned through
+// warp w's slice of the staging of smem layout L.
+template <typename T, int D, typename L>
+__device__ inline void perkey_bwd_reduce(const float (&acc)[D / 8][4], unsigned char* smem, int wg, int w,
+                                         const int32_t (&keys)[4], float* acc_base, int64_t acc_rs, int lane, int g,
+                                         int qc) {
+  float* stg = reinterpret_cast<float*>(smem + L::kRedStage) + (wg * 4 + w) * L::kRedWarpFloats;
+  const int ru = lane % 8;
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int u = (2 * k + (qc >> 1)) ^ g, off = u * 4 + 2 * (qc & 1);
+      *reinterpret_cast<float2*>(stg + g * 32 + off) = make_float2(acc[4 * c + k][0], acc[4 * c + k][1]);
+      *reinterpret_cast<float2*>(stg + (g + 8) * 32 + off) = make_float2(acc[4 * c + k][2], acc[4 * c + k][3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * i + lane / 8;
+      const float4 v = *reinterpret_cast<const float4*>(stg + r * 32 + (ru ^ (r & 7)) * 4);
+      if (keys[i] != KeyList<T, D>::kNever)
+        red_add4(acc_base + (int64_t)keys[i] * acc_rs + c * 32 + ru * 4, v.x, v.y, v.z, v.w);
+    }
+    __syncwarp();
+  }
+}
+
+// dQ (already scaled) out: this thread's rows g, g + 8 of rows [mc, mc + 64) of head h, those inside
+// seqlen_q.
+template <typename T, int D>
+__device__ inline void perkey_bwd_store_dq(const BwdParams& p, const SeqInfo& seq, int64_t h, int64_t mc,
+                                           const float (&dq)[D / 8][4], int w, int g, int qc) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int64_t r = mc + w * 16 + g + 8 * hh;
+    if (r >= seq.nq) continue;
+    T* out = static_cast<T*>(p.dq) + seq.dq_offset(p) + h * p.dq_head_stride + r * p.dq_row_stride;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<uint32_t*>(out + n * 8 + 2 * qc) = pack2<T>(dq[n][2 * hh], dq[n][2 * hh + 1]);
+  }
+}
+
 // Computing warpgroup wg: rows [64 wg, 64 wg + 64) of the tile over every piece of the list.
 template <typename T, int D, typename Keys>
 __device__ inline void perkey_bwd_compute(const BwdParams& p, const PerkeyBwdTile& c, int64_t n_pieces,
@@ -164,38 +276,8 @@ __device__ inline void perkey_bwd_compute(const BwdParams& p, const PerkeyBwdTil
 
   int thr[2] = {-1, -1}, lim[2] = {0x7fffffff, 0x7fffffff};
   Keys::row_terms(p, seq, c.h, mc, w, g, thr, lim);
-  // lse (log2 units; +inf past seqlen_q or for an empty row, so that P is 0) and
-  // delta = rowsum(dO * (out + out_resid)) of this thread's rows g, g + 8: the four lanes of a
-  // row each sum a quarter of it.
   float l2[2], delta[2];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int64_t r = mc + w * 16 + g + 8 * hh;
-    l2[hh] = CUDART_INF_F;
-    float acc = 0.f;
-    if (r < seq.nq) {
-      l2[hh] = lse_log2(static_cast<const float*>(p.lse)[seq.lse_offset(p, c.h) + r]);
-      const int64_t ro = seq.o_offset(p) + c.h * p.o_head_stride + r * p.o_row_stride;
-      const T* o = static_cast<const T*>(p.out) + ro;
-      const T* res = p.out_resid ? static_cast<const T*>(p.out_resid) + ro : nullptr;
-      const T* d = static_cast<const T*>(p.dout) + seq.do_offset(p) + c.h * p.do_head_stride + r * p.do_row_stride;
-#pragma unroll
-      for (int u = 0; u < D / 4; u += 2) {
-        const int col = qc * (D / 4) + u;
-        const float2 dv = unpack2<T>(*reinterpret_cast<const uint32_t*>(d + col));
-        float2 ov = unpack2<T>(*reinterpret_cast<const uint32_t*>(o + col));
-        if (res) {
-          const float2 rv = unpack2<T>(*reinterpret_cast<const uint32_t*>(res + col));
-          ov.x += rv.x;
-          ov.y += rv.y;
-        }
-        acc = fmaf(dv.x, ov.x, fmaf(dv.y, ov.y, acc));
-      }
-    }
-    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
-    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
-    delta[hh] = acc;
-  }
+  perkey_bwd_row_terms<T, D>(p, seq, c.h, mc, w, g, qc, l2, delta);
   const float scale_l2 = p.softmax_scale * kLog2eF, scale = p.softmax_scale;
   const bool want_db = p.dbias_accum.ptr != nullptr;
   // dbias's accumulator row (the bias's layout, float) of this batch and head; null without it.
@@ -283,28 +365,7 @@ __device__ inline void perkey_bwd_compute(const BwdParams& p, const PerkeyBwdTil
       colsum[n][0] = dp[n][0] + dp[n][2];
       colsum[n][1] = dp[n][1] + dp[n][3];
     }
-    if (want_db) {
-      // Column sums over the warp's 16 rows (lanes of one qc hold one column pair), one
-      // reduction per listed key and warp.
-#pragma unroll
-      for (int n = 0; n < kBlockN / 8; ++n)
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          float v = colsum[n][x];
-          v += __shfl_xor_sync(0xffffffffu, v, 4);
-          v += __shfl_xor_sync(0xffffffffu, v, 8);
-          v += __shfl_xor_sync(0xffffffffu, v, 16);
-          colsum[n][x] = v;
-        }
-      // Lanes g = 0 of each warp hold its 64 column sums: into this piece's buffer, summed over the
-      // eight warps after the barrier below (one reduction per key instead of eight).
-      if (g == 0) {
-        float* db = reinterpret_cast<float*>(smem + L::kDB) + (buf * 8 + wg * 4 + w) * kBlockN;
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n)
-          *reinterpret_cast<float2*>(db + n * 8 + 2 * qc) = make_float2(colsum[n][0], colsum[n][1]);
-      }
-    }
+    if (want_db) perkey_bwd_colsums<L>(colsum, smem, buf, wg, w, g, qc);
     // P and dS (scaled: the products of dQ and dK take scale * dS) into this buffer's half, as the
     // fragments lie: element (row, key) of the 64-row half at sw128_offset(64, row, key).
     // The lane's offsets are recomputed a piece (opaque to the compiler): hoisted out of the loop
@@ -376,44 +437,10 @@ __device__ inline void perkey_bwd_compute(const BwdParams& p, const PerkeyBwdTil
       mbar_wait(&full_v[at.stage], at.phase);
       issue(at.stage, true, kEarlyDp);
     }
-    // The product's rows go to the float accumulator a 128-byte line per row and instruction: in
-    // the fragment order an instruction covers 16 rows x 32 bytes, and the L2 adds such scattered
-    // sectors at 60% of the rate it adds whole lines (scripts/gpu/reduce_bench.cu). Each line of
-    // columns is turned through the warp's staging: the fragments' 8-byte pairs in, then 16 bytes
-    // of one row a lane out (lanes 8 i .. 8 i + 7 one row), unit u of row r at u ^ (r & 7) so that
-    // both sides take the fewest wavefronts.
-    float* stg = reinterpret_cast<float*>(smem + L::kRedStage) + (wg * 4 + w) * L::kRedWarpFloats;
-    const int ru = lane % 8;
-#pragma unroll
-    for (int c = 0; c < D / 32; ++c) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int u = (2 * k + (qc >> 1)) ^ g, off = u * 4 + 2 * (qc & 1);
-        *reinterpret_cast<float2*>(stg + g * 32 + off) = make_float2(acc[4 * c + k][0], acc[4 * c + k][1]);
-        *reinterpret_cast<float2*>(stg + (g + 8) * 32 + off) = make_float2(acc[4 * c + k][2], acc[4 * c + k][3]);
-      }
-      __syncwarp();
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = 4 * i + lane / 8;
-        const float4 v = *reinterpret_cast<const float4*>(stg + r * 32 + (ru ^ (r & 7)) * 4);
-        if (keys[i] != KeyList<T, D>::kNever)
-          red_add4(acc_base + (int64_t)keys[i] * acc_rs + c * 32 + ru * 4, v.x, v.y, v.z, v.w);
-      }
-      __syncwarp();
-    }
+    perkey_bwd_reduce<T, D, L>(acc, smem, wg, w, keys, acc_base, acc_rs, lane, g, qc);
   }
 
-  // dQ (already scaled) out, rows inside seqlen_q.
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int64_t r = mc + w * 16 + g + 8 * hh;
-    if (r >= seq.nq) continue;
-    T* out = static_cast<T*>(p.dq) + seq.dq_offset(p) + c.h * p.dq_head_stride + r * p.dq_row_stride;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<uint32_t*>(out + n * 8 + 2 * qc) = pack2<T>(dq[n][2 * hh], dq[n][2 * hh + 1]);
-  }
+  perkey_bwd_store_dq<T, D>(p, seq, c.h, mc, dq, w, g, qc);
 }
 
 // Keys: the key source (ListedKeys); Scheduler: which (query tile, head, batch) a CTA takes.
