@@ -9,7 +9,7 @@
 //     operands) and V stages, handed over by mbarriers;
 //   warpgroups 1 and 2 compute rows [0, 64) and [64, 128) of the tile (paired: the same 64 rows of
 //     head h and h + 1) from the same stages: S = Q K^T (Q loaded once into smem by warpgroup 0,
-//     and from there into registers where the key source has room: FwdWsConfig::kQInRegisters) and
+//     and from there into registers where the configuration has room: FwdWsConfig::kQInRegisters) and
 //     O += P V on wgmma, the online softmax in registers (O rescaled only when a row's max moves:
 //     softmax_step).
 // Why: in the one-warpgroup kernel (fwd_kernel.cuh) the threads that run the products also issue
