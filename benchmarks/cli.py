@@ -2,7 +2,7 @@
 
 Subcommands: forward, backward (training lengths at W=1024), window (window sweep at one
 length, forward and backward), decode-mask (one query, long keys, the dense-mask kernels and
-their peers), equivalence (agreement of every implementation with the float64 reference), topk (the
+their peers), equivalence (agreement of every implementation with the float64 reference), perkey (the
 per-key top-W path, keep_window_size, against dense SDPA and its peers; benchmarks/perkey.py), decode
 (decoding on the per-key path: layer steps and Doge generate; benchmarks/decode.py), varlen (packed
 sequences against per-document calls, a padded batch and dense attention within documents;

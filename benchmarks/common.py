@@ -1,4 +1,4 @@
-"""Helpers the benchmark runners share (cli.py, cpu.py, topk.py, decode.py): the recorded command
+"""Helpers the benchmark runners share (cli.py, cpu.py, perkey.py, decode.py): the recorded command
 line, the JSON writer and reader, a table's report section. Imports nothing of the other benchmark
 modules."""
 

@@ -60,7 +60,7 @@ struct FwdParams {
   // kernels, so an empty tile is skipped without reading its mask bytes.
   Broadcast4d tile_meta;
 
-  // Top-k rank keep rule (optional; flexdma::topk_fwd / topk_bwd; the CPU kernels and the CUDA
+  // Top-k rank keep rule (optional; flexdma::perkey_fwd / perkey_bwd; the CPU kernels and the CUDA
   // forward, which also needs tile_keys below): key j
   // is kept for row i iff key_rank[b, h, j] <= row_thr[b, h, i], on top of the mask and causality.
   // Both int32. key_rank is seen as a (Bs, Hs, 1, K) operand (row_stride 0), row_thr as
@@ -70,21 +70,21 @@ struct FwdParams {
   // rule must refuse params with either pointer set.
   Broadcast4d key_rank;
   Broadcast4d row_thr;
-  // The keys each query tile of topk_tile_rows rows lists (flexdma::topk_select's tile_keys), for
+  // The keys each query tile of perkey_tile_rows rows lists (flexdma::perkey_select's tile_keys), for
   // the CUDA forward of the rank rule: row qt of a plane holds the count n, then n key indices
   // (row_stride = 1 + the list capacity, col_stride 1; batch / head dims broadcast like
   // key_rank's). The kernel gathers K / V rows from the list instead of walking every key tile;
-  // its 64-row tiles read the list of the tile they lie in (topk_tile_rows a multiple of 64).
+  // its 64-row tiles read the list of the tile they lie in (perkey_tile_rows a multiple of 64).
   Broadcast4d tile_keys;
-  int64_t topk_tile_rows = 64;
+  int64_t perkey_tile_rows = 64;
   // Packed sequences (FlashAttention's varlen layout): where set, batch b is the rows
   // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q / out and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of
   // k / v (int32 device offsets, batch + 1 of them), the batch strides are 0, and seqlen_q / seqlen_k
   // are the longest sequence's (they size the grid). No mask; a bias only per key (row stride 0),
   // packed along its keys: (heads, total_k). The per-key operands are packed along their rows / keys
   // alike (batch strides 0): key_rank (heads, total_k), row_thr (heads, total_q); tile_keys holds
-  // sequence b's query tile t in row cu_seqlens_q[b] / topk_tile_rows + b + t (total_q /
-  // topk_tile_rows + batch rows a head: a sequence's tiles never reach the next one's); lse is
+  // sequence b's query tile t in row cu_seqlens_q[b] / perkey_tile_rows + b + t (total_q /
+  // perkey_tile_rows + batch rows a head: a sequence's tiles never reach the next one's); lse is
   // (H, total_q). The kernel that reads the offsets first checks them on the device (seq_info.cuh).
   const int32_t* cu_seqlens_q = nullptr;
   const int32_t* cu_seqlens_k = nullptr;
@@ -116,7 +116,7 @@ struct ScoreConsts {
   double softcap = 0.0;  // 0: off
 };
 
-// The per-key selection (flexdma::topk_select; flexdma/perkey/contract.py states its outputs) of
+// The per-key selection (flexdma::perkey_select; flexdma/perkey/contract.py states its outputs) of
 // every plane of a (P1, P2, K) score tensor, -inf = ineligible. Planes are numbered p = p1 * P2 + p2;
 // the outputs are contiguous: key_rank (P, K), row_thr (P, Q), tile_keys (P, n_tiles, 1 + cap).
 //

@@ -533,7 +533,7 @@ def flex_dma_attention(
     return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
 
 
-def flex_topk_attention(
+def flex_perkey_attention(
     query,
     key,
     value,

@@ -120,7 +120,7 @@ void perkey_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
            [&](const FwdParams& given) {
              FwdParams p = given;
              p.tile_keys = keys;
-             p.topk_tile_rows = tile_rows;
+             p.perkey_tile_rows = tile_rows;
              p.out_resid = resid.data_ptr();
              adjust(p);
              launch_fwd(p, q);
@@ -166,8 +166,8 @@ Broadcast4d perkey_lists(const char* op, const c10::optional<at::Tensor>& tile_k
                          const at::Tensor& q) {
   TORCH_CHECK_VALUE(
       tile_keys.has_value() && tile_keys->defined(), op,
-      " on CUDA needs tile_keys, the third output of flexdma::perkey_select called with tile_rows=", kTopkTileRows);
-  return tile_keys_operand(*tile_keys, key_rank, q, kTopkTileRows);
+      " on CUDA needs tile_keys, the third output of flexdma::perkey_select called with tile_rows=", kPerkeyTileRows);
+  return tile_keys_operand(*tile_keys, key_rank, q, kPerkeyTileRows);
 }
 
 // flexdma::perkey_fwd on CUDA.
@@ -183,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(const at::Tensor&
   const Broadcast4d keys = perkey_lists("flexdma::perkey_fwd", tile_keys, key_rank, q);
   auto [out, lse] = alloc_fwd_outputs(q);
   at::Tensor resid = alloc_out(q);
-  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kTopkTileRows, softmax_scale, is_causal, softcap, out, lse,
+  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, softmax_scale, is_causal, softcap, out, lse,
                  resid, [](FwdParams&) {});
   return {out, lse, resid};
 }
@@ -219,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_bwd_run(
   p.key_rank = rule.key_rank;
   p.row_thr = rule.row_thr;
   p.tile_keys = keys;
-  p.topk_tile_rows = tile_rows;
+  p.perkey_tile_rows = tile_rows;
   p.out_resid = resid;
   adjust(p);
   if (q.numel() > 0 && k.numel() > 0)
@@ -267,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cuda(
   const Broadcast4d keys = perkey_lists("flexdma::perkey_bwd", tile_keys, key_rank, q);
   void* resid = resid_ptr(out_resid, out, "flexdma::perkey_bwd");
   at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = perkey_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, kTopkTileRows, out, lse, resid,
+  auto [dk, dv, db] = perkey_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, out, lse, resid,
                                      softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
   auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
   return {dq, dk_out, dv_out, dbias};
@@ -285,7 +285,7 @@ void launch_select(SelectParams& p, const at::Tensor& like) {
 }
 
 // flexdma::perkey_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
-// topk_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
+// perkey_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tensor& scores, int64_t window,
                                                                   int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
   c10::cuda::CUDAGuard guard(scores.device());
@@ -381,14 +381,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> select_packed(const at::Tensor& b
   p.seqlen_q = s.max_q;
   p.seqlen_k = s.max_k;
   p.window = window;
-  p.tile_rows = kTopkTileRows;
+  p.tile_rows = kPerkeyTileRows;
   p.is_causal = is_causal;
   const char* why = cuda::select_unsupported_reason(p);
   TORCH_CHECK_VALUE(why == nullptr, "flexdma: the packed per-key selection on CUDA does not take this call: ", why);
-  p.list_cap = topk_list_cap(s.max_k, window, kTopkTileRows);
+  p.list_cap = perkey_list_cap(s.max_k, window, kPerkeyTileRows);
   const auto opts = bias.options().dtype(at::kInt);
   at::Tensor key_rank = at::empty({heads, s.total_k}, opts), row_thr = at::empty({heads, s.total_q}, opts);
-  at::Tensor lists = at::empty({heads, s.total_q / kTopkTileRows + s.batch, 1 + p.list_cap}, opts);
+  at::Tensor lists = at::empty({heads, s.total_q / kPerkeyTileRows + s.batch, 1 + p.list_cap}, opts);
   p.key_rank = key_rank.data_ptr<int32_t>();
   p.row_thr = row_thr.data_ptr<int32_t>();
   p.tile_keys = lists.data_ptr<int32_t>();
@@ -438,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_packed_cuda(
   if (window > 0) {
     auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
     perkey_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *packed_bias(bias), rank.unsqueeze(0),
-                   thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, softmax_scale, is_causal, softcap,
+                   thr.unsqueeze(0), packed_lists(lists, q.size(1)), kPerkeyTileRows, softmax_scale, is_causal, softcap,
                    out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
     return {out, lse, resid};
   }
@@ -478,7 +478,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cud
     auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
     auto [dk, dv, db] =
         perkey_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *bias4, rank.unsqueeze(0),
-                       thr.unsqueeze(0), packed_lists(lists, q.size(1)), kTopkTileRows, out4, lse.unsqueeze(0), resid,
+                       thr.unsqueeze(0), packed_lists(lists, q.size(1)), kPerkeyTileRows, out4, lse.unsqueeze(0), resid,
                        softmax_scale, is_causal, bias_requires_grad, dq4, [&s](BwdParams& p) { packed_params(p, s); });
     // The casts make tensors of their own (not views of the float buffer).
     auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, *bias);

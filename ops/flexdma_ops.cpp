@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "../csrc/cpu/flash_dma_cpu.h"
-#include "../csrc/cpu/topk_select.h"
+#include "../csrc/cpu/perkey_select.h"
 #include "op_impl.h"
 
 namespace {
@@ -14,7 +14,7 @@ namespace {
 PyObject* py_perkey_list_cap(PyObject*, PyObject* args) {
   long long K = 0, window = 0, tile_rows = 0;
   if (!PyArg_ParseTuple(args, "LLL", &K, &window, &tile_rows)) return nullptr;
-  return PyLong_FromLongLong(flexdma::topk_list_cap(K, window, tile_rows));
+  return PyLong_FromLongLong(flexdma::perkey_list_cap(K, window, tile_rows));
 }
 // _C.cuda_unsupported_reason(batch, num_heads, num_heads_k, head_dim, dtype, softcap): the CUDA
 // kernels' own check (cuda::unsupported_reason) of a dense call of these sizes, for Python's backend
@@ -98,8 +98,8 @@ PyObject* PyInit__C(void) {
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
   if (PyModule_AddIntConstant(m, "TILE_SIZE", flexdma::kTileSize) < 0 ||
-      PyModule_AddIntConstant(m, "PERKEY_TILE_ROWS", flexdma::kTopkTileRows) < 0 ||
-      PyModule_AddIntConstant(m, "PERKEY_CPU_TILE_ROWS", flexdma::kTopkCpuTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "PERKEY_TILE_ROWS", flexdma::kPerkeyTileRows) < 0 ||
+      PyModule_AddIntConstant(m, "PERKEY_CPU_TILE_ROWS", flexdma::kPerkeyCpuTileRows) < 0 ||
       PyModule_AddIntConstant(m, "NEVER_KEPT", flexdma::kNeverKept) < 0 ||
       PyModule_AddIntConstant(m, "TILES_PER_WORD", flexdma::kTilesPerWord) < 0 ||
       PyModule_AddIntConstant(m, "MAX_GRID_DIM", static_cast<long>(flexdma::kMaxGridDim)) < 0 ||
@@ -207,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tenso
   const int64_t per_plane = o.tile_keys.size(2);
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t pl = b; pl < e; ++pl)
-      cpu::topk_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, o.list_cap,
+      cpu::perkey_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, o.list_cap,
                              o.key_rank.data_ptr<int32_t>() + pl * K, o.row_thr.data_ptr<int32_t>() + pl * seqlen_q,
                              o.tile_keys.data_ptr<int32_t>() + pl * per_plane);
   });
@@ -282,7 +282,7 @@ at::Tensor float64_order(const at::Tensor& scores) {
 // scores by their float64 order, as flash_dma_attention's selection ranks them.
 std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const Seq& s, int64_t window, bool causal) {
   const at::Tensor scores = bias.scalar_type() == at::kDouble ? float64_order(bias.squeeze(2)) : bias.squeeze(2);
-  auto [rank, thr, lists] = perkey_select_cpu(scores, window, s.nq, causal, kTopkCpuTileRows);
+  auto [rank, thr, lists] = perkey_select_cpu(scores, window, s.nq, causal, kPerkeyCpuTileRows);
   return {rank, thr};
 }
 
@@ -393,7 +393,7 @@ TORCH_LIBRARY(flexdma, m) {
   // rounded (the CUDA one): the backward's rowsum(dout * out) needs out in float for a per-key
   // dbias summed over every row. Empty where the backward recomputes that sum itself (CPU).
   // On CUDA these are the C++ kernels (flexdma_cuda.cpp), which read tile_keys: perkey_select's
-  // lists of 128-row query tiles (kTopkTileRows); they take the calls cuda::perkey_unsupported_reason
+  // lists of 128-row query tiles (kPerkeyTileRows); they take the calls cuda::perkey_unsupported_reason
   // admits (flexdma._C.perkey_unsupported_reason) and refuse the others with its reason. The CPU
   // kernels ignore tile_keys. The per-key route (flexdma/perkey/route.py) sends the CUDA calls these
   // kernels do not take to the Triton kernels, registered as flexdma_triton::perkey_fwd / perkey_bwd

@@ -142,7 +142,7 @@ struct SelectOutputs {
 inline SelectOutputs alloc_select_outputs(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows,
                                           bool zero_lists) {
   const int64_t P1 = scores.size(0), P2 = scores.size(1), K = scores.size(2);
-  const int64_t cap = topk_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
+  const int64_t cap = perkey_list_cap(K, window, tile_rows), n_tiles = (seqlen_q + tile_rows - 1) / tile_rows;
   const auto opts = scores.options().dtype(at::kInt);
   const std::vector<int64_t> lists{P1, P2, n_tiles * (1 + cap)};
   return {at::empty({P1, P2, K}, opts), at::empty({P1, P2, seqlen_q}, opts),

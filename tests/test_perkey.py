@@ -377,7 +377,7 @@ def test_cuda_selection_at_empty_and_one_key_sizes():
 
 
 def test_cuda_selection_at_every_chunk_count():
-    # One to 35 of the CUDA selection's 4096-key chunks (csrc/cuda/topk_select.cu), bf16 scores
+    # One to 35 of the CUDA selection's 4096-key chunks (csrc/cuda/perkey_select.cu), bf16 scores
     # read through a strided view, against the CPU op.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

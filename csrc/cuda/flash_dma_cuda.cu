@@ -46,7 +46,7 @@ constexpr bool kSm90aBuild = false;
 // The per-key kernels' limits that the sizes and the operands' layout set (both checks below).
 const char* perkey_limits_reason(int64_t batch, int64_t heads, int64_t seqlen_q, int64_t seqlen_k, bool rows_aligned,
                                  int64_t kv_row_stride) {
-  if (ceil_div(seqlen_q, kTopkTileRows) * heads * batch >= (int64_t(1) << 31))
+  if (ceil_div(seqlen_q, kPerkeyTileRows) * heads * batch >= (int64_t(1) << 31))
     return "the per-key forward counts its query tiles x heads x batch in 32 bits";
   if (!rows_aligned) return "the per-key kernels need 16-byte aligned q / k / v rows (strides multiples of 8)";
   if (kv_row_stride < 0 || kv_row_stride >= (int64_t(1) << 31) || seqlen_k * kv_row_stride >= (int64_t(1) << 31))
@@ -70,10 +70,10 @@ const char* unsupported_reason(const FwdParams& p) {
   if (p.key_rank.ptr || p.row_thr.ptr || p.tile_keys.ptr) {
     if (!p.key_rank.ptr || !p.row_thr.ptr || !p.tile_keys.ptr)
       return "the top-k rank rule needs key_rank, row_thr and tile_keys together";
-    if (!topk_head_dim(p.head_dim)) return "the top-k kernels take head dims 64 and 128, on sm_90a builds";
-    if (p.mask.ptr) return "the top-k kernels take no attn_mask (the selection holds it)";
-    if (p.topk_tile_rows <= 0 || p.topk_tile_rows % kTopkTileRows != 0)
-      return "the top-k kernels read lists of query tiles of a multiple of 128 rows (their CTAs' rows)";
+    if (!perkey_head_dim(p.head_dim)) return "the C++ per-key kernels take head dims 64 and 128, on sm_90a builds";
+    if (p.mask.ptr) return "the C++ per-key kernels take no attn_mask (the selection holds it)";
+    if (p.perkey_tile_rows <= 0 || p.perkey_tile_rows % kPerkeyTileRows != 0)
+      return "the C++ per-key kernels read lists of query tiles of a multiple of 128 rows (their CTAs' rows)";
     const bool aligned = aligned16(p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride) &&
                          aligned16(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride) &&
                          aligned16(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride);
@@ -87,7 +87,7 @@ const char* perkey_unsupported_reason(const PerkeyCall& c) {
   const int bf16 = static_cast<int>(DType::kBFloat16), fp16 = static_cast<int>(DType::kFloat16);
   if (c.dtype != bf16 && c.dtype != fp16) return "the per-key kernels take bfloat16 and float16";
   if (!kSm90aBuild) return "the per-key kernels are in sm_90a-only builds (FLEXDMA_CUDA_ARCHS=90), not this one";
-  if (!topk_head_dim(c.head_dim) || !head_dim_built(c.head_dim))
+  if (!perkey_head_dim(c.head_dim) || !head_dim_built(c.head_dim))
     return "the per-key kernels take head dims 64 and 128 where the build has them (FLEXDMA_HEAD_DIMS)";
   if (c.device_arch != 90) return "the per-key kernels run on sm_90 GPUs (H100, H200)";
   if (c.bias_dtype != c.dtype) return "the per-key kernels take the bias in q's dtype";

@@ -8,7 +8,7 @@
 //     out) and the bias tiles per 64-row half; scores dropped by keep tile, bounds and causality.
 //     Padded batches (SequenceKeys), or packed sequences without a mask (PackedSequenceKeys: a
 //     kernel of its own, so that the padded one holds no sequence offsets in its registers).
-//   ListedKeys (the per-key top-W rule, flexdma::topk_fwd): consecutive 64-entry pieces of the
+//   ListedKeys (the per-key top-W rule, flexdma::perkey_fwd): consecutive 64-entry pieces of the
 //     query tile's key list (FwdParams::tile_keys, 128-row lists); K / V rows gathered through the
 //     list (KeyList), each listed key's index, rank and bias in the stage's slot; scores dropped
 //     by the rank rule (apply_rank_keep) with the bias of each listed key. No mask, no bias tiles,
@@ -131,7 +131,7 @@ struct ListedKeys {
       c.list = nullptr;
       return 0;
     }
-    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.seq.tile0 + c.m0 / p.topk_tile_rows, 0);
+    c.list = Plane<int32_t>(p.tile_keys, c.b, c.h).at(c.seq.tile0 + c.m0 / p.perkey_tile_rows, 0);
     return known >= 0 ? known : ceil_div(c.list[0], kBlockN);
   }
   // The key list is walked whole (the rank rule holds causality).

@@ -50,7 +50,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   f.pair = kWs && !p.tile_keys.ptr && (p.num_heads / p.num_heads_k) % 2 == 0 && shared(p.mask) && shared(p.bias) &&
            shared(p.tile_meta) && ceil_div(p.seqlen_q, kWsRows) * p.num_heads * p.batch >= sms;
   if constexpr (kWs) {
-    // The per-key rule (tile_keys set; unsupported_reason admits it for topk_head_dim only).
+    // The per-key rule (tile_keys set; unsupported_reason admits it for perkey_head_dim only).
     using K = FwdWsKernels<T, D>;
     plan.persistent = p.tile_keys.ptr && K::Listed::kPersistent;
     plan.kernel = p.tile_keys.ptr  ? fwd_ws_kernel<typename K::Listed>

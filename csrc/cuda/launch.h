@@ -18,7 +18,7 @@ int64_t fwd_workspace_bytes(const FwdParams& p);
 
 // Whether head dim d's forward (a runtime value: the params') is the warp-specialized kernel, the
 // one that runs the per-key rule (fwd_warp_specialized).
-constexpr bool topk_head_dim(int64_t d) {
+constexpr bool perkey_head_dim(int64_t d) {
 #define FLEXDMA_WS_DIM(D) (d == D && fwd_warp_specialized<D>()) ||
   return FLEXDMA_ALL_HEAD_DIMS(FLEXDMA_WS_DIM) false;
 #undef FLEXDMA_WS_DIM

@@ -31,7 +31,7 @@ struct SeqInfo {
       s.k0 = p.cu_seqlens_k[batch];
       s.nq = p.cu_seqlens_q[batch + 1] - s.q0;
       s.nk = p.cu_seqlens_k[batch + 1] - s.k0;
-      s.tile0 = s.q0 / p.topk_tile_rows + batch;
+      s.tile0 = s.q0 / p.perkey_tile_rows + batch;
     } else {
       s.q0 = s.k0 = s.tile0 = 0;
       s.nq = p.seqlen_q;

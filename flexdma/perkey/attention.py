@@ -17,7 +17,7 @@ def run(backend: str, call, query, key, value, attn_mask, attn_bias, scale: floa
     sel = contract.select(scores, call.keep_window_size, call.seqlen_q, call.is_causal, r.tile_rows)
     operands = (query, key, value, attn_bias, sel.key_rank, sel.row_thr)
     if r.forward == "flex":
-        return flex.flex_topk_attention(
+        return flex.flex_perkey_attention(
             *operands,
             is_causal=call.is_causal,
             softmax_scale=scale,

@@ -125,7 +125,7 @@ def float64_order(scores: torch.Tensor) -> torch.Tensor:
 
 def list_cap(K: int, window: int, tile_rows: int) -> int:
     """Entries of a tile's list: at most W + tile_rows - 1 keys (and never more than K). The rule
-    is csrc/flash_dma_constants.h's topk_list_cap (flexdma._C.perkey_list_cap); it is written here
+    is csrc/flash_dma_constants.h's perkey_list_cap (flexdma._C.perkey_list_cap); it is written here
     again because the fake kernels call it with symbolic sizes, which the C++ one cannot take
     (tests/test_perkey.py checks that the two agree)."""
     return min(K, window + tile_rows - 1)

@@ -5,7 +5,7 @@ kernels do not take. Imports triton: loaded by the first call that runs them (op
 not by `import flexdma`. Which calls come here and the selection's tile rows are
 flexdma/perkey/route.py's.
 
-- the selection they read: flexdma::perkey_select's CUDA kernel (csrc/cuda/topk_select.cu).
+- the selection they read: flexdma::perkey_select's CUDA kernel (csrc/cuda/perkey_select.cu).
 - `fwd` / `bwd`: one program per (batch, query tile, pack of query heads that share a kv head and
   a selection plane). The pack's rows share every gathered K / V tile; each element still gets the
   exact keep test (rank <= the row's threshold, causal cut), so the union list costs compute but

@@ -2,7 +2,7 @@
 //
 // Causal rows see a growing prefix of the keys, so the W best visible ranks change by at most one
 // insertion and one eviction per newly visible key: row_thr costs O(K log W), not O(Q K).
-#include "topk_select.h"
+#include "perkey_select.h"
 
 #include <algorithm>
 #include <cmath>
@@ -13,7 +13,7 @@
 namespace flexdma {
 namespace cpu {
 
-void topk_select_plane(const float* scores, int64_t K, int64_t Q, int64_t window, bool is_causal, int64_t tile_rows,
+void perkey_select_plane(const float* scores, int64_t K, int64_t Q, int64_t window, bool is_causal, int64_t tile_rows,
                        int64_t list_cap, int32_t* key_rank, int32_t* row_thr, int32_t* tile_keys) {
   std::vector<int32_t> order;
   order.reserve(K);

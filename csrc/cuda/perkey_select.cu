@@ -1,4 +1,4 @@
-// The per-key selection on CUDA (flexdma::topk_select): key_rank, row_thr and tile_keys of every
+// The per-key selection on CUDA (flexdma::perkey_select): key_rank, row_thr and tile_keys of every
 // plane (flexdma/perkey/contract.py states them) in one kernel launch after the zero fill of its
 // counters: no sort by the host, no host synchronisation, so a CUDA graph holds it.
 //
