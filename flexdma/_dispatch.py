@@ -96,7 +96,10 @@ class Call(NamedTuple):
         # The per-key fields: the bias's dtype, the operands' alignment, the larger K / V row stride.
         perkey = ()
         if keep_window_size is not None:
-            perkey = (bias.dtype, _rows_aligned(q, k, v), torch.sym_max(k.stride(1), v.stride(1)))
+            ks, vs = k.stride(1), v.stride(1)
+            # (torch.sym_max only for symbolic strides: dynamo before 2.13 cannot trace it on ints.)
+            stride = max(ks, vs) if isinstance(ks, int) and isinstance(vs, int) else torch.sym_max(ks, vs)
+            perkey = (bias.dtype, _rows_aligned(q, k, v), stride)
         return Call(
             q.device,
             q.dtype,
