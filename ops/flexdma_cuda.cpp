@@ -188,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(const at::Tensor&
   return {out, lse, resid};
 }
 
-// The per-key backward over the same lists (bwd_ws_kernel.cuh; perkey_bwd, varlen_bwd_cuda) into
+// The per-key backward over the same lists (perkey_bwd_kernel.cuh; perkey_bwd, varlen_bwd_cuda) into
 // dq (the caller's, as perkey_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
 // (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
