@@ -165,14 +165,22 @@ def gathered_call(call):
     P2 = contract.plane_heads(H, bias_shape[1], 1 if mask_shape is None else mask_shape[1])
     rows = Q if call.is_causal and Q > 1 else 1
     E = W + rows - 1
-    # Fields with a default describe per-key operands only: a dense call has the defaults.
-    return call._replace(
-        **type(call)._field_defaults,
+    # A new record, not call._replace: dynamo before torch 2.13 cannot trace _replace. The fields
+    # not named here (with defaults) describe per-key operands only: a dense call has the defaults.
+    return type(call)(
+        device=call.device,
+        dtype=call.dtype,
+        batch=call.batch,
+        seqlen_q=Q,
+        num_heads=H,
+        head_dim=call.head_dim,
         seqlen_k=E,
         num_kv_heads=H if P2 == H else call.num_kv_heads,
         is_causal=False,
+        softcap=call.softcap,
         mask_shape=(P1, P2, rows, E),
         bias_shape=(P1, P2, 1, E),
+        requires_grad=call.requires_grad,
         keep_window_size=None,
     )
 
