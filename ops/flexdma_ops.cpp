@@ -208,8 +208,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tenso
   at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t pl = b; pl < e; ++pl)
       cpu::perkey_select_plane(s.data_ptr<float>() + pl * K, K, seqlen_q, window, is_causal, tile_rows, o.list_cap,
-                             o.key_rank.data_ptr<int32_t>() + pl * K, o.row_thr.data_ptr<int32_t>() + pl * seqlen_q,
-                             o.tile_keys.data_ptr<int32_t>() + pl * per_plane);
+                               o.key_rank.data_ptr<int32_t>() + pl * K, o.row_thr.data_ptr<int32_t>() + pl * seqlen_q,
+                               o.tile_keys.data_ptr<int32_t>() + pl * per_plane);
   });
   return {o.key_rank, o.row_thr, o.tile_keys};
 }

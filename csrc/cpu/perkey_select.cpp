@@ -14,7 +14,7 @@ namespace flexdma {
 namespace cpu {
 
 void perkey_select_plane(const float* scores, int64_t K, int64_t Q, int64_t window, bool is_causal, int64_t tile_rows,
-                       int64_t list_cap, int32_t* key_rank, int32_t* row_thr, int32_t* tile_keys) {
+                         int64_t list_cap, int32_t* key_rank, int32_t* row_thr, int32_t* tile_keys) {
   std::vector<int32_t> order;
   order.reserve(K);
   for (int64_t j = 0; j < K; ++j)

@@ -16,7 +16,7 @@ using flexdma::kNeverKept;
 // Writes key_rank[K], row_thr[Q], and per query tile of `tile_rows` rows the union of the rows'
 // kept keys in rank order: tile_keys[t * (1 + list_cap)] = n, then n key indices.
 void perkey_select_plane(const float* scores, int64_t K, int64_t Q, int64_t window, bool is_causal, int64_t tile_rows,
-                       int64_t list_cap, int32_t* key_rank, int32_t* row_thr, int32_t* tile_keys);
+                         int64_t list_cap, int32_t* key_rank, int32_t* row_thr, int32_t* tile_keys);
 
 }  // namespace cpu
 }  // namespace flexdma
