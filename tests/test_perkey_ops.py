@@ -244,14 +244,14 @@ def test_tile_keys_is_accepted_and_ignored_on_cpu():
 
 # ------------------------------------------------------------------------ opcheck
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_opcheck_topk_fwd(is_causal):
+def test_opcheck_perkey_fwd(is_causal):
     case = Case("oc", B=2, Q=5, K=7, H=4, KVH=2, plane=("1", "KVH"), bias=("B", "1"), W=3, causal=is_causal, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32)
     torch.library.opcheck(perkey_fwd, (q, k, v, bias, key_rank, row_thr, 0.25, is_causal, 0.0, False))
 
 
 @pytest.mark.parametrize("bias_requires_grad", [False, True])
-def test_opcheck_topk_bwd(bias_requires_grad):
+def test_opcheck_perkey_bwd(bias_requires_grad):
     case = Case("oc", B=2, Q=5, K=7, H=4, KVH=2, plane=("B", "H"), bias=("1", "KVH"), W=3, causal=True, D=8)
     q, k, v, bias, key_rank, row_thr = _make(case, torch.float32, requires_grad=False)
     out, lse, _ = perkey_fwd(q, k, v, bias, key_rank, row_thr, 0.25, True, 0.0, False)
