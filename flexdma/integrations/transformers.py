@@ -205,11 +205,7 @@ def _is_packed_causal(mask_function, causal, attention_mask, use_vmap: bool) -> 
         return [c.cell_contents for c in (getattr(f, "__closure__", None) or ())]
 
     def name(f):
-        # (Not getattr with a default: traced, that gives the default for a function made in the graph.)
-        try:
-            return f.__qualname__
-        except AttributeError:
-            return ""
+        return getattr(f, "__qualname__", "")
 
     if torch.compiler.is_compiling():
         # Traced, a function made inside the graph shows no closure, and not every dynamo reads its

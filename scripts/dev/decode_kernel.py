@@ -21,13 +21,9 @@ import torch
 from triton.testing import do_bench
 
 from benchmarks.common import captured
-from benchmarks.decode import kernel_case
+from benchmarks.decode import kernel_case as case
 from flexdma.perkey import triton_decode
 from scripts.dev.select_bench import graph_us
-
-
-def case(B, H, KVH, D, K, W, module=triton_decode):
-    return kernel_case(B, H, KVH, D, K, W, module)
 
 
 def _load(path: str):
