@@ -423,13 +423,23 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+# The peers the table must show: a run with fewer (--peers, as a before / after comparison of
+# flexdma alone) does not replace the newest run that measured them.
+TABLE_PEERS = frozenset(("sdpa", "flexdma", "flex", "flex-window"))
+
+
+def _measured_peers(doc: dict) -> set:
+    return {p for r in doc.get("rows", []) for p in r.get("peers", {})}
+
+
 def section(results_dir: str) -> List[str]:
-    """The newest run's tables; where that run left the Doge rows out (--peers without doge), the
-    newest run's that has them, named."""
+    """The newest run's tables that measured every peer of the table (else the newest run's);
+    where that run left the Doge rows out (--peers without doge), the newest run's that has them,
+    named."""
     runs = runs_of(results_dir, SCHEMA)
     if not runs:
         return []
-    doc = runs[0]
+    doc = next((d for d in runs if TABLE_PEERS <= _measured_peers(d)), runs[0])
     if not doc.get("doge"):
         earlier = next((d for d in runs[1:] if d.get("doge")), None)
         if earlier is not None:

@@ -282,6 +282,28 @@ def test_perkey_benchmark_table_and_report_section(tmp_path):
     assert f"{1.0 * listed / dense:.3f} / {3.5 * listed / dense:.3f}" in md
 
 
+def test_perkey_report_keeps_the_run_with_every_peer(tmp_path):
+    # A newer run of flexdma and SDPA alone (a before / after comparison) does not replace the
+    # table of the newest run that measured FlexAttention too.
+    from benchmarks import perkey
+
+    case = perkey.cases(quick=True)[0]
+    timed = dict(fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0)
+    full = {p: dict(timed) for p in ("sdpa", "flexdma", "flex", "flex-window")}
+    for name, date, commit, peers in (
+        ("full.json", "2026-11-23T00:00:00Z", "aaa1111", full),
+        ("partial.json", "2026-11-24T00:00:00Z", "bbb2222", {p: full[p] for p in ("sdpa", "flexdma")}),
+    ):
+        doc = dict(
+            schema=perkey.SCHEMA, date=date, gpu_short="h100", commit=commit, rows=[dict(case=case, peers=peers)]
+        )
+        (tmp_path / name).write_text(__import__("json").dumps(doc))
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "commit aaa1111" in md and "commit bbb2222" not in md
+    (tmp_path / "full.json").unlink()
+    assert "commit bbb2222" in "\n".join(perkey.section(str(tmp_path)))
+
+
 def test_decode_benchmark_table_and_report_section(tmp_path):
     from benchmarks import decode
 
