@@ -45,6 +45,9 @@ void launch_perkey_bwd(const BwdParams& p, cudaStream_t stream) {
     constexpr int kSmem = PerkeyBwdSmem<T, D>::kBytes;
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     const dim3 grid = Scheduler::grid(ceil_div(p.seqlen_q, 2 * kBlockM), p.num_heads, p.batch, 1);
+    // Packed calls: the offsets are checked ahead of the kernel (it runs wgmma: seq_info.cuh says why
+    // not in it); the selection it reads was made by a launch of its own.
+    if (p.cu_seqlens_q) check_packed_offsets_kernel<><<<(unsigned)ceil_div(p.batch, 128), 128, 0, stream>>>(p);
     kernel<<<grid, kPerkeyBwdThreads, kSmem, stream>>>(p);
   }
 }

@@ -109,10 +109,9 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid = plan.persistent ? PersistentTileScheduler::grid(
                                           PersistentTileScheduler::items(m_tiles, plan.units, p.batch, sp.n), plan.sms)
                                     : SingleTileScheduler::grid(m_tiles, plan.units, p.batch, sp.n);
-  // Dense packed calls: the offsets are checked before the kernel reads them (the per-key path's
-  // selection checks its own).
-  if (p.cu_seqlens_q && !p.tile_keys.ptr)
-    check_packed_offsets_kernel<><<<(unsigned)ceil_div(p.batch, 128), 128, 0, stream>>>(p);
+  // Packed calls: the offsets are checked before the kernel reads them (a per-key call's selection,
+  // a launch of its own, may have had other offsets).
+  if (p.cu_seqlens_q) check_packed_offsets_kernel<><<<(unsigned)ceil_div(p.batch, 128), 128, 0, stream>>>(p);
   plan.kernel<<<grid, plan.threads, plan.smem, stream>>>(p, plan.f, sp);
   if (sp.n > 1) {
     const int64_t rows_all = p.batch * p.num_heads * p.seqlen_q;
