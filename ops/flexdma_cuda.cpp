@@ -55,24 +55,6 @@ c10::optional<at::Tensor> meta_for(const c10::optional<at::Tensor>& mask, const 
   return tile_meta_cuda(*mask, q.size(1), k.size(1), is_causal);
 }
 
-// out_resid is written where keep_resid says a backward will follow: its rowsum(dout * out) needs
-// out in float. An inference call skips the store (one more out-sized write).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                        const c10::optional<at::Tensor>& mask,
-                                                        const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                                        bool is_causal, double softcap, bool /*deterministic*/,
-                                                        const c10::optional<at::Tensor>& tile_meta, bool keep_resid) {
-  c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor resid = keep_resid ? alloc_out(q) : at::empty({0}, q.options());
-  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap,
-                             meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
-                               FwdParams p = given;
-                               p.out_resid = keep_resid ? resid.data_ptr() : nullptr;
-                               launch_fwd(p, q);
-                             });
-  return {out, lse, resid};
-}
-
 // out_resid's data (null where it is absent or empty): the backward kernels index it with out's
 // strides, so it must have out's shape, strides, dtype and device.
 void* resid_ptr(const c10::optional<at::Tensor>& out_resid, const at::Tensor& out, const char* op) {
@@ -87,29 +69,9 @@ void* resid_ptr(const c10::optional<at::Tensor>& out_resid, const at::Tensor& ou
   return const_cast<void*>(out_resid->const_data_ptr());
 }
 
-// Without out_resid (or with an empty one) the kernel's row sums use out alone.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-    const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& out_resid) {
-  c10::cuda::CUDAGuard guard(q.device());
-  void* resid = resid_ptr(out_resid, out, "flexdma::bwd");
-  return bwd_impl(
-      dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
-      meta_for(mask, tile_meta, q, k, is_causal),
-      [resid, &q](const BwdParams& given) {
-        BwdParams p = given;
-        p.out_resid = resid;
-        launch_bwd(p, q);
-      },
-      /*device_stores_dbias_dtype=*/true);
-}
-
-// The per-key forward over each query tile's listed keys (perkey_fwd, varlen_fwd_cuda) into out /
+// The per-key forward over each query tile's listed keys (perkey_fwd, padded or packed) into out /
 // lse / resid, allocated by the caller (fwd_impl's `into`); `adjust` sets what the operands alone do
-// not say (packed sequences). The callers check q / k / v before any kernel runs (the packed ones
-// before the selection).
+// not say (packed sequences). The callers check q / k / v before any kernel runs.
 void perkey_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
                     const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
                     double softmax_scale, bool is_causal, double softcap, const at::Tensor& out, const at::Tensor& lse,
@@ -139,13 +101,20 @@ int dtype_code(at::ScalarType t) {
                                                                                      : -1;
 }
 
-// The C++ per-key kernels' check of a padded call (cuda::perkey_unsupported_reason, which Python's
-// route asks before choosing them), run before any launch: a call they do not take is refused with
-// its reason. The backward's conditions count torch's deterministic mode as `deterministic`.
+// The C++ per-key kernels' check of a call (cuda::perkey_unsupported_reason, which Python's route
+// asks before choosing them), run before any launch: a call they do not take is refused with its
+// reason. q / k / v are 4-D (a packed call's batch-1 views); a packed call (`packed` set) is checked
+// as its sequences make it, max_seqlen long each (the kernels index rows from a sequence's first).
+// The backward's conditions count torch's deterministic mode as `deterministic`.
 void check_perkey(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                  double softcap, bool backward, bool deterministic) {
+                  double softcap, bool backward, bool deterministic, const Packed* packed = nullptr) {
   // batch, num_heads, num_heads_k, head_dim, seqlen_q, seqlen_k
   cuda::PerkeyCall c{q.size(0), q.size(2), k.size(2), q.size(3), q.size(1), k.size(1)};
+  if (packed != nullptr) {
+    c.batch = packed->batch;
+    c.seqlen_q = packed->max_q;
+    c.seqlen_k = packed->max_k;
+  }
   c.dtype = dtype_code(q.scalar_type());
   c.bias_dtype = dtype_code(bias.scalar_type());
   c.softcap = static_cast<float>(softcap);
@@ -170,25 +139,7 @@ Broadcast4d perkey_lists(const char* op, const c10::optional<at::Tensor>& tile_k
   return tile_keys_operand(*tile_keys, key_rank, q, kPerkeyTileRows);
 }
 
-// flexdma::perkey_fwd on CUDA.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                               const at::Tensor& v, const at::Tensor& bias,
-                                                               const at::Tensor& key_rank, const at::Tensor& row_thr,
-                                                               double softmax_scale, bool is_causal, double softcap,
-                                                               bool /*deterministic: read by the backward*/,
-                                                               const c10::optional<at::Tensor>& tile_keys) {
-  c10::cuda::CUDAGuard guard(q.device());
-  check_qkv(q, k, v);
-  check_perkey("flexdma::perkey_fwd", q, k, v, bias, softcap, /*backward=*/false, /*deterministic=*/false);
-  const Broadcast4d keys = perkey_lists("flexdma::perkey_fwd", tile_keys, key_rank, q);
-  auto [out, lse] = alloc_fwd_outputs(q);
-  at::Tensor resid = alloc_out(q);
-  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, softmax_scale, is_causal, softcap, out, lse,
-                 resid, [](FwdParams&) {});
-  return {out, lse, resid};
-}
-
-// The per-key backward over the same lists (perkey_bwd_kernel.cuh; perkey_bwd, varlen_bwd_cuda) into
+// The per-key backward over the same lists (perkey_bwd_kernel.cuh; perkey_bwd, padded or packed) into
 // dq (the caller's, as perkey_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
 // (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
@@ -255,24 +206,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cast_sums(const at::Tensor& dk, c
   return {dk_out, dv_out, db_out};
 }
 
-// flexdma::perkey_bwd on CUDA.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
-    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
-    const c10::optional<at::Tensor>& tile_keys, const c10::optional<at::Tensor>& out_resid) {
-  c10::cuda::CUDAGuard guard(q.device());
-  check_qkv(q, k, v);
-  check_perkey("flexdma::perkey_bwd", q, k, v, bias, softcap, /*backward=*/true, deterministic);
-  const Broadcast4d keys = perkey_lists("flexdma::perkey_bwd", tile_keys, key_rank, q);
-  void* resid = resid_ptr(out_resid, out, "flexdma::perkey_bwd");
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  auto [dk, dv, db] = perkey_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, out, lse, resid,
-                                     softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
-  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
-  return {dq, dk_out, dv_out, dbias};
-}
-
 // The selection's scratch (from PyTorch's allocator, as the other kernels'), the zero fill of its
 // counters and its one launch.
 void launch_select(SelectParams& p, const at::Tensor& like) {
@@ -284,12 +217,307 @@ void launch_select(SelectParams& p, const at::Tensor& like) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// flexdma::perkey_select: one launch after the zero fill of the kernel's counters (csrc/cuda/
-// perkey_select.cu). Entries past a list's length are left unwritten (the kernels never read them).
+// ---- The packed form on CUDA ----
+// The kernels read each sequence's offsets on the device (FwdParams' / SelectParams' cu_seqlens): a
+// call is one kernel launch for all its sequences, with no host synchronisation (the host never
+// reads the offsets; the first kernel of a call checks them and stops at a device-side assert on
+// invalid ones). The packed rows go through the padded path's parameter fills as one batch
+// (q (1, Tq, H, D), the bias (1, heads, 1, Tk), key_rank (1, heads, Tk), row_thr (1, heads, Tq));
+// packed_params then makes the sequences of that batch. The outputs are tensors of their own at the
+// packed shapes, filled through batch-1 views of them.
+
+// The bias as the batch-1 fills take it, (1, heads, 1, Tk).
+c10::optional<at::Tensor> packed_bias(const c10::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
+  return bias->unsqueeze(0).unsqueeze(2);
+}
+
+void packed_params(FwdParams& p, const Packed& s) {
+  p.cu_seqlens_q = s.cu_q.const_data_ptr<int32_t>();
+  p.cu_seqlens_k = s.cu_k.const_data_ptr<int32_t>();
+  p.batch = s.batch;
+  p.seqlen_q = s.max_q;
+  p.seqlen_k = s.max_k;
+  p.total_q = s.total_q;
+  p.total_k = s.total_k;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
+  p.bias.batch_stride = 0;
+}
+
+void packed_params(BwdParams& p, const Packed& s) {
+  packed_params(static_cast<FwdParams&>(p), s);
+  p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+  p.dbias_accum.batch_stride = 0;
+}
+
+// out_resid as resid_ptr takes it for out's batch-1 view.
+c10::optional<at::Tensor> packed_resid(const c10::optional<at::Tensor>& out_resid) {
+  if (!out_resid.has_value() || !out_resid->defined()) return c10::nullopt;
+  return out_resid->unsqueeze(0);
+}
+
+// perkey_select's packed form: one launch over every (sequence, bias head) plane; key_rank
+// (heads, Tk), row_thr (heads, Tq), tile_keys (heads, Tq / tile_rows + batch, 1 + cap) (SelectParams
+// states the layout). Any tile_rows the selection kernel takes; perkey_fwd / perkey_bwd read only
+// lists of kPerkeyTileRows-row tiles.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_packed_cuda(const at::Tensor& scores, int64_t window,
+                                                                         bool is_causal, int64_t tile_rows,
+                                                                         const Packed& s) {
+  SelectParams p;
+  p.scores = scores.const_data_ptr();
+  p.dtype = to_dtype(scores.scalar_type());
+  p.cu_seqlens_q = s.cu_q.const_data_ptr<int32_t>();
+  p.cu_seqlens_k = s.cu_k.const_data_ptr<int32_t>();
+  p.total_q = s.total_q;
+  p.total_k = s.total_k;
+  const int64_t heads = scores.size(0);
+  p.planes2 = heads;
+  p.planes = s.batch * heads;
+  p.stride2 = scores.stride(0);
+  p.stride_k = scores.stride(1);
+  p.seqlen_q = s.max_q;
+  p.seqlen_k = s.max_k;
+  p.window = window;
+  p.tile_rows = tile_rows;
+  p.is_causal = is_causal;
+  const char* why = cuda::select_unsupported_reason(p);
+  TORCH_CHECK_VALUE(why == nullptr, "flexdma::perkey_select on CUDA does not take this packed call: ", why);
+  p.list_cap = perkey_list_cap(s.max_k, window, tile_rows);
+  const auto opts = scores.options().dtype(at::kInt);
+  at::Tensor key_rank = at::empty({heads, s.total_k}, opts), row_thr = at::empty({heads, s.total_q}, opts);
+  at::Tensor lists = at::empty({heads, s.total_q / tile_rows + s.batch, 1 + p.list_cap}, opts);
+  p.key_rank = key_rank.data_ptr<int32_t>();
+  p.row_thr = row_thr.data_ptr<int32_t>();
+  p.tile_keys = lists.data_ptr<int32_t>();
+  launch_select(p, scores);
+  return {key_rank, row_thr, lists};
+}
+
+// The lists of perkey_select's packed form as the kernels' operand. The kernels' CTAs take
+// kPerkeyTileRows query rows, and a sequence's first list is row cu_seqlens_q[b] / kPerkeyTileRows + b
+// (SeqInfo::tile0): lists made with another tile_rows are refused by their row count.
+Broadcast4d packed_lists(const char* op, const c10::optional<at::Tensor>& tile_keys, const at::Tensor& key_rank,
+                         const at::Tensor& q, const Packed& s) {
+  const int64_t rows = s.total_q / kPerkeyTileRows + s.batch;
+  TORCH_CHECK_VALUE(tile_keys.has_value() && tile_keys->defined(), op,
+                    " on CUDA needs tile_keys, the third output of flexdma::perkey_select's packed form called with "
+                    "tile_rows=",
+                    kPerkeyTileRows);
+  const at::Tensor& x = *tile_keys;
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kInt && x.dim() == 3 && x.is_contiguous() && x.device() == q.device() &&
+                        x.size(0) == key_rank.size(0) && x.size(1) == rows && x.size(2) >= 1,
+                    op, ": in the packed form tile_keys must be a contiguous int32 (", key_rank.size(0), ", Tq / ",
+                    kPerkeyTileRows, " + batch = ", rows, ", 1 + cap) tensor on ", q.device(),
+                    " (flexdma::perkey_select's packed form with tile_rows=", kPerkeyTileRows, "), got ",
+                    x.scalar_type(), " ", x.sizes(), " on ", x.device());
+  Broadcast4d b;
+  b.ptr = x.data_ptr();
+  b.head_stride = x.size(0) == 1 ? 0 : x.stride(0);
+  b.row_stride = x.size(2);
+  b.col_stride = 1;
+  b.head_ratio = q.size(1) / x.size(0);
+  return b;
+}
+
+// fwd's packed form: the dense kernels (every built head dim), out_resid where keep_resid.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_packed_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v,
+                                                               const c10::optional<at::Tensor>& bias,
+                                                               double softmax_scale, bool is_causal, double softcap,
+                                                               bool keep_resid, const Packed& s) {
+  at::Tensor out = alloc_out(q), resid = keep_resid ? alloc_out(q) : at::empty({0}, q.options());
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale, is_causal,
+           softcap, c10::nullopt,
+           [&](const FwdParams& given) {
+             FwdParams p = given;
+             packed_params(p, s);
+             p.out_resid = keep_resid ? resid.data_ptr() : nullptr;
+             launch_fwd(p, q);
+           },
+           {}, {}, {out.unsqueeze(0), lse.unsqueeze(0)});
+  return {out, lse, resid};
+}
+
+// bwd's packed form: the dense backward as a batch-1 call whose sequences packed_params makes. Its
+// per-key dbias is summed over the rows in the kernel, each sequence's keys at their offset, and
+// over the kv heads that share a bias head by bwd_impl.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_packed_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& out, const at::Tensor& lse, double softmax_scale,
+    bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const c10::optional<at::Tensor>& out_resid, const Packed& s) {
+  const at::Tensor out4 = out.unsqueeze(0);
+  void* resid = resid_ptr(packed_resid(out_resid), out4, "flexdma::bwd");
+  const c10::optional<at::Tensor> bias4 = packed_bias(bias);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
+  const at::Tensor db = std::get<3>(
+      bwd_impl(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, bias4, out4,
+               lse.unsqueeze(0), softmax_scale, is_causal, softcap, bias_requires_grad, deterministic, c10::nullopt,
+               [&](const BwdParams& given) {
+                 BwdParams p = given;
+                 packed_params(p, s);
+                 p.out_resid = resid;
+                 launch_bwd(p, q);
+               },
+               /*device_stores_dbias_dtype=*/true, {}, {}, {dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)}));
+  // db has the batch-1 bias's shape (1, heads, 1, Tk): the packed one's, as a tensor of its own.
+  at::Tensor dbias = bias_requires_grad && bias4.has_value() ? db.reshape(bias->sizes()).clone() : db;
+  return {dq, dk, dv, dbias};
+}
+
+// perkey_fwd's packed form: the padded op's kernels over the sequences, reading the selection given.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
+    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap,
+    const c10::optional<at::Tensor>& tile_keys, const Packed& s) {
+  const char* op = "flexdma::perkey_fwd";
+  const at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
+  check_perkey(op, q4, k4, v4, bias, softcap, /*backward=*/false, /*deterministic=*/false, &s);
+  const Broadcast4d keys = packed_lists(op, tile_keys, key_rank, q, s);
+  at::Tensor out = alloc_out(q), resid = alloc_out(q);
+  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  perkey_fwd_run(q4, k4, v4, *packed_bias(bias), key_rank.unsqueeze(0), row_thr.unsqueeze(0), keys, kPerkeyTileRows,
+                 softmax_scale, is_causal, softcap, out.unsqueeze(0), lse.unsqueeze(0), resid,
+                 [&s](FwdParams& p) { packed_params(p, s); });
+  return {out, lse, resid};
+}
+
+// perkey_bwd's packed form: the forward's selection and lists, as the padded op reads them (no
+// selection made here).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_packed_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
+    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const c10::optional<at::Tensor>& tile_keys, const c10::optional<at::Tensor>& out_resid, const Packed& s) {
+  const char* op = "flexdma::perkey_bwd";
+  const at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0), out4 = out.unsqueeze(0);
+  check_perkey(op, q4, k4, v4, bias, softcap, /*backward=*/true, deterministic, &s);
+  const Broadcast4d keys = packed_lists(op, tile_keys, key_rank, q, s);
+  void* resid = resid_ptr(packed_resid(out_resid), out4, op);
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  auto [dk, dv, db] =
+      perkey_bwd_run(dout.unsqueeze(0), q4, k4, v4, *packed_bias(bias), key_rank.unsqueeze(0), row_thr.unsqueeze(0),
+                     keys, kPerkeyTileRows, out4, lse.unsqueeze(0), resid, softmax_scale, is_causal, bias_requires_grad,
+                     dq.unsqueeze(0), [&s](BwdParams& p) { packed_params(p, s); });
+  // The casts make tensors of their own (not views of the float buffer), dbias at the bias's (heads, Tk).
+  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
+  return {dq, dk_out, dv_out, dbias};
+}
+
+// ---- The ops' CUDA implementations: the padded form here, the packed one above. ----
+
+// out_resid is written where keep_resid says a backward will follow: its rowsum(dout * out) needs
+// out in float. An inference call skips the store (one more out-sized write).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal, double softcap, bool /*deterministic*/,
+    const c10::optional<at::Tensor>& tile_meta, bool keep_resid, const c10::optional<at::Tensor>& cu_q,
+    const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  c10::cuda::CUDAGuard guard(q.device());
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::fwd")) {
+    packed_dense_check(mask, tile_meta, "flexdma::fwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::fwd");
+    return fwd_packed_cuda(q, k, v, bias, softmax_scale, is_causal, softcap, keep_resid, s);
+  }
+  at::Tensor resid = keep_resid ? alloc_out(q) : at::empty({0}, q.options());
+  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap,
+                             meta_for(mask, tile_meta, q, k, is_causal), [&](const FwdParams& given) {
+                               FwdParams p = given;
+                               p.out_resid = keep_resid ? resid.data_ptr() : nullptr;
+                               launch_fwd(p, q);
+                             });
+  return {out, lse, resid};
+}
+
+// Without out_resid (or with an empty one) the kernel's row sums use out alone.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+    const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& out_resid,
+    const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  c10::cuda::CUDAGuard guard(q.device());
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::bwd")) {
+    packed_dense_check(mask, tile_meta, "flexdma::bwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::bwd");
+    packed_bwd_check(dout, q, out, lse, "flexdma::bwd");
+    return bwd_packed_cuda(dout, q, k, v, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
+                           deterministic, out_resid, s);
+  }
+  void* resid = resid_ptr(out_resid, out, "flexdma::bwd");
+  return bwd_impl(
+      dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
+      meta_for(mask, tile_meta, q, k, is_causal),
+      [resid, &q](const BwdParams& given) {
+        BwdParams p = given;
+        p.out_resid = resid;
+        launch_bwd(p, q);
+      },
+      /*device_stores_dbias_dtype=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
+    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap,
+    bool /*deterministic: read by the backward*/, const c10::optional<at::Tensor>& tile_keys,
+    const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  c10::cuda::CUDAGuard guard(q.device());
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_fwd")) {
+    packed_perkey_check(q, k, bias, key_rank, row_thr, "flexdma::perkey_fwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::perkey_fwd");
+    return perkey_fwd_packed_cuda(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, tile_keys, s);
+  }
+  check_qkv(q, k, v);
+  check_perkey("flexdma::perkey_fwd", q, k, v, bias, softcap, /*backward=*/false, /*deterministic=*/false);
+  const Broadcast4d keys = perkey_lists("flexdma::perkey_fwd", tile_keys, key_rank, q);
+  auto [out, lse] = alloc_fwd_outputs(q);
+  at::Tensor resid = alloc_out(q);
+  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, softmax_scale, is_causal, softcap, out, lse,
+                 resid, [](FwdParams&) {});
+  return {out, lse, resid};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+    const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
+    double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
+    const c10::optional<at::Tensor>& tile_keys, const c10::optional<at::Tensor>& out_resid,
+    const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  c10::cuda::CUDAGuard guard(q.device());
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_bwd")) {
+    packed_perkey_check(q, k, bias, key_rank, row_thr, "flexdma::perkey_bwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::perkey_bwd");
+    packed_bwd_check(dout, q, out, lse, "flexdma::perkey_bwd");
+    return perkey_bwd_packed_cuda(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
+                                  bias_requires_grad, deterministic, tile_keys, out_resid, s);
+  }
+  check_qkv(q, k, v);
+  check_perkey("flexdma::perkey_bwd", q, k, v, bias, softcap, /*backward=*/true, deterministic);
+  const Broadcast4d keys = perkey_lists("flexdma::perkey_bwd", tile_keys, key_rank, q);
+  void* resid = resid_ptr(out_resid, out, "flexdma::perkey_bwd");
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  auto [dk, dv, db] = perkey_bwd_run(dout, q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, out, lse, resid,
+                                     softmax_scale, is_causal, bias_requires_grad, dq, [](BwdParams&) {});
+  auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, bias);
+  return {dq, dk_out, dv_out, dbias};
+}
+
+// One launch after the zero fill of the kernel's counters (csrc/cuda/perkey_select.cu). Entries past
+// a list's length are left unwritten (the kernels never read them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tensor& scores, int64_t window,
-                                                                  int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
+                                                                  int64_t seqlen_q, bool is_causal, int64_t tile_rows,
+                                                                  const c10::optional<at::Tensor>& cu_q,
+                                                                  const c10::optional<at::Tensor>& cu_k, int64_t max_q,
+                                                                  int64_t max_k) {
   c10::cuda::CUDAGuard guard(scores.device());
-  perkey_select_check(scores, window, seqlen_q, tile_rows);
+  const bool packed = packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_select");
+  perkey_select_check(scores, window, seqlen_q, tile_rows, packed);
+  if (packed)
+    return perkey_select_packed_cuda(scores, window, is_causal, tile_rows,
+                                     packed_offsets(*cu_q, *cu_k, max_q, max_k, seqlen_q, scores.size(1),
+                                                    scores.device(), "flexdma::perkey_select"));
   SelectParams p;
   p.scores = scores.const_data_ptr();
   p.dtype = to_dtype(scores.scalar_type());
@@ -314,195 +542,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tens
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
-// ---- Packed sequences: flexdma::varlen_fwd_cuda / varlen_bwd_cuda ----
-// The kernels read each sequence's offsets on the device (FwdParams' / SelectParams' cu_seqlens): a
-// call is one kernel launch for all its sequences (the per-key path: one selection launch first),
-// with no host synchronisation (the host never reads the offsets; the kernel that reads them first
-// stops at a device-side assert on invalid ones). The packed rows go through the padded path's
-// parameter fills as one batch (q (1, Tq, H, D), the bias (1, heads, 1, Tk), key_rank (1, heads,
-// Tk), row_thr (1, heads, Tq)); packed_params then makes the sequences of that batch. The outputs
-// are tensors of their own at the packed shapes, filled through batch-1 views of them.
-
-struct Packed {
-  const int32_t* cu_q;
-  const int32_t* cu_k;
-  int64_t batch, max_q, max_k, total_q, total_k;
-};
-
-Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-                    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias,
-                    int64_t window, const char* op) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
-                    ": q, k, v must be (tokens, heads, head_dim), got ", q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  for (const at::Tensor* cu : {&cu_q, &cu_k})
-    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1 && cu->is_contiguous() &&
-                          cu->device() == q.device(),
-                      op, ": cu_seqlens must be contiguous 1-D int32 (batch + 1) on ", q.device(), ", got ",
-                      cu->scalar_type(), " ", cu->sizes(), " on ", cu->device());
-  TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
-                    cu_q.numel(), " and ", cu_k.numel(), ")");
-  TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
-  // The kernels' grids are sized by max_seqlen, and the kernel that checks the offsets on the device
-  // runs only where the grid has a tile: lengths that cannot reach the token counts are caught here.
-  const int64_t batch = cu_q.numel() - 1;
-  TORCH_CHECK_VALUE(max_q * batch >= q.size(0) && max_k * batch >= k.size(0), op, ": ", batch,
-                    " sequences of at most max_seqlen_q = ", max_q, " / max_seqlen_k = ", max_k, " tokens cannot hold ",
-                    q.size(0), " / ", k.size(0), " tokens: a sequence is longer than max_seqlen");
-  TORCH_CHECK_VALUE(window >= 0, op, ": window must be >= 0 (0: every key), got ", window);
-  const bool has_bias = bias.has_value() && bias->defined();
-  TORCH_CHECK_VALUE(has_bias || window == 0, op, ": a window needs the per-key attn_bias (heads, Tk=", k.size(0), ")");
-  TORCH_CHECK_VALUE(!has_bias || (bias->dim() == 2 && bias->size(1) == k.size(0)), op,
-                    ": attn_bias must be per key (heads, Tk=", k.size(0), "), got ", bias->sizes());
-  return {cu_q.data_ptr<int32_t>(), cu_k.data_ptr<int32_t>(), batch, max_q, max_k, q.size(0), k.size(0)};
-}
-
-// The bias as the batch-1 fills take it, (1, heads, 1, Tk).
-c10::optional<at::Tensor> packed_bias(const c10::optional<at::Tensor>& bias) {
-  if (!bias.has_value() || !bias->defined()) return c10::nullopt;
-  return bias->unsqueeze(0).unsqueeze(2);
-}
-
-// The selection of every (sequence, bias head) plane: key_rank (heads, Tk), row_thr (heads, Tq),
-// tile_keys (heads, Tq / 128 + batch, 1 + cap) (SelectParams states the layout).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> select_packed(const at::Tensor& bias, const Packed& s, int64_t window,
-                                                             bool is_causal) {
-  SelectParams p;
-  p.scores = bias.const_data_ptr();
-  p.dtype = to_dtype(bias.scalar_type());
-  p.cu_seqlens_q = s.cu_q;
-  p.cu_seqlens_k = s.cu_k;
-  p.total_q = s.total_q;
-  p.total_k = s.total_k;
-  const int64_t heads = bias.size(0);
-  p.planes2 = heads;
-  p.planes = s.batch * heads;
-  p.stride2 = bias.stride(0);
-  p.stride_k = bias.stride(1);
-  p.seqlen_q = s.max_q;
-  p.seqlen_k = s.max_k;
-  p.window = window;
-  p.tile_rows = kPerkeyTileRows;
-  p.is_causal = is_causal;
-  const char* why = cuda::select_unsupported_reason(p);
-  TORCH_CHECK_VALUE(why == nullptr, "flexdma: the packed per-key selection on CUDA does not take this call: ", why);
-  p.list_cap = perkey_list_cap(s.max_k, window, kPerkeyTileRows);
-  const auto opts = bias.options().dtype(at::kInt);
-  at::Tensor key_rank = at::empty({heads, s.total_k}, opts), row_thr = at::empty({heads, s.total_q}, opts);
-  at::Tensor lists = at::empty({heads, s.total_q / kPerkeyTileRows + s.batch, 1 + p.list_cap}, opts);
-  p.key_rank = key_rank.data_ptr<int32_t>();
-  p.row_thr = row_thr.data_ptr<int32_t>();
-  p.tile_keys = lists.data_ptr<int32_t>();
-  launch_select(p, bias);
-  return {key_rank, row_thr, lists};
-}
-
-// The lists as the kernels' operand, and the one batch of the fills made into the sequences.
-Broadcast4d packed_lists(const at::Tensor& lists, int64_t num_heads) {
-  Broadcast4d b;
-  b.ptr = lists.data_ptr();
-  b.head_stride = lists.size(0) == 1 ? 0 : lists.stride(0);
-  b.row_stride = lists.size(2);
-  b.col_stride = 1;
-  b.head_ratio = num_heads / lists.size(0);
-  return b;
-}
-
-void packed_params(FwdParams& p, const Packed& s) {
-  p.cu_seqlens_q = s.cu_q;
-  p.cu_seqlens_k = s.cu_k;
-  p.batch = s.batch;
-  p.seqlen_q = s.max_q;
-  p.seqlen_k = s.max_k;
-  p.total_q = s.total_q;
-  p.total_k = s.total_k;
-  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = 0;
-  p.bias.batch_stride = 0;
-}
-
-void packed_params(BwdParams& p, const Packed& s) {
-  packed_params(static_cast<FwdParams&>(p), s);
-  p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
-  p.dbias_accum.batch_stride = 0;
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_packed_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
-    int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
-    double softcap, int64_t window) {
-  c10::cuda::CUDAGuard guard(q.device());
-  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_fwd_cuda");
-  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
-  at::Tensor out = alloc_out(q), resid = alloc_out(q);
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  at::Tensor out4 = out.unsqueeze(0), lse4 = lse.unsqueeze(0);
-  if (window > 0) {
-    auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
-    perkey_fwd_run(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *packed_bias(bias), rank.unsqueeze(0),
-                   thr.unsqueeze(0), packed_lists(lists, q.size(1)), kPerkeyTileRows, softmax_scale, is_causal, softcap,
-                   out4, lse4, resid, [&s](FwdParams& p) { packed_params(p, s); });
-    return {out, lse, resid};
-  }
-  fwd_impl(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, packed_bias(bias), softmax_scale, is_causal,
-           softcap, c10::nullopt,
-           [&](const FwdParams& given) {
-             FwdParams p = given;
-             packed_params(p, s);
-             p.out_resid = resid.data_ptr();
-             launch_fwd(p, q);
-           },
-           {}, {}, {out4, lse4});
-  return {out, lse, resid};
-}
-
-// The per-key path makes the selection again (as the CPU op's backward does): the forward's lists
-// are not among varlen_fwd's outputs. The dense path's dbias is summed over the rows in its kernel
-// and over the kv heads that share a bias head here.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_packed_cuda(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& out_resid, double softmax_scale, bool is_causal, double softcap,
-    int64_t window, bool bias_requires_grad, bool deterministic) {
-  c10::cuda::CUDAGuard guard(q.device());
-  const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, window, "flexdma::varlen_bwd_cuda");
-  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
-  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
-                    "flexdma::varlen_bwd_cuda: lse must be (H, Tq) = (", q.size(1), ", ", q.size(0), "), got ",
-                    lse.sizes());
-  const at::Tensor out4 = out.unsqueeze(0);
-  void* resid = resid_ptr(out_resid.unsqueeze(0), out4, "flexdma::varlen_bwd_cuda");
-  const c10::optional<at::Tensor> bias4 = packed_bias(bias);
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dq4 = dq.unsqueeze(0);
-  if (window > 0) {
-    TORCH_CHECK_VALUE(softcap == 0.0, "flexdma::varlen_bwd_cuda: the per-key backward takes no softcap");
-    auto [rank, thr, lists] = select_packed(*bias, s, window, is_causal);
-    auto [dk, dv, db] =
-        perkey_bwd_run(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), *bias4, rank.unsqueeze(0),
-                       thr.unsqueeze(0), packed_lists(lists, q.size(1)), kPerkeyTileRows, out4, lse.unsqueeze(0), resid,
-                       softmax_scale, is_causal, bias_requires_grad, dq4, [&s](BwdParams& p) { packed_params(p, s); });
-    // The casts make tensors of their own (not views of the float buffer).
-    auto [dk_out, dv_out, dbias] = cast_sums(dk, dv, db, k, v, *bias);
-    return {dq, dk_out, dv_out, dbias};
-  }
-  // The dense backward as a batch-1 call whose sequences packed_params makes: its per-key dbias is
-  // summed over the rows in the kernel, each sequence's keys at their offset, and over the kv heads
-  // that share a bias head by bwd_impl.
-  at::Tensor dk = at::empty(k.sizes(), k.options()), dv = at::empty(v.sizes(), v.options());
-  const at::Tensor db = std::get<3>(
-      bwd_impl(dout.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), c10::nullopt, bias4, out4,
-               lse.unsqueeze(0), softmax_scale, is_causal, softcap, bias_requires_grad, deterministic, c10::nullopt,
-               [&](const BwdParams& given) {
-                 BwdParams p = given;
-                 packed_params(p, s);
-                 p.out_resid = resid;
-                 launch_bwd(p, q);
-               },
-               /*device_stores_dbias_dtype=*/true, {}, {}, {dq4, dk.unsqueeze(0), dv.unsqueeze(0)}));
-  // db has the batch-1 bias's shape (1, heads, 1, Tk): the packed one's, as a tensor of its own.
-  at::Tensor dbias = bias_requires_grad && bias4.has_value() ? db.reshape(bias->sizes()).clone() : db;
-  return {dq, dk, dv, dbias};
-}
-
 }  // namespace
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
@@ -513,8 +552,6 @@ TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
   m.impl("perkey_select", &perkey_select_cuda);
   m.impl("perkey_fwd", &perkey_fwd_cuda);
   m.impl("perkey_bwd", &perkey_bwd_cuda);
-  m.impl("varlen_fwd_cuda", &varlen_fwd_packed_cuda);
-  m.impl("varlen_bwd_cuda", &varlen_bwd_packed_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("tile_meta", &tile_meta_cuda);

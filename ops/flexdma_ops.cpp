@@ -130,18 +130,103 @@ std::function<void(const BwdParams&)> cpu_bwd(double softmax_scale, double softc
   };
 }
 
+// ---- The packed form on the CPU: each sequence runs the padded implementation on views of its
+// rows (the offsets read on the host), its outputs copied into the packed ones. ----
+
+// One sequence's views: rows (1, n, heads, D), the per-key bias (1, heads, 1, nk), and the per-key
+// selection's planes key_rank (1, heads, nk) and row_thr (1, heads, nq).
+struct Seq {
+  int64_t q0, nq, k0, nk;
+  at::Tensor rows(const at::Tensor& t, bool keys) const {
+    return t.narrow(0, keys ? k0 : q0, keys ? nk : nq).unsqueeze(0);
+  }
+  c10::optional<at::Tensor> bias(const c10::optional<at::Tensor>& b) const {
+    if (!b.has_value() || !b->defined()) return c10::nullopt;
+    return b->narrow(1, k0, nk).unsqueeze(0).unsqueeze(2);
+  }
+  at::Tensor plane(const at::Tensor& t, bool keys) const {
+    return t.narrow(1, keys ? k0 : q0, keys ? nk : nq).unsqueeze(0);
+  }
+};
+
+// The sequences of s, its offsets read here and checked as the CUDA kernels check them on the device.
+std::vector<Seq> packed_seqs(const Packed& s, const char* op) {
+  const int32_t* a = s.cu_q.data_ptr<int32_t>();
+  const int32_t* b = s.cu_k.data_ptr<int32_t>();
+  const int64_t n = s.batch;
+  TORCH_CHECK_VALUE(a[0] == 0 && a[n] == s.total_q && b[0] == 0 && b[n] == s.total_k, op,
+                    ": cu_seqlens must start at 0 and end at the token counts (", s.total_q, " / ", s.total_k,
+                    "), got ", a[0], "..", a[n], " / ", b[0], "..", b[n]);
+  std::vector<Seq> seqs;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(a[i + 1] >= a[i] && b[i + 1] >= b[i], op, ": cu_seqlens must not decrease");
+    TORCH_CHECK_VALUE(a[i + 1] - a[i] <= s.max_q && b[i + 1] - b[i] <= s.max_k, op, ": sequence ", i,
+                      " is longer than max_seqlen (", a[i + 1] - a[i], " / ", b[i + 1] - b[i], " tokens, max ", s.max_q,
+                      " / ", s.max_k, ")");
+    seqs.push_back({a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]});
+  }
+  return seqs;
+}
+
+// fwd / perkey_fwd packed: `one` is the padded forward of a sequence's views. Rows of a sequence
+// without keys are never visited: output 0, LSE -inf. The CPU kernels keep out in the inputs' dtype
+// only: no rounding error to return (out_resid empty).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> packed_fwd_cpu(const at::Tensor& q, const Packed& s, const char* op,
+                                                              const std::function<FwdOutputs(const Seq&)>& one) {
+  at::Tensor out = at::zeros(q.sizes(), q.options());
+  at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
+                            q.options().dtype(acc_type(q.scalar_type())));
+  for (const Seq& x : packed_seqs(s, op)) {
+    if (x.nq == 0 || x.nk == 0) continue;
+    auto [o, l] = one(x);
+    out.narrow(0, x.q0, x.nq).copy_(o[0]);
+    lse.narrow(1, x.q0, x.nq).copy_(l[0]);
+  }
+  return {out, lse, at::empty({0}, q.options())};
+}
+
+// bwd / perkey_bwd packed: `one` is the padded backward of a sequence's views, given its rows of
+// grad_out and out and its (1, H, nq) lse. Every element is written: rows of a sequence with no keys
+// (and keys no row sees) get zeros; dbias is the bias's (heads, Tk).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> packed_bwd_cpu(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const c10::optional<at::Tensor>& bias, bool want_dbias, const Packed& s, const char* op,
+    const std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const Seq&, const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse)>& one) {
+  packed_bwd_check(dout, q, out, lse, op);
+  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options());
+  at::Tensor dbias = want_dbias ? at::zeros(bias->sizes(), bias->options()) : at::empty({0}, q.options());
+  for (const Seq& x : packed_seqs(s, op)) {
+    if (x.nq == 0 || x.nk == 0) continue;
+    const auto g = one(x, x.rows(dout, false), x.rows(out, false), lse.narrow(1, x.q0, x.nq).unsqueeze(0).contiguous());
+    dq.narrow(0, x.q0, x.nq).copy_(std::get<0>(g)[0]);
+    dk.narrow(0, x.k0, x.nk).copy_(std::get<1>(g)[0]);
+    dv.narrow(0, x.k0, x.nk).copy_(std::get<2>(g)[0]);
+    if (want_dbias) dbias.narrow(1, x.k0, x.nk).copy_(std::get<3>(g).view({-1, x.nk}));
+  }
+  return {dq, dk, dv, dbias};
+}
+
 // The CPU kernel finds empty tiles itself (it reads each mask tile once per pass anyway), so it
 // checks a given tile_meta but does not read it.
 // Its out_resid is empty: the CPU backward computes its row sums from P and dP itself.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       const c10::optional<at::Tensor>& mask,
-                                                       const c10::optional<at::Tensor>& bias, double softmax_scale,
-                                                       bool is_causal, double softcap,
-                                                       bool /*deterministic: read by the backward*/,
-                                                       const c10::optional<at::Tensor>& tile_meta,
-                                                       bool /*keep_resid: never kept here*/) {
-  auto [out, lse] =
-      fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta, cpu_fwd(softmax_scale, softcap));
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal, double softcap,
+    bool /*deterministic: read by the backward*/, const c10::optional<at::Tensor>& tile_meta,
+    bool /*keep_resid: never kept here*/, const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k,
+    int64_t max_q, int64_t max_k) {
+  const auto run = cpu_fwd(softmax_scale, softcap);
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::fwd")) {
+    packed_dense_check(mask, tile_meta, "flexdma::fwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::fwd");
+    return packed_fwd_cpu(q, s, "flexdma::fwd", [&](const Seq& x) {
+      return fwd_impl(x.rows(q, false), x.rows(k, true), x.rows(v, true), c10::nullopt, x.bias(bias), softmax_scale,
+                      is_causal, softcap, c10::nullopt, run);
+    });
+  }
+  auto [out, lse] = fwd_impl(q, k, v, mask, bias, softmax_scale, is_causal, softcap, tile_meta, run);
   return {out, lse, at::empty({0}, q.options())};
 }
 
@@ -149,21 +234,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad,
-    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& /*out_resid*/) {
+    bool deterministic, const c10::optional<at::Tensor>& tile_meta, const c10::optional<at::Tensor>& /*out_resid*/,
+    const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  const auto run = cpu_bwd(softmax_scale, softcap);
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::bwd")) {
+    packed_dense_check(mask, tile_meta, "flexdma::bwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::bwd");
+    const bool want_dbias = bias_requires_grad && bias.has_value() && bias->defined();
+    return packed_bwd_cpu(dout, q, k, v, out, lse, bias, want_dbias, s, "flexdma::bwd",
+                          [&](const Seq& x, const at::Tensor& d, const at::Tensor& o, const at::Tensor& l) {
+                            return bwd_impl(d, x.rows(q, false), x.rows(k, true), x.rows(v, true), c10::nullopt,
+                                            x.bias(bias), o, l, softmax_scale, is_causal, softcap, want_dbias,
+                                            deterministic, c10::nullopt, run);
+                          });
+  }
   return bwd_impl(dout, q, k, v, mask, bias, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-                  deterministic, tile_meta, cpu_bwd(softmax_scale, softcap));
+                  deterministic, tile_meta, run);
 }
 
 // tile_keys serves the CUDA kernels' tile skipping; the CPU kernel derives the same from the
-// ranks and thresholds of each tile as it goes.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                              const at::Tensor& v, const at::Tensor& bias,
-                                                              const at::Tensor& key_rank, const at::Tensor& row_thr,
-                                                              double softmax_scale, bool is_causal, double softcap,
-                                                              bool /*deterministic*/,
-                                                              const c10::optional<at::Tensor>& /*tile_keys*/) {
-  auto [out, lse] = perkey_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap,
-                                    cpu_fwd(softmax_scale, softcap));
+// ranks and thresholds of each tile as it goes. Packed: each sequence's slices of key_rank / row_thr
+// hold its own selection (perkey_select's packed form makes them so).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
+    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap, bool /*deterministic*/,
+    const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& cu_q,
+    const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  const auto run = cpu_fwd(softmax_scale, softcap);
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_fwd")) {
+    packed_perkey_check(q, k, bias, key_rank, row_thr, "flexdma::perkey_fwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::perkey_fwd");
+    return packed_fwd_cpu(q, s, "flexdma::perkey_fwd", [&](const Seq& x) {
+      return perkey_fwd_impl(x.rows(q, false), x.rows(k, true), x.rows(v, true), *x.bias(bias), x.plane(key_rank, true),
+                             x.plane(row_thr, false), softmax_scale, is_causal, softcap, run);
+    });
+  }
+  auto [out, lse] = perkey_fwd_impl(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, run);
   return {out, lse, at::empty({0}, q.options())};
 }
 
@@ -171,9 +277,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
     const at::Tensor& key_rank, const at::Tensor& row_thr, const at::Tensor& out, const at::Tensor& lse,
     double softmax_scale, bool is_causal, double softcap, bool bias_requires_grad, bool deterministic,
-    const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/) {
+    const c10::optional<at::Tensor>& /*tile_keys*/, const c10::optional<at::Tensor>& /*out_resid*/,
+    const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
+  const auto run = cpu_bwd(softmax_scale, softcap);
+  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_bwd")) {
+    packed_perkey_check(q, k, bias, key_rank, row_thr, "flexdma::perkey_bwd");
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::perkey_bwd");
+    return packed_bwd_cpu(dout, q, k, v, out, lse, bias, bias_requires_grad, s, "flexdma::perkey_bwd",
+                          [&](const Seq& x, const at::Tensor& d, const at::Tensor& o, const at::Tensor& l) {
+                            return perkey_bwd_impl(d, x.rows(q, false), x.rows(k, true), x.rows(v, true), *x.bias(bias),
+                                                   x.plane(key_rank, true), x.plane(row_thr, false), o, l,
+                                                   softmax_scale, is_causal, softcap, bias_requires_grad, deterministic,
+                                                   run);
+                          });
+  }
   return perkey_bwd_impl(dout, q, k, v, bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap,
-                         bias_requires_grad, deterministic, cpu_bwd(softmax_scale, softcap));
+                         bias_requires_grad, deterministic, run);
 }
 
 // Bit (kt % 32) of word kt / 32 of row (b, h, qt): the 64 x 64 tile keeps some (i, j) with
@@ -196,11 +315,48 @@ at::Tensor tile_meta_cpu(const at::Tensor& mask, int64_t seqlen_q, int64_t seqle
   return meta;
 }
 
+// perkey_select's packed form: each (sequence, head) plane is the sequence's slice of scores
+// (heads, Tk); its ranks, thresholds and lists are within the sequence, written at its offsets.
+// The lists take the CUDA selection's packed layout (sequence b's query tile t in row
+// cu_seqlens_q[b] / tile_rows + b + t: its tiles never reach the next sequence's), zeros past a
+// list's length and in rows no sequence has; the CPU kernels read none of them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_packed_cpu(const at::Tensor& scores, int64_t window,
+                                                                        int64_t seqlen_q, bool is_causal,
+                                                                        int64_t tile_rows, const Packed& s) {
+  const int64_t heads = scores.size(0), tk = scores.size(1);
+  const at::Tensor sc = scores.to(at::kFloat).contiguous();
+  const int64_t cap = perkey_list_cap(s.max_k, window, tile_rows), list_rows = seqlen_q / tile_rows + s.batch;
+  const auto opts = scores.options().dtype(at::kInt);
+  at::Tensor key_rank = at::empty({heads, tk}, opts), row_thr = at::empty({heads, seqlen_q}, opts);
+  at::Tensor lists = at::zeros({heads, list_rows, 1 + cap}, opts);
+  const std::vector<Seq> seqs = packed_seqs(s, "flexdma::perkey_select");
+  const int64_t n = static_cast<int64_t>(seqs.size());
+  at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const Seq& x = seqs[i / heads];
+      const int64_t h = i % heads;
+      cpu::perkey_select_plane(sc.const_data_ptr<float>() + h * tk + x.k0, x.nk, x.nq, window, is_causal, tile_rows,
+                               cap, key_rank.data_ptr<int32_t>() + h * tk + x.k0,
+                               row_thr.data_ptr<int32_t>() + h * seqlen_q + x.q0,
+                               lists.data_ptr<int32_t>() + (h * list_rows + x.q0 / tile_rows + i / heads) * (1 + cap));
+    }
+  });
+  return {key_rank, row_thr, lists};
+}
+
 // The per-key top-W selection of every plane of `scores` (P1, P2, K), -inf = ineligible. Ranked in
 // float32: the conversion from float16 / bfloat16 keeps every value and so the order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tensor& scores, int64_t window,
-                                                                 int64_t seqlen_q, bool is_causal, int64_t tile_rows) {
-  perkey_select_check(scores, window, seqlen_q, tile_rows);
+                                                                 int64_t seqlen_q, bool is_causal, int64_t tile_rows,
+                                                                 const c10::optional<at::Tensor>& cu_q,
+                                                                 const c10::optional<at::Tensor>& cu_k, int64_t max_q,
+                                                                 int64_t max_k) {
+  const bool packed = packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_select");
+  perkey_select_check(scores, window, seqlen_q, tile_rows, packed);
+  if (packed)
+    return perkey_select_packed_cpu(scores, window, seqlen_q, is_causal, tile_rows,
+                                    packed_offsets(*cu_q, *cu_k, max_q, max_k, seqlen_q, scores.size(1),
+                                                   scores.device(), "flexdma::perkey_select"));
   const int64_t K = scores.size(2), P = scores.size(0) * scores.size(1);
   const at::Tensor s = scores.to(at::kFloat).contiguous();
   const SelectOutputs o = alloc_select_outputs(scores, window, seqlen_q, tile_rows, /*zero_lists=*/true);
@@ -214,161 +370,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tenso
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
-// Packed sequences (flexdma::varlen_fwd / varlen_bwd): q (Tq, H, D), k / v (Tk, KVH, D), int32
-// offsets cu_q / cu_k (batch + 1); bias none or per-key (heads, Tk). Each sequence runs the dense
-// (or, with window > 0, the per-key top-window) kernel on views of its rows, its selection made
-// within itself; lse is (H, Tq).
-void varlen_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_q, const at::Tensor& cu_k,
-                  const c10::optional<at::Tensor>& bias, int64_t window) {
-  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3, "flexdma::varlen: q, k, v must be (tokens, heads, head_dim)");
-  for (const at::Tensor* cu : {&cu_q, &cu_k})
-    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1,
-                      "flexdma::varlen: cu_seqlens must be 1-D int32 (batch + 1)");
-  TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), "flexdma::varlen: cu_seqlens_q and _k differ in length");
-  TORCH_CHECK_VALUE(!bias.has_value() || (bias->dim() == 2 && bias->size(1) == k.size(0)),
-                    "flexdma::varlen: the bias must be per key, (heads, Tk)");
-  TORCH_CHECK_VALUE(window == 0 || bias.has_value(), "flexdma::varlen: a window needs the per-key bias");
-}
-
-// One sequence's views: (1, n, heads, D) rows and the (1, heads, 1, nk) bias.
-struct Seq {
-  int64_t q0, nq, k0, nk;
-  at::Tensor rows(const at::Tensor& t, bool keys) const {
-    return t.narrow(0, keys ? k0 : q0, keys ? nk : nq).unsqueeze(0);
-  }
-  c10::optional<at::Tensor> bias(const c10::optional<at::Tensor>& b) const {
-    if (!b.has_value()) return c10::nullopt;
-    return b->narrow(1, k0, nk).unsqueeze(0).unsqueeze(2);
-  }
-};
-
-std::vector<Seq> varlen_seqs(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t tq, int64_t tk, int64_t max_q,
-                             int64_t max_k) {
-  const at::Tensor cq = cu_q.contiguous(), ck = cu_k.contiguous();
-  const int32_t* a = cq.data_ptr<int32_t>();
-  const int32_t* b = ck.data_ptr<int32_t>();
-  const int64_t n = cq.numel() - 1;
-  TORCH_CHECK_VALUE(a[0] == 0 && a[n] == tq && b[0] == 0 && b[n] == tk,
-                    "flexdma::varlen: cu_seqlens must start at 0 and end at the token counts");
-  std::vector<Seq> seqs;
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_VALUE(a[i + 1] >= a[i] && b[i + 1] >= b[i], "flexdma::varlen: cu_seqlens must not decrease");
-    TORCH_CHECK_VALUE(a[i + 1] - a[i] <= max_q && b[i + 1] - b[i] <= max_k, "flexdma::varlen: sequence ", i,
-                      " is longer than max_seqlen (", a[i + 1] - a[i], " / ", b[i + 1] - b[i], " tokens, max ", max_q,
-                      " / ", max_k, ")");
-    seqs.push_back({a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]});
-  }
-  return seqs;
-}
-
-// float64 scores (P1, P2, K) as float32 keys in their order, every one distinct, -inf kept (not
-// eligible): the selection ranks only by order, and rounding the scores to float32 would tie those
-// apart by less than float32's resolution. The rule of flexdma/perkey/contract.py's float64_order,
-// which the dense per-key path's selection ranks: key j's value falls with its rank by (score
-// desc, index asc; NaN first), as float32 bit patterns from the smallest normal number up.
-at::Tensor float64_order(const at::Tensor& scores) {
-  constexpr int64_t kFltMinBits = 0x00800000, kMaxKeys = 0x7F800000 - kFltMinBits;  // below +inf's bits
-  const int64_t K = scores.size(-1);
-  TORCH_CHECK_VALUE(K <= kMaxKeys, "flexdma::varlen: a float64 bias takes at most ", kMaxKeys,
-                    " keys a sequence to select from, got ", K);
-  const at::Tensor by_rank = std::get<1>(scores.sort(/*stable=*/true, /*dim=*/-1, /*descending=*/true));
-  const at::Tensor ranks = at::arange(K, by_rank.options()).expand_as(by_rank);
-  const at::Tensor rank = at::empty_like(by_rank).scatter_(-1, by_rank, ranks);
-  const double inf = std::numeric_limits<double>::infinity();
-  return ((K - 1 + kFltMinBits) - rank).to(at::kInt).view(at::kFloat).masked_fill(scores == -inf, -inf);
-}
-
-// The selection of one sequence (window > 0): key_rank / row_thr of its per-key bias, float64
-// scores by their float64 order, as flash_dma_attention's selection ranks them.
-std::tuple<at::Tensor, at::Tensor> varlen_select(const at::Tensor& bias, const Seq& s, int64_t window, bool causal) {
-  const at::Tensor scores = bias.scalar_type() == at::kDouble ? float64_order(bias.squeeze(2)) : bias.squeeze(2);
-  auto [rank, thr, lists] = perkey_select_cpu(scores, window, s.nq, causal, kPerkeyCpuTileRows);
-  return {rank, thr};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_fwd_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
-    int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, double softmax_scale, bool is_causal,
-    double softcap, int64_t window, bool /*deterministic: read by the backward*/,
-    bool /*keep_resid: never kept here*/) {
-  varlen_check(q, k, cu_q, cu_k, bias, window);
-  // Rows of a sequence without keys are never visited: output 0, LSE -inf.
-  at::Tensor out = at::zeros(q.sizes(), q.options());
-  at::Tensor lse = at::full({q.size(1), q.size(0)}, -std::numeric_limits<double>::infinity(),
-                            q.options().dtype(acc_type(q.scalar_type())));
-  const auto run = cpu_fwd(softmax_scale, softcap);
-  for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
-    if (s.nq == 0 || s.nk == 0) continue;
-    const auto b = s.bias(bias);
-    at::Tensor o, l;
-    if (window > 0) {
-      auto [rank, thr] = varlen_select(*b, s, window, is_causal);
-      std::tie(o, l) = perkey_fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, softmax_scale,
-                                       is_causal, softcap, run);
-    } else {
-      std::tie(o, l) = fwd_impl(s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, softmax_scale,
-                                is_causal, softcap, c10::nullopt, run);
-    }
-    out.narrow(0, s.q0, s.nq).copy_(o[0]);
-    lse.narrow(1, s.q0, s.nq).copy_(l[0]);
-  }
-  // The CPU kernels keep out in the inputs' dtype only: no rounding error to return.
-  return {out, lse, at::empty({0}, q.options())};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
-    const at::Tensor& cu_k, int64_t max_q, int64_t max_k, const c10::optional<at::Tensor>& bias, const at::Tensor& out,
-    const at::Tensor& lse, double softmax_scale, bool is_causal, double softcap, int64_t window,
-    bool bias_requires_grad, bool deterministic, const c10::optional<at::Tensor>& /*out_resid*/) {
-  varlen_check(q, k, cu_q, cu_k, bias, window);
-  // Every element is written: rows of a sequence with no keys (and keys no row sees) get zeros.
-  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
-  at::Tensor dv = at::zeros(v.sizes(), v.options());
-  const bool want_dbias = bias_requires_grad && bias.has_value();
-  at::Tensor dbias = want_dbias ? at::zeros(bias->sizes(), bias->options()) : at::empty({0}, q.options());
-  const auto run = cpu_bwd(softmax_scale, softcap);
-  for (const Seq& s : varlen_seqs(cu_q, cu_k, q.size(0), k.size(0), max_q, max_k)) {
-    if (s.nq == 0 || s.nk == 0) continue;
-    const auto b = s.bias(bias);
-    const at::Tensor o = s.rows(out, false), l = lse.narrow(1, s.q0, s.nq).unsqueeze(0);
-    const at::Tensor d = s.rows(dout, false);
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> g;
-    if (window > 0) {
-      auto [rank, thr] = varlen_select(*b, s, window, is_causal);
-      g = perkey_bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), *b, rank, thr, o, l.contiguous(),
-                          softmax_scale, is_causal, softcap, want_dbias, deterministic, run);
-    } else {
-      g = bwd_impl(d, s.rows(q, false), s.rows(k, true), s.rows(v, true), c10::nullopt, b, o, l.contiguous(),
-                   softmax_scale, is_causal, softcap, want_dbias, deterministic, c10::nullopt, run);
-    }
-    dq.narrow(0, s.q0, s.nq).copy_(std::get<0>(g)[0]);
-    dk.narrow(0, s.k0, s.nk).copy_(std::get<1>(g)[0]);
-    dv.narrow(0, s.k0, s.nk).copy_(std::get<2>(g)[0]);
-    if (want_dbias) dbias.narrow(1, s.k0, s.nk).copy_(std::get<3>(g).view({-1, s.nk}));
-  }
-  return {dq, dk, dv, dbias};
-}
-
 }  // namespace
 
 TORCH_LIBRARY(flexdma, m) {
+  // The packed form. fwd, bwd, perkey_select, perkey_fwd and perkey_bwd end in the optional
+  // `cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`. Without the offsets (the defaults) a
+  // call is in the padded form each op's comment states. With both, it is in the packed form
+  // (FlashAttention's varlen layout): `batch` sequences of their own lengths, packed along the token
+  // dim: q / out / grad_out (Tq, H, D), k / v (Tk, KVH, D); sequence b is rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k / v.
+  // The offsets are contiguous 1-D int32 (batch + 1) on q's device, start at 0, do not decrease and
+  // end at Tq / Tk; max_seqlen_q / max_seqlen_k are at least the longest sequence's lengths (they
+  // size the CUDA grids). Each sequence attends within itself, as a padded batch of its own would
+  // (causality bottom-right aligned within it). Operands along the tokens are packed the same way:
+  // lse (H, Tq) (float32 on CUDA, the accumulation dtype on CPU), out_resid (Tq, H, D) or empty, a
+  // per-key attn_bias (heads, Tk) with heads in {1, KVH, H} and its dbias (heads, Tk), key_rank
+  // (heads, Tk), row_thr (heads, Tq). Rows of a sequence without keys get out 0, lse -inf and zero
+  // gradients. The CUDA implementations never read the offsets on the host (no synchronisation):
+  // the first kernel of a call checks them and stops at a device-side assert on invalid ones; the
+  // CPU ones read them and raise a ValueError. One offset without the other, or a max_seqlen
+  // without them, is an error.
+
   // Dense attention under attn_mask / attn_bias. out_resid is out's rounding error (the float
   // result minus out, in out's dtype and layout) where a kernel keeps out in float but returns it
   // rounded (the CUDA one, which writes it): its backward computes delta = rowsum(dout * out) in a
   // pass before its main kernel, and a bf16-rounded out is too coarse for a dbias summed over rows
   // or keys. Empty on CPU, whose backward computes the row sums itself, and where keep_resid is
   // false (no backward will follow: the API passes whether one can). bwd given none (or an empty
-  // one) uses out alone.
+  // one) uses out alone. Packed: no attn_mask (so no tile_meta); attn_bias none or per key.
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? attn_bias, float softmax_scale, "
-      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None, bool keep_resid=True) "
+      "bool is_causal, float softcap, bool deterministic, Tensor? tile_meta=None, bool keep_resid=True, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? attn_bias, Tensor out, "
       "Tensor lse, float softmax_scale, bool is_causal, float softcap, bool bias_requires_grad, "
-      "bool deterministic, Tensor? tile_meta=None, Tensor? out_resid=None) "
+      "bool deterministic, Tensor? tile_meta=None, Tensor? out_resid=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
   // Which 64 x 64 (query, key) tiles of attn_mask keep anything (bounds and causality applied):
@@ -380,9 +420,13 @@ TORCH_LIBRARY(flexdma, m) {
   // key_rank (P1, P2, K), row_thr (P1, P2, Q) and, per query tile of `tile_rows` rows, the
   // length-prefixed list of the keys its rows keep, each 1 + cap entries, side by side:
   // (P1, P2, ceil(Q / tile_rows) * (1 + cap)) (one flat dim keeps the shape free of a guard on the
-  // tile count under torch.export).
+  // tile count under torch.export). Packed: scores (heads, Tk), seqlen_q = Tq; each sequence's
+  // ranks and thresholds are within the sequence; tile_keys (heads, Tq // tile_rows + batch, 1 + cap)
+  // with cap = perkey_list_cap(max_seqlen_k, window, tile_rows), sequence b's query tile t in row
+  // cu_seqlens_q[b] // tile_rows + b + t (a sequence's tiles never reach the next one's).
   m.def(
-      "perkey_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows) -> "
+      "perkey_select(Tensor scores, int window, SymInt seqlen_q, bool is_causal, int tile_rows, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) -> "
       "(Tensor key_rank, Tensor row_thr, Tensor tile_keys)",
       {at::Tag::pt2_compliant_tag});
   // fwd / bwd with the per-key selection in place of attn_mask: row i keeps key j iff
@@ -397,56 +441,28 @@ TORCH_LIBRARY(flexdma, m) {
   // admits (flexdma._C.perkey_unsupported_reason) and refuse the others with its reason. The CPU
   // kernels ignore tile_keys. The per-key route (flexdma/perkey/route.py) sends the CUDA calls these
   // kernels do not take to the Triton kernels, registered as flexdma_triton::perkey_fwd / perkey_bwd
-  // (flexdma/perkey/ops.py).
+  // (flexdma/perkey/ops.py). Packed: attn_bias, key_rank, row_thr and tile_keys as perkey_select's
+  // packed form makes them (on CUDA with tile_rows = 128); the support check sees the sequences as
+  // the batch and max_seqlen as the lengths.
   m.def(
       "perkey_fwd(Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, Tensor row_thr, "
-      "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor? tile_keys=None) "
+      "float softmax_scale, bool is_causal, float softcap, bool deterministic, Tensor? tile_keys=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) "
       "-> (Tensor out, Tensor lse, Tensor out_resid)",
       {at::Tag::pt2_compliant_tag});
-  // The gradients of perkey_fwd: the lists of the forward's call, out_resid as it returned it
-  // (empty: none). Returns (dq, dk, dv, dbias), dbias empty unless bias_requires_grad.
+  // The gradients of perkey_fwd: the selection and lists of the forward's call (the backward makes
+  // none of its own), out_resid as it returned it (empty: none). Returns (dq, dk, dv, dbias), dbias
+  // empty unless bias_requires_grad.
   m.def(
       "perkey_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor attn_bias, Tensor key_rank, "
       "Tensor row_thr, Tensor out, Tensor lse, float softmax_scale, bool is_causal, float softcap, "
-      "bool bias_requires_grad, bool deterministic, Tensor? tile_keys=None, Tensor? out_resid=None) "
+      "bool bias_requires_grad, bool deterministic, Tensor? tile_keys=None, Tensor? out_resid=None, "
+      "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
-      {at::Tag::pt2_compliant_tag});
-  // Packed sequences, FlashAttention's varlen layout: q (Tq, H, D), k / v (Tk, KVH, D), int32
-  // offsets (batch + 1), attn_bias none or per key (heads, Tk); window > 0: each row keeps its
-  // sequence's top-window keys by the bias (the selection never crosses a boundary). lse (H, Tq).
-  // out_resid as fwd's (empty on CPU, and where keep_resid is false).
-  m.def(
-      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window, "
-      "bool deterministic=False, bool keep_resid=True) -> (Tensor out, Tensor lse, Tensor out_resid)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? attn_bias, Tensor out, Tensor lse, float softmax_scale, "
-      "bool is_causal, float softcap, int window, bool bias_requires_grad, bool deterministic=False, "
-      "Tensor? out_resid=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
-      {at::Tag::pt2_compliant_tag});
-  // varlen_fwd / varlen_bwd on the CUDA kernels that read the offsets on the device, without host
-  // synchronisation: with a window the C++ per-key kernels (those of perkey_fwd / perkey_bwd; the
-  // backward without softcap, the selection made again), attn_bias (heads, Tk)
-  // required; with window 0 the dense kernels (every built head dim; attn_bias (heads, Tk) or none).
-  // attn_bias in q's dtype. No other device implements them.
-  m.def(
-      "varlen_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, Tensor? attn_bias, float softmax_scale, bool is_causal, float softcap, int window) "
-      "-> (Tensor out, Tensor lse, Tensor out_resid)",
-      {at::Tag::pt2_compliant_tag});
-  m.def(
-      "varlen_bwd_cuda(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? attn_bias, Tensor out, Tensor lse, Tensor out_resid, "
-      "float softmax_scale, bool is_causal, float softcap, int window, bool bias_requires_grad, "
-      "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
-  m.impl("varlen_fwd", &varlen_fwd_cpu);
-  m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);

@@ -119,17 +119,20 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_imp
                   deterministic, c10::nullopt, run, device_stores_dbias_dtype, rule.key_rank, rule.row_thr);
 }
 
-// flexdma::perkey_select's arguments, checked by every device's implementation.
-inline void perkey_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows) {
+// flexdma::perkey_select's arguments, checked by every device's implementation: scores
+// (P1, P2, K), or in the packed form (heads, Tk) with seqlen_q = Tq.
+inline void perkey_select_check(const at::Tensor& scores, int64_t window, int64_t seqlen_q, int64_t tile_rows,
+                                bool packed) {
   const auto dt = scores.scalar_type();
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
                    "flexdma::perkey_select: scores must be float32, float16 or bfloat16, got ", dt);
-  TORCH_CHECK_VALUE(scores.dim() == 3, "flexdma::perkey_select: scores must be 3-D (planes, planes, K), got shape ",
+  TORCH_CHECK_VALUE(scores.dim() == (packed ? 2 : 3), "flexdma::perkey_select: scores must be ",
+                    packed ? "2-D (heads, Tk) in the packed form" : "3-D (planes, planes, K)", ", got shape ",
                     scores.sizes());
   TORCH_CHECK_VALUE(window > 0, "flexdma::perkey_select: window must be positive, got ", window);
   TORCH_CHECK_VALUE(seqlen_q >= 0, "flexdma::perkey_select: seqlen_q must be >= 0, got ", seqlen_q);
   TORCH_CHECK_VALUE(tile_rows > 0, "flexdma::perkey_select: tile_rows must be positive, got ", tile_rows);
-  TORCH_CHECK_VALUE(scores.size(2) < (int64_t(1) << 31) - 1, "flexdma::perkey_select: more keys than int32 ranks");
+  TORCH_CHECK_VALUE(scores.size(-1) < (int64_t(1) << 31) - 1, "flexdma::perkey_select: more keys than int32 ranks");
 }
 
 // flexdma::perkey_select's outputs for scores (P1, P2, K) (flexdma/perkey/contract.py's shapes) and
@@ -147,5 +150,103 @@ inline SelectOutputs alloc_select_outputs(const at::Tensor& scores, int64_t wind
   const std::vector<int64_t> lists{P1, P2, n_tiles * (1 + cap)};
   return {at::empty({P1, P2, K}, opts), at::empty({P1, P2, seqlen_q}, opts),
           zero_lists ? at::zeros(lists, opts) : at::empty(lists, opts), cap};
+}
+
+// ---- The packed form (FlashAttention's varlen layout; ops/flexdma_ops.cpp's schema comment states
+// it): the checks every device runs before any kernel. The CUDA kernels read the offsets on the
+// device only (the first kernel of a call checks them there); the CPU implementations read them on
+// the host.
+
+// Whether a call is in the packed form: cu_seqlens_q and cu_seqlens_k both given. One of them
+// alone, or a max_seqlen without them, is refused (nothing else would read it).
+inline bool packed_form(const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q,
+                        int64_t max_k, const char* op) {
+  const bool has_q = cu_q.has_value() && cu_q->defined(), has_k = cu_k.has_value() && cu_k->defined();
+  TORCH_CHECK_VALUE(has_q == has_k, op, ": the packed form needs both cu_seqlens_q and cu_seqlens_k, got only ",
+                    has_q ? "cu_seqlens_q" : "cu_seqlens_k");
+  TORCH_CHECK_VALUE(has_q || (max_q == 0 && max_k == 0), op, ": max_seqlen_q / max_seqlen_k (", max_q, " / ", max_k,
+                    ") are read only with cu_seqlens_q / cu_seqlens_k (the packed form), which are absent");
+  return has_q;
+}
+
+// A packed call's sequences: the offsets (int32, batch + 1 of them, on the operands' device), the
+// longest lengths the caller states (they size the CUDA grids) and the token counts.
+struct Packed {
+  at::Tensor cu_q, cu_k;
+  int64_t batch, max_q, max_k, total_q, total_k;
+};
+
+// The offsets' checks that need not read them. The CUDA grids are sized by max_seqlen, and the
+// kernel that checks the offsets on the device runs only where the grid has a tile: lengths that
+// cannot reach the token counts are caught here.
+inline Packed packed_offsets(const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                             int64_t total_q, int64_t total_k, const at::Device& device, const char* op) {
+  for (const at::Tensor* cu : {&cu_q, &cu_k})
+    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->numel() >= 1 && cu->is_contiguous() &&
+                          cu->device() == device,
+                      op, ": cu_seqlens must be contiguous 1-D int32 (batch + 1) on ", device, ", got ",
+                      cu->scalar_type(), " ", cu->sizes(), " on ", cu->device());
+  TORCH_CHECK_VALUE(cu_q.numel() == cu_k.numel(), op, ": cu_seqlens_q and cu_seqlens_k differ in length (",
+                    cu_q.numel(), " and ", cu_k.numel(), ")");
+  TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0, op, ": max_seqlen must be >= 0, got ", max_q, " and ", max_k);
+  const int64_t batch = cu_q.numel() - 1;
+  TORCH_CHECK_VALUE(max_q * batch >= total_q && max_k * batch >= total_k, op, ": ", batch,
+                    " sequences of at most max_seqlen_q = ", max_q, " / max_seqlen_k = ", max_k, " tokens cannot hold ",
+                    total_q, " / ", total_k, " tokens: a sequence is longer than max_seqlen");
+  return {cu_q, cu_k, batch, max_q, max_k, total_q, total_k};
+}
+
+// q (Tq, H, D), k / v (Tk, KVH, D), the offsets, and attn_bias none or per key (heads, Tk) with heads
+// in {1, KVH, H}.
+inline Packed packed_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q,
+                           int64_t max_k, const c10::optional<at::Tensor>& bias, const char* op) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, op,
+                    ": in the packed form q, k, v must be (tokens, heads, head_dim), got ", q.sizes(), ", ", k.sizes(),
+                    ", ", v.sizes());
+  check_qkv(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0));
+  const Packed s = packed_offsets(*cu_q, *cu_k, max_q, max_k, q.size(0), k.size(0), q.device(), op);
+  if (bias.has_value() && bias->defined()) {
+    const int64_t heads = bias->dim() == 2 ? bias->size(0) : -1;
+    TORCH_CHECK_VALUE(
+        bias->dim() == 2 && bias->size(1) == k.size(0) && (heads == 1 || heads == k.size(1) || heads == q.size(1)), op,
+        ": in the packed form attn_bias must be per key (heads, Tk=", k.size(0), ") with heads 1, ", k.size(1), " or ",
+        q.size(1), ", got ", bias->sizes());
+  }
+  return s;
+}
+
+// fwd / bwd's packed form: no attn_mask (a mask is per (query, key) pair, which the packed layout
+// has no operand for), and so no tile_meta.
+inline void packed_dense_check(const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& tile_meta,
+                               const char* op) {
+  TORCH_CHECK_VALUE(!mask.has_value() || !mask->defined(), op,
+                    ": the packed form (cu_seqlens given) takes no attn_mask, got one of shape ", mask->sizes());
+  TORCH_CHECK_VALUE(!tile_meta.has_value() || !tile_meta->defined(), op,
+                    ": the packed form (cu_seqlens given) takes no tile_meta (there is no attn_mask)");
+}
+
+// perkey_fwd / perkey_bwd's packed form: the bias, key_rank (heads, Tk) and row_thr (heads, Tq);
+// the padded checks (fill_perkey_params) then run on their batch-1 views.
+inline void packed_perkey_check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& bias,
+                                const at::Tensor& key_rank, const at::Tensor& row_thr, const char* op) {
+  TORCH_CHECK_VALUE(bias.dim() == 2, op, ": in the packed form attn_bias must be (heads, Tk=", k.size(0), "), got ",
+                    bias.sizes());
+  TORCH_CHECK_VALUE(key_rank.dim() == 2 && key_rank.size(1) == k.size(0), op,
+                    ": in the packed form key_rank must be (heads, Tk=", k.size(0),
+                    ") (flexdma::perkey_select's packed output), got ", key_rank.sizes());
+  TORCH_CHECK_VALUE(row_thr.dim() == 2 && row_thr.size(1) == q.size(0), op,
+                    ": in the packed form row_thr must be (heads, Tq=", q.size(0),
+                    ") (flexdma::perkey_select's packed output), got ", row_thr.sizes());
+}
+
+// The backward's packed operands besides q / k / v: grad_out and out (Tq, H, D), lse (H, Tq).
+inline void packed_bwd_check(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse,
+                             const char* op) {
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), op,
+                    ": in the packed form grad_out and out must have q's shape ", q.sizes(), ", got ", dout.sizes(),
+                    " and ", out.sizes());
+  TORCH_CHECK_VALUE(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(0), op,
+                    ": in the packed form lse must be (H, Tq) = (", q.size(1), ", ", q.size(0), "), got ", lse.sizes());
 }
 }  // namespace flexdma
