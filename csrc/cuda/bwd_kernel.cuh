@@ -13,9 +13,11 @@
 // tile (mask & causal & bounds) is skipped by the tile activity bits before any of its operand
 // bytes are requested; the next kept item is found (its keep tile requested or built) while the
 // current item's copies fly. Mask / bias are resolved once per work item (Plane, 32-bit head
-// division). The kernel runs the walk, the copies and the products; the pieces by role are
-// bwd_mainloop.cuh (the walk's activity bits and next item, P^T), bwd_dq_accum.cuh (dQ, the
-// deterministic turns), bwd_dbias.cuh (dbias flush and zeroing) and bwd_epilogue.cuh (dK / dV out).
+// division). The kernel body is the walk over the work items, each item a sequence of the named
+// steps below (its copies, S^T and P^T with the gather of the additive terms, dV, dS^T, dK and
+// dQ, the deterministic turn); the pieces by role are bwd_mainloop.cuh (the walk's activity bits
+// and next item, P^T), bwd_dq_accum.cuh (dQ, the deterministic turns), bwd_dbias.cuh (dbias flush
+// and zeroing) and bwd_epilogue.cuh (dK / dV out).
 #pragma once
 #include <math_constants.h>
 
@@ -38,6 +40,175 @@
 
 namespace flexdma {
 namespace cuda {
+
+// The CTA's first copies, one commit group: its key tile's K rows and (a pass that computes dK)
+// its V rows.
+template <typename T, int D, bool kDk>
+__device__ __forceinline__ void bwd_issue_kv(const BwdParams& p, const BwdFlags& f, const SeqInfo& seq, T* sK, T* sV,
+                                             int kvh, int n0) {
+  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0, seq.nk,
+                   f.qkv_vec);
+  if constexpr (kDk)
+    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride, n0,
+                     seq.nk, f.qkv_vec);
+  cp_async_commit();
+}
+
+// The dK / dV accumulators cleared (a pass without one holds a one-row stub).
+template <int kDkRows, int kDvRows>
+__device__ __forceinline__ void bwd_zero_acc(float (&dk)[kDkRows][4], float (&dv)[kDvRows][4]) {
+  constexpr int kRows = kDkRows > kDvRows ? kDkRows : kDvRows;
+#pragma unroll
+  for (int d = 0; d < kRows; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (d < kDkRows) dk[d][e] = 0.f;
+      if (d < kDvRows) dv[d][e] = 0.f;
+    }
+}
+
+// The activity bit of work item (mt, gq) in the walk's order: kMetaItems items' bits at a time in
+// smem (sMeta, bwd_meta_chunk; meta_base the chunk's first item, -1 before the first), so that
+// skipping an empty item costs a shared load instead of a global round trip. 32-bit item
+// arithmetic: a 64-bit division compiles to a call, and the kernel is at its register limit.
+// Block-uniform (the chunk's load is between barriers).
+template <int kMetaItems>
+__device__ __forceinline__ bool bwd_item_active(const BwdParams& p, uint32_t* sMeta, int& meta_base, int b, int kvh,
+                                                int ratio, int n_tile, int mt_begin, int m_tiles, int mt, int gq) {
+  const int item = (mt - mt_begin) * ratio + gq, base = item & ~(kMetaItems - 1);
+  if (base != meta_base) {
+    __syncthreads();  // the previous chunk is no longer read
+    meta_base = base;
+    bwd_meta_chunk(p, sMeta, b, kvh, ratio, n_tile, mt_begin, m_tiles, base);
+    __syncthreads();
+  }
+  return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
+}
+
+// The steps of one work item (query tile mt, query head h) of bwd_kernel's walk, in their order:
+// bwd_issue_item, bwd_scores (with bwd_gather_terms), dV and dS^T (in the kernel), bwd_dk_dq,
+// bwd_turn_done. Forced inline: they work on the kernel's register arrays (S^T, dP^T, dK, dV),
+// which a call would move to local memory.
+
+// The item's copies, one commit group: its Q tile (unless the previous item requested it early,
+// load_q false), dO, its bias tile (unless it reuses the previous item's gathered terms) and its
+// rows' lse2 and delta (16 bytes a thread).
+template <typename T, int D, typename IssueQ>
+__device__ __forceinline__ void bwd_issue_item(const BwdParams& p, const BwdFlags& f, const DqAccum& dqa,
+                                               const SeqInfo& seq, T* sDO, T* sB, float* sL2, float* sDelta, int b,
+                                               int h, int mt, int gq, int n0, bool load_q, bool load_bias,
+                                               IssueQ&& issue_q) {
+  const Plane<T, int> bias = Plane<T, int>(p.bias, b, h).from(seq.q0, seq.k0);
+  const T* dop = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride;
+  const int64_t m0 = mt * kBlockM;
+  const TileBounds tb(p, seq, m0, n0);
+  if (load_q) issue_q(mt, gq);
+  issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, tb.lim_r, f.qkv_vec);
+  if (load_bias) issue_bias<false>(tb, bias, sB, seq.vec16<T>(p.bias, f.bias_vec), m0, n0);
+  if (threadIdx.x < 2 * kBlockM / 4) {
+    const int half = threadIdx.x / (kBlockM / 4), c = threadIdx.x % (kBlockM / 4);
+    cp_async16((half ? sDelta : sL2) + 4 * c, (half ? dqa.delta : dqa.lse2) + dqa.tile(seq, h, mt) * kBlockM + 4 * c);
+  }
+  cp_async_commit();
+}
+
+// The additive part of each transposed score in log2 units (bias - lse, or -inf where dropped),
+// gathered from the [query][key] bias / keep tiles into sDS, so that the element loop after the
+// GEMMs reads one float2 per pair instead of four scattered scalars (whose hoisted loads cost the
+// registers that dK / dV need). sB overlays sDS's upper half (keys 32..63): keys 0..31 are written
+// first, then keys 32..63 from values read before a barrier. Lane = key, warp w = 16 queries: the
+// bias / keep reads are consecutive bytes of one row. Ends at a barrier (sDS is read across warps).
+template <typename T>
+__device__ __forceinline__ void bwd_gather_terms(float* sDS, const T* sB, const uint8_t* keep, bool has_bias,
+                                                 bool use_keep, int w, int lane) {
+  const uint16_t* sBh = reinterpret_cast<const uint16_t*>(sB);
+  const int key0 = lane, c0 = w * 16;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key0 + 32 * half;
+    uint32_t bv[8];
+    if (has_bias) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        bv[j] = uint32_t(sBh[(c0 + 2 * j) * kLdBias + key]) | (uint32_t(sBh[(c0 + 2 * j + 1) * kLdBias + key]) << 16);
+      if (half == 1) __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float a[4] = {0.f, 0.f, 0.f, 0.f};
+      if (has_bias) {
+        const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
+        a[0] = fmaf(b0.x, kLog2eF, a[0]);
+        a[1] = fmaf(b0.y, kLog2eF, a[1]);
+        a[2] = fmaf(b1.x, kLog2eF, a[2]);
+        a[3] = fmaf(b1.y, kLog2eF, a[3]);
+      }
+      if (use_keep) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kLdKeep + key] ? a[e] : -CUDART_INF_F;
+      }
+      *reinterpret_cast<float4*>(sDS + key * kLdDS + c0 + 4 * j) = make_float4(a[0], a[1], a[2], a[3]);
+    }
+  }
+  __syncthreads();
+}
+
+// S^T = K Q^T, then P^T in its place (bwd_probs). On wgmma the product runs while the block
+// gathers the additive terms (gather; the product reads only the K / Q tiles, the gather only
+// bias, keep and lse); dP^T too would spill at D = 128.
+template <typename T, int D, typename Gather>
+__device__ __forceinline__ void bwd_scores(float (&s)[kBlockN / 8][4], const T* sK, const T* sQ, float* sDS,
+                                           const float* sL2, float mulf, float scf, float soc, int w, int g, int qc,
+                                           Gather&& gather) {
+  constexpr bool kWg = use_wgmma<D>();
+  if constexpr (kWg) gemm_nt<T, D, false>(s, sK, sQ, w * 16);
+  gather();
+  if constexpr (kWg) {
+    wgmma_wait<0>();
+    fence_regs(s);
+  } else {
+    gemm_nt<T, D>(s, sK, sQ, w * 16);
+  }
+  bwd_probs(s, sDS, sL2, mulf, scf, soc, w, g, qc);
+}
+
+// dK += dS^T Q and dQ += dS K for item (mt, query head h) into dQ's float buffer (dqa). dS
+// goes to smem over the dO tile, which dP^T read last (every warp's reads end at the first
+// barrier); after it, thread 0 moves the dbias zeroing's position (dbias_passed). In the
+// deterministic mode thread 0 waits for this key tile's turn at the dQ tile before the
+// additions. Once every warp's dK product has read Q (the second barrier) the next item's Q tile
+// (next: there is one, (mt_n, gq_n)) is requested, its copy flying during dQ and the dbias flush
+// instead of on the next item's critical path.
+template <typename T, int D, int kDkRows, typename DbiasPassed, typename IssueQ>
+__device__ __forceinline__ void bwd_dk_dq(float (&dk)[kDkRows][4], float (&dp)[kBlockN / 8][4], T* sDO, const T* sQ,
+                                          const T* sK, const DqAccum& dqa, const SeqInfo& seq, int h, int mt,
+                                          int n_tile, bool det, int w, DbiasPassed&& dbias_passed, bool next, int mt_n,
+                                          int gq_n, IssueQ&& issue_q) {
+  T* sDst = sDO;
+  __syncthreads();
+  dbias_passed();
+  stage_ds<T, D>(sDst, dp, w * 16);
+  gemm_pv<T, D>(dk, dp, sQ);
+  if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(seq, h, mt), n_tile);
+  __syncthreads();
+  if (next) {
+    issue_q(mt_n, gq_n);
+    cp_async_commit();
+  }
+  add_dq_tile<T, D>(dqa.ptr + dqa.tile(seq, h, mt) * (kBlockM * D), sDst, sK);
+}
+
+// Deterministic dQ, after the item's last barrier: thread 0 hands the item's dQ tile (turn) on to
+// the next key tile, the CTA's additions ordered before by the barrier and published first, and
+// moves the position (pass[0..1]) past the item (mt, gq).
+__device__ __forceinline__ void bwd_turn_done(int* turn, int* pass, int mt, int gq, int ratio, int n_tile) {
+  if (threadIdx.x == 0) {
+    __threadfence();
+    dq_pass_turn(turn, n_tile + 1);
+    pass[0] = gq + 1 == ratio ? mt + 1 : mt;
+    pass[1] = gq + 1 == ratio ? 0 : gq + 1;
+  }
+}
 
 // kPart 0: dK, dV, dQ and dbias in one pass. Wider heads than 128 cannot hold both accumulators
 // (D floats a thread next to S^T and dP^T) and run the kernel twice over the same work items:
@@ -76,12 +247,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   const int vc = (int)imin(kBlockN, seq.len_k(p) - n0);
   const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, qc = lane % 4;
 
-  issue_keys<T, D>(sK, static_cast<const T*>(p.k) + seq.k_offset(p) + kvh * p.k_head_stride, p.k_row_stride, n0, seq.nk,
-                   f.qkv_vec);
-  if constexpr (kDk)
-    issue_keys<T, D>(sV, static_cast<const T*>(p.v) + seq.v_offset(p) + kvh * p.v_head_stride, p.v_row_stride, n0,
-                     seq.nk, f.qkv_vec);
-  cp_async_commit();
+  bwd_issue_kv<T, D, kDk>(p, f, seq, sK, sV, kvh, n0);
 
   // Packed sequences take no mask (unsupported_reason): compiled out of their kernel.
   const bool has_bias = p.bias.ptr != nullptr, has_mask = !kPacked && p.mask.ptr != nullptr;
@@ -91,13 +257,7 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
 
   constexpr int kDkRows = kDk ? D / 8 : 1, kDvRows = kDv ? D / 8 : 1;  // a pass without one keeps a stub
   float dk[kDkRows][4], dv[kDvRows][4];
-#pragma unroll
-  for (int d = 0; d < D / 8; ++d)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (d < kDkRows) dk[d][e] = 0.f;
-      if (d < kDvRows) dv[d][e] = 0.f;
-    }
+  bwd_zero_acc(dk, dv);
 
   // Causal: the first query row that sees key n0 is n0 - (K - Q).
   int64_t m_first = 0;
@@ -108,23 +268,11 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   // Work items (query tile mt, query head gq) in a fixed order, heads inner: the heads sharing a
   // dbias plane follow each other, so their dS sums in smem. find_next advances to the first
   // kept one at or after (mt, gq), its keep tile built into `slot`; false when none is left.
-  // Block-uniform.
-  // Activity bits of this key tile's column for the work items in order, 4096 items at a time
-  // in smem (thread t loads word t), so skipping an empty item costs a shared load instead of
-  // a global round trip. Block-uniform.
+  // Activity bits of this key tile's column for the work items in order (bwd_item_active).
   uint32_t* sMeta = reinterpret_cast<uint32_t*>(smem + L::kMeta);
   int meta_base = -1;
   auto item_active = [&](int mt, int gq) -> bool {
-    // 32-bit item arithmetic: a 64-bit division compiles to a call, and this kernel is at its
-    // register limit.
-    const int item = (mt - mt_begin) * ratio + gq, base = item & ~(L::kMetaItems - 1);
-    if (base != meta_base) {
-      __syncthreads();  // the previous chunk is no longer read
-      meta_base = base;
-      bwd_meta_chunk(p, sMeta, b, kvh, ratio, n_tile, mt_begin, m_tiles, base);
-      __syncthreads();
-    }
-    return (sMeta[(item - base) >> 5] >> ((item - base) & 31)) & 1u;
+    return bwd_item_active<L::kMetaItems>(p, sMeta, meta_base, b, kvh, ratio, n_tile, mt_begin, m_tiles, mt, gq);
   };
   // Where all query heads of this kv head read one bias plane and one mask plane, an item of the
   // query tile gathered last takes that gather's sDS (bias and keep in log2 units; lse is applied
@@ -163,6 +311,14 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   auto zero_until = [&](int mt_e, int pl_e) {
     zero_dbias_until<T>(dbias, pass + 2, mt_e, pl_e, seq, kvh, ratio, n0, vc);
   };
+  // Thread 0 moves the zeroing's position past the plane tile of item (mt_, gq_), which it flushes.
+  auto zero_passed = [&](int mt_, int gq_) {
+    if (dbias.in_dtype && threadIdx.x == 0) {
+      const int pl = group_plane(gq_);
+      pass[2] = pl + 1 == group_planes() ? mt_ + 1 : mt_;
+      pass[3] = pl + 1 == group_planes() ? 0 : pl + 1;
+    }
+  };
   // Deterministic dQ (bwd_dq_accum.cuh): thread 0 hands on the turn of every item from its
   // position up to, not including, (mt_e, gq_e): those keep nothing of this key tile.
   auto pass_until = [&](int mt_e, int gq_e) { dq_pass_until(dqa, pass, mt_e, gq_e, seq, kvh, ratio, n_tile); };
@@ -177,22 +333,8 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
   };
 #pragma unroll 1
   while (have) {
-    {
-      const int h = kvh * ratio + gq;
-      const Plane<T, int> bias = Plane<T, int>(p.bias, b, h).from(seq.q0, seq.k0);
-      const T* dop = static_cast<const T*>(p.dout) + seq.do_offset(p) + h * p.do_head_stride;
-      const int64_t m0 = mt * kBlockM;
-      const TileBounds tb(p, seq, m0, n0);
-      if (!q_ready) issue_q(mt, gq);
-      issue_rows<T, D>(sDO, dop + m0 * p.do_row_stride, p.do_row_stride, tb.lim_r, f.qkv_vec);
-      if (has_bias && !reuse) issue_bias<false>(tb, bias, sB, seq.vec16<T>(p.bias, f.bias_vec), m0, n0);
-      if (threadIdx.x < 2 * kBlockM / 4) {  // lse2 and delta, 16 bytes a thread
-        const int half = threadIdx.x / (kBlockM / 4), c = threadIdx.x % (kBlockM / 4);
-        cp_async16((half ? sDelta : sL2) + 4 * c,
-                   (half ? dqa.delta : dqa.lse2) + dqa.tile(seq, h, mt) * kBlockM + 4 * c);
-      }
-      cp_async_commit();
-    }
+    bwd_issue_item<T, D>(p, f, dqa, seq, sDO, sB, sL2, sDelta, b, kvh * ratio + gq, mt, gq, n0, !q_ready,
+                         has_bias && !reuse, issue_q);
     // The next kept item is found (its mask bytes read) while this item's copies fly.
     int gq_n = gq + 1, mt_n = mt;
     reuse_mt = group_shares() ? mt : -1;  // this item's sDS (gathered or reused) serves the next
@@ -203,125 +345,54 @@ __global__ void __launch_bounds__(kThreads, D <= 128 ? 2 : 1)
     if constexpr (kWg) fence_proxy_async();
     __syncthreads();
     if (kDk && dbias.in_dtype) zero_until(mt, group_plane(gq));
-    {
-      const int h = kvh * ratio + gq;
-      const int64_t m0 = mt * kBlockM;
-      const TileBounds tb(p, seq, m0, n0);
-      const int vr = tb.lim_r;
-      const bool use_keep = has_mask || !tb.full;
-      const uint8_t* keep = sKeep + slot * L::kKeepSlot;
-
-      // On wgmma, S^T = K Q^T runs while the block gathers the additive terms (it reads only the
-      // K / Q tiles, the gather only bias, keep and lse). dP^T too would spill at D = 128.
-      float s[kBlockN / 8][4];
-      if constexpr (kWg) gemm_nt<T, D, false>(s, sK, sQ, w * 16);
-      // Transposed scores: rows = this warp's 16 keys, columns = the tile's 64 queries. The
-      // additive part of each score in log2 units (bias - lse, or -inf where dropped) is first
-      // gathered from the [query][key] bias / keep tiles into sDS, so the element loop after the
-      // GEMMs reads one float2 per pair instead of four scattered scalars (whose hoisted loads
-      // cost the registers that dK / dV need). sB overlays sDS's upper half (keys 32..63): keys
-      // 0..31 are written first, then keys 32..63 from values read before a barrier. Lane =
-      // key, warp = 16 queries: the bias / keep reads are consecutive bytes of one row.
-      if (!reuse) {
-        const uint16_t* sBh = reinterpret_cast<const uint16_t*>(sB);
-        const int key0 = lane, c0 = w * 16;
+    const int h = kvh * ratio + gq;
+    const int64_t m0 = mt * kBlockM;
+    const TileBounds tb(p, seq, m0, n0);
+    const bool use_keep = has_mask || !tb.full;
+    const uint8_t* keep = sKeep + slot * L::kKeepSlot;
+    float s[kBlockN / 8][4];  // S^T, then P^T: rows = this warp's 16 keys, columns = the tile's 64 queries
+    bwd_scores<T, D>(s, sK, sQ, sDS, sL2, mulf, scf, soc, w, g, qc, [&] {
+      if (!reuse) bwd_gather_terms<T>(sDS, sB, keep, has_bias, use_keep, w, lane);
+    });
+    if constexpr (kDv) gemm_pv<T, D>(dv, s, sDO);
+    if constexpr (kDk) {
+      float dp[kBlockN / 8][4];
+      gemm_nt<T, D>(dp, sV, sDO, w * 16);
+      // dS^T = P^T (dP^T - delta) in place of dP^T, times the softcap derivative that bwd_probs left
+      // in sDS; the undifferentiated dS^T summed into sDB for dbias. Written here, not as a step
+      // function: as one, ptxas takes a register more for the packed kernel at D = 64.
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int key = key0 + 32 * half;
-          uint32_t bv[8];
-          if (has_bias) {
+      for (int n = 0; n < kBlockN / 8; ++n) {
+        const int c = n * 8 + 2 * qc;  // query
+        const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-              bv[j] =
-                  uint32_t(sBh[(c0 + 2 * j) * kLdBias + key]) | (uint32_t(sBh[(c0 + 2 * j + 1) * kLdBias + key]) << 16);
-            if (half == 1) __syncthreads();
-          }
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            float a[4] = {0.f, 0.f, 0.f, 0.f};
-            if (has_bias) {
-              const float2 b0 = unpack2<T>(bv[2 * j]), b1 = unpack2<T>(bv[2 * j + 1]);
-              a[0] = fmaf(b0.x, kLog2eF, a[0]);
-              a[1] = fmaf(b0.y, kLog2eF, a[1]);
-              a[2] = fmaf(b1.x, kLog2eF, a[2]);
-              a[3] = fmaf(b1.y, kLog2eF, a[3]);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int r = w * 16 + g + 8 * hh;  // key
+          float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
+          const float2 der = scf != 0.f ? *slot : make_float2(1.f, 1.f);
+          const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
+          const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
+          if (want_db) {  // this thread's own sDB slots in every head: no hazard
+            float2* a = reinterpret_cast<float2*>(sDB + db_idx(r, c));
+            if (first) {
+              *a = make_float2(ds0, ds1);
+            } else {
+              const float2 o = *a;
+              *a = make_float2(o.x + ds0, o.y + ds1);
             }
-            if (use_keep) {
-#pragma unroll
-              for (int e = 0; e < 4; ++e) a[e] = keep[(c0 + 4 * j + e) * kLdKeep + key] ? a[e] : -CUDART_INF_F;
-            }
-            *reinterpret_cast<float4*>(sDS + key * kLdDS + c0 + 4 * j) = make_float4(a[0], a[1], a[2], a[3]);
           }
+          dp[n][2 * hh] = ds0 * der.x;
+          dp[n][2 * hh + 1] = ds1 * der.y;
         }
-        __syncthreads();
       }
-      if constexpr (kWg) {
-        wgmma_wait<0>();
-        fence_regs(s);
-      } else {
-        gemm_nt<T, D>(s, sK, sQ, w * 16);
-      }
-      bwd_probs(s, sDS, sL2, mulf, scf, soc, w, g, qc);
-      if constexpr (kDv) gemm_pv<T, D>(dv, s, sDO);
-      if constexpr (kDk) {
-        float dp[kBlockN / 8][4];
-        gemm_nt<T, D>(dp, sV, sDO, w * 16);
-#pragma unroll
-        for (int n = 0; n < kBlockN / 8; ++n) {
-          const int c = n * 8 + 2 * qc;  // query
-          const float2 dc = *reinterpret_cast<const float2*>(sDelta + c);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = w * 16 + g + 8 * hh;  // key
-            float2* slot = reinterpret_cast<float2*>(sDS + r * kLdDS + c);
-            const float2 der = scf != 0.f ? *slot : make_float2(1.f, 1.f);
-            const float ds0 = s[n][2 * hh] * (dp[n][2 * hh] - dc.x);
-            const float ds1 = s[n][2 * hh + 1] * (dp[n][2 * hh + 1] - dc.y);
-            if (want_db) {  // this thread's own sDB slots in every head: no hazard
-              float2* a = reinterpret_cast<float2*>(sDB + db_idx(r, c));
-              if (first) {
-                *a = make_float2(ds0, ds1);
-              } else {
-                const float2 o = *a;
-                *a = make_float2(o.x + ds0, o.y + ds1);
-              }
-            }
-            dp[n][2 * hh] = ds0 * der.x;
-            dp[n][2 * hh + 1] = ds1 * der.y;
-          }
-        }
-        // dS goes to smem for dQ = dS K, over the dO tile, which dP^T above read last (every
-        // warp's reads end at the barrier).
-        T* sDst = sDO;
-        __syncthreads();
-        if (dbias.in_dtype && threadIdx.x == 0) {  // past this item's plane tile, which it flushes
-          const int pl = group_plane(gq);
-          pass[2] = pl + 1 == group_planes() ? mt + 1 : mt;
-          pass[3] = pl + 1 == group_planes() ? 0 : pl + 1;
-        }
-        stage_ds<T, D>(sDst, dp, w * 16);
-        gemm_pv<T, D>(dk, dp, sQ);
-        if (det && threadIdx.x == 0) dq_wait_turn(dqa.turn + dqa.tile(seq, h, mt), n_tile);
-        __syncthreads();
-        // Every warp's dK product has read Q: the next item's Q tile is requested now, its copy
-        // flying during dQ and the dbias flush instead of on the next item's critical path.
-        if (have_n) {
-          issue_q(mt_n, gq_n);
-          cp_async_commit();
-        }
-        add_dq_tile<T, D>(dqa.ptr + dqa.tile(seq, h, mt) * (kBlockM * D), sDst, sK);
-
-        if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, seq, h, m0, n0, vr, tb.lim_c);
-      }
+      bwd_dk_dq<T, D>(
+          dk, dp, sDO, sQ, sK, dqa, seq, h, mt, n_tile, det, w, [&] { zero_passed(mt, gq); }, have_n, mt_n, gq_n,
+          issue_q);
+      if (want_db && flush) flush_dbias_tile<T>(dbias, sDB, sL2, seq, h, m0, n0, tb.lim_r, tb.lim_c);
     }
     __syncthreads();  // Q / dO / bias / sDS / sDB and this keep slot are free for the next item
     if (det) {
-      if (threadIdx.x == 0) {
-        __threadfence();  // the CTA's dQ additions (ordered before this by the barrier) go first
-        dq_pass_turn(dqa.turn + dqa.tile(seq, kvh * ratio + gq, mt), n_tile + 1);
-        pass[0] = gq + 1 == ratio ? mt + 1 : mt;
-        pass[1] = gq + 1 == ratio ? 0 : gq + 1;
-      }
+      bwd_turn_done(dqa.turn + dqa.tile(seq, h, mt), pass, mt, gq, ratio, n_tile);
       pass_until(have_n ? mt_n : m_tiles, have_n ? gq_n : 0);
     }
     reuse = have_n && mt_n == mt && group_shares();

@@ -1,9 +1,8 @@
 // Pieces of the backward main pass's loop (bwd_kernel.cuh runs the walk over work items, the
 // copies and the products): the walk's activity bits in smem and its next kept item, and P^T from
 // S^T. Fragments are a warp's 16 keys x 64 queries of the transposed scores (C-fragment layout:
-// rows w * 16 + g (+ 8), columns n * 8 + 2 * qc (+ 1)). The gather of the additive terms into sDS
-// and dS^T from dP^T stay in the kernel: as device functions (inline or forced inline) ptxas
-// orders their instructions differently.
+// rows w * 16 + g (+ 8), columns n * 8 + 2 * qc (+ 1)). The steps of one work item are
+// bwd_kernel.cuh's.
 #pragma once
 #include "../flash_dma_params.h"
 #include "constants.cuh"
