@@ -29,7 +29,7 @@ from typing import List, Optional
 import torch
 
 import flexdma
-from flexdma.reference import attention_ref
+from flexdma.dense.naive import attention_ref
 
 from . import configs, cp, cpu, decode, perkey, report, varlen
 from . import inputs as inputs_mod

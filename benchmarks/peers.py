@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
-from flexdma.flex import ONE_STAGE, SMALL_BLOCKS
+from flexdma.dense.flex import ONE_STAGE, SMALL_BLOCKS
 
 from .configs import FLEXDMA_PEERS, KVH, Case, H
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import flexdma
 import flexdma.integrations.transformers as hf
-from flexdma.flex import sparse_mask_kernel_options
+from flexdma.dense.flex import sparse_mask_kernel_options
 from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
-from flexdma.flex import sparse_mask_kernel_options
+from flexdma.dense.flex import sparse_mask_kernel_options
 
 from .common import Saving, newest_section, record, run_section, runs_of, table
 from .peers import compiled_flex

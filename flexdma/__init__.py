@@ -9,9 +9,9 @@ import warnings as _py_warnings
 from . import _ext, nn
 from ._dispatch import available_backends
 from .api import flash_dma_attention
+from .dense.naive import attention_ref
 from .dynamic import dynamic_mask_attention
 from .masks import create_mask
-from .reference import attention_ref
 from .varlen import flash_dma_attention_varlen
 
 __version__ = "0.1.0"

@@ -1,17 +1,25 @@
-"""The dispatch layer, in one place: the call described once, the backends' limits, the `auto`
-policy, and one table of (path, backend) -> implementation.
+"""The dispatch, in one place: the call described once (`Call`, in its layout), the backends'
+limits, the `auto` policy, and one table of (path, layout, kernels) -> implementation, decided
+once per call into a `Plan` before any data moves.
 
 - `Call`: a small frozen record of a validated call (shapes, dtype, device, is_causal, softcap,
   the mask's and bias's shapes, whether a backward will follow, keep_window_size; on the per-key
-  path the bias's dtype and the operands' alignment), built once by flexdma.api (`Call.of`).
+  path the bias's dtype and the operands' alignment), built once by the public function
+  (`Call.of`: flexdma.api, padded; `Call.packed`: flexdma.varlen, FlashAttention's varlen layout).
   Backends decide from it, not from the tensors.
 - `unsupported_reason(path, backend, call)`: why a backend cannot take the call (None: it can).
 - `select(backend, call)`: auto is the CUDA kernels where they support the call, FlexAttention
   where they do not, the eager reference last; on CPU the C++ kernel of the op family, then the
-  reference. Each fallback is warned once per reason. The same policy for both paths.
-- `IMPLEMENTATIONS[(path, backend)]`: path "dense" (attn_mask / attn_bias) or "perkey"
-  (keep_window_size, flexdma/perkey/); backend "cuda", "flex", "cpu" or "reference". Each is
-  `impl(call, q, k, v, mask, bias, scale, deterministic, need_lse) -> (out, lse)`.
+  reference. Each fallback is warned once per reason. The same policy for every path and layout.
+- `plan(backend, call, deterministic)`: the backend, the per-key route (flexdma/perkey/route.py:
+  which kernels run the forward and the backward, binding for both) and the layout: "padded",
+  "packed", or "cache" (a per-key call of a few query rows after a long context, which
+  flexdma/perkey/cache.py runs over kept sets instead of the selection). `Plan.run` is
+  `IMPLEMENTATIONS[(path, layout, kernels)]`, kernels the backend or, on the per-key path, the
+  route's forward ("cuda": the C++ kernels, "triton"). The public function calls it:
+  padded / cache `run(plan, q, k, v, mask, bias, scale, deterministic, need_lse)`, packed
+  `run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, bias, scale, deterministic, need_lse)`, each
+  -> (out, lse).
 """
 
 from __future__ import annotations
@@ -22,41 +30,13 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _ext, _ops, _tilebits
+from . import _ext, _ops
 from ._device import device_capability
 from ._warnings import warn_once as _warn_once
+from .dense import attention as dense_attention
 from .perkey import attention as perkey_attention
 from .perkey import cache as perkey_cache
 from .perkey import route as perkey_route
-from .reference import attention_ref
-
-# Cached by hand, not with functools.lru_cache: torch.compile traces this on every call of the
-# API and warns about (and ignores) an lru_cache wrapper; a plain module global is read as a constant.
-_UNSET = object()
-_flex_state = _UNSET
-
-
-def flex_module():
-    """flexdma.flex, loaded on first use; for callers that asked unsupported_reason(..., "flex", ...)
-    first (it is then available)."""
-    return _flex_module()[0]
-
-
-def _flex_module():
-    """(flexdma.flex, None), or (None, why) where FlexAttention is unavailable."""
-    global _flex_state
-    if _flex_state is _UNSET:
-        try:
-            # Optional and heavy (torch's FlexAttention, and triton through flexdma._block_tiles):
-            # loaded by the first call that asks, not by `import flexdma`. No cycle: flex imports
-            # nothing of the dispatcher.
-            from . import flex
-        except Exception as e:  # pragma: no cover - torch without FlexAttention
-            _flex_state = (None, f"FlexAttention is unavailable ({e})")
-        else:
-            _flex_state = (flex, None)
-    return _flex_state
-
 
 BACKENDS = ("auto", "cuda", "flex", "cpu", "reference")
 
@@ -83,6 +63,11 @@ class Call(NamedTuple):
     bias_dtype: Optional[torch.dtype] = None
     rows_aligned: bool = True  # q / k / v: 16-byte aligned rows, strides multiples of 8 elements
     kv_row_stride: int = 0  # the larger of k's and v's row strides, in elements
+    # "padded" (q (B, Q, H, D)) or "packed" (q (Tq, H, D) with offsets: `batch` sequences of at
+    # most seqlen_q / seqlen_k tokens (max_seqlen), total_q / total_k tokens in all).
+    layout: str = "padded"
+    total_q: int = 0
+    total_k: int = 0
 
     @property
     def path(self) -> str:
@@ -118,6 +103,31 @@ class Call(NamedTuple):
             *perkey,
         )
 
+    @staticmethod
+    def packed(q, k, v, bias, cu_seqlens_q, max_seqlen_q, max_seqlen_k, *, is_causal, softcap, keep_window_size):
+        """The Call of a packed call: q (Tq, H, D), k / v (Tk, KVH, D), the per-key bias (heads, Tk)
+        or None, as flexdma.varlen validated them; the bias's shape and the per-key fields as a
+        padded call's of one sequence holding every row ((1, heads, 1, Tk))."""
+        requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+        one = Call.of(
+            q[None], k[None], v[None], None, None if bias is None else bias[None, :, None, :], is_causal=is_causal,
+            softcap=softcap, keep_window_size=keep_window_size, requires_grad=requires_grad,
+        )  # fmt: skip
+        return Call(
+            *one[:2], cu_seqlens_q.shape[0] - 1, max_seqlen_q, *one[4:6], max_seqlen_k, *one[7:-3],
+            layout="packed", total_q=q.shape[0], total_k=k.shape[0],
+        )  # fmt: skip
+
+
+class Plan(NamedTuple):
+    """How a call runs, decided once by `plan` before any data moves."""
+
+    call: Call
+    backend: str  # the backend `select` picked
+    layout: str  # the call's, or "cache" (a per-key call's few rows over kept sets)
+    route: Optional[perkey_route.Route]  # the per-key path's kernels (forward and backward) and tile rows
+    run: Callable  # IMPLEMENTATIONS[(path, layout, kernels)]
+
 
 def _rows_aligned(*tensors) -> bool:
     """Whether the rows of each tensor (4-D) start on 16 bytes, with strides of multiples of 8
@@ -138,7 +148,7 @@ def available_backends() -> List[str]:
     out = []
     if _ext.with_cuda() and torch.cuda.is_available():
         out.append("cuda")
-    if _flex_module()[0] is not None:
+    if dense_attention.flex_module()[0] is not None:
         out.append("flex")
     if _ext.LOAD_ERROR is None:
         out.append("cpu")
@@ -147,19 +157,6 @@ def available_backends() -> List[str]:
 
 
 # ------------------------------------------------------------------------------ backend limits
-
-
-_KERNEL_REASONS: dict = {}
-
-
-# The kernels' check is a C function of the extension, which dynamo cannot trace: run eagerly while
-# a model is traced (its answer depends on these Python ints only) and cached by them.
-@torch.compiler.assume_constant_result
-def _kernels_reason(batch: int, heads: int, heads_k: int, head_dim: int, dtype_code: int, softcap: float):
-    key = (batch, heads, heads_k, head_dim, dtype_code, softcap)
-    if key not in _KERNEL_REASONS:
-        _KERNEL_REASONS[key] = _ext.C.cuda_unsupported_reason(*key)
-    return _KERNEL_REASONS[key]
 
 
 def cuda_unsupported_reason(call: Call) -> Optional[str]:
@@ -178,8 +175,16 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
     archs = {str(a).rstrip("a") for a in info.CUDA_ARCHS}
     if f"{major}{minor}" not in archs:
         return f"the CUDA kernels were built for sm_{'/'.join(sorted(archs))}, this GPU is sm_{major}{minor}"
-    why = _kernels_reason(
-        call.batch, call.num_heads, call.num_kv_heads, call.head_dim, _ext.DTYPE_CODES.get(call.dtype, -1), call.softcap
+    why = _ext.kernels_reason(
+        "cuda_unsupported_reason",
+        (
+            call.batch,
+            call.num_heads,
+            call.num_kv_heads,
+            call.head_dim,
+            _ext.DTYPE_CODES.get(call.dtype, -1),
+            call.softcap,
+        ),
     )
     if why:
         return (
@@ -192,11 +197,15 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
 def flex_unsupported_reason(call: Call) -> Optional[str]:
     if call.path == "perkey" and call.device.type == "cpu" and call.requires_grad:
         return "FlexAttention has no CPU backward for the per-key path"
-    flex, why = _flex_module()
+    flex, why = dense_attention.flex_module()
     if flex is None:
         return why
     # The per-key path hands FlexAttention no mask (the selection is its mask_mod).
     mask_key_dim = None if call.mask_shape is None or call.path == "perkey" else call.mask_shape[-1]
+    if call.layout == "packed" and call.path == "dense":
+        # One FlexAttention call over every packed row, a document mask from the offsets (a packed
+        # per-key call runs sequence by sequence: the lengths below are its longest sequence's).
+        return flex.limits_reason(call.device, call.dtype, call.total_q, call.total_k, call.head_dim, None)
     return flex.limits_reason(call.device, call.dtype, call.seqlen_q, call.seqlen_k, call.head_dim, mask_key_dim)
 
 
@@ -247,78 +256,85 @@ def select(backend: str, call: Call) -> str:
     raise AssertionError("unreachable: the reference supports every call")
 
 
-# ------------------------------------------------------------------------------ implementations
+# ------------------------------------------------------------------------------ the plan
 
 
-def _dense_op(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-    # The CUDA kernels skip empty tiles by the mask's tile activity bits: computed here once,
-    # handed to the forward and kept by autograd for the backward. Without a backward to share
-    # them with (inference, decoding) the op computes them itself: one Python op call less a step.
-    # The CPU kernel needs none.
-    meta = None
-    if mask is not None and call.device.type == "cuda":
-        # A mask create_mask built carries its tiles' activity (mask.flexdma_tiles): the bits from it.
-        meta = _tilebits.tile_meta_of(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
-        if meta is None and call.requires_grad:
-            meta = _ops.tile_meta(mask, call.seqlen_q, call.seqlen_k, call.is_causal)
-    # out_resid (kept only where a backward can follow) stays with autograd, which hands it on.
-    out, lse, _ = _ops.fwd_autograd(
-        q, k, v, mask, bias, scale, call.is_causal, call.softcap, deterministic, meta, call.requires_grad
-    )
-    return out, lse
-
-
-def _dense_flex(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-    return _flex_module()[0].flex_dma_attention(
-        q,
-        k,
-        v,
-        mask,
-        bias,
-        is_causal=call.is_causal,
-        softmax_scale=scale,
-        softcap=call.softcap,
-        need_lse=need_lse,
-        training=call.requires_grad,
-    )
-
-
-def _dense_reference(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-    return attention_ref(q, k, v, mask, bias, is_causal=call.is_causal, softmax_scale=scale, softcap=call.softcap)
-
-
-def _perkey(backend: str) -> Callable:
-    # A few query rows (decoding through the API, a short chunk): their kept sets from one sort of
-    # the keys and O(W) updates, then this backend's dense kernels (_dense_op, called directly)
-    # over the gathered entries, where they take that call: flexdma/perkey/cache.py decides and
-    # runs it. The reference stays the dense mask; FlexAttention selects in its mask_mod.
-    dense_reason = (lambda c: unsupported_reason("dense", backend, c)) if backend in ("cuda", "cpu") else None
-
-    def run(call: Call, q, k, v, mask, bias, scale, deterministic, need_lse):
-        how = perkey_cache.route(q, k, call=call, dense_reason=dense_reason)
-        if how != perkey_cache.SELECTION:
-            dense = perkey_cache.gathered_call(call)
-            return perkey_cache.attend(
-                how, q, k, v, bias, call=call, mask=mask,
-                dense=functools.partial(_dense_op, dense, scale=scale, deterministic=deterministic, need_lse=need_lse),
-            )  # fmt: skip
-        # FlexAttention loaded only where it runs the call.
-        flex = _flex_module()[0] if backend == "flex" else None
-        return perkey_attention.run(backend, call, q, k, v, mask, bias, scale, deterministic, flex=flex)
-
-    return run
-
-
-IMPLEMENTATIONS: Dict[Tuple[str, str], Callable] = {
-    ("dense", "cuda"): _dense_op,
-    ("dense", "cpu"): _dense_op,
-    ("dense", "flex"): _dense_flex,
-    ("dense", "reference"): _dense_reference,
-    **{("perkey", b): _perkey(b) for b in ("cuda", "cpu", "flex", "reference")},
-}
-
-
-def run(backend: str, call: Call, q, k, v, mask, bias, scale: float, deterministic: bool, need_lse: bool):
-    """(out, lse) of the call by the backend `select` picks."""
+def plan(backend: str, call: Call, deterministic: bool) -> Plan:
+    """The plan of a call: the backend `select` picks, on the per-key path the route (which binds
+    the forward's kernels and its backward's) and whether a few rows run over kept sets; then the
+    implementation of (path, layout, kernels). Raises if an explicitly named backend cannot."""
     name = select(backend, call)
-    return IMPLEMENTATIONS[(call.path, name)](call, q, k, v, mask, bias, scale, deterministic, need_lse)
+    layout, route, kernels = call.layout, None, name
+    if call.path == "perkey":
+        if layout == "padded" and name in ("cuda", "cpu"):
+            dense_reason = functools.partial(unsupported_reason, "dense", name)
+            if perkey_cache.route(None, None, call=call, dense_reason=dense_reason) == perkey_cache.KEPT_SETS:
+                layout = "cache"
+        if layout != "cache":
+            route = perkey_route.decide(name, call, deterministic)
+            kernels = route.forward
+    return Plan(call, name, layout, route, IMPLEMENTATIONS[(call.path, layout, kernels)])
+
+
+def by_sequence(packed: Plan, q, k, v, cu_q, cu_k, bias, scale, deterministic, need_lse):
+    """A packed call that no kernel takes in its packed form, as one padded call a sequence on views
+    of its rows (the offsets read on the host: a device wait), each planned on the call's backend.
+    Rows of a sequence without keys: out 0, LSE -inf."""
+    call = packed.call
+    a = _offsets("cu_seqlens_q", cu_q, call.total_q, call.seqlen_q)
+    b = _offsets("cu_seqlens_k", cu_k, call.total_k, call.seqlen_k)
+    H, acc = call.num_heads, _ops.acc_dtype(call.dtype)
+    outs, lses = [], []
+    for i in range(call.batch):
+        q0, nq, k0, nk = a[i], a[i + 1] - a[i], b[i], b[i + 1] - b[i]
+        if nq == 0:
+            continue
+        if nk == 0:
+            outs.append(q.new_zeros((nq, H, call.head_dim)))
+            lses.append(q.new_full((H, nq), float("-inf"), dtype=acc))
+            continue
+        views = q[None, q0 : q0 + nq], k[None, k0 : k0 + nk], v[None, k0 : k0 + nk]
+        b_s = None if bias is None else bias[None, :, None, k0 : k0 + nk]
+        one = Call.of(
+            *views, None, b_s, is_causal=call.is_causal, softcap=call.softcap, keep_window_size=call.keep_window_size,
+            requires_grad=call.requires_grad,
+        )  # fmt: skip
+        p = plan(packed.backend, one, deterministic)
+        out, lse = p.run(p, *views, None, b_s, scale, deterministic, True)
+        outs.append(out[0])
+        lses.append(lse[0])
+    if not outs:  # no rows
+        return q.new_zeros(q.shape), q.new_zeros((H, 0), dtype=acc)
+    return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def _offsets(name: str, cu: torch.Tensor, total: int, longest: int) -> List[int]:
+    offs = cu.tolist()  # the sequences' loop needs them on the host
+    if offs[0] != 0 or offs[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {offs[0]} ... {offs[-1]}")
+    lengths = [y - x for x, y in zip(offs, offs[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"{name} must not decrease, got {offs}")
+    if lengths and max(lengths) > longest:
+        raise ValueError(f"a sequence of {max(lengths)} tokens is longer than max_seqlen {longest} ({name})")
+    return offs
+
+
+# (path, layout, kernels) -> implementation. The per-key path's kernels are its route's forward
+# ("cuda": the C++ kernels; "triton": their fallback), the dense path's the backend.
+IMPLEMENTATIONS: Dict[Tuple[str, str, str], Callable] = {
+    ("dense", "padded", "cuda"): dense_attention.op,
+    ("dense", "padded", "cpu"): dense_attention.op,
+    ("dense", "padded", "flex"): dense_attention.flex,
+    ("dense", "padded", "reference"): dense_attention.reference,
+    ("dense", "packed", "cuda"): dense_attention.packed_op,
+    ("dense", "packed", "cpu"): dense_attention.packed_op,
+    ("dense", "packed", "flex"): dense_attention.packed_flex,
+    ("dense", "packed", "reference"): by_sequence,
+    **{("perkey", "padded", k): perkey_attention.run for k in ("cuda", "triton", "cpu", "flex", "reference")},
+    ("perkey", "cache", "cuda"): perkey_attention.few_rows,
+    ("perkey", "cache", "cpu"): perkey_attention.few_rows,
+    ("perkey", "packed", "cuda"): perkey_attention.packed,
+    ("perkey", "packed", "cpu"): perkey_attention.packed,
+    **{("perkey", "packed", k): by_sequence for k in ("triton", "flex", "reference")},
+}

@@ -5,7 +5,8 @@
 - `BUILD_INFO`: flexdma/_build_info.py (written by setup.py), None where absent.
 - `HAVE_TRITON`: triton is installed (the per-key Triton kernels, for the CUDA calls the C++ ones
   do not take); not imported here.
-- `DTYPE_CODES`: flexdma::DType's values, as the kernels' support checks take dtypes through `C`.
+- `DTYPE_CODES`: flexdma::DType's values, as the kernels' support checks take dtypes through `C`;
+  `kernels_reason` asks those checks, cached.
 - The constants shared with the kernels, read from csrc/flash_dma_constants.h through `C`
   (None without the extension: nothing that reads them can run then).
 """
@@ -61,3 +62,26 @@ DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.floa
 def with_cuda() -> bool:
     """The extension loaded and was built with its CUDA kernels."""
     return LOAD_ERROR is None and BUILD_INFO is not None and bool(BUILD_INFO.WITH_CUDA)
+
+
+_UNSET = object()
+_REASONS: dict = {}
+# Answers kept at most: the per-key check's key holds the sequence lengths, which a long run of
+# varying lengths (generation through the API) would grow without bound.
+_MAX_REASONS = 4096
+
+
+# The checks are C functions of the extension, which dynamo cannot trace: run eagerly while a model
+# is traced (the answer depends on these Python values only) and cached by them.
+@torch.compiler.assume_constant_result
+def kernels_reason(check: str, key: tuple):
+    """The CUDA kernels' own support check `check` of `C` ("cuda_unsupported_reason": the dense
+    kernels', "perkey_unsupported_reason": the C++ per-key kernels') on `key`, its arguments: why
+    the kernels cannot take such a call, None where they can. The ops run the same check again
+    before they launch."""
+    why = _REASONS.get((check, key), _UNSET)
+    if why is _UNSET:
+        if len(_REASONS) >= _MAX_REASONS:
+            _REASONS.clear()
+        why = _REASONS[(check, key)] = getattr(C, check)(*key)
+    return why

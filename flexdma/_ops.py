@@ -1,10 +1,13 @@
-"""Python side of the torch.ops.flexdma op family: fake (meta) kernels and autograd of the dense
-ops (fwd, bwd, tile_meta), and the autograd every attention forward op shares (`register_autograd`;
-the per-key ops' side, the Triton implementation's ops among them, is flexdma/perkey/ops.py).
+"""What every op of the torch.ops.flexdma family shares on the Python side: the autograd of an
+attention forward op (`register_autograd`, and `eager_autograd`, the form eager calls take), the
+fake outputs' shapes, and the test for a plain eager call. Each path registers its ops' fake
+kernels and autograd with these: flexdma/dense/ops.py (fwd, bwd, tile_meta) and
+flexdma/perkey/ops.py (perkey_select, perkey_fwd, perkey_bwd and the Triton implementation's).
 
-The schemas and the CPU/CUDA kernels are registered by the C++ extension (ops/); everything
-here is device-independent and registered once. Without the extension (flexdma._ext.C is None)
-nothing is registered and the op handles are None.
+The schemas and the CPU/CUDA kernels are registered by the C++ extension (ops/). Every op takes
+a padded call (q (B, Q, H, D)) or, given cu_seqlens_q / cu_seqlens_k, a packed one (q (Tq, H, D),
+FlashAttention's varlen layout, lse (H, Tq)): the same op in either form. Without the extension
+(flexdma._ext.C is None) nothing is registered.
 """
 
 from __future__ import annotations
@@ -15,12 +18,9 @@ import torch
 
 from . import _ext
 
-__all__ = ["fwd", "bwd", "tile_meta", "register_autograd", "grads_like"]
+__all__ = ["register_autograd", "eager_autograd", "grads_like", "out_like"]
 
 LOADED = _ext.LOAD_ERROR is None
-fwd = torch.ops.flexdma.fwd if LOADED else None
-bwd = torch.ops.flexdma.bwd if LOADED else None
-tile_meta = torch.ops.flexdma.tile_meta if LOADED else None
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,34 +32,17 @@ def keeps_residual(q) -> bool:
     return q.device.type == "cuda"
 
 
-def _fwd_fake(
-    q, k, v, attn_mask, attn_bias, softmax_scale, is_causal, softcap, deterministic, tile_meta=None, keep_resid=True
-):
-    B, Q, H, _ = q.shape
-    out = q.new_empty(q.shape)
-    lse = q.new_empty((B, H, Q), dtype=acc_dtype(q.dtype))
+def out_like(q, keep_resid: bool = True) -> tuple:
+    """The fake outputs of every forward op: out like q, lse (B, H, Q) of a padded call or (H, Tq)
+    of a packed one (q (Tq, H, D)) in the accumulation dtype, and out_resid like q where the
+    kernels return it (else empty)."""
+    if q.dim() == 3:  # packed
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q.dtype))
+    else:
+        B, Q, H, _ = q.shape
+        lse = q.new_empty((B, H, Q), dtype=acc_dtype(q.dtype))
     resid = q.new_empty(q.shape) if keep_resid and keeps_residual(q) else q.new_empty((0,))
-    return out, lse, resid
-
-
-def _bwd_fake(
-    grad_out,
-    q,
-    k,
-    v,
-    attn_mask,
-    attn_bias,
-    out,
-    lse,
-    softmax_scale,
-    is_causal,
-    softcap,
-    bias_requires_grad,
-    deterministic,
-    tile_meta=None,
-    out_resid=None,
-):
-    return grads_like(q, k, v, attn_bias, bias_requires_grad)
+    return q.new_empty(q.shape), lse, resid
 
 
 def grads_like(q, k, v, attn_bias, bias_requires_grad: bool) -> tuple:
@@ -68,13 +51,6 @@ def grads_like(q, k, v, attn_bias, bias_requires_grad: bool) -> tuple:
     want = bias_requires_grad and attn_bias is not None
     dbias = attn_bias.new_empty(attn_bias.shape) if want else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
-
-
-def _tile_meta_fake(attn_mask, seqlen_q, seqlen_k, is_causal):
-    # One int32 word per TILES_PER_WORD key tiles, per query tile, per mask (batch, head).
-    tile, per_word = _ext.TILE_SIZE, _ext.TILES_PER_WORD
-    words = (-(-seqlen_k // tile) + per_word - 1) // per_word
-    return attn_mask.new_empty((attn_mask.shape[0], attn_mask.shape[1], -(-seqlen_q // tile), words), dtype=torch.int32)
 
 
 class Direct(NamedTuple):
@@ -103,15 +79,21 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def register_autograd(
-    fwd_name: str, call_bwd, n_tensors: int, bias_index: int, direct: Optional[Direct] = None, bwd_extra: int = 0
+    fwd_name: str,
+    call_bwd,
+    n_tensors: int,
+    bias_index: int,
+    direct: Optional[Direct] = None,
+    bwd_extra: Optional[slice] = None,
 ):
     """Autograd of an attention forward op whose inputs are `n_tensors` tensors (q, k, v first, the
     bias at `bias_index`), then softmax_scale, is_causal, softcap, deterministic and the tile tensor
     the forward read (and maybe more), and whose outputs are (out, lse, out_resid); its backward is
     `call_bwd(grad_out, *tensors, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
     deterministic, tiles, out_resid, *extra)` -> (dq, dk, dv, dbias), `extra` the forward's
-    `bwd_extra` inputs after the tile tensor. The dense fwd and the per-key perkey_fwd (and its
-    Triton implementation, whose extra is the lists' tile rows) have this form. Returns the op as
+    inputs[bwd_extra] (as many as the call passed). The dense fwd and the per-key perkey_fwd (whose
+    extra are the packed form's offsets and lengths) and the per-key Triton implementation (whose
+    extra is the lists' tile rows) have this form. Returns the op as
     the API calls it (`eager_autograd`), through `direct`'s implementations where it takes the call."""
 
     def setup_context(ctx, inputs, output):
@@ -119,10 +101,13 @@ def register_autograd(
         softmax_scale, is_causal, softcap, deterministic, tiles = inputs[n_tensors : n_tensors + 5]
         out, lse, resid = output
         # The forward's tile bits / lists serve the backward too: one pass over the mask per step.
-        ctx.save_for_backward(*tensors, out, lse, tiles, resid)
+        extra = tuple(inputs[bwd_extra]) if bwd_extra is not None else ()
+        # Tensors among the extra inputs (a packed call's offsets) are saved as tensors are.
+        ctx.extra_at = tuple(i for i, e in enumerate(extra) if isinstance(e, torch.Tensor))
+        ctx.save_for_backward(*tensors, out, lse, tiles, resid, *(extra[i] for i in ctx.extra_at))
         ctx.cfg = (softmax_scale, is_causal, softcap)
         ctx.deterministic = deterministic
-        ctx.extra = tuple(inputs[n_tensors + 5 : n_tensors + 5 + bwd_extra])
+        ctx.extra = tuple(None if isinstance(e, torch.Tensor) else e for e in extra)
         ctx.n_inputs = len(inputs)
         # LSE is an output for inspection (and for merging partial results), not a differentiable
         # one; out_resid only feeds the backward's row sums.
@@ -134,13 +119,19 @@ def register_autograd(
     def backward(ctx, grad_out, grad_lse, grad_resid):
         if grad_out is None:  # out did not reach what is differentiated: no input gets a gradient
             return (None,) * ctx.n_inputs
-        *tensors, out, lse, tiles, resid = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        *tensors, out, lse, tiles, resid = saved[: n_tensors + 4]
+        extra = ctx.extra
+        if ctx.extra_at:
+            extra = list(extra)
+            for i, t in zip(ctx.extra_at, saved[n_tensors + 4 :]):
+                extra[i] = t
         bias_grad = tensors[bias_index] is not None and ctx.needs_input_grad[bias_index]
         if grad_out.stride(-1) != 1:
             # clone, not contiguous(): an empty grad_out (seqlen_q = 0, e.g. from out.sum()) counts
             # as contiguous whatever its strides, and the kernels check head_dim's stride.
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
-        args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid, *ctx.extra)
+        args = (grad_out, *tensors, out, lse, *ctx.cfg, bias_grad, ctx.deterministic, tiles, resid, *extra)
         # The eager forward's direct implementation has its backward's, where no graph of the
         # backward is built (the op's autograd refuses double backward) and nothing came between
         # since the forward (a mode the backward alone runs under sees the op).
@@ -215,12 +206,3 @@ def no_double_backward(ctx, *grads):
 def forbid_double_backward(bwd_name: str) -> None:
     # Without this, differentiating through a backward op would silently give zero second derivatives.
     torch.library.register_autograd(bwd_name, no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-if LOADED:
-    torch.library.register_fake("flexdma::fwd")(_fwd_fake)
-    torch.library.register_fake("flexdma::bwd")(_bwd_fake)
-    torch.library.register_fake("flexdma::tile_meta")(_tile_meta_fake)
-    # bwd looked up when the backward runs (a test spies on it).
-    fwd_autograd = register_autograd("flexdma::fwd", lambda *args: bwd(*args), n_tensors=5, bias_index=4)
-    forbid_double_backward("flexdma::bwd")

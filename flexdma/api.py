@@ -66,7 +66,7 @@ def flash_dma_attention(
     call = _dispatch.Call.of(
         query, key, value, attn_mask, attn_bias, is_causal=is_causal, softcap=softcap, keep_window_size=keep_window_size
     )
-    out, lse = _dispatch.run(
-        backend, call, query, key, value, attn_mask, attn_bias, scale, bool(deterministic), need_lse=return_lse
-    )
+    # How it runs, decided once (backend, route, layout), then the implementation itself.
+    plan = _dispatch.plan(backend, call, bool(deterministic))
+    out, lse = plan.run(plan, query, key, value, attn_mask, attn_bias, scale, bool(deterministic), return_lse)
     return (out, lse) if return_lse else out

@@ -12,11 +12,11 @@ import torch
 
 from ._dispatch import available_backends
 from .api import flash_dma_attention
+from .dense.naive import causal_mask
+from .dense.naive import causal_mask as _causal
 from .dynamic import dynamic_mask_attention
 from .masks import create_mask as _create_mask
 from .perkey.contract import check_window
-from .reference import causal_mask
-from .reference import causal_mask as _causal
 
 __all__ = [
     "fwd",

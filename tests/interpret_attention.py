@@ -25,7 +25,7 @@ def check(B, L, H, KVH, D, W, causal, deterministic, seed):
     v = torch.randn(B, L, KVH, D, generator=g)
     bias = torch.randn(B, KVH, 1, L, generator=g) * 2
     dout = torch.randn(B, L, H, D, generator=g)
-    tile_rows = route.plan(H, KVH, KVH, D)[1]  # the Triton kernels' tile rows (the route's on CUDA)
+    tile_rows = route.triton_tiles(H, KVH, KVH, D)[1]  # the Triton kernels' tile rows (the route's on CUDA)
     # The CPU op's selection: the lists the CUDA kernel would give (the same contract).
     sel = contract.select(bias[:, :, 0, :], W, L, causal, tile_rows)
     scale = 1 / math.sqrt(D)

@@ -46,8 +46,8 @@ def _patch_bfloat16():
     it.InterpreterBuilder.create_dot, it.InterpreterBuilder.cast_impl = create_dot, cast_impl
 
 
+from flexdma.dense.naive import attention_ref  # noqa: E402
 from flexdma.perkey import decode  # noqa: E402
-from flexdma.reference import attention_ref  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 

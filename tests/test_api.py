@@ -205,7 +205,7 @@ def test_create_mask_topk_causal_and_ties():
     assert torch.equal(m[0, 0], expected)
     bias = torch.randn(2, 2, 6, 10)
     m = flexdma.create_mask(bias, 3, is_causal=True)
-    vis = flexdma.reference.causal_mask(6, 10)
+    vis = flexdma.dense.naive.causal_mask(6, 10)
     assert m.shape == (2, 2, 6, 10) and not (m & ~vis).any()
     assert (m.sum(-1) == 3).all()
     # kept keys have the highest visible scores
@@ -220,7 +220,7 @@ def test_create_mask_window_larger_than_keys_and_padding():
     pad = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
     m = flexdma.create_mask(bias, 100, attn_mask=pad, is_causal=True, query_len=3)
     assert m.shape == (2, 1, 3, 6)
-    assert torch.equal(m[1, 0], flexdma.reference.causal_mask(3, 6) & pad[1])
+    assert torch.equal(m[1, 0], flexdma.dense.naive.causal_mask(3, 6) & pad[1])
     m = flexdma.create_mask(bias, 2, attn_mask=pad, is_causal=False)
     assert m.shape == (2, 1, 1, 6) and (m.sum(-1) == 2).all() and not m[1, 0, 0, 4:].any()
 

@@ -120,7 +120,7 @@ def test_create_mask_relu_type():
     m = create_mask(bias, keep.long(), B, Q, K, window_size=4, type="relu")
     assert torch.equal(m, (bias > 0) & keep[:, None, None, :])
     m = create_mask(bias, None, B, Q, K, window_size=4, type="relu", is_causal=True)
-    assert torch.equal(m, (bias > 0) & flexdma.reference.causal_mask(Q, K))
+    assert torch.equal(m, (bias > 0) & flexdma.dense.naive.causal_mask(Q, K))
 
 
 def test_create_mask_relu_block_size_smooths_but_keeps_masked_keys_out():
@@ -243,7 +243,7 @@ def test_create_mask_topk_block_size_against_the_seed(seed):
     pad = torch.rand(Bq, Lk, generator=g) < 0.8
     fill = seed_reference.fill_value(torch.float64)
     for causal in (False, True):
-        allowed = pad[:, None, None, :] & (flexdma.reference.causal_mask(Lq, Lk) if causal else True)
+        allowed = pad[:, None, None, :] & (flexdma.dense.naive.causal_mask(Lq, Lk) if causal else True)
         rows = bias.expand(Bq, Hb, Lq, Lk).masked_fill(~allowed, fill)
         top = torch.topk(rows, W, dim=-1)
         seed_sel = torch.zeros_like(rows, dtype=torch.bool).scatter(-1, top.indices, top.values != fill)

@@ -130,7 +130,7 @@ def test_capability_lookup_compiles_once(monkeypatch):
     monkeypatch.setattr(_ext, "with_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setattr(_device, "_CAPABILITY", {})
-    monkeypatch.setattr(route, "_REASONS", {})
+    monkeypatch.setattr(_ext, "_REASONS", {})
     torch._dynamo.reset()
     counter = CompileCounter()
     q, k, v = (torch.ones(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(3))

@@ -14,7 +14,7 @@ from utils import assert_close_to_ref, make_mask_bias, make_qkv
 
 import flexdma  # noqa: F401  (registers the ops)
 from flexdma import _ext
-from flexdma.reference import attention_ref
+from flexdma.dense.naive import attention_ref
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from utils import assert_close_to_ref, make_mask_bias, make_qkv, reference_with_grads, requires_cuda
 
-flex = pytest.importorskip("flexdma.flex")
+flex = pytest.importorskip("flexdma.dense.flex")
 from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
 
 
@@ -115,7 +115,7 @@ TILE_SHAPES = [(256, 256), (300, 200), (130, 513), (1, 129), (200, 1)]
 def _check_block_tiles(is_causal):
     """Runs in a child process with TRITON_INTERPRET=1 (the mode is fixed when triton is imported):
     the tile kernel against the torch tile reduction, the index kernel against the stable sort."""
-    from flexdma import _block_tiles
+    from flexdma.dense import _block_tiles
 
     for Q, K in TILE_SHAPES:
         gen = torch.Generator().manual_seed(Q * 31 + K)
@@ -144,7 +144,9 @@ def test_block_tiles_kernel_interpreted_on_cpu():
 
     here = os.path.dirname(os.path.abspath(__file__))
     # The child imports flexdma the way this process did (an editable install may point elsewhere).
-    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(flex.__file__)))  # flexdma/flex.py
+    pkg_root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.abspath(flex.__file__)))
+    )  # flexdma/dense/flex.py
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
@@ -200,7 +202,7 @@ def _check_forward(device, dtype, case, empty_rows=False):
     mask, bias = make_mask_bias(mp, bp, B=B, H=H, KVH=KVH, Q=Q, K=K, dtype=dtype, device=device, empty_rows=empty_rows)
     kw = _ref_kw(causal, D, softcap)
     out, lse = flex.flex_dma_attention(q, k, v, mask, bias, is_causal=causal, softmax_scale=D**-0.5, softcap=softcap)
-    from flexdma.reference import attention_ref
+    from flexdma.dense.naive import attention_ref
 
     ref64 = attention_ref(q.double(), k.double(), v.double(), mask, None if bias is None else bias.double(), **kw)
     reflp = attention_ref(q, k, v, mask, bias, **kw)
@@ -332,7 +334,7 @@ def test_kernel_options_follow_the_measurements(monkeypatch):
     # Where a (capability, head dim, dtype, training) was measured, its choice; elsewhere the small
     # blocks for training (they fit every head dim) and the defaults for inference; defaults whose
     # forward raised a resource error give way to options that fit.
-    from flexdma import flex
+    from flexdma.dense import flex
 
     monkeypatch.setattr(flex, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(flex, "MEASURED_OPTIONS", {((9, 0), 128, 2, True): None})
@@ -349,7 +351,7 @@ def test_kernel_options_follow_the_measurements(monkeypatch):
 
 
 def test_resource_errors_are_recognised_through_wrappers():
-    from flexdma import flex
+    from flexdma.dense import flex
 
     class OutOfResources(Exception):
         pass

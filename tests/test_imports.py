@@ -19,7 +19,7 @@ PACKAGES = ("flexdma", "benchmarks")
 # Modules that import triton at module level (the GPU kernels, the GPU-only benchmarks), and entry
 # scripts that run on import.
 NEEDS_TRITON = {
-    "flexdma._block_tiles",
+    "flexdma.dense._block_tiles",
     "flexdma.perkey.triton",
     "flexdma.perkey.triton_decode",
     "flexdma.perkey.triton_rows",
@@ -39,7 +39,8 @@ ENTRY_SCRIPTS = {"benchmarks.__main__"}
 # Function-local imports of the project's own modules that are allowed: each loads an optional or
 # heavy dependency on first use, none breaks a cycle. (file, imported module)
 ALLOWED_LOCAL = {
-    ("flexdma/_dispatch.py", "flexdma.flex"),  # torch's FlexAttention (and triton), on first use
+    ("flexdma/dense/attention.py", "flexdma.dense.flex"),  # torch's FlexAttention (and triton), on first use
+    ("flexdma/perkey/attention.py", "flexdma.perkey.flex"),  # the same, for the per-key path
     ("flexdma/perkey/ops.py", "flexdma.perkey.triton"),  # triton, on the first call that runs its kernels
     # triton: decode.kernels, the one place that loads the decode kernels, on the first CUDA step
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),
@@ -210,7 +211,7 @@ def test_flex_attention_loads_on_first_use():
         "b = torch.randn(1, 2, 1, 40)\n"
         "flexdma.flash_dma_attention(q, q, q, attn_bias=b, keep_window_size=5, is_causal=True, backend='cpu')\n"
         "flexdma.flash_dma_attention(q, q, q, attn_bias=b, is_causal=True, backend='cpu')\n"
-        "assert 'flexdma.flex' not in sys.modules, 'flexdma.flex was imported'\n"
+        "assert 'flexdma.dense.flex' not in sys.modules, 'flexdma.dense.flex was imported'\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(

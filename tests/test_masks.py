@@ -9,7 +9,7 @@ from utils import LargestTensor, make_qkv
 
 import flexdma
 from flexdma import _tilebits
-from flexdma.reference import causal_mask
+from flexdma.dense.naive import causal_mask
 
 
 def old_create_mask(attn_bias, window_size, *, attn_mask=None, is_causal=False, query_len=None):
@@ -356,7 +356,7 @@ def test_keep_window_size_float64_ranks_in_float64(backend, Q):
 
 
 def test_varlen_keep_window_size_float64_ranks_in_float64():
-    """The packed op (flexdma::varlen_fwd / varlen_bwd's CPU selection) selects each sequence on
+    """The packed form of the per-key ops (the CPU selection) selects each sequence on
     its float64 scores: output and gradients are attention over the float64 mask (1e-12)."""
     W, lens = 5, (48, 41)
     biases = [_near_tie_bias(n, range(10, 40, 3), seed=7 + i)[0, :, 0] for i, n in enumerate(lens)]

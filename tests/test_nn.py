@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
+from flexdma.dense.naive import attention_ref
 from flexdma.dynamic import dynamic_mask_attention
 from flexdma.nn import DynamicMaskAttention, MultiheadDynamicMaskAttention, apply_rotary, rotary_cos_sin
-from flexdma.reference import attention_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -158,7 +158,7 @@ def test_flex_row_bias_nonfinite_like_the_reference():
     # needs a gradient (training); NaN / +inf / -inf entries must act as they do in the scores.
     if "flex" not in flexdma.available_backends():
         pytest.skip("FlexAttention is unavailable")
-    from flexdma import flex
+    from flexdma.dense import flex
 
     q, k, v, _, mask = _inputs("cpu", torch.float32)
     rb = torch.randn(B, H, Q, 1)

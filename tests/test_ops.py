@@ -288,18 +288,18 @@ def test_tile_meta_that_does_not_fit_the_mask_is_refused():
 def test_autograd_hands_the_forward_tile_meta_to_the_backward(monkeypatch):
     # The API computes the bits once (on CUDA) and autograd keeps them for bwd; on CPU the op
     # takes them as an optional input the same way.
-    from flexdma import _ops
+    from flexdma.dense import ops as dense_ops
 
     q, k, v, mask, bias = _inputs(True, True, Q=70, K=90)
     meta = torch.ops.flexdma.tile_meta(mask, 70, 90, True)
     seen = []
-    real_bwd = _ops.bwd
+    real_bwd = dense_ops.bwd
 
     def spy(*args):
         seen.append(args[13])  # tile_meta (out_resid follows it)
         return real_bwd(*args)
 
-    monkeypatch.setattr(_ops, "bwd", spy)
+    monkeypatch.setattr(dense_ops, "bwd", spy)
     out, _, _ = fwd(q, k, v, mask, bias, 0.25, True, 0.0, False, meta)
     out.sum().backward()
     assert len(seen) == 1 and seen[0] is not None and torch.equal(seen[0], meta)

@@ -11,7 +11,7 @@ from utils import assert_graph_replays
 
 import flexdma
 from flexdma import perkey
-from flexdma.reference import attention_ref
+from flexdma.dense.naive import attention_ref
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -110,11 +110,12 @@ def test_few_rows_dense_call_is_decided_from_the_sizes(case, monkeypatch):
     # data moves (cache.gathered_call: what the dispatcher's support check reads and the dense op
     # runs): the Call of the gathered operands themselves, and it runs once.
     from flexdma import _dispatch
+    from flexdma.dense import attention as dense_attention
 
     seen = []
-    dense_op = _dispatch._dense_op
+    dense_op = dense_attention.op
     monkeypatch.setattr(
-        _dispatch, "_dense_op", lambda call, *a, **k: seen.append((call, a[:5])) or dense_op(call, *a, **k)
+        dense_attention, "op", lambda plan, *a, **k: seen.append((plan.call, a[:5])) or dense_op(plan, *a, **k)
     )
     q, k, v, bias, pad = _inputs(case, "cpu", torch.float32)
     ins = [t.requires_grad_() for t in (q, k, v, bias)]

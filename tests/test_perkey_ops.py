@@ -13,7 +13,7 @@ import torch
 from utils import assert_close_to_ref, assert_no_nan, make_qkv, reference_with_grads
 
 import flexdma  # noqa: F401  (registers fake kernels and autograd)
-from flexdma.reference import causal_mask
+from flexdma.dense.naive import causal_mask
 
 perkey_fwd = torch.ops.flexdma.perkey_fwd
 perkey_bwd = torch.ops.flexdma.perkey_bwd
@@ -451,7 +451,7 @@ def test_cuda_ops_refuse_what_their_check_refuses():
 
 
 def test_perkey_check_takes_the_routes_arguments():
-    # flexdma._C.perkey_unsupported_reason parses the argument list route._cpp_reason hands it (a
+    # flexdma._C.perkey_unsupported_reason parses the argument list route.kernels_reason hands it (a
     # CPU build answers that it has no CUDA kernels); a short list is a TypeError.
     from flexdma import _ext
 
@@ -478,12 +478,13 @@ def test_route_pairs_the_forward_with_its_backward(monkeypatch):
 
     asked = []
 
-    def check(*key):
+    def check(name, key):
+        assert name == "perkey_unsupported_reason"
         asked.append(key)
         backward, deterministic = key[-2:]
         return "the per-key backward is not deterministic" if backward and deterministic else None
 
-    monkeypatch.setattr(route, "_cpp_reason", check)
+    monkeypatch.setattr(_ext, "kernels_reason", check)
     monkeypatch.setattr(_ext, "with_cuda", lambda: True)
     monkeypatch.setattr(route, "device_capability", lambda device: (9, 0))
     monkeypatch.setattr(_ext, "HAVE_TRITON", True)
@@ -494,7 +495,7 @@ def test_route_pairs_the_forward_with_its_backward(monkeypatch):
     assert route.decide("cuda", call) == route.Route("cuda", "cuda", "cuda", 128)
     assert asked[-1][-2:] == (True, False)
     r = route.decide("cuda", call, deterministic=True)
-    assert (r.forward, r.backward) == ("triton", "triton") and r.tile_rows == route.plan(4, 2, 2, 64)[1]
+    assert (r.forward, r.backward) == ("triton", "triton") and r.tile_rows == route.triton_tiles(4, 2, 2, 64)[1]
     prev, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)

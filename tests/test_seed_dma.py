@@ -84,7 +84,7 @@ def test_matches_seed_loop(case, monkeypatch):
     if kind == "causal_padding":
         pad = torch.ones(B, K, dtype=torch.bool)
         pad[1, :3] = False
-        mask = _float_mask(flexdma.reference.causal_mask(Q, K)[None, None] & pad[:, None, None, :])
+        mask = _float_mask(flexdma.dense.naive.causal_mask(Q, K)[None, None] & pad[:, None, None, :])
     elif kind == "per_key":
         mask = _float_mask(torch.rand(B, 1, 1, K) < 0.7)
     elif kind == "rows":

@@ -7,7 +7,7 @@ import torch
 from utils import assert_graph_replays, poison_allocator
 
 import flexdma
-from flexdma.reference import attention_ref
+from flexdma.dense.naive import attention_ref
 
 BACKENDS = ["cpu", "reference"]
 
@@ -23,6 +23,50 @@ def _pack(lengths_q, lengths_k, H, KVH, D, bias_heads, dtype, seed):
         bias = (torch.randn(bias_heads, tk, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_()
     cu = lambda ls: torch.tensor([0] + torch.tensor(ls).cumsum(0).tolist(), dtype=torch.int32)  # noqa: E731
     return q, k, v, bias, cu(lengths_q), cu(lengths_k)
+
+
+def _packed_plan(q, k, v, bias, cq, lq, lk, causal, W, backend="auto"):
+    """The dispatch's plan of a packed call, as flash_dma_attention_varlen makes it."""
+    from flexdma import _dispatch
+
+    call = _dispatch.Call.packed(q, k, v, bias, cq, max(lq), max(lk), is_causal=causal, softcap=0.0, keep_window_size=W)
+    return _dispatch.plan(backend, call, False)
+
+
+def _runs_packed(plan) -> bool:
+    """Whether the plan runs the op family's packed form (not sequence by sequence)."""
+    from flexdma.dense import attention as dense_attention
+    from flexdma.perkey import attention as perkey_attention
+
+    return plan.layout == "packed" and plan.run in (dense_attention.packed_op, perkey_attention.packed)
+
+
+def _packed_forward(q, k, v, bias, cq, ck, max_q, max_k, scale, causal, W, tile_rows):
+    """The op family's packed forward as the dispatch runs it: (op, args) of the selection (with a
+    window) and of the forward op, and the forward's outputs."""
+    lengths = (cq, ck, max_q, max_k)
+    if not W:
+        args = (q, k, v, None, bias, scale, causal, 0.0, False, None, True, *lengths)
+        return [(torch.ops.flexdma.fwd, args)], torch.ops.flexdma.fwd(*args), None
+    sel_args = (bias, W, q.shape[0], causal, tile_rows, *lengths)
+    rank, thr, lists = torch.ops.flexdma.perkey_select(*sel_args)
+    args = (q, k, v, bias, rank, thr, scale, causal, 0.0, False, lists, *lengths)
+    ops = [(torch.ops.flexdma.perkey_select, sel_args), (torch.ops.flexdma.perkey_fwd, args)]
+    return ops, torch.ops.flexdma.perkey_fwd(*args), (rank, thr, lists)
+
+
+def _packed_backward_args(do, q, k, v, bias, cq, ck, max_q, max_k, scale, causal, W, fwd, sel, deterministic=False):
+    out, lse, resid = fwd
+    lengths = (cq, ck, max_q, max_k)
+    if not W:
+        return torch.ops.flexdma.bwd, (
+            do, q, k, v, None, bias, out, lse, scale, causal, 0.0, bias is not None, deterministic, None, resid,
+            *lengths,
+        )  # fmt: skip
+    rank, thr, lists = sel
+    return torch.ops.flexdma.perkey_bwd, (
+        do, q, k, v, bias, rank, thr, out, lse, scale, causal, 0.0, True, deterministic, lists, resid, *lengths,
+    )  # fmt: skip
 
 
 def _reference(q, k, v, bias, lq, lk, causal, W):
@@ -123,9 +167,10 @@ def test_rejected_inputs(change, match):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_opcheck_and_compile_and_export(device):
-    # The packed call is one op (flexdma::varlen_fwd) on the CPU and, where its kernels take the
-    # call (bf16, a built head dim), on CUDA: opcheck, torch.compile with fullgraph, and
-    # torch.export with a dynamic token count and number of sequences.
+    # The packed call runs the op family's packed form (the selection and flexdma::perkey_fwd,
+    # flexdma::fwd without a window) on the CPU and, where its kernels take the call (bf16, a built
+    # head dim), on CUDA: opcheck, torch.compile with fullgraph, and torch.export with a dynamic
+    # token count and number of sequences.
     dtype, D = (torch.float32, 16) if device == "cpu" else (torch.bfloat16, 64)
     # `f` below is one code object for both devices: after the other device's compile, Dynamo would
     # trace the head dim as a symbol (automatic dynamic shapes) and fullgraph stops at the scale check.
@@ -135,8 +180,11 @@ def test_opcheck_and_compile_and_export(device):
     q, k, v, bias, cq, ck = (
         t.detach().to(device).requires_grad_(t.is_floating_point()) for t in _pack(lq, lq, 4, 2, D, 2, dtype, seed=5)
     )
+    tile_rows = 128 if device == "cuda" else 64
     for window in (0, 4):
-        torch.library.opcheck(torch.ops.flexdma.varlen_fwd, (q, k, v, cq, ck, 8, 8, bias, 0.25, True, 0.0, window))
+        ops, fwd, sel = _packed_forward(q, k, v, bias, cq, ck, 8, 8, 0.25, True, window, tile_rows)
+        for op, args in ops:
+            torch.library.opcheck(op, args)
 
     def f(q, k, v, cq, ck, bias):
         return flexdma.flash_dma_attention_varlen(q, k, v, cq, ck, 8, 8, bias, is_causal=True, keep_window_size=4)
@@ -166,27 +214,61 @@ def test_opcheck_and_compile_and_export(device):
 
 @pytest.mark.parametrize("case", CASES + NO_KEYS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_cuda_implementation_equals_the_cpu_op(case, dtype):
-    # flexdma::varlen_fwd / varlen_bwd's CUDA implementation (flexdma/varlen.py: the padded path's
-    # ops sequence by sequence) run on CPU tensors, where its ops are the CPU ones: bit for bit the
-    # C++ op's out, LSE and every gradient.
-    from flexdma import varlen
+def test_packed_cpu_ops_equal_their_padded_form_sequence_by_sequence(case, dtype):
+    # The CPU kernels' packed form (flexdma::perkey_select / perkey_fwd / perkey_bwd, fwd / bwd with
+    # offsets) against the same ops' padded form on each sequence's views: bit for bit the
+    # selection, out, LSE and every gradient; the backward reads the forward's selection.
+    from flexdma.perkey import contract
 
     lq, lk, H, KVH, bh, causal, W = case
-    q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, dtype, seed=7 * len(lq) + H)
-    args = (q.detach(), k.detach(), v.detach(), cq, ck, max(lq), max(lk), None if bias is None else bias.detach())
-    cfg = (0.25, causal, 0.0, W or 0)
-    want = torch.ops.flexdma.varlen_fwd(*args, *cfg)
-    got = varlen._varlen_fwd_impl(*args, *cfg)
-    for a, b in zip(got[:2], want[:2]):
-        assert torch.equal(a, b)
+    q, k, v, bias, cq, ck = (
+        None if t is None else t.detach() for t in _pack(lq, lk, H, KVH, 16, bh, dtype, seed=7 * len(lq) + H)
+    )
+    T, lengths = 64, (cq, ck, max(lq), max(lk))
     do = torch.randn(q.shape, dtype=torch.float64).to(dtype)
-    bwd = (do, *args, want[0], want[1], *cfg, bias is not None)
-    for a, b in zip(varlen._varlen_bwd_impl(*bwd), torch.ops.flexdma.varlen_bwd(*bwd)):
-        assert torch.equal(a, b)
+    if W:
+        # The selection ranks a float64 bias by its order, as the API hands it.
+        scores = contract.float64_order(bias[None])[0] if dtype == torch.float64 else bias
+        rank, thr, lists = torch.ops.flexdma.perkey_select(scores, W, q.shape[0], causal, T, *lengths)
+        out, lse, resid = torch.ops.flexdma.perkey_fwd(
+            q, k, v, bias, rank, thr, 0.25, causal, 0.0, False, lists, *lengths
+        )
+        grads = torch.ops.flexdma.perkey_bwd(
+            do, q, k, v, bias, rank, thr, out, lse, 0.25, causal, 0.0, True, False, lists, resid, *lengths
+        )
+    else:
+        out, lse, resid = torch.ops.flexdma.fwd(q, k, v, None, bias, 0.25, causal, 0.0, False, None, True, *lengths)
+        grads = torch.ops.flexdma.bwd(
+            do, q, k, v, None, bias, out, lse, 0.25, causal, 0.0, bias is not None, False, None, resid, *lengths
+        )
+    oq = ok = 0
+    for nq, nk in zip(lq, lk):
+        qs, ks, vs, ds = q[None, oq : oq + nq], k[None, ok : ok + nk], v[None, ok : ok + nk], do[None, oq : oq + nq]
+        b = None if bias is None else bias[None, :, None, ok : ok + nk]
+        if nq and nk and W:
+            want = torch.ops.flexdma.perkey_select(scores[None, :, ok : ok + nk], W, nq, causal, T)
+            rk, th = rank[None, :, ok : ok + nk], thr[None, :, oq : oq + nq]
+            assert torch.equal(rk, want[0]) and torch.equal(th, want[1])
+            o, ls, r = torch.ops.flexdma.perkey_fwd(qs, ks, vs, b, want[0], want[1], 0.25, causal, 0.0, False)
+            g = torch.ops.flexdma.perkey_bwd(
+                ds, qs, ks, vs, b, want[0], want[1], o, ls, 0.25, causal, 0.0, True, False, None, r
+            )
+        elif nq and nk:
+            o, ls, r = torch.ops.flexdma.fwd(qs, ks, vs, None, b, 0.25, causal, 0.0, False, None, True)
+            g = torch.ops.flexdma.bwd(ds, qs, ks, vs, None, b, o, ls, 0.25, causal, 0.0, b is not None, False, None, r)
+        if nq and nk:
+            assert torch.equal(out[oq : oq + nq], o[0]) and torch.equal(lse[:, oq : oq + nq], ls[0])
+            assert torch.equal(grads[0][oq : oq + nq], g[0][0])
+            assert torch.equal(grads[1][ok : ok + nk], g[1][0]) and torch.equal(grads[2][ok : ok + nk], g[2][0])
+            if b is not None:
+                assert torch.equal(grads[3][:, ok : ok + nk], g[3].reshape(-1, nk))
+        elif nq:  # rows without keys: 0, LSE -inf, no gradient
+            assert not out[oq : oq + nq].any() and (lse[:, oq : oq + nq] == float("-inf")).all()
+            assert not grads[0][oq : oq + nq].any()
+        oq, ok = oq + nq, ok + nk
 
 
-# ---- the packed per-key kernels (flexdma::varlen_fwd_cuda / varlen_bwd_cuda), on a GPU ----
+# ---- the packed per-key kernels (the per-key ops' packed form), on a GPU ----
 
 # (lengths q, lengths k, H, KVH, bias heads, causal, W): several 128-row query tiles and 4096-key
 # selection chunks in one sequence, empty and one-token sequences, queries without keys, Q < K.
@@ -267,11 +349,7 @@ def test_cuda_packed_kernels_equal_documents(case, D):
         for t in _pack(lq, lk, H, KVH, D, bh, torch.bfloat16, seed=sum(lq) + D)
     )
     leaves = (q, k, v, bias)
-    from flexdma import varlen
-
-    assert varlen._cuda_packed(q, k, v, cq, bias, 0.0, W) and varlen._cuda_packed(
-        q, k, v, cq, bias, 0.0, W, backward=True
-    )
+    assert _runs_packed(_packed_plan(q, k, v, bias, cq, lq, lk, causal, W))
     poison_allocator([q, torch.empty(H, q.shape[0], device="cuda")])
     out, lse = flexdma.flash_dma_attention_varlen(
         q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, keep_window_size=W, return_lse=True,
@@ -344,21 +422,26 @@ def test_cuda_packed_graph_replays_forward_and_backward(W):
 
 
 @pytest.mark.gpu
-def test_opcheck_packed_cuda_ops():
-    if not _cpp_perkey_ok(64):
-        pytest.skip("needs the sm_90a per-key kernels at head dim 64")
+@pytest.mark.parametrize("W", [8, 0], ids=["per-key", "dense"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_opcheck_packed_cuda_ops(W, with_bias):
+    # The op family's packed form on CUDA: the selection, the forward and the backward (whose float
+    # adds come in any order: its outputs are compared with a tolerance).
+    if W and not with_bias:
+        pytest.skip("the per-key path needs its bias")
+    if not (_cpp_perkey_ok(64) if W else _dense_built(64)):
+        pytest.skip("needs the CUDA kernels of this path at head dim 64")
     lq = [130, 0, 1, 77]
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
-    fwd = (q, k, v, cq, ck, 130, 130, bias, 0.125, True, 0.0, 8)
-    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_cuda, fwd)
-    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(*fwd)
-    bwd = (torch.randn_like(out), q, k, v, cq, ck, 130, 130, bias, out, lse, resid, 0.125, True, 0.0, 8, True, False)
-    # The backward's float adds come in any order: its outputs are compared with a tolerance.
-    torch.library.opcheck(
-        torch.ops.flexdma.varlen_bwd_cuda,
-        bwd,
-        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    bias = bias if with_bias else None
+    ops, fwd, sel = _packed_forward(q, k, v, bias, cq, ck, 130, 130, 0.125, True, W, 128)
+    for op, args in ops:
+        torch.library.opcheck(op, args)
+    op, args = _packed_backward_args(
+        torch.randn_like(fwd[0]), q, k, v, bias, cq, ck, 130, 130, 0.125, True, W, fwd, sel
     )
+    utils = ("test_schema", "test_faketensor", "test_autograd_registration")
+    torch.library.opcheck(op, args, test_utils=utils if W else None)
 
 
 _BAD_OFFSETS = """
@@ -397,7 +480,7 @@ def test_cuda_packed_offsets_are_checked_on_the_device(cq, max_q, W):
     assert "flexdma: cu_seqlens_q / cu_seqlens_k must start at 0" in r.stdout + r.stderr, r.stderr[-2000:]
 
 
-# ---- the packed dense kernels (flexdma::varlen_fwd_cuda / varlen_bwd_cuda without a window), on a GPU ----
+# ---- the packed dense kernels (flexdma::fwd / bwd's packed form), on a GPU ----
 
 # (lengths q, lengths k, H, KVH, bias heads, causal): several 64-row tiles in one sequence, empty
 # and one-token sequences, queries without keys, Q != K per sequence, keys not on 16-byte boundaries.
@@ -446,9 +529,7 @@ def test_cuda_dense_packed_kernels_equal_documents(case, D):
         for t in _pack(lq, lk, H, KVH, D, bh, torch.bfloat16, seed=sum(lq) + D + bh)
     )
     leaves = tuple(t for t in (q, k, v, bias) if t is not None)
-    from flexdma import varlen
-
-    assert varlen._cuda_packed(q, k, v, cq, bias, 0.0, 0) and varlen._cuda_packed(q, k, v, cq, bias, 0.0, 0, True)
+    assert _runs_packed(_packed_plan(q, k, v, bias, cq, lq, lk, causal, None))
     poison_allocator([q, torch.empty(H, q.shape[0], device="cuda")])
     out, lse = flexdma.flash_dma_attention_varlen(
         q, k, v, cq, ck, max(lq), max(lk), bias, is_causal=causal, return_lse=True, softmax_scale=0.125
@@ -489,47 +570,13 @@ def test_cuda_dense_packed_deterministic_backward_is_bitwise_reproducible():
         pytest.skip("head dim 128 not built")
     lq = [700, 1, 0, 333, 1100]
     q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 8, 2, 128, 2, torch.bfloat16, seed=5))
-    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(q, k, v, cq, ck, 1100, 1100, bias, 0.125, True, 0.0, 0)
-    do = torch.randn_like(out)
-    args = (do, q, k, v, cq, ck, 1100, 1100, bias, out, lse, resid, 0.125, True, 0.0, 0, True, True)
-    first = torch.ops.flexdma.varlen_bwd_cuda(*args)
+    _, fwd, _ = _packed_forward(q, k, v, bias, cq, ck, 1100, 1100, 0.125, True, 0, 128)
+    do = torch.randn_like(fwd[0])
+    op, args = _packed_backward_args(do, q, k, v, bias, cq, ck, 1100, 1100, 0.125, True, 0, fwd, None, True)
+    first = op(*args)
     for _ in range(3):
-        for a, b in zip(first, torch.ops.flexdma.varlen_bwd_cuda(*args)):
+        for a, b in zip(first, op(*args)):
             assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_opcheck_packed_dense_ops(with_bias):
-    if not _dense_built(64):
-        pytest.skip("head dim 64 not built")
-    lq = [130, 0, 1, 77]
-    q, k, v, bias, cq, ck = (t.detach().cuda() for t in _pack(lq, lq, 4, 2, 64, 2, torch.bfloat16, seed=9))
-    bias = bias if with_bias else None
-    fwd = (q, k, v, cq, ck, 130, 130, bias, 0.125, True, 0.0, 0)
-    torch.library.opcheck(torch.ops.flexdma.varlen_fwd_cuda, fwd)
-    out, lse, resid = torch.ops.flexdma.varlen_fwd_cuda(*fwd)
-    bwd = (
-        torch.randn_like(out),
-        q,
-        k,
-        v,
-        cq,
-        ck,
-        130,
-        130,
-        bias,
-        out,
-        lse,
-        resid,
-        0.125,
-        True,
-        0.0,
-        0,
-        with_bias,
-        True,
-    )
-    torch.library.opcheck(torch.ops.flexdma.varlen_bwd_cuda, bwd)
 
 
 @pytest.mark.gpu
@@ -557,13 +604,12 @@ def test_flex_packed_is_one_call_with_a_document_mask(case, monkeypatch):
     # backend="flex" without a window: one FlexAttention call over the packed rows (a document mask
     # from the offsets, built on their device), not a call per document; equal to the float64
     # reference of the documents one by one, out, LSE and every gradient (the CPU backward is the
-    # C++ varlen op's).
-    from flexdma import flex, varlen
+    # bwd op's packed form).
+    from flexdma.dense import flex
 
     calls = []
     real = flex.flex_varlen_attention
     monkeypatch.setattr(flex, "flex_varlen_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setattr(varlen, "flash_dma_attention", None)  # a per-document call would fail
     lq, lk, H, KVH, bh, causal, _ = case
     q, k, v, bias, cq, ck = _pack(lq, lk, H, KVH, 16, bh, torch.float64, seed=len(lq) + H + 5)
     out, lse = flexdma.flash_dma_attention_varlen(
@@ -582,7 +628,7 @@ def test_flex_packed_is_one_call_with_a_document_mask(case, monkeypatch):
 def test_flex_packed_tiles_cover_every_kept_pair():
     # The tiles the document mask visits (built from the offsets) hold every (query, key) pair a
     # document keeps, causal or not, on random packings.
-    from flexdma.flex import BLOCK, _varlen_tiles
+    from flexdma.dense.flex import BLOCK, _varlen_tiles
 
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

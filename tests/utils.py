@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flexdma  # noqa: F401  (registers torch.ops.flexdma)
-from flexdma.reference import attention_ref
+from flexdma.dense.naive import attention_ref
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -1,6 +1,6 @@
 """A cache step of the per-key path: a few new query rows against cached keys, decided and run in
 one place for its three callers: the API (flash_dma_attention with keep_window_size, a few query
-rows after a long context; flexdma/_dispatch.py), nn.DynamicMaskAttention's cached steps
+rows after a long context; flexdma/perkey/attention.py), nn.DynamicMaskAttention's cached steps
 (nn.DMACache) and patch_doge's (flexdma/integrations/transformers.py).
 
 `route` decides, once a step and from sizes and flags only (before any data moves), how it runs:
@@ -22,7 +22,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..reference import expand_heads
+from ..dense.naive import expand_heads
 from . import contract, decode
 from .kept import KeptSet
 
@@ -90,8 +90,6 @@ def attend(
     scores: Optional[torch.Tensor] = None,
     start: Union[int, torch.Tensor, None] = None,
     eligible: Optional[torch.Tensor] = None,
-    call=None,
-    mask: Optional[torch.Tensor] = None,
 ):
     """A step that `route` sent to ONE_KERNEL or KEPT_SETS: the query rows (B, T, H, D) against
     the keys and values (B, K, KVH, D), any strides. Returns what `dense(query, key, value, mask,
@@ -102,8 +100,8 @@ def attend(
     `kept` is updated in place to the last row's kept set; `bias` (B, KVH, 1, K) the cached biases
     to gather, or None (the kept sets' scores); `scale` the one kernel's softmax scale.
 
-    An API call: `call` with its `mask` and per-key `bias`; kept sets built from the keys
-    (`few_rows`)."""
+    An API call carries no kept sets: flexdma/perkey/attention.py's few_rows builds them
+    (`few_rows`), gathers their entries (`gather`) and runs the dense call itself."""
     if how == ONE_KERNEL:
         B, P = kept.idx.shape[:2]
         out = decode.attend_one(
@@ -113,13 +111,8 @@ def attend(
         return out[:, None]
     if how != KEPT_SETS:
         raise ValueError(f"attend runs the routes {ONE_KERNEL!r} and {KEPT_SETS!r}, got {how!r}")
-    score = None
-    if kept is None:
-        idx, keep = few_rows(call, mask, bias)
-    else:
-        rows = decode.append_rows(kept, scores, start, eligible[:, None, :].expand(scores.shape))
-        idx, score, keep = rows.idx, rows.score, rows.keep
-    return dense(query, *_gather(query, key, value, bias, idx, score, keep))
+    rows = decode.append_rows(kept, scores, start, eligible[:, None, :].expand(scores.shape))
+    return dense(query, *gather(query, key, value, bias, rows.idx, rows.score, rows.keep))
 
 
 def few_rows_ok(call) -> bool:
@@ -185,7 +178,7 @@ def gathered_call(call):
     )
 
 
-def _gather(query, key, value, bias, idx, score, keep) -> tuple:
+def gather(query, key, value, bias, idx, score, keep) -> tuple:
     """The dense-mask call's key, value, mask and bias over the entries idx (P1, P2, E): the
     entries' K / V rows, one set per plane where the planes are the query heads, else per kv head
     ((B, E, heads, D)); their biases gathered from `bias` (gradients reach it), or without one the

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import _ext
-from ..reference import expand_heads
+from ..dense.naive import expand_heads
 
 # key_rank of a key no row keeps: int32 max (kNeverKept, csrc/flash_dma_constants.h).
 NEVER = _ext.NEVER_KEPT
@@ -44,7 +44,7 @@ CUDA_TILE_ROWS = _ext.PERKEY_TILE_ROWS
 
 # Rows of q per Triton program (perkey/triton.py): PACK query heads x tile_rows rows. Head dims
 # above WIDE_FROM: half the rows per program (triton.py's WIDE_* launch configurations). The route
-# picks the tile rows (perkey/route.py's `plan`); the kernels take the pack they imply.
+# picks the tile rows (perkey/route.py's `triton_tiles`); the kernels take the pack they imply.
 BLOCK_M = 128
 WIDE_FROM = 128
 WIDE_BLOCK_M = 64
@@ -131,11 +131,16 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
     return min(K, window + tile_rows - 1)
 
 
-def select(scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int) -> Selection:
-    """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16: selection_scores'), with lists of query tiles of
-    `tile_rows` rows (the route's, flexdma/perkey/route.py: what the forward that follows reads)."""
+def select(
+    scores: torch.Tensor, window: int, seqlen_q: int, is_causal: bool, tile_rows: int, packed: tuple = ()
+) -> Selection:
+    """The selection of every plane of scores (P1, P2, K) (float32, float16 or bfloat16:
+    selection_scores'), with lists of query tiles of `tile_rows` rows (the route's,
+    flexdma/perkey/route.py: what the forward that follows reads). A packed call's `packed`:
+    (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), scores (heads, Tk), seqlen_q the
+    query tokens; each sequence selects within itself (the op's packed form, flexdma/_ops.py)."""
     # The op's fake kernel: flexdma/perkey/ops.py (imported by the package); its kernels are C++.
-    return Selection(*torch.ops.flexdma.perkey_select(scores, window, seqlen_q, is_causal, tile_rows))
+    return Selection(*torch.ops.flexdma.perkey_select(scores, window, seqlen_q, is_causal, tile_rows, *packed))
 
 
 def tile_lists(sel: Selection, seqlen_q: int, tile_rows: int) -> torch.Tensor:

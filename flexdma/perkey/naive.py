@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import attention_ref, causal_mask
+from ..dense.naive import attention_ref, causal_mask
 from .contract import Selection
 
 

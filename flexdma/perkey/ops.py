@@ -5,9 +5,10 @@ flexdma_triton::perkey_fwd / perkey_bwd: the internal implementation that runs t
 C++ kernels do not take (perkey/route.py decides which), with perkey_fwd's arguments and the
 lists' tile rows. Nothing is registered without the extension.
 
-`FORWARDS[(route.forward, route.backward)]` is the forward as the API calls it: each forward op's
-autograd runs its own backward op, and eager calls of the Triton one run its kernels without the
-dispatcher's hop into Python (flexdma/_ops.py's Direct).
+`perkey_fwd_autograd` and `triton_fwd_autograd` are the forwards as the API calls them (the route
+picks one: perkey/attention.py): each forward op's autograd runs its own backward op, and eager
+calls of the Triton one run its kernels without the dispatcher's hop into Python
+(flexdma/_ops.py's Direct).
 """
 
 from __future__ import annotations
@@ -22,7 +23,18 @@ perkey_fwd = torch.ops.flexdma.perkey_fwd if LOADED else None
 perkey_bwd = torch.ops.flexdma.perkey_bwd if LOADED else None
 
 
-def _perkey_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
+def _perkey_select_fake(
+    scores, window, seqlen_q, is_causal, tile_rows, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+    max_seqlen_k=0,
+):  # fmt: skip
+    if cu_seqlens_q is not None:  # packed: scores (heads, Tk); a sequence's tiles start a list row
+        heads, Tk = scores.shape
+        n_lists = seqlen_q // tile_rows + cu_seqlens_q.shape[0] - 1
+        return (
+            scores.new_empty((heads, Tk), dtype=torch.int32),
+            scores.new_empty((heads, seqlen_q), dtype=torch.int32),
+            scores.new_empty((heads, n_lists, 1 + list_cap(max_seqlen_k, window, tile_rows)), dtype=torch.int32),
+        )
     P1, P2, K = scores.shape
     cap = list_cap(K, window, tile_rows)
     n_tiles = (seqlen_q + tile_rows - 1) // tile_rows
@@ -38,17 +50,15 @@ def _perkey_select_fake(scores, window, seqlen_q, is_causal, tile_rows):
 
 
 def _perkey_fwd_fake(
-    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None,
-    tile_rows=None,
+    q, k, v, attn_bias, key_rank, row_thr, softmax_scale, is_causal, softcap, deterministic, tile_keys=None, *extra
 ):  # fmt: skip
-    B, Q, H, _ = q.shape
-    resid = q.new_empty(q.shape) if _ops.keeps_residual(q) else q.new_empty((0,))
-    return q.new_empty(q.shape), q.new_empty((B, H, Q), dtype=_ops.acc_dtype(q.dtype)), resid
+    # extra: flexdma's packed form (offsets, lengths), or the Triton op's tile rows.
+    return _ops.out_like(q)
 
 
 def _perkey_bwd_fake(
     grad_out, q, k, v, attn_bias, key_rank, row_thr, out, lse, softmax_scale, is_causal, softcap, bias_requires_grad,
-    deterministic, tile_keys=None, out_resid=None, tile_rows=None,
+    deterministic, tile_keys=None, out_resid=None, *extra,
 ):  # fmt: skip
     return _ops.grads_like(q, k, v, attn_bias, bias_requires_grad)
 
@@ -112,8 +122,9 @@ if LOADED:
     torch.library.register_fake("flexdma::perkey_fwd")(_perkey_fwd_fake)
     torch.library.register_fake("flexdma::perkey_bwd")(_perkey_bwd_fake)
     # perkey_bwd looked up when the backward runs (a test spies on it).
+    # The backward takes the forward's packed-form arguments (inputs 11-14) after its out_resid.
     perkey_fwd_autograd = _ops.register_autograd(
-        "flexdma::perkey_fwd", lambda *args: perkey_bwd(*args), n_tensors=6, bias_index=3
+        "flexdma::perkey_fwd", lambda *args: perkey_bwd(*args), n_tensors=6, bias_index=3, bwd_extra=slice(11, 15)
     )
     _ops.forbid_double_backward("flexdma::perkey_bwd")
 
@@ -131,14 +142,6 @@ if LOADED:
         n_tensors=6,
         bias_index=3,
         direct=_ops.Direct(_direct_takes, _triton_fwd, _triton_bwd),
-        bwd_extra=1,
+        bwd_extra=slice(11, 12),
     )
     _ops.forbid_double_backward("flexdma_triton::perkey_bwd")
-
-    # Arguments: perkey_fwd's, then the route's tile rows (which the C++ and CPU kernels know:
-    # CUDA_TILE_ROWS; the CPU kernel reads no lists).
-    FORWARDS = {
-        ("cuda", "cuda"): lambda *args: perkey_fwd_autograd(*args[:-1]),
-        ("cpu", "cpu"): lambda *args: perkey_fwd_autograd(*args[:-1]),
-        ("triton", "triton"): triton_fwd_autograd,
-    }

@@ -3,8 +3,9 @@
 `decide(backend, call, deterministic)` returns a `Route`: the backend, the forward and backward
 implementations, and the rows per query tile of the selection's lists (what the forward reads),
 from the call (flexdma/_dispatch.py's Call: shapes, dtypes, device, the operands' alignment) and
-the build. The selection is then made with `route.tile_rows`, and the forward and its backward run
-as routed (perkey/attention.py, perkey/ops.py), without a second decision:
+the build; flexdma/_dispatch.py's `plan` asks it once a call. The selection is then made with
+`route.tile_rows`, and the forward and its backward run as routed (perkey/attention.py,
+perkey/ops.py), without a second decision:
 
   backend   forward and backward                                  tile rows
   cuda      "cuda": the C++ kernels, flexdma::perkey_fwd /          CUDA_TILE_ROWS (128)
@@ -13,11 +14,14 @@ as routed (perkey/attention.py, perkey/ops.py), without a second decision:
             through flexdma._C), the backward's conditions too
             where a backward follows (no softcap, not
             deterministic); else "triton":
-            flexdma_triton::perkey_fwd / perkey_bwd (triton.py)   `plan`'s
+            flexdma_triton::perkey_fwd / perkey_bwd (triton.py)   `triton_tiles`'
   cpu       "cpu": flexdma::perkey_fwd / perkey_bwd's CPU kernels   CPU_TILE_ROWS
-  flex      "flex": FlexAttention (flexdma/flex.py); on CPU no      `plan`'s on CUDA, else
-            backward                                              CPU_TILE_ROWS (neither
-  reference "reference": naive.py's dense mask, under autograd   reads the lists)
+  flex      "flex": FlexAttention (perkey/flex.py); on CPU no       `triton_tiles`' on CUDA,
+            backward                                              else CPU_TILE_ROWS
+  reference "reference": naive.py's dense mask, under autograd   (neither reads the lists)
+
+A packed call (the Call's "packed" layout) takes the C++ kernels as one sequence of every row;
+on the other routes it runs sequence by sequence (flexdma/_dispatch.py's `by_sequence`).
 
 Each forward op's autograd runs its own backward op (perkey/ops.py pairs them), so a call a
 backward follows takes the C++ forward only where the C++ backward takes it too.
@@ -34,36 +38,12 @@ from .._device import device_capability
 from .contract import CPU_TILE_ROWS, CUDA_TILE_ROWS, block_m, pack_size, plane_heads
 
 
-def plan(num_heads: int, num_kv_heads: int, plane_heads_: int, head_dim: int) -> tuple:
+def triton_tiles(num_heads: int, num_kv_heads: int, plane_heads_: int, head_dim: int) -> tuple:
     """(pack, tile_rows) of the Triton kernels: the query heads a program serves (its block_m rows
     are `pack` heads x tile_rows) and the rows of a selection tile."""
     rows = block_m(head_dim)
     pack = min(pack_size(num_heads, num_kv_heads, plane_heads_), rows // 16)
     return pack, rows // pack
-
-
-_UNSET = object()
-_REASONS: dict = {}
-# Answers kept at most: the key holds the sequence lengths, which a long run of varying lengths
-# (generation through the API) would grow without bound.
-_MAX_REASONS = 4096
-
-
-# The C++ check is a C function of the extension, which dynamo cannot trace: run eagerly while a
-# model is traced (its answer depends on these Python values only) and cached by them.
-@torch.compiler.assume_constant_result
-def _cpp_reason(
-    batch: int, heads: int, heads_k: int, head_dim: int, seqlen_q: int, seqlen_k: int, dtype: int, bias_dtype: int,
-    softcap: float, rows_aligned: bool, kv_row_stride: int, device_arch: int, backward: bool, deterministic: bool,
-):  # fmt: skip
-    key = (batch, heads, heads_k, head_dim, seqlen_q, seqlen_k, dtype, bias_dtype, softcap, rows_aligned,
-           kv_row_stride, device_arch, backward, deterministic)  # fmt: skip
-    why = _REASONS.get(key, _UNSET)
-    if why is _UNSET:
-        if len(_REASONS) >= _MAX_REASONS:
-            _REASONS.clear()
-        why = _REASONS[key] = _ext.C.perkey_unsupported_reason(*key)
-    return why
 
 
 def _known(n) -> int:
@@ -85,12 +65,20 @@ def kernels_reason(call, backward: bool, deterministic: bool) -> Optional[str]:
         return "flexdma was built without CUDA kernels"
     major, minor = device_capability(call.device)
     codes = _ext.DTYPE_CODES
-    return _cpp_reason(
-        _known(call.batch), call.num_heads, call.num_kv_heads, call.head_dim, _known(call.seqlen_q),
-        _known(call.seqlen_k), codes.get(call.dtype, -1), codes.get(call.bias_dtype, -1), float(call.softcap),
-        bool(call.rows_aligned), _known(call.kv_row_stride), major * 10 + minor, bool(backward),
+    batch, seqlen_q, seqlen_k = call.batch, call.seqlen_q, call.seqlen_k
+    if call.layout == "packed":
+        # The kernels take the packed rows as one sequence (its rows indexed from the offsets) and
+        # a grid row per sequence.
+        if _known(call.batch) > _ext.MAX_GRID_DIM:
+            return f"{call.batch} packed sequences (the kernels' grid takes at most {_ext.MAX_GRID_DIM})"
+        batch, seqlen_q, seqlen_k = 1, call.total_q, call.total_k
+    key = (
+        _known(batch), call.num_heads, call.num_kv_heads, call.head_dim, _known(seqlen_q), _known(seqlen_k),
+        codes.get(call.dtype, -1), codes.get(call.bias_dtype, -1), float(call.softcap), bool(call.rows_aligned),
+        _known(call.kv_row_stride), major * 10 + minor, bool(backward),
         bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
+    return _ext.kernels_reason("perkey_unsupported_reason", key)
 
 
 def triton_reason(call) -> Optional[str]:
@@ -146,6 +134,6 @@ def decide(backend: str, call, deterministic: bool = False) -> Route:
         return Route(backend, backend, backend, CPU_TILE_ROWS)
     mask_heads = 1 if call.mask_shape is None else call.mask_shape[1]
     ph = plane_heads(call.num_heads, call.bias_shape[1], mask_heads)
-    tile_rows = plan(call.num_heads, call.num_kv_heads, ph, call.head_dim)[1]
+    tile_rows = triton_tiles(call.num_heads, call.num_kv_heads, ph, call.head_dim)[1]
     name = "triton" if backend == "cuda" else backend
     return Route(backend, name, name, tile_rows)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from triton.testing import do_bench
 
 from benchmarks import varlen
-from flexdma import flex
+from flexdma.dense import flex
 
 if __name__ == "__main__":
     for c in varlen.cases():

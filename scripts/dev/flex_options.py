@@ -1,4 +1,4 @@
-"""Measures flexdma's FlexAttention backend with each kernel option set (flexdma/flex.py:
+"""Measures flexdma's FlexAttention backend with each kernel option set (flexdma/dense/flex.py:
 FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE) at one model shape per head dim, through
 `flash_dma_attention(..., backend="flex")` itself, and prints the table flex.MEASURED_OPTIONS is
 filled from. A training call is forward + backward with a (B, KVH, 1, L) bias that needs a

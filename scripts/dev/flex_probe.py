@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from flexdma import _block_tiles, flex  # noqa: E402
+from flexdma.dense import _block_tiles, flex  # noqa: E402
 from scripts.dev.flex_check import build_inputs  # noqa: E402
 
 T0 = time.time()

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from benchmarks import perkey
-from flexdma import flex
+from flexdma.dense import flex
 
 SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
 NAMES = ("L=32K D=128", "B=2 L=8K H=16 KVH=4", "L=32K D=64", "B=2 L=8K H=16 KVH=4 D=64")

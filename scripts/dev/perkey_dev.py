@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from flexdma import _dispatch, perkey
+from flexdma.dense.naive import attention_ref
 from flexdma.perkey import ops, route
 from flexdma.perkey import triton as T
-from flexdma.reference import attention_ref
 
 
 def _inputs(B, L, H, KVH, D, plane_heads, dtype=torch.bfloat16, grad=False):

@@ -24,9 +24,9 @@ from typing import Optional, Tuple
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention, noop_mask
 
-from ._device import device_capability
-from ._warnings import warn_once
-from .reference import expand_heads
+from .._device import device_capability
+from .._warnings import warn_once
+from .naive import expand_heads
 
 try:
     from . import _block_tiles
@@ -407,7 +407,9 @@ def _traced_unfused(fn=_attend):
     return torch.compile(fn, backend="eager", dynamic=False, fullgraph=True)
 
 
-def _forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True, keep=None):
+def forward(q, k, v, mask, bias, is_causal, scale, softcap, training, need_lse=True, keep=None):
+    """(out, lse or None) of one FlexAttention call on (B, Q, H, D) inputs: the dense path's mask, or
+    the per-key path's selection as `keep` (key_rank, row_thr views the mask_mod reads)."""
     B, Q, H, D = q.shape
     K = k.shape[1]
     row_bias = None
@@ -480,7 +482,7 @@ class _FlexFwdOpBwd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, bias, is_causal, scale, softcap):
         # FlexAttention refuses CPU inputs that require grad, even in no-grad mode.
-        out, lse = _forward(
+        out, lse = forward(
             q.detach(),
             k.detach(),
             v.detach(),
@@ -530,30 +532,7 @@ def flex_dma_attention(
         )
     if training and query.device.type == "cpu":
         return _FlexFwdOpBwd.apply(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap)
-    return _forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
-
-
-def flex_perkey_attention(
-    query,
-    key,
-    value,
-    attn_bias,
-    key_rank,
-    row_thr,
-    *,
-    is_causal: bool,
-    softmax_scale: float,
-    softcap: float,
-    need_lse: bool = True,
-    training: Optional[bool] = None,
-):
-    """The per-key top-W path through FlexAttention: the selection (flexdma/perkey/contract.py) read by the
-    mask_mod, O(Q + K) per plane; every causally visible tile is visited (no tile skipping).
-    training: as flex_dma_attention's."""
-    if training is None:
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, attn_bias))
-    keep = (key_rank[:, :, None, :], row_thr[:, :, :, None])
-    return _forward(query, key, value, None, attn_bias, is_causal, softmax_scale, softcap, training, need_lse, keep)
+    return forward(query, key, value, attn_mask, attn_bias, is_causal, softmax_scale, softcap, training, need_lse)
 
 
 # ---- packed sequences (flexdma.flash_dma_attention_varlen): one call with a document mask ----
@@ -650,7 +629,7 @@ def _varlen_forward(q, k, v, cu_q, cu_k, bias, is_causal, scale, softcap, traini
 
 
 class _FlexVarlenFwdOpBwd(torch.autograd.Function):
-    """CPU training of a packed call: FlexAttention forward, the flexdma C++ varlen op's backward."""
+    """CPU training of a packed call: FlexAttention forward, the flexdma bwd op's (packed form) backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, bias, is_causal, scale, softcap):
@@ -669,9 +648,9 @@ class _FlexVarlenFwdOpBwd(torch.autograd.Function):
         q, k, v, cu_q, cu_k, bias, out, lse = ctx.saved_tensors
         max_q, max_k, is_causal, scale, softcap = ctx.cfg
         want = bias is not None and ctx.needs_input_grad[7]
-        dq, dk, dv, dbias = torch.ops.flexdma.varlen_bwd(
-            dout.contiguous(), q, k, v, cu_q, cu_k, max_q, max_k, bias, out, lse, scale, is_causal, softcap, 0,
-            want, True,
+        dq, dk, dv, dbias = torch.ops.flexdma.bwd(
+            dout.contiguous(), q, k, v, None, bias, out, lse, scale, is_causal, softcap, want, True, None, None,
+            cu_q, cu_k, max_q, max_k,
         )  # fmt: skip
         return dq, dk, dv, None, None, None, None, (dbias if want else None), None, None, None
 
