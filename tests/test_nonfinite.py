@@ -167,6 +167,6 @@ def test_flex_row_bias_nonfinite_like_the_reference():
     rb[1, 0, 4] = -INF
     rb[1, 3, 0] = NAN  # an empty row stays empty
     ref, ref_lse = flexdma.attention_ref(q, k, v, mask, rb, is_causal=True, softmax_scale=0.25)
-    out, lse = flex._forward(q, k, v, mask, rb.requires_grad_(), True, 0.25, 0.0, training=True, need_lse=False)
+    out, lse = flex.forward(q, k, v, mask, rb.requires_grad_(), True, 0.25, 0.0, training=True, need_lse=False)
     torch.testing.assert_close(out, ref, equal_nan=True)
     torch.testing.assert_close(lse, ref_lse, equal_nan=True)
