@@ -100,8 +100,8 @@ def test_few_rows_route_matches_the_reference(device, case, monkeypatch):
     few_rows = cache.few_rows
     monkeypatch.setattr(cache, "few_rows", lambda *a: taken.append(1) or few_rows(*a))
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
-    # On CUDA a head dim the dense kernels take (32 and up), which the gathered call runs on.
-    D = 16 if device == "cpu" else 64
+    # On CUDA the smallest head dim the dense kernels take, which the gathered call runs on.
+    D = 16 if device == "cpu" else 32
     _check_case(device, case, dtype, D=D, backends=["cpu"] if device == "cpu" else ["cuda"])
     assert taken, "the call did not take the few-rows route"
 
