@@ -689,6 +689,30 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_inductor_train_step_of_two_layers_without_mask(form):
+    # Inductor, as users compile: without attention_mask every layer traces the packed call, its
+    # offsets from nonzero (a data-dependent size, one per layer, which the partitioner merges), and
+    # the selection's lists, saved for the backward, must not name the merged size (Inductor once
+    # stopped at "u1 not in {u0: ...}" on the second layer). Logits and gradients as the eager
+    # model's.
+    _, eager = _models(torch.float32, layers=2, hidden=256, window=16)
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, fullgraph=True)
+    kw = _call_kwargs(form, False, "default")
+    torch._dynamo.reset()
+    runs = []
+    for m, call in ((eager, eager), (model, compiled)):
+        out = call(**kw, labels=kw["input_ids"])
+        out.loss.backward()
+        runs.append((out.logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (le, ge), (lc, gc) = runs
+    torch.testing.assert_close(lc, le, atol=1e-5, rtol=1e-4)
+    assert ge.keys() == gc.keys()
+    for n in ge:
+        torch.testing.assert_close(gc[n], ge[n], atol=1e-4, rtol=1e-3, msg=lambda m: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("mask", [True, False], ids=["mask", "no_mask"])
 @pytest.mark.parametrize("form", ["padded", "packed"])
 def test_cuda_compiled_train_step(form, mask):

@@ -35,8 +35,11 @@ def run(plan, query, key, value, attn_mask, attn_bias, scale: float, determinist
             *operands, scale, call.is_causal, call.softcap, deterministic, sel.tile_keys, r.tile_rows
         )
     elif r.forward in ("cuda", "cpu"):
-        lists = None if r.forward == "cpu" else sel.tile_keys  # the CPU kernel reads no lists
-        out, lse, _ = ops.perkey_fwd_autograd(*operands, scale, call.is_causal, call.softcap, deterministic, lists)
+        # The lists go to every device's kernel (the CPU one reads none), so that a traced call is
+        # the same graph on each.
+        out, lse, _ = ops.perkey_fwd_autograd(
+            *operands, scale, call.is_causal, call.softcap, deterministic, sel.tile_keys
+        )
     elif r.forward == "flex":
         out, lse = _flex_attention()(
             *operands, is_causal=call.is_causal, softmax_scale=scale, softcap=call.softcap,
@@ -58,10 +61,9 @@ def packed(plan, query, key, value, cu_q, cu_k, attn_bias, scale: float, determi
     scores = contract.selection_scores(attn_bias.detach()[None, :, None, :], None, call.num_heads)[0]
     lengths = (cu_q, cu_k, call.seqlen_q, call.seqlen_k)
     sel = contract.select(scores, call.keep_window_size, call.total_q, call.is_causal, r.tile_rows, lengths)
-    lists = None if r.forward == "cpu" else sel.tile_keys
     out, lse, _ = ops.perkey_fwd_autograd(
         query, key, value, attn_bias, sel.key_rank, sel.row_thr, scale, call.is_causal, call.softcap, deterministic,
-        lists, *lengths,
+        sel.tile_keys, *lengths,
     )  # fmt: skip
     return out, lse
 

@@ -27,9 +27,13 @@ def _perkey_select_fake(
     scores, window, seqlen_q, is_causal, tile_rows, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
     max_seqlen_k=0,
 ):  # fmt: skip
-    if cu_seqlens_q is not None:  # packed: scores (heads, Tk); a sequence's tiles start a list row
+    if cu_seqlens_q is not None:  # packed: scores (heads, Tk)
         heads, Tk = scores.shape
-        n_lists = seqlen_q // tile_rows + cu_seqlens_q.shape[0] - 1
+        # Tq // tile_rows + the sequences' count rows (a sequence's tiles start a row), given to the
+        # trace as a size of this op's own: the count is often a data-dependent size already (offsets
+        # from nonzero, one per layer), and a saved tensor whose shape names another op's unbacked
+        # size loses it where the partitioner merges those ops (Inductor: "u1 not in {u0: ...}").
+        n_lists = torch.library.get_ctx().new_dynamic_size()
         return (
             scores.new_empty((heads, Tk), dtype=torch.int32),
             scores.new_empty((heads, seqlen_q), dtype=torch.int32),
