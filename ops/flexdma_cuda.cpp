@@ -69,25 +69,23 @@ void* resid_ptr(const c10::optional<at::Tensor>& out_resid, const at::Tensor& ou
   return const_cast<void*>(out_resid->const_data_ptr());
 }
 
-// The per-key forward over each query tile's listed keys (perkey_fwd, padded or packed) into out /
-// lse / resid, allocated by the caller (fwd_impl's `into`); `adjust` sets what the operands alone do
-// not say (packed sequences). The callers check q / k / v before any kernel runs.
-void perkey_fwd_run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
-                    const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys, int64_t tile_rows,
-                    double softmax_scale, bool is_causal, double softcap, const at::Tensor& out, const at::Tensor& lse,
-                    const at::Tensor& resid, const std::function<void(FwdParams&)>& adjust) {
+// The per-key forward's params over each query tile's listed keys (perkey_fwd, padded or packed),
+// writing the caller's out / lse / resid; perkey_fwd_cuda launches them. The callers check q / k / v
+// before any kernel runs.
+FwdParams perkey_fwd_params(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias,
+                            const at::Tensor& key_rank, const at::Tensor& row_thr, const Broadcast4d& keys,
+                            int64_t tile_rows, double softmax_scale, bool is_causal, double softcap, at::Tensor out,
+                            at::Tensor lse, const at::Tensor& resid) {
   FwdParams rule;
   fill_perkey_params(rule, q, k, bias, key_rank, row_thr);
-  fwd_impl(q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, c10::nullopt,
-           [&](const FwdParams& given) {
-             FwdParams p = given;
-             p.tile_keys = keys;
-             p.perkey_tile_rows = tile_rows;
-             p.out_resid = resid.data_ptr();
-             adjust(p);
-             launch_fwd(p, q);
-           },
-           rule.key_rank, rule.row_thr, {out, lse});
+  FwdParams p;
+  fill_fwd_params(p, q, k, v, c10::nullopt, bias, softmax_scale, is_causal, softcap, out, lse, c10::nullopt);
+  p.key_rank = rule.key_rank;
+  p.row_thr = rule.row_thr;
+  p.tile_keys = keys;
+  p.perkey_tile_rows = tile_rows;
+  p.out_resid = resid.data_ptr();
+  return p;
 }
 
 // q / k / v rows read 16 bytes at a time: 16-byte aligned rows, strides multiples of 8 elements.
@@ -140,7 +138,7 @@ Broadcast4d perkey_lists(const char* op, const c10::optional<at::Tensor>& tile_k
 }
 
 // The per-key backward over the same lists (perkey_bwd_kernel.cuh; perkey_bwd, padded or packed) into
-// dq (the caller's, as perkey_fwd_run's outputs). dK / dV and the per-key dbias are sums over the query
+// dq (the caller's, as perkey_fwd_params' outputs are). dK / dV and the per-key dbias are sums over the query
 // tiles that list a key: the kernel adds them into one zeroed float buffer, returned as
 // (dk, dv, dbias) float views for the caller to cast. The callers check q / k / v first.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_bwd_run(
@@ -367,23 +365,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_packed_cuda(
   return {dq, dk, dv, dbias};
 }
 
-// perkey_fwd's packed form: the padded op's kernels over the sequences, reading the selection given.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_packed_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bias, const at::Tensor& key_rank,
-    const at::Tensor& row_thr, double softmax_scale, bool is_causal, double softcap,
-    const c10::optional<at::Tensor>& tile_keys, const Packed& s) {
-  const char* op = "flexdma::perkey_fwd";
-  const at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
-  check_perkey(op, q4, k4, v4, bias, softcap, /*backward=*/false, /*deterministic=*/false, &s);
-  const Broadcast4d keys = packed_lists(op, tile_keys, key_rank, q, s);
-  at::Tensor out = alloc_out(q), resid = alloc_out(q);
-  at::Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
-  perkey_fwd_run(q4, k4, v4, *packed_bias(bias), key_rank.unsqueeze(0), row_thr.unsqueeze(0), keys, kPerkeyTileRows,
-                 softmax_scale, is_causal, softcap, out.unsqueeze(0), lse.unsqueeze(0), resid,
-                 [&s](FwdParams& p) { packed_params(p, s); });
-  return {out, lse, resid};
-}
-
 // perkey_bwd's packed form: the forward's selection and lists, as the padded op reads them (no
 // selection made here).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> perkey_bwd_packed_cuda(
@@ -464,18 +445,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_fwd_cuda(
     bool /*deterministic: read by the backward*/, const c10::optional<at::Tensor>& tile_keys,
     const c10::optional<at::Tensor>& cu_q, const c10::optional<at::Tensor>& cu_k, int64_t max_q, int64_t max_k) {
   c10::cuda::CUDAGuard guard(q.device());
-  if (packed_form(cu_q, cu_k, max_q, max_k, "flexdma::perkey_fwd")) {
-    packed_perkey_check(q, k, bias, key_rank, row_thr, "flexdma::perkey_fwd");
-    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, "flexdma::perkey_fwd");
-    return perkey_fwd_packed_cuda(q, k, v, bias, key_rank, row_thr, softmax_scale, is_causal, softcap, tile_keys, s);
+  const char* op = "flexdma::perkey_fwd";
+  at::Tensor out, lse, resid = alloc_out(q);
+  FwdParams p;
+  if (packed_form(cu_q, cu_k, max_q, max_k, op)) {
+    // The packed form: the padded kernels over the sequences (one batch whose rows packed_params
+    // makes the sequences), reading the selection given; out / lse tensors of their own, filled
+    // through batch-1 views.
+    packed_perkey_check(q, k, bias, key_rank, row_thr, op);
+    const Packed s = packed_check(q, k, v, cu_q, cu_k, max_q, max_k, bias, op);
+    const at::Tensor q4 = q.unsqueeze(0), k4 = k.unsqueeze(0), v4 = v.unsqueeze(0);
+    check_perkey(op, q4, k4, v4, bias, softcap, /*backward=*/false, /*deterministic=*/false, &s);
+    const Broadcast4d keys = packed_lists(op, tile_keys, key_rank, q, s);
+    out = alloc_out(q);
+    lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+    p = perkey_fwd_params(q4, k4, v4, *packed_bias(bias), key_rank.unsqueeze(0), row_thr.unsqueeze(0), keys,
+                          kPerkeyTileRows, softmax_scale, is_causal, softcap, out.unsqueeze(0), lse.unsqueeze(0),
+                          resid);
+    packed_params(p, s);
+  } else {
+    check_qkv(q, k, v);
+    check_perkey(op, q, k, v, bias, softcap, /*backward=*/false, /*deterministic=*/false);
+    const Broadcast4d keys = perkey_lists(op, tile_keys, key_rank, q);
+    std::tie(out, lse) = alloc_fwd_outputs(q);
+    p = perkey_fwd_params(q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, softmax_scale, is_causal, softcap,
+                          out, lse, resid);
   }
-  check_qkv(q, k, v);
-  check_perkey("flexdma::perkey_fwd", q, k, v, bias, softcap, /*backward=*/false, /*deterministic=*/false);
-  const Broadcast4d keys = perkey_lists("flexdma::perkey_fwd", tile_keys, key_rank, q);
-  auto [out, lse] = alloc_fwd_outputs(q);
-  at::Tensor resid = alloc_out(q);
-  perkey_fwd_run(q, k, v, bias, key_rank, row_thr, keys, kPerkeyTileRows, softmax_scale, is_causal, softcap, out, lse,
-                 resid, [](FwdParams&) {});
+  if (out.numel() > 0) launch_fwd(p, q);
   return {out, lse, resid};
 }
 
