@@ -44,7 +44,7 @@ case "${1:-}" in
       echo "Hugging Face tests with transformers $(PYTHONPATH=$dir "$PY" -c 'import transformers; print(transformers.__version__)')"
       PYTHONPATH=$dir "$PY" -m pytest -q -ra tests/test_doge.py tests/test_hf.py tests/test_compat.py
     fi
-    # Triton for the interpreter tests of the per-key Triton kernels (tests/interpret_*.py),
+    # Triton for the interpreter tests of the per-key Triton kernels (tests/perkey/interpret_*.py),
     # beside the suite where torch came without it: on a CPU machine triton only interprets.
     if ! "$PY" -c "import triton" >/dev/null 2>&1; then
       if ! PYTHONPATH=build/triton "$PY" -c "import triton" >/dev/null 2>&1; then

@@ -133,7 +133,7 @@ def few_rows(call, attn_mask: Optional[torch.Tensor], attn_bias: torch.Tensor) -
     at most W + Q - 1. The kept set of the first row (one sort of the keys it sees:
     decode.last_row), then one O(W) update a later row's new key (decode.append_rows, causal only:
     without causality every row keeps the first row's set). The same kept sets as the selection
-    (tests/test_perkey.py)."""
+    (tests/perkey/test_perkey.py)."""
     Q, K = call.seqlen_q, call.seqlen_k
     scores = contract.selection_scores(attn_bias.detach(), attn_mask, call.num_heads)  # (P1, P2, K)
     first = K - Q + 1 if call.is_causal else K  # the keys the first row sees: more than W

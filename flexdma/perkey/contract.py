@@ -18,7 +18,7 @@ mask fits in O(Q + K) per selection plane (docs/perkey.md, "Why it fits in O(N)"
   first two.
 
 This is the mask `create_mask(attn_bias, W, attn_mask=..., is_causal=..., query_len=Q)` builds
-densely, entry for entry (tests/test_perkey.py checks it; flexdma/perkey/naive.py is that dense
+densely, entry for entry (tests/perkey/test_perkey.py checks it; flexdma/perkey/naive.py is that dense
 reference). A plane is one (batch, head) entry of the broadcast of the bias's and the mask's batch
 / head dims.
 """
@@ -127,7 +127,7 @@ def list_cap(K: int, window: int, tile_rows: int) -> int:
     """Entries of a tile's list: at most W + tile_rows - 1 keys (and never more than K). The rule
     is csrc/flash_dma_constants.h's perkey_list_cap (flexdma._C.perkey_list_cap); it is written here
     again because the fake kernels call it with symbolic sizes, which the C++ one cannot take
-    (tests/test_perkey.py checks that the two agree)."""
+    (tests/perkey/test_perkey.py checks that the two agree)."""
     return min(K, window + tile_rows - 1)
 
 

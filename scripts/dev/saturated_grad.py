@@ -42,7 +42,7 @@ GRADS = ("dq", "dk", "dv", "d dt_proj", "dA")
 def eager_doge(q, k, v, dt_proj, A, *, scale, window):
     """The attention in eager PyTorch, (B, H, L, D) layout: the per-key bias
     exp(A * softplus(v_flat @ dt_proj^T)), each row keeping its `window` best keys under the causal
-    cut, softmax(q.k * scale + bias) over them. tests/test_cpu_precision.py compares the CPU
+    cut, softmax(q.k * scale + bias) over them. tests/dense/test_cpu_precision.py compares the CPU
     kernel with it in float32."""
     B, H, L, D = q.shape
     x = v.transpose(1, 2).reshape(B, L, H * D) @ dt_proj.T

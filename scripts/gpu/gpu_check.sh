@@ -12,7 +12,7 @@ s=$(date +%s)
 FLEXDMA_CUDA_ARCHS=90 FLEXDMA_HEAD_DIMS=${FLEXDMA_HEAD_DIMS:-64,128} MAX_JOBS=16 \
   python3 -m pip install --no-build-isolation --no-deps -e . > "$w/build.log" 2>&1
 echo "build rc=$? in $(( $(date +%s) - s )) s"
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_cuda_kernel.py} 2>&1 > "$w/tests.log"
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/dense/test_cuda_kernel.py} 2>&1 > "$w/tests.log"
 tail -4 "$w/tests.log"; grep -E "^FAILED|Error" "$w/tests.log" | head -20
 timeout 200 python3 scripts/dev/cuda_dev.py --out "$w/dev.json" > "$w/dev.log" 2>&1; echo "cuda_dev rc=$?"; tail -14 "$w/dev.log"
 if [ -n "${NCU_CASE:-}" ]; then

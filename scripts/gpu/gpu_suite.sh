@@ -64,13 +64,13 @@ log=$out/gpu_$(echo "$1" | tr '+' '_').log
 if has tests; then
   timeout 120 $PY -m flexdma >> "$log" 2>&1; echo "selfcheck rc=$?" | tee -a "$log"
   timeout $(cap ${TEST_TIMEOUT:-420}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_api.py tests/test_benchmarks.py \
-    tests/test_compile_model.py tests/test_correctness.py tests/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
+    tests/test_compile_model.py tests/dense/test_correctness.py tests/dense/test_cuda_kernel.py -k "not cpu and not aoti and not flex-" \
     --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests" $?
 fi
 if has perkey; then
-  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_perkey.py tests/test_nonfinite.py \
-    tests/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
+  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/perkey/test_perkey.py tests/test_nonfinite.py \
+    tests/packed/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
   tally "gpu tests (per-key, non-finite, varlen)" $?
 fi
 if has sanitizer; then
@@ -125,8 +125,8 @@ if has varlenbench; then
   echo "benchmarks varlen rc=$?" | tee -a "$log"; grep -E '^(\||- )' "$out/varlen_bench.log" | head -20
 fi
 if has tests2; then
-  timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/test_flex.py tests/test_hf.py \
-    tests/test_mqar.py tests/test_nn.py tests/test_ops.py tests/test_correctness.py \
+  timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/dense/test_flex.py tests/test_hf.py \
+    tests/test_mqar.py tests/test_nn.py tests/dense/test_ops.py tests/dense/test_correctness.py \
     -k "not cpu and not aoti and (flex- or not test_correctness)" --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests (2)" $?
 fi

@@ -6,7 +6,7 @@
 # every phase, so a call cut off at its limit still returns what finished) and a table is printed.
 #   VARIANTS  ';'-separated "name|head dims|nvcc flags|cuda_dev parts|pytest args" (an empty
 #             parts or pytest field skips that phase for the variant), e.g.
-#             "base|64,128||fwd,bwd|tests/test_cuda_kernel.py;exp|64,128|-DFLEXDMA_EXP_X|bwd|"
+#             "base|64,128||fwd,bwd|tests/dense/test_cuda_kernel.py;exp|64,128|-DFLEXDMA_EXP_X|bwd|"
 #   EXTRA     optional: a command run last, in the first variant's tree (its build imported); $W
 #             is the folder packed into variants.tgz; EXTRA_S: seconds the tests leave it
 #   DEADLINE_S  seconds for the whole script (default 570); the tests get what the timings leave

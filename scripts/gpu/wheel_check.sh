@@ -15,9 +15,9 @@ log=$out/wheel_check.log
 PY=${PYTHON:-python3}
 w=$(mktemp -d)
 export PYTHONUNBUFFERED=1
-TESTS=${TESTS:-"test_cuda_kernel.py
-test_perkey.py -k test_cuda_head_dims_match_reference
-test_varlen.py -k test_cuda_packed_kernels_equal_documents or test_cuda_dense_packed_kernels_equal_documents"}
+TESTS=${TESTS:-"dense/test_cuda_kernel.py
+perkey/test_perkey.py -k test_cuda_head_dims_match_reference
+packed/test_varlen.py -k test_cuda_packed_kernels_equal_documents or test_cuda_dense_packed_kernels_equal_documents"}
 failed=0
 say() { echo "$*" | tee -a "$log"; }
 check() { if [ "$2" = 0 ]; then say "ok   $1"; else say "FAIL $1 (rc=$2)"; failed=1; fi; }
@@ -66,7 +66,7 @@ VPY=$PY
 # 4. The smoke tests: nvcc (and the CUDA toolkit's folder) off PATH, run from a folder that holds
 # copies of the tests only, so `import flexdma` can find nothing but the installed wheel.
 path=$(echo "$PATH" | tr ':' '\n' | while read -r d; do [ -n "$d" ] && [ ! -x "$d/nvcc" ] && echo "$d"; done | paste -sd:)
-mkdir -p "$w/run/tests" && cp tests/conftest.py tests/utils.py tests/test_*.py "$w/run/tests/"
+mkdir -p "$w/run/tests" && cp -r tests/conftest.py tests/utils.py tests/test_*.py tests/dense tests/perkey tests/packed "$w/run/tests/"
 cd "$w/run"
 run() { env -u CUDA_HOME -u CUDA_PATH PYTHONPATH="$w/site${PYTHONPATH:+:$PYTHONPATH}" PATH="$path" "$@"; }
 run sh -c '! command -v nvcc' > /dev/null

@@ -2,7 +2,7 @@
 interpreter on the CPU: the kept set it updates in place against flexdma.perkey.decode.append, bit
 for bit, and the new row's output against the float64 reference over the new kept set
 (FlashAttention's rule: at most twice the error of the same computation in the inputs' dtype, plus
-1e-3), for single steps and a short decode loop. tests/test_perkey.py runs it in a process of its own
+1e-3), for single steps and a short decode loop. tests/perkey/test_perkey.py runs it in a process of its own
 (TRITON_INTERPRET=1 is read when triton is imported), and its CUDA test imports the checks from
 here. Exits 0 when every case matches."""
 

@@ -1,5 +1,5 @@
 """Triton's interpreter with flexdma's NumPy fix: imported first by the interpreter scripts
-(tests/interpret_*.py), which tests/test_perkey.py runs each in a process of its own. The interpreter
+(tests/perkey/interpret_*.py), which tests/perkey/test_perkey.py runs each in a process of its own. The interpreter
 is chosen by TRITON_INTERPRET=1 before triton is imported."""
 
 import os

@@ -1,6 +1,6 @@
 """Compiles the decode step's Triton kernels (flexdma/perkey/triton_decode.py, triton_rows.py) for
 sm_90 ahead of time, on a machine without a GPU (Triton's bundled ptxas): type and layout errors
-that Triton's interpreter lets pass show up here. tests/test_perkey.py runs it in a process of its
+that Triton's interpreter lets pass show up here. tests/perkey/test_perkey.py runs it in a process of its
 own. Prints one "ok" line a kernel variant."""
 
 import sys

@@ -1,7 +1,7 @@
 """Runs the per-key step of T new tokens (flexdma/perkey/triton_rows.py) in Triton's interpreter on
 the CPU against flexdma.perkey.decode.append_rows (the Python updates), bit for bit: the union's
 key indices and scores, each row's keep row, and the kept set after the last key (updated in
-place). tests/test_perkey.py runs it in a process of its own and its CUDA test imports the checks
+place). tests/perkey/test_perkey.py runs it in a process of its own and its CUDA test imports the checks
 from here. Exits 0 when every case matches."""
 
 import os

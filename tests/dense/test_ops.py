@@ -356,7 +356,7 @@ def test_baseline_copy_matches_reference(tmp_path):
 
     from utils import assert_close_to_ref, reference_with_grads
 
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # utils.py's folder
     path = tmp_path / "baseline.pt"
     subprocess.run(
         [sys.executable, "-c", _BASELINE_SCRIPT, str(path), tests_dir],

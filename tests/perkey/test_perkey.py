@@ -581,10 +581,11 @@ def _run_triton_script(script: str, cases: int) -> None:
     if importlib.util.find_spec("triton") is None and not path:
         pytest.skip("triton is not installed (dev.sh test installs it into build/ and sets FLEXDMA_TRITON_PATH)")
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))  # the scripts sit beside this file
+    root = os.path.dirname(os.path.dirname(here))  # the repository, for flexdma
     env["PYTHONPATH"] = os.pathsep.join(x for x in (root, path, env.get("PYTHONPATH")) if x)
     r = subprocess.run(
-        [sys.executable, os.path.join(root, "tests", script)], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, os.path.join(here, script)], env=env, capture_output=True, text=True, timeout=900
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("ok ") == cases, r.stdout

@@ -143,6 +143,7 @@ def test_block_tiles_kernel_interpreted_on_cpu():
     import subprocess
 
     here = os.path.dirname(os.path.abspath(__file__))
+    tests_dir = os.path.dirname(here)  # utils.py, which test_flex imports
     # The child imports flexdma the way this process did (an editable install may point elsewhere).
     pkg_root = os.path.dirname(
         os.path.dirname(os.path.dirname(os.path.abspath(flex.__file__)))
@@ -150,7 +151,7 @@ def test_block_tiles_kernel_interpreted_on_cpu():
     env = dict(
         os.environ,
         TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join(p for p in (here, pkg_root, os.environ.get("PYTHONPATH")) if p),
+        PYTHONPATH=os.pathsep.join(p for p in (here, tests_dir, pkg_root, os.environ.get("PYTHONPATH")) if p),
     )
     # One child per causal setting, run side by side: the interpreter is slow.
     procs = [

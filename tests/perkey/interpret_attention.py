@@ -1,7 +1,7 @@
 """Runs the per-key path's Triton attention kernels (flexdma/perkey/triton.py: forward and backward,
 atomics and deterministic) in Triton's interpreter on the CPU, at head dims that are not a power of
 two (padded to the next one) and at a power of two, against the float64 reference over the same
-selection. tests/test_perkey.py runs it in a process of its own (TRITON_INTERPRET=1 is read when triton
+selection. tests/perkey/test_perkey.py runs it in a process of its own (TRITON_INTERPRET=1 is read when triton
 is imported). Exits 0 when every case matches."""
 
 import math
