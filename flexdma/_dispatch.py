@@ -61,7 +61,7 @@ class Call(NamedTuple):
     # The per-key path's operand properties its C++ kernels' check reads (perkey/route.py); on the
     # dense path these defaults.
     bias_dtype: Optional[torch.dtype] = None
-    rows_aligned: bool = True  # q / k / v: 16-byte aligned rows, strides multiples of 8 elements
+    rows_aligned: bool = True  # q / k / v: 16-byte aligned rows, strides multiples of 8 (asked on CUDA)
     kv_row_stride: int = 0  # the larger of k's and v's row strides, in elements
     # "padded" (q (B, Q, H, D)) or "packed" (q (Tq, H, D) with offsets: `batch` sequences of at
     # most seqlen_q / seqlen_k tokens (max_seqlen), total_q / total_k tokens in all).
@@ -78,13 +78,7 @@ class Call(NamedTuple):
         if requires_grad is None:
             requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
         B, Q, H, D = q.shape
-        # The per-key fields: the bias's dtype, the operands' alignment, the larger K / V row stride.
-        perkey = ()
-        if keep_window_size is not None:
-            ks, vs = k.stride(1), v.stride(1)
-            # (torch.sym_max only for symbolic strides: dynamo before 2.13 cannot trace it on ints.)
-            stride = max(ks, vs) if isinstance(ks, int) and isinstance(vs, int) else torch.sym_max(ks, vs)
-            perkey = (bias.dtype, _rows_aligned(q, k, v), stride)
+        perkey = _perkey_fields(q, k, v, bias, 1) if keep_window_size is not None else ()
         return Call(
             q.device,
             q.dtype,
@@ -106,17 +100,26 @@ class Call(NamedTuple):
     @staticmethod
     def packed(q, k, v, bias, cu_seqlens_q, max_seqlen_q, max_seqlen_k, *, is_causal, softcap, keep_window_size):
         """The Call of a packed call: q (Tq, H, D), k / v (Tk, KVH, D), the per-key bias (heads, Tk)
-        or None, as flexdma.varlen validated them; the bias's shape and the per-key fields as a
-        padded call's of one sequence holding every row ((1, heads, 1, Tk))."""
+        or None, as flexdma.varlen validated them; the bias's shape as a padded call's of one
+        sequence holding every row ((1, heads, 1, Tk))."""
         requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
-        one = Call.of(
-            q[None], k[None], v[None], None, None if bias is None else bias[None, :, None, :], is_causal=is_causal,
-            softcap=softcap, keep_window_size=keep_window_size, requires_grad=requires_grad,
-        )  # fmt: skip
+        Tq, H, D = q.shape
+        Tk, KVH = k.shape[:2]
+        perkey = _perkey_fields(q, k, v, bias, 0) if keep_window_size is not None else ()
         return Call(
-            *one[:2], cu_seqlens_q.shape[0] - 1, max_seqlen_q, *one[4:6], max_seqlen_k, *one[7:-3],
-            layout="packed", total_q=q.shape[0], total_k=k.shape[0],
+            q.device, q.dtype, cu_seqlens_q.shape[0] - 1, max_seqlen_q, H, D, max_seqlen_k, KVH, is_causal, softcap,
+            None, None if bias is None else (1, bias.shape[0], 1, Tk), bool(requires_grad), keep_window_size,
+            *perkey, layout="packed", total_q=Tq, total_k=Tk,
         )  # fmt: skip
+
+
+def _perkey_fields(q, k, v, bias, row_dim: int) -> tuple:
+    """The per-key fields of a Call: the bias's dtype, the operands' alignment (read by the CUDA
+    kernels' check only: True elsewhere) and the larger K / V row stride (rows along `row_dim`)."""
+    ks, vs = k.stride(row_dim), v.stride(row_dim)
+    # (torch.sym_max only for symbolic strides: dynamo before 2.13 cannot trace it on ints.)
+    stride = max(ks, vs) if isinstance(ks, int) and isinstance(vs, int) else torch.sym_max(ks, vs)
+    return bias.dtype, q.device.type != "cuda" or _rows_aligned(q, k, v), stride
 
 
 class Plan(NamedTuple):
@@ -130,13 +133,14 @@ class Plan(NamedTuple):
 
 
 def _rows_aligned(*tensors) -> bool:
-    """Whether the rows of each tensor (4-D) start on 16 bytes, with strides of multiples of 8
+    """Whether the rows of each tensor (4-D, or 3-D packed) start on 16 bytes, with strides of multiples of 8
     elements (a stride the trace leaves symbolic counts where it is settled without a guard).
     Traced tensors have no data and a graph serves later tensors too: their pointers count as
     aligned (PyTorch's allocators align them), and the op refuses one that is not, naming why."""
     eager = _ops.plain_eager(tensors)
     for t in tensors:
-        if not all(statically_known_true(s % 8 == 0) for s in t.stride()[:3]):
+        # Every stride but the last (1, checked by the API): the rows', heads' and (padded) batch's.
+        if not all(s % 8 == 0 if isinstance(s, int) else statically_known_true(s % 8 == 0) for s in t.stride()[:-1]):
             return False
         if eager and t.data_ptr() % 16:
             return False
