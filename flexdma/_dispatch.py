@@ -76,7 +76,7 @@ class Call(NamedTuple):
     @staticmethod
     def of(q, k, v, mask, bias, *, is_causal: bool, softcap: float, keep_window_size=None, requires_grad=None):
         if requires_grad is None:
-            requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+            requires_grad = _backward_follows(q, k, v, bias)
         B, Q, H, D = q.shape
         perkey = _perkey_fields(q, k, v, bias, 1) if keep_window_size is not None else ()
         return Call(
@@ -102,7 +102,7 @@ class Call(NamedTuple):
         """The Call of a packed call: q (Tq, H, D), k / v (Tk, KVH, D), the per-key bias (heads, Tk)
         or None, as flexdma.varlen validated them; the bias's shape as a padded call's of one
         sequence holding every row ((1, heads, 1, Tk))."""
-        requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, bias))
+        requires_grad = _backward_follows(q, k, v, bias)
         Tq, H, D = q.shape
         Tk, KVH = k.shape[:2]
         perkey = _perkey_fields(q, k, v, bias, 0) if keep_window_size is not None else ()
@@ -111,6 +111,11 @@ class Call(NamedTuple):
             None, None if bias is None else (1, bias.shape[0], 1, Tk), bool(requires_grad), keep_window_size,
             *perkey, layout="packed", total_q=Tq, total_k=Tk,
         )  # fmt: skip
+
+
+def _backward_follows(*tensors) -> bool:
+    """Grad mode on and an input (None allowed) that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _perkey_fields(q, k, v, bias, row_dim: int) -> tuple:

@@ -20,8 +20,8 @@ perkey/ops.py), without a second decision:
             backward                                              else CPU_TILE_ROWS
   reference "reference": naive.py's dense mask, under autograd   (neither reads the lists)
 
-A packed call (the Call's "packed" layout) takes the C++ kernels as one sequence of every row;
-on the other routes it runs sequence by sequence (flexdma/_dispatch.py's `by_sequence`).
+A packed call (the Call's "packed" layout) takes the C++ kernels with a grid row per sequence; on
+the other routes it runs sequence by sequence (flexdma/_dispatch.py's `by_sequence`).
 
 Each forward op's autograd runs its own backward op (perkey/ops.py pairs them), so a call a
 backward follows takes the C++ forward only where the C++ backward takes it too.
@@ -65,15 +65,10 @@ def kernels_reason(call, backward: bool, deterministic: bool) -> Optional[str]:
         return "flexdma was built without CUDA kernels"
     major, minor = device_capability(call.device)
     codes = _ext.DTYPE_CODES
-    batch, seqlen_q, seqlen_k = call.batch, call.seqlen_q, call.seqlen_k
-    if call.layout == "packed":
-        # The kernels take the packed rows as one sequence (its rows indexed from the offsets) and
-        # a grid row per sequence.
-        if _known(call.batch) > _ext.MAX_GRID_DIM:
-            return f"{call.batch} packed sequences (the kernels' grid takes at most {_ext.MAX_GRID_DIM})"
-        batch, seqlen_q, seqlen_k = 1, call.total_q, call.total_k
+    # A packed Call holds what the op asks its check: the sequences as the batch, the longest lengths.
     key = (
-        _known(batch), call.num_heads, call.num_kv_heads, call.head_dim, _known(seqlen_q), _known(seqlen_k),
+        _known(call.batch), call.num_heads, call.num_kv_heads, call.head_dim, _known(call.seqlen_q),
+        _known(call.seqlen_k),
         codes.get(call.dtype, -1), codes.get(call.bias_dtype, -1), float(call.softcap), bool(call.rows_aligned),
         _known(call.kv_row_stride), major * 10 + minor, bool(backward),
         bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
