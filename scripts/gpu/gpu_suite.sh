@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU machine's part of the project's checks, in parts that each fit one 10-minute call:
 #   bash scripts/gpu/gpu_suite.sh tests OUTDIR          # self-check, GPU tests of the API, compile, correctness (CUDA), kernels
-#   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, nn, ops, correctness on
+#   bash scripts/gpu/gpu_suite.sh tests2 OUTDIR         # the other GPU tests (flex, HF, MQAR, ops, correctness on
 #                                                 # FlexAttention)
-#   bash scripts/gpu/gpu_suite.sh perkey OUTDIR           # the per-key path's, the non-finite inputs' and packed sequences'
-#                                                 # GPU tests (~7 min with XDIST=4; the interpreter tests are CPU tests)
+#   bash scripts/gpu/gpu_suite.sh perkey OUTDIR         # the per-key path's (its ops, cache steps, nn, Doge, masks), the
+#                                                 # non-finite inputs' and packed sequences' GPU tests (XDIST=10
+#                                                 # fits one call; the interpreter tests are CPU tests)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (scripts/dev/flex_check.py)
@@ -69,9 +70,11 @@ if has tests; then
   tally "gpu tests" $?
 fi
 if has perkey; then
-  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/perkey/test_perkey.py tests/test_nonfinite.py \
-    tests/packed/test_varlen.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} > "$out/pytest.tmp" 2>&1
-  tally "gpu tests (per-key, non-finite, varlen)" $?
+  timeout $(cap ${TEST_TIMEOUT:-540}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/perkey/test_perkey.py tests/perkey/test_perkey_ops.py \
+    tests/test_nonfinite.py tests/packed/test_varlen.py tests/test_doge.py tests/test_nn.py tests/test_masks.py \
+    tests/test_usage.py -k "not cpu and not interpreter" --durations=30 -o faulthandler_timeout=${FAULT_S:-120} \
+    > "$out/pytest.tmp" 2>&1
+  tally "gpu tests (per-key, nn, Doge, masks, non-finite, packed)" $?
 fi
 if has sanitizer; then
   SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
@@ -126,7 +129,7 @@ if has varlenbench; then
 fi
 if has tests2; then
   timeout $(cap ${TEST2_TIMEOUT:-${TEST_TIMEOUT:-360}}) $PY -m pytest $xd -v -ra -p no:cacheprovider tests/dense/test_flex.py tests/test_hf.py \
-    tests/test_mqar.py tests/test_nn.py tests/dense/test_ops.py tests/dense/test_correctness.py \
+    tests/test_mqar.py tests/dense/test_ops.py tests/dense/test_correctness.py \
     -k "not cpu and not aoti and (flex- or not test_correctness)" --durations=12 > "$out/pytest.tmp" 2>&1
   tally "gpu tests (2)" $?
 fi
