@@ -187,7 +187,7 @@ def cuda_unsupported_reason(call: Call) -> Optional[str]:
     why = _ext.kernels_reason(
         "cuda_unsupported_reason",
         (
-            call.batch,
+            _ext.known_size(call.batch),
             call.num_heads,
             call.num_kv_heads,
             call.head_dim,

@@ -71,6 +71,15 @@ _REASONS: dict = {}
 _MAX_REASONS = 4096
 
 
+def known_size(n) -> int:
+    """A size as the kernels' checks are asked it: 0 where a traced call may leave it symbolic.
+    Under dynamo (torch.compile) every size is asked as 0: a dynamic one passes isinstance(n, int)
+    there, and kernels_reason (assume_constant_result) takes constants only; under torch.export's
+    tracing a SymInt is not an int. The checks read these sizes against the grid's and the index
+    types' limits only, and the ops check the real sizes before they launch."""
+    return n if isinstance(n, int) and not torch.compiler.is_compiling() else 0
+
+
 # The checks are C functions of the extension, which dynamo cannot trace: run eagerly while a model
 # is traced (the answer depends on these Python values only) and cached by them.
 @torch.compiler.assume_constant_result

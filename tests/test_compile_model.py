@@ -9,6 +9,7 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import flexdma
+from flexdma import _ext
 from flexdma.examples.mqar import DMALanguageModel
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -147,4 +148,31 @@ def test_capability_lookup_compiles_once(monkeypatch):
     want = 2.0 if route.kernels_reason(call, False, False) is None else 3.0
     assert all(torch.equal(g, torch.full((3,), want)) for g in got)
     assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_kernel_checks_are_asked_constants_under_dynamic_shapes():
+    """The kernels' checks run eagerly while dynamo traces (kernels_reason is assumed constant), so
+    their key must be constants: a dynamic size is asked as 0 (_ext.known_size; the ops check the
+    real size before they launch). The compiled Doge step over packed rows, whose sequence count is
+    dynamic, failed on CUDA with 'SymNodeVariable() is not a constant' without it."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True, dynamic=True)
+    def f(x):
+        # (_ext a global and the dtype code looked up in here, as in flexdma: what a traced frame
+        # closes over can be made dynamic too)
+        bf16 = _ext.DTYPE_CODES[torch.bfloat16]
+        n, length = _ext.known_size(x.shape[0]), _ext.known_size(x.shape[1])
+        key = (n, 2, 1, 64, length, length, bf16, bf16, 0.0, True, length, 90, True, False)
+        return x * (2 if _ext.kernels_reason("perkey_unsupported_reason", key) is None else 3), n
+
+    torch._dynamo.reset()
+    for shape in ((3, 5), (4, 7), (2, 9)):
+        out, asked = f(torch.ones(shape))
+        assert asked == 0
+        assert out.shape == shape
+    assert _ext.known_size(7) == 7  # eagerly, the size itself
     torch._dynamo.reset()

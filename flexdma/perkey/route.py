@@ -46,12 +46,6 @@ def triton_tiles(num_heads: int, num_kv_heads: int, plane_heads_: int, head_dim:
     return pack, rows // pack
 
 
-def _known(n) -> int:
-    # A size a traced call leaves symbolic (torch.export, dynamic shapes) is not asked about (0):
-    # a branch on it would add guards; the op checks the real size before it launches.
-    return n if isinstance(n, int) else 0
-
-
 def kernels_reason(call, backward: bool, deterministic: bool) -> Optional[str]:
     """Why the C++ per-key kernels cannot take a call (a flexdma._dispatch.Call; None: they can):
     their own check (C++ `cuda::perkey_unsupported_reason`, through flexdma._C), which the ops run
@@ -64,13 +58,13 @@ def kernels_reason(call, backward: bool, deterministic: bool) -> Optional[str]:
     if not _ext.with_cuda():
         return "flexdma was built without CUDA kernels"
     major, minor = device_capability(call.device)
-    codes = _ext.DTYPE_CODES
+    codes, known = _ext.DTYPE_CODES, _ext.known_size
     # A packed Call holds what the op asks its check: the sequences as the batch, the longest lengths.
     key = (
-        _known(call.batch), call.num_heads, call.num_kv_heads, call.head_dim, _known(call.seqlen_q),
-        _known(call.seqlen_k),
+        known(call.batch), call.num_heads, call.num_kv_heads, call.head_dim, known(call.seqlen_q),
+        known(call.seqlen_k),
         codes.get(call.dtype, -1), codes.get(call.bias_dtype, -1), float(call.softcap), bool(call.rows_aligned),
-        _known(call.kv_row_stride), major * 10 + minor, bool(backward),
+        known(call.kv_row_stride), major * 10 + minor, bool(backward),
         bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
     )  # fmt: skip
     return _ext.kernels_reason("perkey_unsupported_reason", key)
