@@ -45,6 +45,9 @@ $PY -m pip install --no-deps --no-index -q .carry/expecttest-*.whl > /dev/null 2
 tally() { cat "$out/pytest.tmp" >> "$log"; echo "$1 rc=$2: $(grep -c ' PASSED' "$out/pytest.tmp") passed, $(grep -c ' FAILED' "$out/pytest.tmp") failed, $(grep -c ' SKIPPED' "$out/pytest.tmp") skipped" | tee -a "$log"; grep -E '^(FAILED|ERROR)|Timeout' "$out/pytest.tmp" | head -20; rm -f "$out/pytest.tmp"; }
 has() { [[ "$modes" == *" $1 "* || ( "$modes" == *" checks "* && ( $1 == sanitizer || $1 == flexcheck ) ) ]]; }
 xd="-n ${XDIST:-0}"; [ "${XDIST:-0}" = 0 ] && xd=""
+# Each worker's CPU cases (float64 gradcheck, Inductor on the CPU) get a share of the cores: twelve
+# workers of sixteen threads each ran such cases past the per-test limit (39d3909's log).
+[ "${XDIST:-0}" != 0 ] && export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / XDIST > 0 ? $(nproc) / XDIST : 1 ))}
 $PY -c "import pytest_timeout" 2>/dev/null && xd="$xd --timeout ${PER_TEST_S:-240}"
 
 log=$out/gpu_$(echo "$1" | tr '+' '_').log
