@@ -126,16 +126,18 @@ def check_scalars(head_dim: int, softmax_scale, softcap, is_causal) -> Tuple[flo
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(head_dim)
+    # Finite as comparisons (NaN fails both), not math.isfinite: under torch.compile(dynamic=True)
+    # the scale (from a dynamic head_dim) and softcap can be symbolic floats, which math.isfinite
+    # cannot take in a traced graph.
     if (
         isinstance(softmax_scale, bool)
         or not isinstance(softmax_scale, (int, float))
-        or not math.isfinite(softmax_scale)
-        or softmax_scale <= 0
+        or not 0 < softmax_scale < math.inf
     ):
         raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
     if softcap is None:
         softcap = 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         raise ValueError(f"softcap must be a finite float >= 0 (0 disables it), got {softcap!r}")
     return float(softmax_scale), float(softcap)
 

@@ -87,6 +87,27 @@ def test_compile_fullgraph_training(device):
     assert losses[-1][0] < losses[0][0]
 
 
+def test_compile_dynamic_training_on_cpu():
+    """torch.compile(model, dynamic=True): every size symbolic, head_dim too, so the default scale
+    1/sqrt(head_dim) is a symbolic float; the scalar checks must trace it (math.isfinite on it
+    stopped the graph). Two lengths, one graph, the eager model's logits and gradients."""
+    torch._dynamo.reset()
+    model = _model("cpu")
+    eager = copy.deepcopy(model)
+    rec = GraphRecorder()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=rec.backend)
+    for length in (12, 20):
+        tokens = torch.randint(VOCAB, (2, length))
+        got, want = compiled(tokens), eager(tokens)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        got.square().sum().backward()
+        want.square().sum().backward()
+    for (name, p), e in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, e.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert len(rec.forward) == 1 and len(rec.backward) == 1
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module", params=DEVICES)
 def exported(request):
     torch.manual_seed(0)
