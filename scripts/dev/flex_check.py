@@ -20,7 +20,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from triton.testing import do_bench
 
-from flexdma import create_mask, flex
+from flexdma import create_mask
+from flexdma.dense import flex
 
 
 def build_inputs(Q, K, W, device="cuda", dtype=torch.bfloat16):

@@ -19,7 +19,8 @@ import torch
 import triton.testing
 
 import flexdma
-from flexdma import _device, flex
+from flexdma import _device
+from flexdma.dense import flex
 
 SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
