@@ -112,10 +112,15 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
     if peer == "flexdma-cache":
         # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
         # key in O(W), then attention over the W gathered keys (no selection over all K).
-        cache = DMACache.from_full(k.detach(), v.detach(), bias.detach(), None, c["W"])
         k1, v1 = k[:, -1:].detach(), v[:, -1:].detach()
         b1 = bias[..., -1:].detach()
         pad = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+        # One step first, from the first K - 2 keys: its cache's buffers have spare room (from_full's
+        # have none, so a step from it copies the whole cache into grown buffers, which a decoding
+        # loop pays once per doubling, not per token). Then the same step each call: the new key
+        # goes into the same spare slot.
+        cache = DMACache.from_full(k[:, :-2].detach(), v[:, :-2].detach(), bias[..., :-2].detach(), None, c["W"])
+        cache = cache.step(k[:, -2:-1].detach(), v[:, -2:-1].detach(), bias[..., -2:-1].detach(), pad)
 
         def step():
             ks, vs, bb, keep = cache.step(k1, v1, b1, pad).kept()
