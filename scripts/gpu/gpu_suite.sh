@@ -12,6 +12,8 @@
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
 #   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # scripts/dev/cuda_dev.py: the target shapes, kernel split
 #   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # scripts/dev/select_bench.py: the per-key selection alone
+#   bash scripts/gpu/gpu_suite.sh hostparts OUTDIR      # scripts/dev/host_parts.py 8192 and host_small.py (cuda), three
+#                                                 # processes each: the eager call's host time and its parts
 #   bash scripts/gpu/gpu_suite.sh perkeybench OUTDIR      # python -m benchmarks perkey (PEERS: its --peers; default all)
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
@@ -19,7 +21,7 @@
 #   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # scripts/dev/doge_decode_profile.py: a Doge decode token, profiled
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, perkey, sanitizer, cudadev, selbench, decodekernel, dogeprofile, perkeybench, decodebench, varlenbench,
+#                                                 # tests, perkey, sanitizer, cudadev, selbench, hostparts, decodekernel, dogeprofile, perkeybench, decodebench, varlenbench,
 #                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
@@ -100,6 +102,12 @@ fi
 if has selbench; then
   timeout $(cap 200) $PY -m scripts.dev.select_bench --out "$out/select_bench.json" > "$out/select_bench.log" 2>&1
   echo "select_bench rc=$?" | tee -a "$log"; grep case "$out/select_bench.log" | cut -c1-240
+fi
+if has hostparts; then
+  timeout $(cap 240) $PY -m scripts.dev.host_parts 8192 > "$out/host_parts.log" 2>&1
+  echo "host_parts rc=$?" | tee -a "$log"; grep "host/wall" "$out/host_parts.log" | tee -a "$log"
+  # The spread over processes is the machine's: report it, not one number.
+  for r in 1 2 3; do $PY scripts/dev/host_small.py "run$r" cuda; done 2>&1 | tee -a "$log"
 fi
 if has decodekernel; then
   timeout $(cap 300) $PY -m scripts.dev.decode_kernel --sweep --K 32768,131072 --out "$out/decode_kernel.json" \
