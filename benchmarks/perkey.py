@@ -3,7 +3,7 @@ against its peers, selection included, one GPU, one process.
 
 Rows (bf16, causal, per-key bias, W=2048): B=1, H=2, KVH=1 at 8K / 16K / 32K / 128K, D in {128, 64};
 the model shapes B=4 L=4K and B=2 L=8K with H=16, KVH=4 and Doge's H=8, KVH=4 at 16K (bias per kv
-head); decode (Q=1, K=512K, W=1024). Scores are drawn so that they do not tie. Peers, same run:
+head); decode (Q=1, K=128K and 512K, W=1024). Scores are drawn so that they do not tie. Peers, same run:
 - sdpa: dense causal SDPA over all keys, no mask (the bar);
 - flexdma: the per-key path end to end (selection + kernels);
 - flex: the same selection through FlexAttention (compiled; its mask_mod reads the selection);
@@ -11,7 +11,7 @@ head); decode (Q=1, K=512K, W=1024). Scores are drawn so that they do not tie. P
   row keeps, contiguous), with the same bias;
 - dense-mask: create_mask + flash_dma_attention with that mask on the dense-mask CUDA kernels
   (only where the mask fits; it is Q x K bools);
-- flexdma-cache: a decode step through nn.DynamicMaskAttention's cache (decode row only).
+- flexdma-cache: a decode step as nn.DynamicMaskAttention runs it from its cache (decode rows only).
 Forward = one call; train = forward + backward; bwd = train - forward. Beside them: the listed work
 at dense SDPA's measured rate (the ideal: the keys each row keeps, 4 D H per kept key and row
 forward, 3.5x that for a training call, over SDPA's FLOP/s on all visible keys in the same run),
@@ -57,9 +57,21 @@ def cases(quick: bool = False) -> List[dict]:
         for L in lengths:
             rows.append(dict(name=f"L={L // 1024}K D=64", B=1, L=L, Q=L, H=2, KVH=1, D=64, W=2048, bias_heads=1))
         rows.append(dict(name="B=2 L=8K H=16 KVH=4 D=64", B=2, L=8192, Q=8192, **dict(model, D=64)))
-        rows.append(
-            dict(name="decode Q=1 K=512K", B=1, L=524288, Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1, decode=True)
-        )
+        for K in (131072, 524288):
+            rows.append(
+                dict(
+                    name=f"decode Q=1 K={K // 1024}K",
+                    B=1,
+                    L=K,
+                    Q=1,
+                    H=2,
+                    KVH=1,
+                    D=128,
+                    W=1024,
+                    bias_heads=1,
+                    decode=True,
+                )
+            )
     return rows
 
 
@@ -110,21 +122,23 @@ def _peer_fn(peer: str, c: dict, q, k, v, bias):
     if peer == "flex-window":
         return _flex_window(c, q, k, v, bias)
     if peer == "flexdma-cache":
-        # A decode step through nn.DynamicMaskAttention's cache: the kept set updated with the new
-        # key in O(W), then attention over the W gathered keys (no selection over all K).
+        # A decode step as nn.DynamicMaskAttention runs it from its cache (DMACache.attend, routed
+        # as the layer routes it): the new key appended, the kept set updated in O(W) and the row's
+        # attention over it (on CUDA one kernel), no selection over all K keys.
         k1, v1 = k[:, -1:].detach(), v[:, -1:].detach()
         b1 = bias[..., -1:].detach()
-        pad = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+        pad = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
         # One step first, from the first K - 2 keys: its cache's buffers have spare room (from_full's
         # have none, so a step from it copies the whole cache into grown buffers, which a decoding
         # loop pays once per doubling, not per token). Then the same step each call: the new key
-        # goes into the same spare slot.
+        # goes into the same spare slot (the kept set is updated in place each time: the same work).
         cache = DMACache.from_full(k[:, :-2].detach(), v[:, :-2].detach(), bias[..., :-2].detach(), None, c["W"])
-        cache = cache.step(k[:, -2:-1].detach(), v[:, -2:-1].detach(), bias[..., -2:-1].detach(), pad)
+        cache = cache.step(k[:, -2:-1].detach(), v[:, -2:-1].detach(), bias[..., -2:-1].detach(), pad[:, 0])
+        scale = c["D"] ** -0.5
 
         def step():
-            ks, vs, bb, keep = cache.step(k1, v1, b1, pad).kept()
-            return flexdma.flash_dma_attention(q, ks, vs, keep, bb, is_causal=False)
+            how = perkey_cache.route(q, k1, cache.kept_set, c["W"], gathers_bias=True)
+            return cache.attend(how, q, k1, v1, b1, pad, scale=scale)[0]
 
         return step
     if peer == "dense-mask":
@@ -237,7 +251,7 @@ def run(quick: bool = False, peers=PEERS, budget: float = 480.0, rows: Optional[
                     fn()
                     rec["fwd_ms"] = _time(fn)
                     rec["fwd_peak_mib"] = _peak(fn)
-                    if peer == "flexdma":
+                    if peer in ("flexdma", "flexdma-cache"):
                         rec["fwd_launches"] = _launches(fn)
                 del q, k, v, bias
                 if not c.get("decode"):

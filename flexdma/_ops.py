@@ -184,7 +184,10 @@ def eager_autograd(op, setup_context, backward, direct: Optional[Direct] = None)
             return Function.apply(*args)
         if direct is not None and direct.takes(args):
             return direct.fwd(*args)
-        return op(*args)
+        # No gradient: the op's autograd kernel would only redispatch below itself, through the
+        # generic wrapper's Python (about as long as the rest of a small forward op's host time).
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
 
     return call
 

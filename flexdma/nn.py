@@ -103,6 +103,20 @@ class DMACache(tuple):
         s_new = bias[:, :, 0, :].detach().expand(B, P, T)
         return cache, decode.append_rows(self.kept_set, s_new, self.length, padding[:, None, :].expand(B, P, T))
 
+    def attend(self, how, query, key, value, bias, padding, *, scale: float, backend: str = "auto"):
+        """A cached step that perkey_cache.route sent to ONE_KERNEL or KEPT_SETS: the S new query
+        rows (B, S, H, D) against this cache grown by their keys (key, value (B, S, KVH, D), bias
+        (B, KVH, 1, S), padding (B, S)), each row over its own kept set. Returns (output (B, S, H,
+        D), the grown cache); this cache's kept set becomes the newest row's."""
+        cache = self.grown(key, value, bias, padding)
+        # The biases from the cache (not the kept set's detached scores): gradients reach them.
+        out = perkey_cache.attend(
+            how, query, cache[0], cache[1], cache.bias[:, :, None, :], kept=self.kept_set,
+            scores=bias[:, :, 0, :].detach(), start=self.length, eligible=padding, scale=scale,
+            dense=functools.partial(flash_dma_attention, is_causal=False, softmax_scale=scale, backend=backend),
+        )  # fmt: skip
+        return out, cache
+
     def kept(self):
         """(key, value (B, W, KVH, D), bias (B, KVH, 1, W), mask (B, KVH, 1, W)) of the kept set:
         a gather of W rows."""
@@ -246,14 +260,9 @@ class DynamicMaskAttention(nn.Module):
                 else attention_mask[:, -S:]
             )
             bias = dynamic_bias(v, self.dt_proj, self.A).to(q.dtype)
-            cache = past_key_value.grown(k, v, bias, pad)
-            scale = 1.0 / math.sqrt(self.head_dim)
-            # The biases from the cache (not the kept set's detached scores): gradients reach them.
-            out = perkey_cache.attend(
-                how, q, cache[0], cache[1], cache.bias[:, :, None, :], kept=kept,
-                scores=bias[:, :, 0, :].detach(), start=past_key_value.length, eligible=pad, scale=scale,
-                dense=functools.partial(flash_dma_attention, is_causal=False, softmax_scale=scale, backend=self.backend),
-            )  # fmt: skip
+            out, cache = past_key_value.attend(
+                how, q, k, v, bias, pad, scale=1.0 / math.sqrt(self.head_dim), backend=self.backend
+            )
             return self.o_proj(out.reshape(B, S, self.num_heads * self.head_dim)), cache
         if past_key_value is not None:
             pk, pv = past_key_value

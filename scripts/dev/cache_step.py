@@ -1,0 +1,83 @@
+"""Host time of a decode step and of its parts, at 128K and 512K cached keys (bf16, B=1, H=2,
+KVH=1, D=128, W=1024): the API's one-row call over the whole cache (flash_dma_attention with
+keep_window_size: kept sets built for the call), and the nn cache's step (DMACache.attend, as
+nn.DynamicMaskAttention runs it: the new key appended, the kept set updated and the row's attention
+in one kernel), each part issued 200 times back to back, then the GPU drained ("host" the issue
+time per call, "wall" with the drain), the device operations of one call, and the API call's
+device operations by name.
+
+python -m scripts.dev.cache_step [K,K...]
+"""
+
+import json
+import sys
+
+import torch
+
+import flexdma
+from benchmarks.common import issue_time
+from flexdma.nn import DMACache
+from flexdma.perkey import cache as perkey_cache
+
+
+def _ops(fn) -> dict:
+    """Device operations of one call of fn, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+    return names
+
+
+def main():
+    lengths = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [131072, 524288]
+    B, H, KVH, D, W = 1, 2, 1, 128, 1024
+    dev, dt = "cuda", torch.bfloat16
+    for K in lengths:
+        torch.manual_seed(0)
+        q = torch.randn(B, 1, H, D, device=dev, dtype=dt)
+        k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+        v = torch.randn_like(k)
+        bias = torch.exp(torch.randn(B, KVH, 1, K, device=dev)).to(dt)
+        k1, v1, b1 = k[:, -1:], v[:, -1:], bias[..., -1:]
+        pad = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        cache = DMACache.from_full(k[:, :-2], v[:, :-2], bias[..., :-2], None, W)
+        cache = cache.step(k[:, -2:-1], v[:, -2:-1], bias[..., -2:-1], pad[:, 0])
+        scale = D**-0.5
+        how = perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
+
+        def api():
+            return flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
+
+        def nn_step():
+            h = perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
+            return cache.attend(h, q, k1, v1, b1, pad, scale=scale)[0]
+
+        def grown():
+            return cache.grown(k1, v1, b1, pad)
+
+        def route():
+            return perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
+
+        def empty():
+            return torch.empty(1, device=dev)
+
+        res = dict(K=K, route=how)
+        with torch.no_grad():
+            for name, fn in (("api", api), ("nn_step", nn_step), ("grown", grown), ("route", route), ("empty", empty)):
+                h, w = issue_time(fn, 200, warmup=20)
+                res[name] = dict(host_us=round(h * 1e6, 1), wall_us=round(w * 1e6, 1))
+            res["api_ops"] = _ops(api)
+            res["nn_step_ops"] = _ops(nn_step)
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
