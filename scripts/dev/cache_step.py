@@ -6,10 +6,13 @@ in one kernel), each part issued 200 times back to back, then the GPU drained ("
 time per call, "wall" with the drain), the device operations of one call, and the API call's
 device operations by name.
 
-python -m scripts.dev.cache_step [K,K...]
+python -m scripts.dev.cache_step [K,K...] [--profile]   (--profile: cProfile of 500 calls of each
+step, by own time)
 """
 
+import cProfile
 import json
+import pstats
 import sys
 
 import torch
@@ -37,7 +40,8 @@ def _ops(fn) -> dict:
 
 
 def main():
-    lengths = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [131072, 524288]
+    args = [a for a in sys.argv[1:] if a != "--profile"]
+    lengths = [int(x) for x in args[0].split(",")] if args else [131072, 524288]
     B, H, KVH, D, W = 1, 2, 1, 128, 1024
     dev, dt = "cuda", torch.bfloat16
     for K in lengths:
@@ -77,6 +81,17 @@ def main():
             res["api_ops"] = _ops(api)
             res["nn_step_ops"] = _ops(nn_step)
         print(json.dumps(res), flush=True)
+        if "--profile" in sys.argv:
+            with torch.no_grad():
+                for name, fn in (("api", api), ("nn_step", nn_step)):
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    for _ in range(500):
+                        fn()
+                    prof.disable()
+                    torch.cuda.synchronize()
+                    print(f"== {name} K={K}: cProfile, 500 calls")
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
