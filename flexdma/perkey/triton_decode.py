@@ -233,7 +233,8 @@ _COUNTERS: dict = {}
 
 
 def _counter(device: torch.device, n: int) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    # The raw stream handle: no Stream object built a step.
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
@@ -319,26 +320,28 @@ def decode_step(
             q, k, v, kept.idx, kept.valid, kept.score, s_new, eligible, position.reshape(1), softmax_scale, softcap
         )
         return got if out is None else out.copy_(got)
-    count = (_counter(q.device, B * KVH) if counter is None else counter) if _splits(q, k, W) > 1 else out
+    # The launch's geometry, computed once a step: its host time is most of what a step costs.
+    geom = _step_geometry(q, KVH, W)
+    count = (_counter(q.device, B * KVH) if counter is None else counter) if geom[-1] > 1 else out
     _launch(_decode_kernel, q, k, v, kept.idx, kept.valid.view(torch.uint8), kept.score, s_new,
-            eligible.view(torch.uint8), position, out, count, softmax_scale, softcap)  # fmt: skip
+            eligible.view(torch.uint8), position, out, count, softmax_scale, softcap, geom)  # fmt: skip
     return out
 
 
-def _splits(q: torch.Tensor, k: torch.Tensor, W: int) -> int:
-    """Programs per plane of this step's launch."""
+def _step_geometry(q: torch.Tensor, KVH: int, W: int) -> tuple:
+    """(GP, DP, slots per attention block, programs per plane) of a step's launch."""
     B, H, D = q.shape
-    GP, DP = max(16, triton.next_power_of_2(H // k.shape[1])), triton.next_power_of_2(D)
-    return geometry(W, GP, DP, B * k.shape[1], q.device)[1]
+    GP, DP = max(16, triton.next_power_of_2(H // KVH)), triton.next_power_of_2(D)
+    return (GP, DP) + geometry(W, GP, DP, B * KVH, q.device)
 
 
-def _launch(kernel, q, k, v, idx, valid, score, s_new, eligible, position, out, count, softmax_scale, softcap):
-    """The kernel's launch (eager: the kernel; traced: wrap_triton's), valid / eligible as uint8."""
+def _launch(kernel, q, k, v, idx, valid, score, s_new, eligible, position, out, count, softmax_scale, softcap, geom):
+    """The kernel's launch (eager: the kernel; traced: wrap_triton's), valid / eligible as uint8,
+    at the geometry `geom` (_step_geometry)."""
     B, H, D = q.shape
     KVH, W = k.shape[1], idx.shape[-1]
     G = H // KVH
-    GP, DP = max(16, triton.next_power_of_2(G)), triton.next_power_of_2(D)
-    block, nsplit = geometry(W, GP, DP, B * KVH, q.device)
+    GP, DP, block, nsplit = geom
     part = out  # unused with one program a plane
     if nsplit > 1:
         part = torch.empty(B * KVH * nsplit * G * (D + 2), dtype=torch.float32, device=q.device)
@@ -365,6 +368,6 @@ def _decode_op(
     count = torch.zeros(q.shape[0] * k.shape[1], dtype=torch.int32, device=q.device)
     valid8 = valid.to(torch.uint8)
     _launch(torch.library.wrap_triton(_decode_kernel), q, k, v, idx, valid8, score, s_new, eligible.to(torch.uint8),
-            position, out, count, softmax_scale, softcap)  # fmt: skip
+            position, out, count, softmax_scale, softcap, _step_geometry(q, k.shape[1], idx.shape[-1]))  # fmt: skip
     valid.copy_(valid8 != 0)
     return out
