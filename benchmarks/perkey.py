@@ -57,21 +57,9 @@ def cases(quick: bool = False) -> List[dict]:
         for L in lengths:
             rows.append(dict(name=f"L={L // 1024}K D=64", B=1, L=L, Q=L, H=2, KVH=1, D=64, W=2048, bias_heads=1))
         rows.append(dict(name="B=2 L=8K H=16 KVH=4 D=64", B=2, L=8192, Q=8192, **dict(model, D=64)))
+        decode = dict(Q=1, H=2, KVH=1, D=128, W=1024, bias_heads=1, decode=True)
         for K in (131072, 524288):
-            rows.append(
-                dict(
-                    name=f"decode Q=1 K={K // 1024}K",
-                    B=1,
-                    L=K,
-                    Q=1,
-                    H=2,
-                    KVH=1,
-                    D=128,
-                    W=1024,
-                    bias_heads=1,
-                    decode=True,
-                )
-            )
+            rows.append(dict(name=f"decode Q=1 K={K // 1024}K", B=1, L=K, **decode))
     return rows
 
 
@@ -182,8 +170,8 @@ def _flex_window(c: dict, q, k, v, bias, options=SPARSE_MASK_OPTIONS):
     ).transpose(1, 2)
 
 
-def _launches(fn) -> int:
-    """Device operations (kernels, memsets, copies) one call of fn issues."""
+def device_ops(fn) -> dict:
+    """The device operations (kernels, memsets, copies) one call of fn issues, counted by name."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -191,7 +179,15 @@ def _launches(fn) -> int:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    names: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+    return names
+
+
+def _launches(fn) -> int:
+    return sum(device_ops(fn).values())
 
 
 def _applies(peer: str, c: dict) -> Optional[str]:

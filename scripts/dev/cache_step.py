@@ -19,24 +19,9 @@ import torch
 
 import flexdma
 from benchmarks.common import issue_time
+from benchmarks.perkey import device_ops
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
-
-
-def _ops(fn) -> dict:
-    """Device operations of one call of fn, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            names[e.name[:60]] = names.get(e.name[:60], 0) + 1
-    return names
 
 
 def main():
@@ -78,8 +63,8 @@ def main():
             for name, fn in (("api", api), ("nn_step", nn_step), ("grown", grown), ("route", route), ("empty", empty)):
                 h, w = issue_time(fn, 200, warmup=20)
                 res[name] = dict(host_us=round(h * 1e6, 1), wall_us=round(w * 1e6, 1))
-            res["api_ops"] = _ops(api)
-            res["nn_step_ops"] = _ops(nn_step)
+            res["api_ops"] = device_ops(api)
+            res["nn_step_ops"] = device_ops(nn_step)
         print(json.dumps(res), flush=True)
         if "--profile" in sys.argv:
             with torch.no_grad():
