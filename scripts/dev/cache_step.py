@@ -58,7 +58,7 @@ def main():
         def empty():
             return torch.empty(1, device=dev)
 
-        res = dict(K=K, route=how)
+        res = dict(K=K, how=how)
         with torch.no_grad():
             for name, fn in (("api", api), ("nn_step", nn_step), ("grown", grown), ("route", route), ("empty", empty)):
                 h, w = issue_time(fn, 200, warmup=20)
