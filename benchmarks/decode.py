@@ -8,8 +8,8 @@ keys, and a 7B-class layer (H=32, KVH=8, D=128) at 128K. Peers, same run:
   set's O(W) update, attention over the W kept keys);
 - sdpa: dense SDPA of the new row over every cached key (the bar);
 - layer-sdpa: the same layer's projections + dense SDPA over every cached key;
-- kernel: the one-kernel step alone (flexdma.perkey.decode.attend_one: the kept set's update and
-  the new row's attention over it), what layer-step spends in attention.
+- kernel: the one-op step alone (flexdma.perkey.decode.attend_one, flexdma::decode_step: the kept
+  set's update and the new row's attention over it), what layer-step spends in attention.
 Generation: transformers' DogeForCausalLM (perkey.DOGE's config, A drawn in [0.5, 1.5]) generating
 256 tokens after prompts of 8K / 32K / 128K, B = 1 and 8: prefill time, decode tokens/s and peak
 memory, patch_doge (the kept sets beside the cache; with DynamicCache, and with a static cache,
@@ -66,24 +66,19 @@ def _layer(c: dict) -> DynamicMaskAttention:
     return layer
 
 
-def kernel_case(B, H, KVH, D, K, W, module=None):
-    """One decode step's kernel alone (flexdma/perkey/triton_decode.py, or `module`, a copy of it
-    from another commit), on a kept set of the first K - 1 keys; the new key never enters, so every
-    call does the same work."""
-    if module is None:
-        module = kept_sets.kernels()[0]  # loads triton, where the kernel peer runs
+def kernel_case(B, H, KVH, D, K, W):
+    """One decode step's op alone (flexdma::decode_step through decode.attend_one), on a kept set
+    of the first K - 1 keys; the new key never enters, so every call does the same work."""
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    q = torch.randn(B, H, D, device=dev, dtype=dt)
-    k = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
-    v = torch.randn(B, KVH, K, D, device=dev, dtype=dt)
+    q = torch.randn(B, 1, H, D, device=dev, dtype=dt)
+    k = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
+    v = torch.randn(B, K, KVH, D, device=dev, dtype=dt)
     kept = kept_sets.last_row(torch.exp(torch.randn(B, KVH, K - 1, device=dev)).to(dt), W)
     # Score 0, below every exp(.) score: the new key never enters.
     s_new = torch.zeros(B, KVH, device=dev, dtype=dt)
     eligible = torch.ones(B, KVH, dtype=torch.bool, device=dev)
-    counter = torch.zeros(B * KVH, dtype=torch.int32, device=dev)
-    out = torch.empty(B, H, D, device=dev, dtype=dt)
-    return lambda: module.decode_step(q, k, v, kept, s_new, K - 1, eligible, D**-0.5, out=out, counter=counter)
+    return lambda: kept_sets.attend_one(q, k, v, kept, s_new, K - 1, eligible, D**-0.5)
 
 
 def _peer_fn(peer: str, c: dict):

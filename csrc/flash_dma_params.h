@@ -142,6 +142,73 @@ struct SelectParams {
   void* workspace = nullptr;
 };
 
+// One decode step of the per-key path (flexdma::decode_step / decode_append): a new key at
+// `position` of each (batch, kv head) plane against the plane's kept set of W slots (key index,
+// whether the slot holds a key, the key's score), the state flexdma/perkey/decode.py keeps. Each
+// plane decides as decode.append does whether the new key enters its kept set (eligible, not -inf,
+// and a slot is free or it outranks the worst kept key: the lowest score, among equal ones the
+// highest index; order of flexdma/perkey/kept.py's order_key), attends its query heads' rows over
+// the updated set (logits softcap(scale q.k) + score; a set with no key gives output 0; a NaN logit
+// makes the row NaN), then writes the slot it changed. Strides in elements.
+//
+// flexdma::perkey_last_row runs the same attention without a new key (s_new and eligible null):
+// the kept sets are the top-W keys of `scores`, a row that sees every key (decode.last_row), which
+// its own step writes first.
+struct DecodeParams {
+  int64_t batch = 0, num_heads = 0, num_heads_k = 0, head_dim = 0, window = 0;
+  // Attention planes a batch row: num_heads_k (a plane = a kv head and its query heads), or
+  // num_heads where each query head has a kept set of its own (perkey_last_row with per-head
+  // scores). Plane a reads kv head a * num_heads_k / planes_per_batch and the kept set at head
+  // index a (a head stride of 0 where one set serves every plane).
+  int64_t planes_per_batch = 0;
+  int64_t capacity = 0;                  // the caches' key rows
+  DType dtype = DType::kBFloat16;        // of q, the caches, the new rows and out
+  DType score_dtype = DType::kBFloat16;  // of kept_score, s_new and bias_cache
+  const void* q = nullptr;               // (B, 1, H, D)
+  int64_t q_batch_stride = 0, q_head_stride = 0;
+  void* k = nullptr;  // (B, capacity, KVH, D) the key cache
+  int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
+  void* v = nullptr;
+  int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
+  // decode_append: the new key's rows (B, 1, KVH, D), written into the caches at `position` after the
+  // step has read the kept set (no slot holds the position before the new key enters), with its
+  // score into bias_cache (B, KVH, capacity) and its eligibility into padding_cache (B, capacity).
+  // nullptr (decode_step): the new key's rows are in the caches already.
+  const void* k_new = nullptr;
+  int64_t k_new_batch_stride = 0, k_new_head_stride = 0;
+  const void* v_new = nullptr;
+  int64_t v_new_batch_stride = 0, v_new_head_stride = 0;
+  void* bias_cache = nullptr;
+  int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
+  uint8_t* padding_cache = nullptr;  // bool stored as uint8
+  int64_t padding_batch_stride = 0, padding_row_stride = 0;
+  int64_t* kept_idx = nullptr;  // (B, KVH, W) each
+  int64_t idx_batch_stride = 0, idx_head_stride = 0, idx_slot_stride = 0;
+  uint8_t* kept_valid = nullptr;
+  int64_t valid_batch_stride = 0, valid_head_stride = 0, valid_slot_stride = 0;
+  void* kept_score = nullptr;
+  int64_t score_batch_stride = 0, score_head_stride = 0, score_slot_stride = 0;
+  const void* s_new = nullptr;  // (B, KVH); decode_append: its bias_new (B, KVH, 1, 1)
+  int64_t s_new_batch_stride = 0, s_new_head_stride = 0;
+  const uint8_t* eligible = nullptr;  // (B, KVH) bool; decode_append: its padding_new (B, 1), head stride 0
+  int64_t eligible_batch_stride = 0, eligible_head_stride = 0;
+  int64_t position = 0;
+  // Where set, the position is read here on the device (a static cache's step under a CUDA graph:
+  // no host synchronisation), and `position` is ignored.
+  const int64_t* position_at = nullptr;
+  void* out = nullptr;  // (B, 1, H, D)
+  int64_t o_batch_stride = 0, o_head_stride = 0;
+  double softmax_scale = 1.0;
+  double softcap = 0.0;  // 0: off
+  // perkey_last_row: the selection scores (P1, P2, seqlen_k), contiguous along the keys, -inf =
+  // not eligible; the kept sets (P1, P2, W) are written from them (contiguous) first.
+  const void* scores = nullptr;
+  int64_t score_planes1 = 0, score_planes2 = 0, seqlen_k = 0;
+  int64_t scores_batch_stride = 0, scores_head_stride = 0;
+  // The CUDA step's scratch (cuda::decode_workspace_bytes): each split's partial rows.
+  void* workspace = nullptr;
+};
+
 // Float sums cast to the operands' dtype in one launch (the per-key backward's dK, dV and dbias):
 // segment i is n[i] contiguous floats at src[i], written as n[i] contiguous elements of `dtype` at
 // dst[i] (n[i] = 0: unused).

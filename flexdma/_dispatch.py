@@ -25,7 +25,7 @@ once per call into a `Plan` before any data moves.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -133,7 +133,9 @@ class Plan(NamedTuple):
     call: Call
     backend: str  # the backend `select` picked
     layout: str  # the call's, or "cache" (a per-key call's few rows over kept sets)
-    route: Optional[perkey_route.Route]  # the per-key path's kernels (forward and backward) and tile rows
+    # The per-key path's kernels (forward and backward) and tile rows (perkey/route.py); for the
+    # "cache" layout how its rows run (perkey/cache.py's ONE_KERNEL or KEPT_SETS).
+    route: Union[perkey_route.Route, str, None]
     run: Callable  # IMPLEMENTATIONS[(path, layout, kernels)]
 
 
@@ -277,8 +279,9 @@ def plan(backend: str, call: Call, deterministic: bool) -> Plan:
     if call.path == "perkey":
         if layout == "padded" and name in ("cuda", "cpu"):
             dense_reason = functools.partial(unsupported_reason, "dense", name)
-            if perkey_cache.route(None, None, call=call, dense_reason=dense_reason) == perkey_cache.KEPT_SETS:
-                layout = "cache"
+            how = perkey_cache.route(None, None, call=call, dense_reason=dense_reason)
+            if how != perkey_cache.SELECTION:
+                layout, route = "cache", how
         if layout != "cache":
             route = perkey_route.decide(name, call, deterministic)
             kernels = route.forward

@@ -27,14 +27,21 @@ def _append(buf: torch.Tensor, n: int, new: torch.Tensor, dim: int) -> torch.Ten
     m = new.shape[dim]
     if torch.is_grad_enabled() and (buf.requires_grad or new.requires_grad):
         return torch.cat((buf.narrow(dim, 0, n), new), dim)
-    if n + m > buf.shape[dim]:
-        shape = list(buf.shape)
-        shape[dim] = max(2 * buf.shape[dim], n + m, 16)
-        grown = buf.new_empty(shape)
-        grown.narrow(dim, 0, n).copy_(buf.narrow(dim, 0, n))
-        buf = grown
+    buf = _room(buf, n, m, dim)
     buf.narrow(dim, n, m).copy_(new)
     return buf
+
+
+def _room(buf: torch.Tensor, n: int, m: int, dim: int) -> torch.Tensor:
+    """buf, or where its first n entries along dim leave no room for m more, a buffer of twice the
+    size holding them."""
+    if n + m <= buf.shape[dim]:
+        return buf
+    shape = list(buf.shape)
+    shape[dim] = max(2 * buf.shape[dim], n + m, 16)
+    grown = buf.new_empty(shape)
+    grown.narrow(dim, 0, n).copy_(buf.narrow(dim, 0, n))
+    return grown
 
 
 class DMACache(tuple):
@@ -108,6 +115,13 @@ class DMACache(tuple):
         rows (B, S, H, D) against this cache grown by their keys (key, value (B, S, KVH, D), bias
         (B, KVH, 1, S), padding (B, S)), each row over its own kept set. Returns (output (B, S, H,
         D), the grown cache); this cache's kept set becomes the newest row's."""
+        if how == perkey_cache.ONE_KERNEL:
+            # One call: the new key's rows, bias and padding written into the buffers by the op that
+            # updates the kept set and attends (route sends no step autograd records here).
+            n = self.length
+            bufs = tuple(_room(buf, n, 1, dim) for buf, dim in zip(self._bufs, (1, 1, 2, 1)))
+            out = decode.append_one(query, key, value, bias, padding, bufs, self.kept_set, n, scale)
+            return out, DMACache(bufs, n + 1, self.kept_set)
         cache = self.grown(key, value, bias, padding)
         # The biases from the cache (not the kept set's detached scores): gradients reach them.
         out = perkey_cache.attend(

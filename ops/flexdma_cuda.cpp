@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../csrc/cuda/flash_dma_cuda.h"
+#include "decode_impl.h"
 #include "op_impl.h"
 
 namespace flexdma {
@@ -538,13 +539,67 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tens
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
+// The decode step: its scratch from the caching allocator, then one or two launches.
+void decode_cuda_run(DecodeParams& p) {
+  const char* why = cuda::decode_unsupported_reason(p);
+  TORCH_CHECK_VALUE(why == nullptr, "flexdma::decode_step on CUDA does not take this call: ", why);
+  const int64_t bytes = cuda::decode_workspace_bytes(p);
+  at::Tensor ws;
+  if (bytes > 0) {
+    ws = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device()));
+    p.workspace = ws.data_ptr();
+  }
+  cuda::run_decode(p, at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor decode_step_cuda(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& kept_idx, const at::Tensor& kept_valid, const at::Tensor& kept_score,
+                            const at::Tensor& s_new, const at::Tensor& eligible, int64_t position,
+                            const c10::optional<at::Tensor>& position_at, double softmax_scale, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  return decode_step_impl(q, key_cache, value_cache, kept_idx, kept_valid, kept_score, s_new, eligible, position,
+                          position_at, softmax_scale, softcap, decode_cuda_run);
+}
+
+at::Tensor decode_append_cuda(const at::Tensor& q, const at::Tensor& key_new, const at::Tensor& value_new,
+                              const at::Tensor& s_new, const at::Tensor& eligible, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& bias_cache,
+                              const at::Tensor& padding_cache, const at::Tensor& kept_idx, const at::Tensor& kept_valid,
+                              const at::Tensor& kept_score, int64_t position, double softmax_scale, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  return decode_append_impl(q, key_new, value_new, s_new, eligible, key_cache, value_cache, bias_cache, padding_cache,
+                            kept_idx, kept_valid, kept_score, position, softmax_scale, softcap, decode_cuda_run);
+}
+
+at::Tensor perkey_last_row_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scores,
+                                int64_t window, double softmax_scale, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap, [](DecodeParams& p) {
+    const char* why = cuda::decode_unsupported_reason(p);
+    TORCH_CHECK_VALUE(why == nullptr, "flexdma::perkey_last_row on CUDA does not take this call: ", why);
+    const int64_t bytes = cuda::decode_workspace_bytes(p);
+    at::Tensor ws;
+    if (bytes > 0) {
+      ws = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device()));
+      p.workspace = ws.data_ptr();
+    }
+    cuda::run_last_row(p, at::cuda::getCurrentCUDAStream().stream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 
 // Python's backend choice reads the kernels' own support check (ops/flexdma_ops.cpp).
 const bool kSupportCheckSet = (cuda_support_check() = &cuda::unsupported_reason, true);
 const bool kPerkeySupportCheckSet = (perkey_support_check() = &cuda::perkey_unsupported_reason, true);
+const bool kDecodeSupportCheckSet = (decode_support_check() = &cuda::decode_unsupported_reason, true);
 
 TORCH_LIBRARY_IMPL(flexdma, CUDA, m) {
+  m.impl("decode_step", &decode_step_cuda);
+  m.impl("decode_append", &decode_append_cuda);
+  m.impl("perkey_last_row", &perkey_last_row_cuda);
   m.impl("perkey_select", &perkey_select_cuda);
   m.impl("perkey_fwd", &perkey_fwd_cuda);
   m.impl("perkey_bwd", &perkey_bwd_cuda);

@@ -6,7 +6,9 @@
 #include <torch/library.h>
 
 #include "../csrc/cpu/flash_dma_cpu.h"
+#include "../csrc/cpu/decode_step.h"
 #include "../csrc/cpu/perkey_select.h"
+#include "decode_impl.h"
 #include "op_impl.h"
 
 namespace {
@@ -70,12 +72,35 @@ PyObject* py_perkey_unsupported_reason(PyObject*, PyObject* args) {
   return PyUnicode_FromString(why);
 }
 
+// _C.decode_unsupported_reason(batch, num_heads, planes, head_dim, window, capacity, dtype,
+// score_dtype): the CUDA decode kernels' own check (planes: the attention planes a batch row, the kv
+// heads or, with a kept set a query head, the heads) (cuda::decode_unsupported_reason) for Python's
+// route of a cached step; None when they take it. dtypes as flexdma::DType's values (-1: none).
+PyObject* py_decode_unsupported_reason(PyObject*, PyObject* args) {
+  flexdma::DecodeParams p;
+  int dtype = -1, score_dtype = -1;
+  if (!PyArg_ParseTuple(args, "LLLLLLii", &p.batch, &p.num_heads, &p.num_heads_k, &p.head_dim, &p.window, &p.capacity,
+                        &dtype, &score_dtype))
+    return nullptr;
+  const flexdma::DecodeSupportCheck check = flexdma::decode_support_check();
+  if (check == nullptr) return PyUnicode_FromString("flexdma was built without CUDA kernels");
+  if (dtype < 0 || score_dtype < 0) return PyUnicode_FromString("a dtype the kernels have no code for");
+  p.dtype = static_cast<flexdma::DType>(dtype);
+  p.score_dtype = static_cast<flexdma::DType>(score_dtype);
+  p.planes_per_batch = p.num_heads_k;  // the caller passes the attention planes a batch row there
+  const char* why = check(p);
+  if (why == nullptr) Py_RETURN_NONE;
+  return PyUnicode_FromString(why);
+}
+
 PyMethodDef kMethods[] = {
     {"perkey_list_cap", py_perkey_list_cap, METH_VARARGS, "Entries of a per-key selection tile's key list."},
     {"cuda_unsupported_reason", py_cuda_unsupported_reason, METH_VARARGS,
      "The CUDA kernels' support check of a dense call: None, or why not."},
     {"perkey_unsupported_reason", py_perkey_unsupported_reason, METH_VARARGS,
      "The C++ per-key kernels' support check of a padded per-key call: None, or why not."},
+    {"decode_unsupported_reason", py_decode_unsupported_reason, METH_VARARGS,
+     "The CUDA decode kernels' support check of a cached step: None, or why not."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 
@@ -86,6 +111,10 @@ SupportCheck& cuda_support_check() {
 }
 PerkeySupportCheck& perkey_support_check() {
   static PerkeySupportCheck check = nullptr;
+  return check;
+}
+DecodeSupportCheck& decode_support_check() {
+  static DecodeSupportCheck check = nullptr;
   return check;
 }
 }  // namespace flexdma
@@ -370,6 +399,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tenso
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
+// The decode step's planes on the binding's thread pool.
+void decode_cpu_run(DecodeParams& p) {
+  cpu::run_decode(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { fn(b, e); });
+  });
+}
+
+at::Tensor decode_step_cpu(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& kept_idx, const at::Tensor& kept_valid, const at::Tensor& kept_score,
+                           const at::Tensor& s_new, const at::Tensor& eligible, int64_t position,
+                           const c10::optional<at::Tensor>& position_at, double softmax_scale, double softcap) {
+  return decode_step_impl(q, key_cache, value_cache, kept_idx, kept_valid, kept_score, s_new, eligible, position,
+                          position_at, softmax_scale, softcap, decode_cpu_run);
+}
+
+at::Tensor decode_append_cpu(const at::Tensor& q, const at::Tensor& key_new, const at::Tensor& value_new,
+                             const at::Tensor& s_new, const at::Tensor& eligible, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& bias_cache,
+                             const at::Tensor& padding_cache, const at::Tensor& kept_idx, const at::Tensor& kept_valid,
+                             const at::Tensor& kept_score, int64_t position, double softmax_scale, double softcap) {
+  return decode_append_impl(q, key_new, value_new, s_new, eligible, key_cache, value_cache, bias_cache, padding_cache,
+                            kept_idx, kept_valid, kept_score, position, softmax_scale, softcap, decode_cpu_run);
+}
+
+at::Tensor perkey_last_row_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scores,
+                               int64_t window, double softmax_scale, double softcap) {
+  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap, [](DecodeParams& p) {
+    cpu::run_last_row(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+      at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { fn(b, e); });
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flexdma, m) {
@@ -460,9 +522,50 @@ TORCH_LIBRARY(flexdma, m) {
       "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt max_seqlen_q=0, SymInt max_seqlen_k=0) "
       "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dbias)",
       {at::Tag::pt2_compliant_tag});
+  // One decode step of the per-key path (csrc/flash_dma_params.h's DecodeParams states it): the
+  // new key at `position` of each (batch, kv head) plane enters the plane's kept set (kept_idx
+  // int64, kept_valid bool, kept_score, each (B, KVH, W); updated in place) as
+  // flexdma/perkey/decode.py's append decides, and the new query row q (B, 1, H, D), query head h
+  // on kv head h // (H // KVH), attends over the updated set: logits softcap(softmax_scale q.k) +
+  // score, a set with no key gives output 0. Returns the output (B, 1, H, D). The caches are
+  // (B, capacity, KVH, D) (the library's layout; any strides but a contiguous head_dim).
+  // decode_step: the new key's rows are in the caches already, s_new (B, KVH) its score in
+  // kept_score's dtype, eligible (B, KVH) bool; `position_at` (one int64 on the device) where given
+  // holds the position instead (a static cache's step under a CUDA graph: no host synchronisation).
+  // decode_append: nn.DMACache's step on the layer's own tensors: the new key's rows key_new /
+  // value_new (B, 1, KVH, D), its bias_new (B, KVH, 1, 1) and padding_new (B, 1) bool, written into
+  // the caches, bias_cache (B, KVH, capacity) and padding_cache (B, capacity) at `position` after the
+  // step's reads. On CUDA the kernels take float16 / bfloat16 with at most 32 query heads a kv head
+  // and head_dim <= 256 (scores ranked in float32: float64 scores are refused); the CPU kernel
+  // takes every float dtype (float64 ranked and computed in float64).
+  m.def(
+      "decode_step(Tensor q, Tensor key_cache, Tensor value_cache, Tensor(a!) kept_idx, Tensor(b!) kept_valid, "
+      "Tensor(c!) kept_score, Tensor s_new, Tensor eligible, SymInt position, Tensor? position_at, "
+      "float softmax_scale, float softcap) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "decode_append(Tensor q, Tensor key_new, Tensor value_new, Tensor bias_new, Tensor padding_new, "
+      "Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor(c!) bias_cache, Tensor(d!) padding_cache, "
+      "Tensor(e!) kept_idx, Tensor(f!) kept_valid, Tensor(g!) kept_score, SymInt position, float softmax_scale, "
+      "float softcap) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // A per-key call of one query row that sees every key (a decode step through the API: causal,
+  // or not, Q = 1), without autograd and without its LSE: q (B, 1, H, D) against k / v
+  // (B, K, KVH, D); each selection plane of `scores` (P1, P2, K) (flexdma/perkey/contract.py's
+  // selection_scores: P1 in {1, B}, P2 in {1, KVH, H}, -inf never kept) keeps its top-`window` keys
+  // by (score desc, index asc), and the row attends over them adding their scores (a kept key's
+  // score is its bias). Returns the output (B, 1, H, D). One selection launch and the decode step's
+  // attention on CUDA (float16 / bfloat16; scores float16, bfloat16 or float32).
+  m.def(
+      "perkey_last_row(Tensor q, Tensor k, Tensor v, Tensor scores, int window, float softmax_scale, "
+      "float softcap) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
 }
 
 TORCH_LIBRARY_IMPL(flexdma, CPU, m) {
+  m.impl("decode_step", &decode_step_cpu);
+  m.impl("decode_append", &decode_append_cpu);
+  m.impl("perkey_last_row", &perkey_last_row_cpu);
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("tile_meta", &tile_meta_cpu);

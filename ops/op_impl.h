@@ -18,6 +18,9 @@ SupportCheck& cuda_support_check();
 // The C++ per-key kernels' check (cuda::perkey_unsupported_reason), reachable the same way.
 using PerkeySupportCheck = const char* (*)(const cuda::PerkeyCall&);
 PerkeySupportCheck& perkey_support_check();
+// The CUDA decode kernels' check (cuda::decode_unsupported_reason), reachable the same way.
+using DecodeSupportCheck = const char* (*)(const DecodeParams&);
+DecodeSupportCheck& decode_support_check();
 
 // `into`: where set (defined), the caller's out / lse (views of a packed call's own outputs, which
 // must not be views themselves), filled and returned; else fresh ones.

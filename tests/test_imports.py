@@ -21,9 +21,7 @@ PACKAGES = ("flexdma", "benchmarks")
 NEEDS_TRITON = {
     "flexdma.dense._block_tiles",
     "flexdma.perkey.triton",
-    "flexdma.perkey.triton_decode",
     "flexdma.perkey.triton_rows",
-    "scripts.dev.decode_kernel",
     "scripts.dev.select_bench",
     "scripts.dev.cuda_dev",
     "scripts.dev.flex_check",
@@ -42,8 +40,7 @@ ALLOWED_LOCAL = {
     ("flexdma/dense/attention.py", "flexdma.dense.flex"),  # torch's FlexAttention (and triton), on first use
     ("flexdma/perkey/attention.py", "flexdma.perkey.flex"),  # the same, for the per-key path
     ("flexdma/perkey/ops.py", "flexdma.perkey.triton"),  # triton, on the first call that runs its kernels
-    # triton: decode.kernels, the one place that loads the decode kernels, on the first CUDA step
-    ("flexdma/perkey/decode.py", "flexdma.perkey.triton_decode"),
+    # triton: decode.rows_kernel, the one place that loads the few-rows kernel, on its first step
     ("flexdma/perkey/decode.py", "flexdma.perkey.triton_rows"),
     # triton, in the mode that runs the kernels; its summary of a report's CSV runs anywhere
     ("scripts/dev/ncu_samples.py", "scripts.dev.perkey_dev"),

@@ -316,30 +316,31 @@ def test_selection_cache_decoding_matches_full_forward(grad, padded, kvh, window
 
 
 @torch.no_grad()
-def test_cuda_one_kernel_decode_steps(monkeypatch):
-    # bf16 on CUDA: one-token steps take the one-kernel step (the kept set updated in place); the
-    # same kept sets as the gathered path, outputs within FlashAttention's rule of float64.
-    if not torch.cuda.is_available():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_op_decode_steps(monkeypatch, device):
+    # bf16: one-token steps take the one-op step (flexdma::decode_append: the new key written into
+    # the cache's buffers, the kept set updated in place, the row attended); the same kept sets as
+    # the gathered path, outputs within FlashAttention's rule of float64.
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pytest.importorskip("triton")
     from flexdma.perkey import decode
 
     B, S, P = 2, 60, 5
-    layer = DynamicMaskAttention(128, 8, 2, keep_window_size=9).cuda()
+    layer = DynamicMaskAttention(128, 8, 2, keep_window_size=9).to(device)
     layer.A.normal_()
-    wide = DynamicMaskAttention(128, 8, 2, keep_window_size=9, dtype=torch.float64, backend="reference").cuda()
+    wide = DynamicMaskAttention(128, 8, 2, keep_window_size=9, dtype=torch.float64, backend="reference").to(device)
     wide.load_state_dict(layer.state_dict())
     layer = layer.bfloat16()
-    x = torch.randn(B, S, 128, device="cuda").bfloat16()
-    pad = torch.ones(B, S, dtype=torch.bool, device="cuda")
+    x = torch.randn(B, S, 128, device=device).bfloat16()
+    pad = torch.ones(B, S, dtype=torch.bool, device=device)
     pad[1, :3] = False
-    rope = lambda a, b, dt: rotary_cos_sin(torch.arange(a, b, device="cuda"), 16, dtype=dt)  # noqa: E731
+    rope = lambda a, b, dt: rotary_cos_sin(torch.arange(a, b, device=device), 16, dtype=dt)  # noqa: E731
     full = wide(x.double(), rope(0, S, torch.float64), attention_mask=pad)
     calls = []
-    attend_one = decode.attend_one
-    monkeypatch.setattr(decode, "attend_one", lambda *a, **k: calls.append(1) or attend_one(*a, **k))
+    append_one = decode.append_one
+    monkeypatch.setattr(decode, "append_one", lambda *a, **k: calls.append(1) or append_one(*a, **k))
     got = {}
-    for path in ("one kernel", "gathered"):
+    for path in ("one op", "gathered"):
         if path == "gathered":
             monkeypatch.setattr(decode, "one_kernel_reason", lambda *a: "forced")
         out, cache = layer(x[:, :P], rope(0, P, torch.bfloat16), attention_mask=pad[:, :P], use_cache=True)
@@ -356,9 +357,9 @@ def test_cuda_one_kernel_decode_steps(monkeypatch):
             kept.append((cache.sel_idx.clone(), cache.sel_valid.clone()))
         got[path] = (torch.cat(outs, 1), kept)
     assert len(calls) == S - P
-    for (i1, v1), (i2, v2) in zip(got["one kernel"][1], got["gathered"][1]):
+    for (i1, v1), (i2, v2) in zip(got["one op"][1], got["gathered"][1]):
         assert torch.equal(v1, v2) and torch.equal(i1[v1], i2[v2])
-    err = (got["one kernel"][0] - full[:, P:]).abs().max().item()
+    err = (got["one op"][0] - full[:, P:]).abs().max().item()
     base = (got["gathered"][0] - full[:, P:]).abs().max().item()
     assert err <= 2 * base + 1e-2, (err, base)
 

@@ -53,6 +53,14 @@ int64_t select_workspace_bytes(const SelectParams& params);
 int64_t select_counter_bytes(const SelectParams& params);
 void run_select(const SelectParams& params, void* stream);
 
+// The per-key decode step (flexdma::decode_step / decode_append): nullptr when the kernels take
+// these params, else why not; the scratch they need; one or two launches (csrc/cuda/decode_step.cu).
+const char* decode_unsupported_reason(const DecodeParams& params);
+int64_t decode_workspace_bytes(const DecodeParams& params);
+void run_decode(const DecodeParams& params, void* stream);
+// flexdma::perkey_last_row: the kept sets selected from params.scores (one launch), then the step.
+void run_last_row(const DecodeParams& params, void* stream);
+
 // CastParams' segments in one launch.
 void run_cast(const CastParams& params, void* stream);
 

@@ -4,8 +4,13 @@ rows after a long context; flexdma/perkey/attention.py), nn.DynamicMaskAttention
 (nn.DMACache) and patch_doge's (flexdma/integrations/transformers.py).
 
 `route` decides, once a step and from sizes and flags only (before any data moves), how it runs:
-- ONE_KERNEL: one new row against the caller's kept sets, on CUDA without autograd: the kept set's
-  O(W) update in place and the row's attention over it in one Triton kernel (decode.attend_one);
+- ONE_KERNEL: one new row against the caller's kept sets, without autograd: the kept set's O(W)
+  update in place and the row's attention over it in one op call (flexdma::decode_step through
+  decode.attend_one; nn.DMACache calls flexdma::decode_append, which also writes the new key into
+  its buffers);
+  An API call of one query row without autograd (a decode step through flash_dma_attention) also
+  routes here: the op flexdma::perkey_last_row selects the row's kept set from every key's score
+  and attends over it, one call (`last_row_reason` says where its kernels take the call);
 - KEPT_SETS: each row's kept set among the old slots and the new keys, one O(W) update a key
   (decode.append_rows; the API, which carries no kept sets, first sorts the keys its first row
   sees: `few_rows`), then the entries' K / V rows and biases gathered and one dense-mask call;
@@ -22,6 +27,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import _ext
 from ..dense.naive import expand_heads
 from . import contract, decode
 from .kept import KeptSet
@@ -55,15 +61,18 @@ def route(
     the caller hands `attend` its cached biases (gradients reach them through the gather; without,
     the step attends with the kept sets' detached scores, so a step autograd records runs the
     selection, which scores every key again). The kept sets take at most MAX_ROWS rows; one row
-    without autograd takes the one kernel where decode.one_kernel_reason allows it.
+    without autograd takes the one op where decode.one_kernel_reason allows it.
 
     An API call: `call` (flexdma._dispatch.Call) and `dense_reason(call)`, why its backend's dense
     path cannot take a call (None: the backend gathers no kept entries). Kept sets built for the
-    call take it where few_rows_ok does and that dense path takes the gathered call."""
+    call take it where few_rows_ok does and that dense path takes the gathered call; one row
+    without autograd, the one op where last_row_reason allows it (a call that also wants its LSE
+    then takes the kept sets: the op returns none)."""
     if call is not None:
-        if dense_reason is None or not few_rows_ok(call):
+        if dense_reason is None or not few_rows_ok(call) or dense_reason(gathered_call(call)) is not None:
             return SELECTION
-        return KEPT_SETS if dense_reason(gathered_call(call)) is None else SELECTION
+        one_row = statically_known_true(call.seqlen_q == 1) and not call.requires_grad
+        return ONE_KERNEL if one_row and last_row_reason(call) is None else KEPT_SETS
     B, T = query.shape[:2]
     if (
         kept is None
@@ -72,7 +81,7 @@ def route(
         or (grad and not gathers_bias)
     ):
         return SELECTION
-    if T == 1 and not grad and decode.one_kernel_reason(query[:, 0], key.dtype) is None:
+    if T == 1 and not grad and decode.one_kernel_reason(query, key, window, kept.score.dtype) is None:
         return ONE_KERNEL
     return KEPT_SETS
 
@@ -98,21 +107,44 @@ def attend(
     A layer's step: the new keys are K's last T, from `start` (an int, or a static cache's
     one-element device tensor), with `scores` (B, KVH, T) and `eligible` (B, T) (False: padding);
     `kept` is updated in place to the last row's kept set; `bias` (B, KVH, 1, K) the cached biases
-    to gather, or None (the kept sets' scores); `scale` the one kernel's softmax scale.
+    to gather, or None (the kept sets' scores); `scale` the one op's softmax scale.
 
     An API call carries no kept sets: flexdma/perkey/attention.py's few_rows builds them
     (`few_rows`), gathers their entries (`gather`) and runs the dense call itself."""
     if how == ONE_KERNEL:
         B, P = kept.idx.shape[:2]
-        out = decode.attend_one(
-            query[:, 0], key.transpose(1, 2), value.transpose(1, 2), kept, scores[..., 0], start,
-            eligible[:, :1].expand(B, P), scale,
-        )  # fmt: skip
-        return out[:, None]
+        return decode.attend_one(query, key, value, kept, scores[..., 0], start, eligible[:, :1].expand(B, P), scale)
     if how != KEPT_SETS:
         raise ValueError(f"attend runs the routes {ONE_KERNEL!r} and {KEPT_SETS!r}, got {how!r}")
     rows = decode.append_rows(kept, scores, start, eligible[:, None, :].expand(scores.shape))
     return dense(query, *gather(query, key, value, bias, rows.idx, rows.score, rows.keep))
+
+
+def last_row_reason(call) -> Optional[str]:
+    """Why flexdma::perkey_last_row cannot take an API call of one row (None: it can): the CPU
+    kernel takes every float dtype, the CUDA kernels answer their own check, asked with the
+    attention planes a batch row (a kept set per query head where the selection planes are)."""
+    if _ext.LOAD_ERROR is not None:
+        return "the built extension did not load"
+    if call.device.type == "cpu":
+        return None
+    if call.device.type != "cuda":
+        return f"inputs are on {call.device.type}"
+    H, KVH = call.num_heads, call.num_kv_heads
+    mask_heads = 1 if call.mask_shape is None else call.mask_shape[1]
+    planes = H if contract.plane_heads(H, call.bias_shape[1], mask_heads) == H else KVH
+    key = (
+        _ext.known_size(call.batch), H, planes, call.head_dim, call.keep_window_size, _ext.known_size(call.seqlen_k),
+        _ext.DTYPE_CODES.get(call.dtype, -1), _ext.DTYPE_CODES.get(call.bias_dtype, -1),
+    )  # fmt: skip
+    return _ext.kernels_reason("decode_unsupported_reason", key)
+
+
+def last_row(call, query, key, value, attn_mask, attn_bias, scale: float) -> torch.Tensor:
+    """An API call that `route` sent to ONE_KERNEL: the row's kept set from every key's score and
+    its attention over it, one op call (flexdma::perkey_last_row). Returns the output (B, 1, H, D)."""
+    scores = contract.selection_scores(attn_bias.detach(), attn_mask, call.num_heads, float64_ranks=False)
+    return torch.ops.flexdma.perkey_last_row(query, key, value, scores, call.keep_window_size, scale, call.softcap)
 
 
 def few_rows_ok(call) -> bool:

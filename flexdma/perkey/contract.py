@@ -79,13 +79,16 @@ def plane_heads(num_heads: int, bias_heads: int, mask_heads: int) -> int:
     return max(bias_heads, mask_heads)
 
 
-def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int) -> torch.Tensor:
+def selection_scores(
+    attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int, *, float64_ranks: bool = True
+) -> torch.Tensor:
     """(P1, P2, K) scores of the selection planes: the per-key bias with the keys the mask drops
     set to -inf, in the bias's dtype where the selection takes it (float32, float16, bfloat16;
     without a mask a view of the bias, no copy). float64 scores come back as their order
     (`float64_order`), so that scores apart by less than float32's resolution are not ranked as
-    ties; other dtypes as float32. Planes are the broadcast of the bias's and the mask's (batch,
-    head)."""
+    ties; other dtypes as float32 (`float64_ranks=False`: float64 scores as they are, for a kernel
+    that ranks in float64 and adds the kept scores: flexdma::perkey_last_row's CPU kernel). Planes
+    are the broadcast of the bias's and the mask's (batch, head)."""
     s = attn_bias[:, :, 0, :]
     if s.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         s = s.float()
@@ -96,7 +99,7 @@ def selection_scores(attn_bias: torch.Tensor, attn_mask: Optional[torch.Tensor],
             s = expand_heads(s.unsqueeze(2), num_heads).squeeze(2)
             m = expand_heads(m.unsqueeze(2), num_heads).squeeze(2)
         s = torch.where(m, s, float("-inf"))
-    return float64_order(s) if s.dtype == torch.float64 else s
+    return float64_order(s) if s.dtype == torch.float64 and float64_ranks else s
 
 
 # float32 bit patterns from the smallest normal number up: positive, finite, ordered as the

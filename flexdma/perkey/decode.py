@@ -11,10 +11,10 @@ holds a key, and the key's score (the bias value the attention adds). Used by fl
 and by flexdma.integrations.transformers' patched Doge layers, whose steps flexdma/perkey/cache.py
 routes and runs.
 
-On CUDA the kernels do the updates: `attend_one` (flexdma/perkey/triton_decode.py) one new row's
-update in place and its attention over the updated set in one kernel, `append_rows` a few rows'
-updates in one kernel (flexdma/perkey/triton_rows.py). Both modules import triton: `kernels`
-loads them, on the first CUDA step.
+One new row's update in place and its attention over the updated set are one op call,
+`attend_one` (flexdma::decode_step, C++ kernels on the CPU and CUDA). On CUDA a few rows' updates
+are one Triton kernel (`append_rows`, flexdma/perkey/triton_rows.py, which imports triton:
+`rows_kernel` loads it on the first such step).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     next replay). float64 scores take the torch ops: the kernel ranks in float32, and a float64
     set is ranked in float64 (order_key)."""
     if isinstance(start, int) and kept.score.dtype != torch.float64 and _one_kernel_ok(kept.idx.device):
-        return kernels()[1].append_rows(kept, s_new, start, eligible)
+        return rows_kernel().append_rows(kept, s_new, start, eligible)
     B, P, W = kept.idx.shape
     T = s_new.shape[-1]
     first = kept
@@ -107,43 +107,70 @@ def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
     return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
 
 
-def _one_kernel_ok(device: torch.device, traced: bool = False) -> bool:
-    """Whether the decode kernels can run here. While torch.compile traces, only those whose
-    launch is a traceable op (`traced`: the one-row step's); the others' torch ops trace (and
-    replay in a CUDA graph) as they are."""
-    return (
-        device.type == "cuda"
-        and _ext.HAVE_TRITON
-        and not _ext.LOAD_ERROR
-        and (traced or not torch.compiler.is_compiling())
-    )
+def _one_kernel_ok(device: torch.device) -> bool:
+    """Whether the few-rows Triton kernel can run here (not while torch.compile traces: the
+    torch ops trace, and replay in a CUDA graph, as they are)."""
+    return device.type == "cuda" and _ext.HAVE_TRITON and not torch.compiler.is_compiling()
 
 
-def one_kernel_reason(q: torch.Tensor, kv_dtype: torch.dtype) -> Optional[str]:
-    """Why a step of one new row (q (B, H, D)) cannot take the one-kernel decode step (None: it can)."""
+def one_kernel_reason(q: torch.Tensor, key: torch.Tensor, window: int, score_dtype: torch.dtype) -> Optional[str]:
+    """Why a step of one new row (q (B, 1, H, D) against the keys (B, K, KVH, D) and kept sets of
+    `window` slots with scores of `score_dtype`) cannot take flexdma::decode_step (None: it can):
+    the CPU kernel takes every float dtype, the CUDA kernels answer their own check."""
+    if _ext.LOAD_ERROR is not None:
+        return "the built extension did not load"
+    if q.device.type == "cpu":
+        return None
     if q.device.type != "cuda":
         return f"inputs are on {q.device.type}"
-    if not _one_kernel_ok(q.device, traced=True):
-        return "the one-kernel step needs triton and the built extension"
-    if q.dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q.dtype:
-        return f"dtype {q.dtype} (it takes float16 and bfloat16)"
-    D = q.shape[-1]
-    if D % 16 or not 16 <= D <= 256:
-        return f"head_dim {D} (it takes multiples of 16 from 16 to 256)"
-    return None
+    B, _, H, D = q.shape
+    key_args = (
+        _ext.known_size(B), H, key.shape[2], D, window, _ext.known_size(key.shape[1]),
+        _ext.DTYPE_CODES.get(q.dtype, -1) if key.dtype == q.dtype else -1, _ext.DTYPE_CODES.get(score_dtype, -1),
+    )  # fmt: skip
+    return _ext.kernels_reason("decode_unsupported_reason", key_args)
 
 
-def kernels() -> tuple:
-    """(triton_decode, triton_rows): the decode kernels' modules, loaded here (the one place) by
-    the first CUDA step: they import triton, which `import flexdma` does not load. Both import
-    their types from kept.py, not from this module: no cycle."""
-    from . import triton_decode, triton_rows
+def rows_kernel():
+    """flexdma/perkey/triton_rows.py, loaded here (the one place) by the first CUDA step of a few
+    rows: it imports triton, which `import flexdma` does not load. It imports its types from
+    kept.py, not from this module: no cycle."""
+    from . import triton_rows
 
-    return triton_decode, triton_rows
+    return triton_rows
 
 
-def attend_one(*args, **kwargs) -> torch.Tensor:
-    """One new row on CUDA in one kernel: flexdma/perkey/triton_decode.py's decode_step (the kept
-    set updated in place to append(kept, s_new, position, eligible), and the row's attention over
-    it)."""
-    return kernels()[0].decode_step(*args, **kwargs)
+def attend_one(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kept: KeptSet,
+    s_new: torch.Tensor,
+    position: Union[int, torch.Tensor],
+    eligible: torch.Tensor,
+    softmax_scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """One new row in one op call (flexdma::decode_step): `kept` updated in place to append(kept,
+    s_new, position, eligible) and the row's attention over it. q (B, 1, H, D); k, v (B, Kcap,
+    KVH, D), the new key already at `position` (any strides but a contiguous head dim); s_new
+    (B, KVH) (converted to the kept scores' dtype, as append does), eligible (B, KVH) bool;
+    position an int or a one-element integer tensor on the device (read there: no host
+    synchronisation). Returns (B, 1, H, D)."""
+    at = None
+    if isinstance(position, torch.Tensor):
+        at, position = position.reshape(1).to(torch.int64), 0
+    return torch.ops.flexdma.decode_step(
+        q, k, v, kept.idx, kept.valid, kept.score, s_new.to(kept.score.dtype), eligible, position, at,
+        softmax_scale, softcap,
+    )  # fmt: skip
+
+
+def append_one(q, key, value, bias, padding, buffers, kept: KeptSet, position: int, softmax_scale: float):
+    """nn.DMACache's one-row step in one op call (flexdma::decode_append): the new key's rows key,
+    value (B, 1, KVH, D), its bias (B, KVH, 1, 1) and padding (B, 1) written at `position` of the
+    buffers (key, value (B, Kcap, KVH, D), bias (B, KVH, Kcap), padding (B, Kcap)), `kept` updated
+    in place as append does, and the row q (B, 1, H, D) attended over it. Returns (B, 1, H, D)."""
+    return torch.ops.flexdma.decode_append(
+        q, key, value, bias, padding, *buffers, *kept, position, softmax_scale, 0.0
+    )  # fmt: skip

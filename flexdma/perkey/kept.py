@@ -1,6 +1,7 @@
 """The kept set of a cached row and the rows of a step against it: the types and the score order
-that the torch updates (decode.py) and the decode kernels (triton_decode.py, triton_rows.py)
-share. A module of its own, below all three, so that none of them imports another for a type."""
+that the torch updates (decode.py) and the decode kernels (triton_rows.py; the C++ decode step's
+kernels follow order_key) share. A module of its own, below them, so that none of them imports
+another for a type."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The per-key ops' Python side: fake (meta) kernels and autograd of flexdma::perkey_select,
-perkey_fwd and perkey_bwd, whose schemas and CPU / CUDA kernels are the C++ extension's (ops/; the
-CUDA ones are the C++ per-key kernels); and the Triton kernels (perkey/triton.py) as the ops
+perkey_fwd and perkey_bwd and fake kernels of the decode steps decode_step, decode_append and
+perkey_last_row, whose schemas and CPU / CUDA kernels are the C++ extension's (ops/; the CUDA ones
+are the C++ per-key kernels); and the Triton kernels (perkey/triton.py) as the ops
 flexdma_triton::perkey_fwd / perkey_bwd: the internal implementation that runs the CUDA calls the
 C++ kernels do not take (perkey/route.py decides which), with perkey_fwd's arguments and the
 lists' tile rows. Nothing is registered without the extension.
@@ -121,8 +122,16 @@ def run_backward(route, *args):
     return perkey_bwd(*args)
 
 
+def _decode_step_fake(q, *args):
+    return q.new_empty(q.shape)
+
+
 if LOADED:
     torch.library.register_fake("flexdma::perkey_select")(_perkey_select_fake)
+    # The decode steps' output is q's shape; the kept set (and decode_append's caches) change in place.
+    torch.library.register_fake("flexdma::decode_step")(_decode_step_fake)
+    torch.library.register_fake("flexdma::decode_append")(_decode_step_fake)
+    torch.library.register_fake("flexdma::perkey_last_row")(_decode_step_fake)
     torch.library.register_fake("flexdma::perkey_fwd")(_perkey_fwd_fake)
     torch.library.register_fake("flexdma::perkey_bwd")(_perkey_bwd_fake)
     # perkey_bwd looked up when the backward runs (a test spies on it).

@@ -16,7 +16,48 @@ import triton
 import triton.language as tl
 
 from .kept import KeptSet, Rows
-from .triton_decode import _decide
+
+# Above every packed (order key, index) of a kept key: a free slot's in the search for the worst.
+_NOT_KEPT = tl.constexpr(2**63 - 1)
+
+
+@triton.jit
+def _order(s):
+    """The selection's order of float32 scores as int32 (flexdma.perkey.kept.order_key): the
+    float's order-preserving integer, -0.0 equal to +0.0, every NaN above +inf."""
+    bits = s.to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flip their magnitude bits.
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = tl.where(s == 0.0, 0, key)
+    return tl.where(s != s, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _decide(idx_b, val_b, sc_b, siw, saw, ssw, W, sn, eligible, BW: tl.constexpr):
+    """decode.append's decision for a new key of float32 score sn: (whether it enters, its slot).
+    The slot is the first free one, else the worst kept key's (the lowest order key, among equal
+    ones the highest index, then the first such slot), found as the smallest (order key, index)
+    packed into one int64; the key enters where eligible, not -inf, and a slot is free or it
+    outranks the worst. The slots' validity, scores and indices are loaded side by side (a free
+    slot's are read and ignored): one memory round trip a block, not a load waiting on another."""
+    worst = tl.full([], _NOT_KEPT, tl.int64)
+    worst_slot = tl.zeros([], tl.int32)
+    first_free = tl.zeros([], tl.int32) + W
+    for w0 in range(0, W, BW):
+        j = w0 + tl.arange(0, BW)
+        inw = j < W
+        ok = tl.load(val_b + j * saw, mask=inw, other=0) != 0
+        s = tl.load(sc_b + j * ssw, mask=inw, other=0.0).to(tl.float32)
+        ix = tl.load(idx_b + j * siw, mask=inw, other=0)
+        packed = tl.where(ok, (_order(s).to(tl.int64) << 32) | (0x7FFFFFFF - ix), _NOT_KEPT)
+        low = tl.min(packed, 0)
+        worst_slot = tl.where(low < worst, tl.min(tl.where(packed == low, j, W), 0), worst_slot)
+        worst = tl.minimum(worst, low)
+        first_free = tl.minimum(first_free, tl.min(tl.where(inw & ~ok, j, W), 0))
+    free = first_free < W
+    enter = eligible & (sn != float("-inf")) & (free | (_order(sn) > (worst >> 32).to(tl.int32)))
+    return enter, tl.where(free, first_free, worst_slot)
+
 
 # Entries a block of the kernel's loops holds (module level, so the tests can make several blocks).
 MAX_BLOCK = 1024

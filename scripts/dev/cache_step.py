@@ -1,8 +1,9 @@
 """Host time of a decode step and of its parts, at 128K and 512K cached keys (bf16, B=1, H=2,
 KVH=1, D=128, W=1024): the API's one-row call over the whole cache (flash_dma_attention with
 keep_window_size: kept sets built for the call), and the nn cache's step (DMACache.attend, as
-nn.DynamicMaskAttention runs it: the new key appended, the kept set updated and the row's attention
-in one kernel), each part issued 200 times back to back, then the GPU drained ("host" the issue
+nn.DynamicMaskAttention runs it: the new key written into the buffers, the kept set updated and the
+row's attention in one op call, flexdma::decode_append), and its parts (the route; the op call
+alone), each issued 200 times back to back, then the GPU drained ("host" the issue
 time per call, "wall" with the drain), the device operations of one call, and the API call's
 device operations by name.
 
@@ -49,8 +50,10 @@ def main():
             h = perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
             return cache.attend(h, q, k1, v1, b1, pad, scale=scale)[0]
 
-        def grown():
-            return cache.grown(k1, v1, b1, pad)
+        n, bufs = cache.length, cache._bufs
+
+        def op():
+            return torch.ops.flexdma.decode_append(q, k1, v1, b1, pad, *bufs, *cache.kept_set, n, scale, 0.0)
 
         def route():
             return perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
@@ -60,7 +63,7 @@ def main():
 
         res = dict(K=K, how=how)
         with torch.no_grad():
-            for name, fn in (("api", api), ("nn_step", nn_step), ("grown", grown), ("route", route), ("empty", empty)):
+            for name, fn in (("api", api), ("nn_step", nn_step), ("op", op), ("route", route), ("empty", empty)):
                 h, w = issue_time(fn, 200, warmup=20)
                 res[name] = dict(host_us=round(h * 1e6, 1), wall_us=round(w * 1e6, 1))
             res["api_ops"] = device_ops(api)

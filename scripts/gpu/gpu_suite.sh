@@ -17,11 +17,11 @@
 #   bash scripts/gpu/gpu_suite.sh perkeybench OUTDIR      # python -m benchmarks perkey (PEERS: its --peers; default all)
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
-#   bash scripts/gpu/gpu_suite.sh decodekernel OUTDIR   # scripts/dev/decode_kernel.py --sweep: the decode kernel alone
+#   bash scripts/gpu/gpu_suite.sh cachestep OUTDIR      # scripts/dev/cache_step.py 131072,524288, three processes
 #   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # scripts/dev/doge_decode_profile.py: a Doge decode token, profiled
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, perkey, sanitizer, cudadev, selbench, hostparts, decodekernel, dogeprofile, perkeybench, decodebench, varlenbench,
+#                                                 # tests, perkey, sanitizer, cudadev, selbench, hostparts, cachestep, dogeprofile, perkeybench, decodebench, varlenbench,
 #                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
@@ -88,7 +88,7 @@ if has sanitizer; then
     # (the wide ones on their two-pass dk/dv path), the forward with head pairs, and the split-key
     # decode forward.
     # SAN_CASES: a subset of kernel_probe's cases (the kernels a change touched).
-    cases=${SAN_CASES:-small 64 small 128 smallkey 128 small 256 smallkey 192 pairs 128 pairs 64 decode 128 topk 64 topk 128 topkdecode 128}
+    cases=${SAN_CASES:-small 64 small 128 smallkey 128 small 256 smallkey 192 pairs 128 pairs 64 decode 128 topk 64 topk 128 topkdecode 128 cachestep 128 cachestep 64}
     timeout $(cap ${SAN_TIMEOUT:-240}) "$SAN" --tool $tool --error-exitcode 9 $PY scripts/gpu/kernel_probe.py $cases > "$out/san.tmp" 2>&1
     echo "compute-sanitizer $tool ($cases) rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/san.tmp" | tail -1)" | tee -a "$log"
     cp "$out/san.tmp" "$out/san_$tool.log"
@@ -109,15 +109,10 @@ if has hostparts; then
   # The spread over processes is the machine's: report it, not one number.
   for r in 1 2 3; do $PY scripts/dev/host_small.py "run$r" cuda; done 2>&1 | tee -a "$log"
 fi
-if has decodekernel; then
-  timeout $(cap 300) $PY -m scripts.dev.decode_kernel --sweep --K 32768,131072 --out "$out/decode_kernel.json" \
-    > "$out/decode_kernel.log" 2>&1
-  echo "decode_kernel rc=$?" | tee -a "$log"
-  # The defaults and the three fastest variants at each length (cold L2, graph replay: no host time).
-  $PY -c "import json, sys; r = json.load(open(sys.argv[1]))
-for K in sorted({x['K'] for x in r}):
-    rows = [x for x in r if x['K'] == K]
-    for x in rows[:1] + sorted(rows[1:], key=lambda x: x['cold_graph_us'])[:3]: print(x)" "$out/decode_kernel.json" | tee -a "$log"
+if has cachestep; then
+  # The cached decode step's host time and its parts (scripts/dev/cache_step.py), three processes.
+  for r in 1 2 3; do timeout $(cap 120) $PY -m scripts.dev.cache_step 131072,524288; done > "$out/cache_step.log" 2>&1
+  echo "cache_step rc=$?" | tee -a "$log"; cat "$out/cache_step.log" | tail -40
 fi
 if has dogeprofile; then
   timeout $(cap 400) $PY -m scripts.dev.doge_decode_profile > "$out/doge_profile.log" 2>&1

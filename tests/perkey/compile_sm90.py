@@ -1,4 +1,4 @@
-"""Compiles the decode step's Triton kernels (flexdma/perkey/triton_decode.py, triton_rows.py) for
+"""Compiles the few-rows decode step's Triton kernel (flexdma/perkey/triton_rows.py) for
 sm_90 ahead of time, on a machine without a GPU (Triton's bundled ptxas): type and layout errors
 that Triton's interpreter lets pass show up here. tests/perkey/test_perkey.py runs it in a process of its
 own. Prints one "ok" line a kernel variant."""
@@ -9,7 +9,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flexdma.perkey import triton_decode, triton_rows
+from flexdma.perkey import triton_rows
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -29,17 +29,6 @@ def strides(names):
 
 if __name__ == "__main__":
     ptr = "*{}".format
-    types = dict(
-        q_ptr=ptr("bf16"), k_ptr=ptr("bf16"), v_ptr=ptr("bf16"), idx_ptr=ptr("i64"), valid_ptr=ptr("u8"),
-        score_ptr=ptr("bf16"), snew_ptr=ptr("bf16"), elig_ptr=ptr("u8"), out_ptr=ptr("bf16"), part_ptr=ptr("fp32"),
-        count_ptr=ptr("i32"), scale_log2="fp32", softcap="fp32",
-        **strides("sqb sqh sqd skb skh skn skd svb svh svn svd sib sih siw sab sah saw ssb ssh ssw snb snh seb seh "
-                  "sob soh sod".split()),
-    )  # fmt: skip
-    for D, nsplit, softcap, pos in ((128, 32, False, True), (96, 1, True, False), (256, 4, False, False)):
-        t = dict(types, position=ptr("i64") if pos else "i64")
-        consts = dict(G=4, GP=16, D=D, DP=triton.next_power_of_2(D), BN=16, BW=1024, NSPLIT=nsplit)
-        build(triton_decode._decode_kernel, t, dict(consts, POS_TENSOR=pos, SOFTCAP=softcap), **triton_decode.CONFIG)
     types = dict(
         idx_ptr=ptr("i64"), valid_ptr=ptr("u8"), score_ptr=ptr("fp16"), snew_ptr=ptr("fp32"), elig_ptr=ptr("u8"),
         entry_ptr=ptr("i32"), uidx_ptr=ptr("i64"), uscore_ptr=ptr("fp16"), keep_ptr=ptr("i8"), start="i64",

@@ -106,6 +106,56 @@ def test_few_rows_route_matches_the_reference(device, case, monkeypatch):
     assert taken, "the call did not take the few-rows route"
 
 
+# One query row without autograd (a decode step through the API): one op call,
+# flexdma::perkey_last_row (its kept sets selected from every key, then the decode step's attention).
+LAST_ROW_CASES = [
+    (2, 1, 300, 4, 2, 64, True, "KVH", True, False),
+    (2, 1, 300, 4, 2, 64, True, "H", True, False),  # a kept set a query head
+    (1, 1, 3000, 8, 1, 100, True, "1", False, False),  # 8 query heads on one set
+    (2, 1, 12, 4, 2, 3, True, "KVH", True, True),  # a batch row with every key padded
+    (2, 1, 40, 4, 2, 30, True, "1", True, False),  # fewer eligible keys than W: free slots
+    (2, 1, 80, 4, 2, 10, False, "H", True, False),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", LAST_ROW_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("ties", ["few", "all equal"])
+def test_one_row_call_is_one_op(device, case, ties, monkeypatch):
+    # Against the float64 reference over create_mask's selection (exact in float64 on the CPU;
+    # FlashAttention's rule in bf16 on CUDA), ties to the lower key index (every score equal:
+    # Doge's init), -inf and NaN-free; the call took the one op, and asked for its LSE it takes the
+    # kept sets instead and agrees.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flexdma.perkey import cache
+
+    taken = []
+    last_row = cache.last_row
+    monkeypatch.setattr(cache, "last_row", lambda *a: taken.append(1) or last_row(*a))
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q, k, v, bias, pad = _inputs(case, device, dtype, D=16 if device == "cpu" else 64)
+    if ties == "all equal":
+        bias = torch.full_like(bias, 0.5)
+    W, causal = case[5], case[6]
+    mask = None if pad is None else pad[:, None, None, :]
+    with torch.no_grad():
+        out = flexdma.flash_dma_attention(q, k, v, mask, bias, is_causal=causal, keep_window_size=W)
+        assert taken == [1], "the call did not take the one op"
+        out2, _ = flexdma.flash_dma_attention(
+            q, k, v, mask, bias, is_causal=causal, keep_window_size=W, return_lse=True
+        )
+    assert taken == [1], "asked for its LSE, the call took the one op"
+    keep = _dense(bias, pad, W, 1, causal)
+    want, _ = attention_ref(q.double(), k.double(), v.double(), keep, bias.double(), is_causal=causal)
+    low, _ = attention_ref(q, k, v, keep, bias, is_causal=causal)
+    err = (out.double() - want).abs().max().item()
+    bound = 1e-12 if dtype == torch.float64 else 2 * (low.double() - want).abs().max().item() + 1e-3
+    assert err <= bound, (err, bound)
+    err2 = (out2.double() - want).abs().max().item()
+    assert err2 <= (1e-12 if dtype == torch.float64 else 2 * bound), (err2, bound)
+
+
 @pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_few_rows_dense_call_is_decided_from_the_sizes(case, monkeypatch):
     # The route decides the gathered entries' dense-mask call from the call's sizes, before any
@@ -172,9 +222,11 @@ def test_few_rows_route_equals_the_selection_route(monkeypatch):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
 
 
-def test_few_rows_route_compiles_fullgraph():
-    # Traced (decoding under torch.compile): the sort, the O(W) updates and the dense-mask op.
-    q, k, v, bias, pad = _inputs((2, 3, 200, 4, 2, 16, True, "KVH", True, False), "cpu", torch.float32)
+@pytest.mark.parametrize("Q", [3, 1])
+def test_few_rows_route_compiles_fullgraph(Q):
+    # Traced (decoding under torch.compile): the sort, the O(W) updates and the dense-mask op; one
+    # row, the one op (flexdma::perkey_last_row).
+    q, k, v, bias, pad = _inputs((2, Q, 200, 4, 2, 16, True, "KVH", True, False), "cpu", torch.float32)
     mask = pad[:, None, None, :]
 
     def f(q, k, v, bias):
@@ -424,31 +476,74 @@ def test_triton_attention_at_padded_head_dims_in_the_interpreter():
     _run_triton_script("interpret_attention.py", 4)
 
 
-def test_triton_decode_step_in_the_interpreter():
-    # The per-key decode step's Triton kernel (flexdma/perkey/triton_decode.py: the kept set's
-    # in-place update and the new row's attention in one launch) in Triton's interpreter, against
-    # decode.append bit for bit and the float64 reference over the new kept set.
-    _run_triton_script("interpret_decode.py", 13)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_step(device):
+    # flexdma::decode_step (the kept set's in-place update and the new row's attention in one call)
+    # against decode.append bit for bit and the float64 reference over the new kept set: free
+    # slots, replacements, ties, NaN / -inf / signed-zero scores, softcap, a position on the device,
+    # up to 32 query heads a kv head, head dims 16 to 256, one split a plane and many (CUDA).
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import decode_cases
+
+    decode_cases.check_all(device, cuda=device == "cuda")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_decode_append(device, dtype):
+    # flexdma::decode_append (nn.DMACache's step): the new key's rows, bias and padding written into
+    # the caches at the position, and everything else as decode_step on caches that already hold
+    # them; the rows past the position untouched.
+    if device == "cuda" and (not torch.cuda.is_available() or dtype == torch.float64):
+        pytest.skip("needs a CUDA device" if dtype != torch.float64 else "the CUDA kernels take 16-bit floats")
+    import decode_cases
+
+    from flexdma.perkey import decode
+
+    B, H, KVH, W, D, n = 2, 6, 3, 50, 64, 80
+    q, k, v, kept = decode_cases.make(B, H, KVH, W, D, n, dtype, seed=21, device=device)
+    bias = torch.randn(B, KVH, k.shape[1], dtype=dtype, device=device)
+    padding = torch.rand(B, k.shape[1], device=device) > 0.1
+    k_new, v_new = torch.randn(2, B, 1, KVH, D, dtype=dtype, device=device)
+    b_new = torch.randn(B, KVH, 1, 1, dtype=dtype, device=device)
+    p_new = torch.tensor([[True], [False]], device=device)
+    caches = [t.clone() for t in (k, v, bias, padding)]
+    got = decode.KeptSet(*(t.clone() for t in kept))
+    out = torch.ops.flexdma.decode_append(q, k_new, v_new, b_new, p_new, *caches, *got, n, 0.125, 0.0)
+    want_caches = [t.clone() for t in (k, v, bias, padding)]
+    want_caches[0][:, n], want_caches[1][:, n] = k_new[:, 0], v_new[:, 0]
+    want_caches[2][..., n], want_caches[3][:, n] = b_new[..., 0, 0], p_new[:, 0]
+    want = decode.KeptSet(*(t.clone() for t in kept))
+    eligible = p_new.expand(B, KVH)
+    want_out = decode.attend_one(q, want_caches[0], want_caches[1], want, b_new[..., 0, 0], n, eligible, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_caches))
+    decode_cases.check_kept(got, want, "decode_append")
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="position"):
+        torch.ops.flexdma.decode_append(q, k_new, v_new, b_new, p_new, *caches, *got, k.shape[1], 0.125, 0.0)
+    with pytest.raises(ValueError, match="bias_new"):
+        torch.ops.flexdma.decode_append(q, k_new, v_new, b_new[:, :1], p_new, *caches, *got, n, 0.125, 0.0)
+    with pytest.raises(TypeError, match="padding_new"):
+        torch.ops.flexdma.decode_append(q, k_new, v_new, b_new, p_new.int(), *caches, *got, n, 0.125, 0.0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_cuda_decode_step_traced(mode):
-    # Under torch.compile (transformers' compiled generation) the step launches through a
-    # triton_op that Inductor inlines, also replayed from a CUDA graph: steps of new keys against
-    # the eager kernel, the output and the kept set bit for bit, the set in its own buffers.
+    # Under torch.compile (transformers' compiled generation) the step is the op in the graph, also
+    # replayed from a CUDA graph: steps of new keys against eager calls, the output and the kept set
+    # bit for bit, the set in its own buffers.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pytest.importorskip("triton")
-    import interpret_decode as idc
+    import decode_cases as dc
 
     from flexdma.perkey import decode
-    from flexdma.perkey.triton_decode import decode_step
 
     torch._dynamo.reset()
     B, H, KVH, W, D, n = 2, 8, 2, 256, 128, 1000
-    q, k, v, kept = idc.make(B, H, KVH, W, D, n, torch.bfloat16, transposed=True, seed=17, device="cuda")
-    k, v = k[:, :, : n + 1], v[:, :, : n + 1]  # the new key's row at position n
+    q, k, v, kept = dc.make(B, H, KVH, W, D, n, torch.bfloat16, transposed=True, seed=17, device="cuda")
+    k, v = k[:, : n + 1], v[:, : n + 1]  # the new key's row at position n
     traced = decode.KeptSet(*(t.clone() for t in kept))
     for t in traced:
         torch._dynamo.mark_static_address(t)
@@ -457,13 +552,12 @@ def test_cuda_decode_step_traced(mode):
 
     @torch.compile(fullgraph=True, mode=mode)
     def step(q, s_new, eligible):
-        return decode_step(q, k, v, traced, s_new, pos, eligible, 0.1) * 1  # (an op after it)
+        return decode.attend_one(q, k, v, traced, s_new, pos, eligible, 0.1) * 1  # (an op after it)
 
     for i in range(4):
-        s_new, eligible = idc.new_key(kept, torch.bfloat16, 40 + i)
-        s_new, eligible = s_new.cuda(), eligible.cuda()
+        s_new, eligible = dc.new_key(kept, torch.bfloat16, 40 + i)
         q = torch.randn_like(q)
-        want = decode_step(q, k, v, kept, s_new, pos, eligible, 0.1)
+        want = decode.attend_one(q, k, v, kept, s_new, pos, eligible, 0.1)
         got = step(q, s_new, eligible).clone()
         assert torch.equal(got, want), f"step {i}"
         assert all(torch.equal(a, b) for a, b in zip(traced, kept)), f"step {i}: kept sets differ"
@@ -471,65 +565,48 @@ def test_cuda_decode_step_traced(mode):
 
 
 @pytest.mark.gpu
-def test_cuda_decode_step():
-    # The decode step's kernel on the GPU: the interpreter script's checks (with a NaN score the
-    # GPU's max, unlike NumPy's, would skip), then one step captured in a CUDA graph (a static
-    # cache, the position a device tensor) and replayed step after step against eager calls.
+def test_cuda_decode_step_graph():
+    # One step captured in a CUDA graph (a static cache, the position a device tensor) and replayed
+    # step after step against eager calls: the kept set bit for bit, the output's NaN pattern.
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    pytest.importorskip("triton")
-    import interpret_decode as idc
+    import decode_cases as dc
 
     from flexdma.perkey import decode
-    from flexdma.perkey.triton_decode import decode_step
 
-    bf16, fp16 = torch.bfloat16, torch.float16
-    kw = dict(special=True, transposed=True, device="cuda")
-    idc.check_step(3, 8, 2, 300, 128, 1000, bf16, tensor_pos=True, softcap=5.0, **kw)
-    idc.check_step(1, 32, 8, 2048, 64, 5000, bf16, seed=1, **kw)  # 16 programs a plane
-    idc.check_step(2, 4, 1, 5, 256, 3, fp16, **kw)
-    idc.check_step(3, 6, 2, 64, 80, 64, fp16, score_dtype=torch.float32, seed=3, **kw)
-    idc.check_step(2, 16, 1, 700, 16, 900, bf16, s_dtype=torch.float32, seed=5, **kw)
-    idc.check_step(1, 2, 2, 1000, 256, 1500, bf16, softcap=5.0, seed=7, device="cuda")
-    idc.check_zeros(fp16, device="cuda")
-    idc.check_loop(2, 8, 2, 130, 128, 120, 20, bf16, device="cuda")
-
+    bf16 = torch.bfloat16
     B, H, KVH, W, D, n = 2, 8, 2, 256, 128, 300
-    q, k, v, kept = idc.make(B, H, KVH, W, D, n, bf16, transposed=True, seed=13, device="cuda")
+    q, k, v, kept = dc.make(B, H, KVH, W, D, n, bf16, transposed=True, seed=13, device="cuda")
     s_new = torch.zeros(B, KVH, dtype=bf16, device="cuda")
     eligible = torch.ones(B, KVH, dtype=torch.bool, device="cuda")
     pos = torch.full((1,), n, device="cuda")
-    out = torch.empty(B, H, D, dtype=bf16, device="cuda")
-    counter = torch.zeros(B * KVH, dtype=torch.int32, device="cuda")
 
     def call(kept_set):
-        return decode_step(q, k, v, kept_set, s_new, pos, eligible, 0.1, out=out, counter=counter)
+        return decode.attend_one(q, k, v, kept_set, s_new, pos, eligible, 0.1)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        call(decode.KeptSet(*(t.clone() for t in kept)))  # compiles outside the capture
+        call(decode.KeptSet(*(t.clone() for t in kept)))
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call(kept)
+        out = call(kept)
     want = decode.KeptSet(*(t.clone() for t in kept))
     for t in range(6):
-        s, e = idc.new_key(want, bf16, 20 + t, special=t % 2 == 1)
+        s, e = dc.new_key(want, bf16, 20 + t, special=t % 2 == 1)
         s_new.copy_(s)
         eligible.copy_(e)
         pos.fill_(n + t)
         q.copy_(torch.randn_like(q))
         eager = decode.KeptSet(*(x.clone() for x in want))
-        eager_out = decode_step(q, k, v, eager, s_new, n + t, eligible, 0.1)
+        eager_out = decode.attend_one(q, k, v, eager, s_new, n + t, eligible, 0.1)
         want = decode.append(want, s_new, n + t, eligible)
         out.fill_(float("nan"))  # poison: the replay must write every element
         graph.replay()
-        idc.check_kept(kept, want, f"graph step {t}")
-        idc.check_kept(eager, want, f"eager step {t}")
-        assert torch.equal(out.isnan(), eager_out.isnan())
-        assert torch.equal(out.nan_to_num(), eager_out.nan_to_num())
-        assert not counter.any()
+        dc.check_kept(kept, want, f"graph step {t}")
+        dc.check_kept(eager, want, f"eager step {t}")
+        torch.testing.assert_close(out, eager_out, rtol=0, atol=0, equal_nan=True, msg=f"graph step {t}")
 
 
 def test_triton_rows_step_in_the_interpreter():
@@ -538,10 +615,10 @@ def test_triton_rows_step_in_the_interpreter():
     _run_triton_script("interpret_rows.py", 9)
 
 
-def test_decode_kernels_compile_for_sm90():
-    # The decode kernels compiled for an H100 ahead of time (no GPU needed): what the interpreter
-    # does not check (types, layouts, shared memory).
-    _run_triton_script("compile_sm90.py", 4)
+def test_rows_kernel_compiles_for_sm90():
+    # The few-rows decode kernel compiled for an H100 ahead of time (no GPU needed): what the
+    # interpreter does not check (types, layouts, shared memory).
+    _run_triton_script("compile_sm90.py", 1)
 
 
 def test_cuda_rows_step():

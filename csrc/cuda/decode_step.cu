@@ -1,0 +1,691 @@
+// The per-key decode step on CUDA (flexdma::decode_step / decode_append; DecodeParams states it).
+//
+// A step is a few query rows (a kv group's heads) against W slots: no tensor-core work, a few
+// hundred kilobytes of K / V rows. So the kernel spreads a plane's slots over `splits` CTAs (a step
+// with one plane still reads with many SMs), and each CTA takes the update decision itself from
+// the plane's W scores (a few kilobytes: no CTA waits for another). A CTA attends its query rows
+// over its slots of the UPDATED set (the replaced slot substituted by the new key) with an online
+// softmax in float. With one split the CTA then writes the output and the plane's writes; with
+// more, each CTA stores its partial rows and a second launch merges them and writes: kernel order
+// on the stream puts every read of the kept set and the caches before the writes, with no
+// counters to keep zeroed between steps.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "flash_dma_cuda.h"
+
+namespace flexdma {
+namespace cuda {
+namespace {
+
+constexpr int kDecodeThreads = 256;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kSlots = 32;     // slots an attention step takes: one a lane in the rows' softmax update
+constexpr int kMaxGroup = 32;  // query heads per kv head
+constexpr int kMaxDim = 256;
+constexpr int kAccPer = kMaxGroup * kMaxDim / kDecodeThreads;  // output elements a thread holds
+constexpr int kMaxSplits = 128;
+constexpr float kLog2eF = 1.4426950408889634f;
+
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <class T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+__device__ __forceinline__ float load_score(const void* base, DType t, int64_t at) {
+  switch (t) {
+    case DType::kBFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[at]);
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(base)[at]);
+    default:
+      return static_cast<const float*>(base)[at];
+  }
+}
+
+// The score's element copied as it is stored (no rounding through float).
+__device__ __forceinline__ void copy_score(void* dst, int64_t d, const void* src, int64_t s, DType t) {
+  if (t == DType::kFloat32)
+    static_cast<float*>(dst)[d] = static_cast<const float*>(src)[s];
+  else
+    static_cast<uint16_t*>(dst)[d] = static_cast<const uint16_t*>(src)[s];
+}
+
+// flexdma/perkey/kept.py's order_key of a float32 score: the float's order-preserving integer,
+// -0.0 equal to +0.0, every NaN above +inf.
+__device__ __forceinline__ int32_t order_key(float s) {
+  if (s != s) return 0x7FFFFFFF;
+  if (s == 0.f) return 0;
+  const int32_t bits = __float_as_int(s);
+  return bits < 0 ? bits ^ 0x7FFFFFFF : bits;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+// A plane's operands, located once a CTA: plane a of batch row b, its kv head g, its G query heads
+// from a * G.
+struct Plane {
+  int64_t b, a, g, pos;
+  int64_t* idx;
+  uint8_t* valid;
+  void* score;
+  float sn;
+  bool eligible;
+
+  __device__ Plane(const DecodeParams& p, int64_t plane) {
+    b = plane / p.planes_per_batch;
+    a = plane % p.planes_per_batch;
+    g = a * p.num_heads_k / p.planes_per_batch;
+    pos = p.position_at ? *p.position_at : p.position;
+    idx = p.kept_idx + b * p.idx_batch_stride + a * p.idx_head_stride;
+    valid = p.kept_valid + b * p.valid_batch_stride + a * p.valid_head_stride;
+    score = static_cast<char*>(p.kept_score) +
+            (b * p.score_batch_stride + a * p.score_head_stride) * (p.score_dtype == DType::kFloat32 ? 4 : 2);
+    // No new key (perkey_last_row): nothing enters, nothing is written.
+    sn = p.s_new ? load_score(p.s_new, p.score_dtype, b * p.s_new_batch_stride + g * p.s_new_head_stride) : -INFINITY;
+    eligible = p.eligible && p.eligible[b * p.eligible_batch_stride + g * p.eligible_head_stride] != 0;
+  }
+};
+
+// decode.append's decision, the same in every CTA of the plane: the slot the new key takes, or -1.
+// The slot is the first free one, else the worst kept key's: the smallest (order key, then the
+// highest index) packed into one int64, its first slot.
+__device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl) {
+  __shared__ long long best_s[kDecodeWarps];
+  __shared__ int32_t slot_s[kDecodeWarps], free_s[kDecodeWarps];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t W = static_cast<int32_t>(p.window);
+  long long best = 0x7FFFFFFFFFFFFFFFLL;
+  int32_t best_slot = W, first_free = W;
+  for (int32_t j = tid; j < W; j += kDecodeThreads) {
+    if (!pl.valid[j * p.valid_slot_stride]) {
+      first_free = min(first_free, j);
+      continue;
+    }
+    const int64_t ix = pl.idx[j * p.idx_slot_stride];
+    const long long packed =
+        (static_cast<long long>(order_key(load_score(pl.score, p.score_dtype, j * p.score_slot_stride))) << 32) |
+        (0x7FFFFFFFLL - ix);
+    if (packed < best) {  // strictly: a thread's slots rise, so its first slot of a value is kept
+      best = packed;
+      best_slot = j;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const int32_t os = __shfl_xor_sync(0xffffffffu, best_slot, o);
+    if (ob < best || (ob == best && os < best_slot)) {
+      best = ob;
+      best_slot = os;
+    }
+    first_free = min(first_free, __shfl_xor_sync(0xffffffffu, first_free, o));
+  }
+  if (lane == 0) {
+    best_s[warp] = best;
+    slot_s[warp] = best_slot;
+    free_s[warp] = first_free;
+  }
+  __syncthreads();
+  best = best_s[0];
+  best_slot = slot_s[0];
+  first_free = free_s[0];
+  for (int w = 1; w < kDecodeWarps; ++w) {
+    if (best_s[w] < best || (best_s[w] == best && slot_s[w] < best_slot)) {
+      best = best_s[w];
+      best_slot = slot_s[w];
+    }
+    first_free = min(first_free, free_s[w]);
+  }
+  const bool free = first_free < W;
+  const bool enter = pl.eligible && pl.sn != -INFINITY && (free || order_key(pl.sn) > static_cast<int32_t>(best >> 32));
+  return enter ? (free ? first_free : best_slot) : -1;
+}
+
+// The plane's writes, after every read of its kept set and caches: the slot the new key took, and
+// (decode_append) the new key's rows, score and eligibility into the caches.
+template <class T>
+__device__ __forceinline__ void commit(const DecodeParams& p, const Plane& pl, int32_t taken) {
+  const int tid = threadIdx.x;
+  const int64_t b = pl.b, g = pl.g, pos = pl.pos;
+  const int64_t sn_at = b * p.s_new_batch_stride + g * p.s_new_head_stride;
+  if (tid == 0 && taken >= 0) {
+    pl.idx[taken * p.idx_slot_stride] = pos;
+    pl.valid[taken * p.valid_slot_stride] = 1;
+    copy_score(pl.score, taken * p.score_slot_stride, p.s_new, sn_at, p.score_dtype);
+  }
+  if (p.k_new == nullptr) return;
+  const T* kn = static_cast<const T*>(p.k_new) + b * p.k_new_batch_stride + g * p.k_new_head_stride;
+  const T* vn = static_cast<const T*>(p.v_new) + b * p.v_new_batch_stride + g * p.v_new_head_stride;
+  T* kd = static_cast<T*>(p.k) + b * p.k_batch_stride + g * p.k_head_stride + pos * p.k_row_stride;
+  T* vd = static_cast<T*>(p.v) + b * p.v_batch_stride + g * p.v_head_stride + pos * p.v_row_stride;
+  for (int64_t d = tid; d < p.head_dim; d += kDecodeThreads) {
+    kd[d] = kn[d];
+    vd[d] = vn[d];
+  }
+  if (tid == 0) {
+    copy_score(p.bias_cache, b * p.bias_batch_stride + g * p.bias_head_stride + pos * p.bias_row_stride, p.s_new, sn_at,
+               p.score_dtype);
+    if (g == 0) p.padding_cache[b * p.padding_batch_stride + pos * p.padding_row_stride] = pl.eligible ? 1 : 0;
+  }
+}
+
+// A split's partial rows in the workspace: G maxima, G sums, G x D unnormalised outputs (float).
+__device__ __forceinline__ float* partial(const DecodeParams& p, int64_t plane, int split, int splits) {
+  const int64_t G = p.num_heads / p.planes_per_batch, unit = G * (p.head_dim + 2);
+  return static_cast<float*>(p.workspace) + (plane * splits + split) * unit;
+}
+__device__ __forceinline__ int32_t* decisions(const DecodeParams& p, int splits) {
+  const int64_t G = p.num_heads / p.planes_per_batch, planes = p.batch * p.planes_per_batch;
+  return reinterpret_cast<int32_t*>(static_cast<float*>(p.workspace) + planes * splits * G * (p.head_dim + 2));
+}
+
+template <class T>
+__global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const DecodeParams p, int splits, int chunk) {
+  __shared__ T q_s[kMaxGroup * kMaxDim];
+  __shared__ T v_s[kSlots * kMaxDim];
+  __shared__ float s_s[kMaxGroup * kSlots];
+  __shared__ int64_t kix_s[kSlots];  // the slot's key row; -1: the new key
+  __shared__ float bias_s[kSlots];
+  __shared__ bool keep_s[kSlots];
+  __shared__ float m_s[kMaxGroup], l_s[kMaxGroup], alpha_s[kMaxGroup];
+
+  const int64_t plane = blockIdx.x;
+  const int split = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int G = static_cast<int>(p.num_heads / p.planes_per_batch), D = static_cast<int>(p.head_dim);
+  const Plane pl(p, plane);
+  const int32_t taken = decide(p, pl);
+
+  const T* qb = static_cast<const T*>(p.q) + pl.b * p.q_batch_stride + pl.a * G * p.q_head_stride;
+  for (int e = tid; e < G * D; e += kDecodeThreads) q_s[e] = qb[(e / D) * p.q_head_stride + e % D];
+  if (tid < G) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+  }
+  const T* kc = static_cast<const T*>(p.k) + pl.b * p.k_batch_stride + pl.g * p.k_head_stride;
+  const T* vc = static_cast<const T*>(p.v) + pl.b * p.v_batch_stride + pl.g * p.v_head_stride;
+  const T* k_new = p.k_new ? static_cast<const T*>(p.k_new) + pl.b * p.k_new_batch_stride + pl.g * p.k_new_head_stride
+                           : kc + pl.pos * p.k_row_stride;
+  const T* v_new = p.v_new ? static_cast<const T*>(p.v_new) + pl.b * p.v_new_batch_stride + pl.g * p.v_new_head_stride
+                           : vc + pl.pos * p.v_row_stride;
+  const float scale = static_cast<float>(p.softmax_scale), cap = static_cast<float>(p.softcap);
+
+  float acc[kAccPer];
+#pragma unroll
+  for (int i = 0; i < kAccPer; ++i) acc[i] = 0.f;
+
+  const int64_t lo = static_cast<int64_t>(split) * chunk, hi = min(lo + chunk, p.window);
+  for (int64_t n0 = lo; n0 < hi; n0 += kSlots) {
+    // 1. The chunk's slots as the updated set holds them.
+    if (tid < kSlots) {
+      const int64_t j = n0 + tid;
+      bool keep = false;
+      int64_t kix = 0;
+      float bias = 0.f;
+      if (j < hi) {
+        if (j == taken) {
+          keep = true;
+          kix = -1;
+          bias = pl.sn;
+        } else if (pl.valid[j * p.valid_slot_stride]) {
+          keep = true;
+          kix = pl.idx[j * p.idx_slot_stride];
+          bias = load_score(pl.score, p.score_dtype, j * p.score_slot_stride);
+        }
+      }
+      keep_s[tid] = keep;
+      kix_s[tid] = kix;
+      bias_s[tid] = bias;
+    }
+    __syncthreads();
+    // 2. A warp a slot: its K row against every query row (log2 units), its V row staged.
+    for (int jj = warp; jj < kSlots; jj += kDecodeWarps) {
+      if (!keep_s[jj]) {
+        for (int r = lane; r < G; r += 32) s_s[r * kSlots + jj] = -INFINITY;
+        for (int d = lane; d < D; d += 32) v_s[jj * D + d] = from_f<T>(0.f);
+        continue;
+      }
+      const T* kr = kix_s[jj] < 0 ? k_new : kc + kix_s[jj] * p.k_row_stride;
+      const T* vr = kix_s[jj] < 0 ? v_new : vc + kix_s[jj] * p.v_row_stride;
+      float kv[kMaxDim / 32];
+#pragma unroll
+      for (int i = 0; i < kMaxDim / 32; ++i) {
+        const int d = lane + 32 * i;
+        kv[i] = d < D ? to_f(kr[d]) : 0.f;
+        if (d < D) v_s[jj * D + d] = vr[d];
+      }
+      for (int r = 0; r < G; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < kMaxDim / 32; ++i) {
+          const int d = lane + 32 * i;
+          if (d < D) dot += to_f(q_s[r * D + d]) * kv[i];
+        }
+        dot = warp_sum(dot);
+        if (lane == 0) {
+          // The reference's order: scale, softcap, then the bias.
+          float s = cap > 0.f ? cap * tanhf(scale * dot / cap) : scale * dot;
+          s = (s + bias_s[jj]) * kLog2eF;
+          // A NaN becomes +inf: the max and the sum turn NaN and the row comes out NaN (as in the
+          // reference) instead of the max skipping it.
+          s_s[r * kSlots + jj] = s != s ? INFINITY : s;
+        }
+      }
+    }
+    __syncthreads();
+    // 3. The rows' online softmax over the chunk: a warp a row, a lane a slot.
+    for (int r = warp; r < G; r += kDecodeWarps) {
+      const float x = s_s[r * kSlots + lane];
+      const float m_old = m_s[r], m_new = fmaxf(m_old, warp_max(x));
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(m_old - m_use), pr = exp2f(x - m_use);
+      const float sum = warp_sum(pr);
+      s_s[r * kSlots + lane] = pr;
+      __syncwarp();
+      if (lane == 0) {
+        m_s[r] = m_new;
+        l_s[r] = l_s[r] * alpha + sum;
+        alpha_s[r] = alpha;
+      }
+    }
+    __syncthreads();
+    // 4. The output rows: P V over the chunk. (The next chunk's step 1 writes only what step 2
+    // read, and its step 2 runs after a barrier: no barrier here.)
+#pragma unroll
+    for (int i = 0; i < kAccPer; ++i) {
+      const int e = tid + i * kDecodeThreads;
+      if (e < G * D) {
+        const int r = e / D, d = e % D;
+        float a = acc[i] * alpha_s[r];
+#pragma unroll 8
+        for (int jj = 0; jj < kSlots; ++jj) a += s_s[r * kSlots + jj] * to_f(v_s[jj * D + d]);
+        acc[i] = a;
+      }
+    }
+  }
+  __syncthreads();  // every thread's reads of the kept set before its writes (one split) or the merge
+
+  T* ob = static_cast<T*>(p.out) + pl.b * p.o_batch_stride + pl.a * G * p.o_head_stride;
+  if (splits == 1) {
+#pragma unroll
+    for (int i = 0; i < kAccPer; ++i) {
+      const int e = tid + i * kDecodeThreads;
+      if (e < G * D) {
+        const float l = l_s[e / D];
+        ob[(e / D) * p.o_head_stride + e % D] = from_f<T>(l == 0.f ? 0.f : acc[i] / l);  // no key kept: 0
+      }
+    }
+    commit<T>(p, pl, taken);
+    return;
+  }
+  float* part = partial(p, plane, split, splits);
+  if (tid < G) {
+    part[tid] = m_s[tid];
+    part[G + tid] = l_s[tid];
+  }
+#pragma unroll
+  for (int i = 0; i < kAccPer; ++i) {
+    const int e = tid + i * kDecodeThreads;
+    if (e < G * D) part[2 * G + e] = acc[i];
+  }
+  if (split == 0 && tid == 0) decisions(p, splits)[plane] = taken;
+}
+
+// The splits' partial rows merged (log-sum-exp), the output written, then the plane's writes.
+template <class T>
+__global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const DecodeParams p, int splits) {
+  __shared__ float w_s[kMaxSplits * kMaxGroup];
+  __shared__ float l_s[kMaxGroup];
+  const int64_t plane = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int G = static_cast<int>(p.num_heads / p.planes_per_batch), D = static_cast<int>(p.head_dim);
+  const Plane pl(p, plane);
+  if (tid < G) {
+    float top = -INFINITY;
+    for (int u = 0; u < splits; ++u) top = fmaxf(top, partial(p, plane, u, splits)[tid]);
+    const float use = top == -INFINITY ? 0.f : top;
+    float l = 0.f;
+    for (int u = 0; u < splits; ++u) {
+      const float* part = partial(p, plane, u, splits);
+      const float w = exp2f(part[tid] - use);
+      w_s[u * G + tid] = w;
+      l += w * part[G + tid];
+    }
+    l_s[tid] = l;
+  }
+  __syncthreads();
+  T* ob = static_cast<T*>(p.out) + pl.b * p.o_batch_stride + pl.a * G * p.o_head_stride;
+  for (int e = tid; e < G * D; e += kDecodeThreads) {
+    const int r = e / D;
+    float a = 0.f;
+    for (int u = 0; u < splits; ++u) a += w_s[u * G + r] * partial(p, plane, u, splits)[2 * G + e];
+    const float l = l_s[r];
+    ob[r * p.o_head_stride + e % D] = from_f<T>(l == 0.f ? 0.f : a / l);  // no key kept: 0
+  }
+  commit<T>(p, pl, decisions(p, splits)[plane]);
+}
+
+// ---- perkey_last_row's selection: a plane's top-W keys by (score desc, index asc), -inf never,
+// NaN first (flexdma/perkey/contract.py), written in index order as the plane's kept set. One CTA a
+// plane: a radix select over the scores' order keys (8 bits a pass, a histogram a warp), then the
+// kept keys' slots from two ordered passes (ties to the lower index: a warp owns a contiguous
+// segment of keys and ranks its ties and kept keys with ballots). ----
+
+constexpr int kSelectThreads = 1024;
+constexpr int kSelectWarps = kSelectThreads / 32;
+
+// A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf;
+// kNegInf is -inf's (keys at or below it are not eligible; 0 pads past the last key).
+template <class S>
+struct OrderKey;
+template <>
+struct OrderKey<__nv_bfloat16> {
+  using Bits = uint16_t;
+  static constexpr int kBits = 16;
+  static constexpr uint32_t kNegInf = 0x007F;
+  __device__ static uint32_t of(uint32_t b) {
+    if ((b & 0x7FFF) > 0x7F80) return 0xFFFF;
+    if ((b & 0x7FFF) == 0) return 0x8000;
+    return (b & 0x8000) ? (~b & 0xFFFF) : (b | 0x8000);
+  }
+};
+template <>
+struct OrderKey<__half> {
+  using Bits = uint16_t;
+  static constexpr int kBits = 16;
+  static constexpr uint32_t kNegInf = 0x03FF;
+  __device__ static uint32_t of(uint32_t b) {
+    if ((b & 0x7FFF) > 0x7C00) return 0xFFFF;
+    if ((b & 0x7FFF) == 0) return 0x8000;
+    return (b & 0x8000) ? (~b & 0xFFFF) : (b | 0x8000);
+  }
+};
+template <>
+struct OrderKey<float> {
+  using Bits = uint32_t;
+  static constexpr int kBits = 32;
+  static constexpr uint32_t kNegInf = 0x007FFFFF;
+  __device__ static uint32_t of(uint32_t b) {
+    if ((b & 0x7FFFFFFF) > 0x7F800000) return 0xFFFFFFFF;
+    if ((b & 0x7FFFFFFF) == 0) return 0x80000000;
+    return (b & 0x80000000) ? ~b : (b | 0x80000000);
+  }
+};
+
+// Keys i .. i + 7 of a plane (0 past K): 16 bytes at a time where the plane allows.
+template <class S>
+__device__ __forceinline__ void load8(const typename OrderKey<S>::Bits* base, int64_t i, int64_t K, bool vec,
+                                      uint32_t (&u)[8]) {
+  using K_ = OrderKey<S>;
+  if (vec && i + 8 <= K) {
+    if (K_::kBits == 16) {
+      const uint4 x = *reinterpret_cast<const uint4*>(base + i);
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        u[2 * j] = K_::of(w[j] & 0xFFFF);
+        u[2 * j + 1] = K_::of(w[j] >> 16);
+      }
+    } else {
+      const uint4 x = *reinterpret_cast<const uint4*>(base + i);
+      const uint4 y = *reinterpret_cast<const uint4*>(base + i + 4);
+      const uint32_t w[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) u[j] = K_::of(w[j]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) u[j] = i + j < K ? K_::of(base[i + j]) : 0u;
+}
+
+__device__ __forceinline__ uint32_t warp_exclusive(uint32_t x, int lane) {
+  uint32_t incl = x;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += y;
+  }
+  return incl - x;
+}
+
+template <class S>
+__global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const DecodeParams p) {
+  using K_ = OrderKey<S>;
+  using Bits = typename K_::Bits;
+  __shared__ uint32_t hist[kSelectWarps][256];
+  __shared__ uint32_t warp_above[kSelectWarps], warp_ties[kSelectWarps], tie_base[kSelectWarps],
+      kept_base[kSelectWarps];
+  __shared__ uint32_t s_prefix, s_mask, s_remain, s_all;
+  const int64_t plane = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t K = p.seqlen_k, W = p.window;
+  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
+                     (plane % p.score_planes2) * p.scores_head_stride;
+  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  if (tid == 0) {
+    s_prefix = 0;
+    s_mask = 0;
+    s_remain = static_cast<uint32_t>(W);
+    s_all = 0;
+  }
+  // The radix select: after the passes, T = s_prefix is the W-th best key and s_remain the number
+  // of keys equal to it that are kept (the lowest indices first); fewer eligible keys than W: all.
+  for (int shift = K_::kBits - 8; shift >= 0; shift -= 8) {
+    for (int j = lane; j < 256; j += 32) hist[warp][j] = 0;
+    __syncthreads();
+    const uint32_t prefix = s_prefix, mask = s_mask;
+    for (int64_t i = static_cast<int64_t>(tid) * 8; i < K; i += kSelectThreads * 8) {
+      uint32_t u[8];
+      load8<S>(base, i, K, vec, u);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (u[j] > K_::kNegInf && (u[j] & mask) == prefix) atomicAdd(&hist[warp][(u[j] >> shift) & 255], 1u);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      // Lane l holds bins 255 - 8 l down to 248 - 8 l (the best first), summed over the warps.
+      uint32_t h[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int bin = 255 - 8 * lane - j;
+        uint32_t c = 0;
+        for (int w = 0; w < kSelectWarps; ++w) c += hist[w][bin];
+        h[j] = c;
+        sum += c;
+      }
+      const uint32_t before = warp_exclusive(sum, lane), remain = s_remain;
+      uint32_t total = sum;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+      if (shift == K_::kBits - 8 && total <= remain) {
+        if (lane == 0) s_all = 1;  // every eligible key is kept
+      } else if (before < remain && before + sum >= remain) {
+        uint32_t acc = before;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (acc + h[j] >= remain) {
+            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - j) << shift);
+            s_mask = mask | (255u << shift);
+            s_remain = remain - acc;
+            break;
+          }
+          acc += h[j];
+        }
+      }
+    }
+    __syncthreads();
+    if (s_all) break;
+  }
+  const uint32_t T = s_all ? K_::kNegInf : s_prefix, r = s_all ? 0u : s_remain;
+
+  // Warp w owns keys [w * seg, (w + 1) * seg), seg a multiple of the 256 keys a warp loads at once.
+  const int64_t seg = (K + kSelectWarps * 256 - 1) / (kSelectWarps * 256) * 256;
+  const int64_t lo = warp * seg, hi = min(lo + seg, K);
+  uint32_t above = 0, ties = 0;
+  for (int64_t i0 = lo; i0 < hi; i0 += 256) {
+    uint32_t u[8];
+    load8<S>(base, i0 + lane * 8, hi, vec && ((i0 + lane * 8) & 7) == 0, u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      above += u[j] > T;
+      ties += u[j] == T;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    above += __shfl_xor_sync(0xffffffffu, above, o);
+    ties += __shfl_xor_sync(0xffffffffu, ties, o);
+  }
+  if (lane == 0) {
+    warp_above[warp] = above;
+    warp_ties[warp] = ties;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t t = warp_ties[lane], tb = warp_exclusive(t, lane);
+    const uint32_t take = tb >= r ? 0u : min(t, r - tb);
+    tie_base[lane] = tb;
+    kept_base[lane] = warp_exclusive(warp_above[lane] + take, lane);
+  }
+  __syncthreads();
+  int64_t* idx = p.kept_idx + plane * W;
+  uint8_t* valid = p.kept_valid + plane * W;
+  Bits* score = static_cast<Bits*>(p.kept_score) + plane * W;
+  uint32_t tie_run = tie_base[warp], kept_run = kept_base[warp];
+  for (int64_t i0 = lo; i0 < hi; i0 += 256) {
+    const int64_t i = i0 + lane * 8;
+    uint32_t u[8];
+    load8<S>(base, i, hi, vec && (i & 7) == 0, u);
+    uint32_t my_ties = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) my_ties += u[j] == T;
+    const uint32_t tie_before = warp_exclusive(my_ties, lane);
+    bool kept[8];
+    uint32_t my_kept = 0, seen = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const bool tie = u[j] == T;
+      kept[j] = u[j] > T || (tie && tie_run + tie_before + seen < r);
+      seen += tie;
+      my_kept += kept[j];
+    }
+    const uint32_t kept_before = warp_exclusive(my_kept, lane);
+    uint32_t slot = kept_run + kept_before;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (kept[j]) {
+        idx[slot] = i + j;
+        valid[slot] = 1;
+        score[slot] = base[i + j];
+        ++slot;
+      }
+    }
+    tie_run += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
+    kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
+  }
+  __syncthreads();
+  // Slots past the kept keys: free.
+  const uint32_t n =
+      kept_base[kSelectWarps - 1] +
+      (warp_above[kSelectWarps - 1] +
+       (tie_base[kSelectWarps - 1] >= r ? 0u : min(warp_ties[kSelectWarps - 1], r - tie_base[kSelectWarps - 1])));
+  for (int64_t j = n + tid; j < W; j += kSelectThreads) {
+    idx[j] = 0;
+    valid[j] = 0;
+    score[j] = 0;
+  }
+}
+
+int sm_count() {
+  int dev = 0, sms = 1;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return sms;
+}
+
+// CTAs a plane: a power of two, so that planes x splits about fills the SMs, each with at least
+// one step of kSlots slots.
+int decode_splits(const DecodeParams& p) {
+  const int64_t planes = p.batch * p.planes_per_batch;
+  const int64_t steps = (p.window + kSlots - 1) / kSlots;
+  int64_t n = sm_count() / (planes > 0 ? planes : 1);
+  n = n < steps ? n : steps;
+  n = n < kMaxSplits ? n : kMaxSplits;
+  int splits = 1;
+  while (splits * 2 <= n) splits *= 2;
+  return splits;
+}
+
+}  // namespace
+
+const char* decode_unsupported_reason(const DecodeParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "dtype (it takes float16 and bfloat16)";
+  if (p.score_dtype == DType::kFloat64) return "float64 scores (it ranks in float32)";
+  if (p.head_dim < 1 || p.head_dim > kMaxDim) return "head_dim above 256";
+  if (p.planes_per_batch < 1 || p.num_heads % p.planes_per_batch || p.num_heads / p.planes_per_batch > kMaxGroup)
+    return "more than 32 query heads a kv head";
+  if (p.window < 1 || p.capacity >= (int64_t{1} << 31)) return "a window below 1 or 2^31 cached keys or more";
+  return nullptr;
+}
+
+int64_t decode_workspace_bytes(const DecodeParams& p) {
+  const int splits = decode_splits(p);
+  if (splits == 1) return 0;
+  const int64_t planes = p.batch * p.planes_per_batch, G = p.num_heads / p.planes_per_batch;
+  return (planes * splits * G * (p.head_dim + 2) + planes) * 4;
+}
+
+void run_last_row(const DecodeParams& p, void* stream) {
+  const int64_t planes = p.score_planes1 * p.score_planes2;
+  if (planes > 0) {
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (p.score_dtype == DType::kBFloat16)
+      last_row_select_kernel<__nv_bfloat16><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+    else if (p.score_dtype == DType::kFloat16)
+      last_row_select_kernel<__half><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+    else
+      last_row_select_kernel<float><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+  }
+  run_decode(p, stream);
+}
+
+void run_decode(const DecodeParams& p, void* stream) {
+  if (p.batch == 0) return;
+  const int splits = decode_splits(p);
+  const int chunk = static_cast<int>((p.window + splits * kSlots - 1) / (splits * kSlots) * kSlots);
+  const dim3 grid(static_cast<unsigned>(p.batch * p.planes_per_batch), splits);
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.dtype == DType::kBFloat16) {
+    decode_split_kernel<__nv_bfloat16><<<grid, kDecodeThreads, 0, st>>>(p, splits, chunk);
+    if (splits > 1) decode_merge_kernel<__nv_bfloat16><<<grid.x, kDecodeThreads, 0, st>>>(p, splits);
+  } else {
+    decode_split_kernel<__half><<<grid, kDecodeThreads, 0, st>>>(p, splits, chunk);
+    if (splits > 1) decode_merge_kernel<__half><<<grid.x, kDecodeThreads, 0, st>>>(p, splits);
+  }
+}
+
+}  // namespace cuda
+}  // namespace flexdma
