@@ -389,12 +389,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const Deco
 
 // ---- perkey_last_row's selection: a plane's top-W keys by (score desc, index asc), -inf never,
 // NaN first (flexdma/perkey/contract.py), written in index order as the plane's kept set. One CTA a
-// plane: a radix select over the scores' order keys (8 bits a pass, a histogram a warp), then the
-// kept keys' slots from two ordered passes (ties to the lower index: a warp owns a contiguous
-// segment of keys and ranks its ties and kept keys with ballots). ----
+// plane: a radix select over the scores' order keys (8 bits a pass, a histogram a warp, each warp
+// over a contiguous segment of the keys), then one ordered pass that writes the kept keys (ties to
+// the lower index: a key's slot from its segment's count before it, the last pass's histograms,
+// and the warp's scans). Two passes over the scores for 16-bit scores before the write, four for
+// float32. ----
 
 constexpr int kSelectThreads = 1024;
 constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kSelectUnroll = 4;  // 256-key steps a warp loads at once
 
 // A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf;
 // kNegInf is -inf's (keys at or below it are not eligible; 0 pads past the last key).
@@ -475,16 +478,22 @@ template <class S>
 __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const DecodeParams p) {
   using K_ = OrderKey<S>;
   using Bits = typename K_::Bits;
+  // Warp w's histogram counts the keys of its segment only: the last pass's rows are then the
+  // segments' counts the ordered write needs (no counting pass of its own).
   __shared__ uint32_t hist[kSelectWarps][256];
   __shared__ uint32_t warp_above[kSelectWarps], warp_ties[kSelectWarps], tie_base[kSelectWarps],
       kept_base[kSelectWarps];
-  __shared__ uint32_t s_prefix, s_mask, s_remain, s_all;
+  __shared__ uint32_t s_prefix, s_mask, s_remain, s_all, s_digit;
   const int64_t plane = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t K = p.seqlen_k, W = p.window;
   const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
                      (plane % p.score_planes2) * p.scores_head_stride;
   const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  // Warp w owns keys [w * seg, (w + 1) * seg), seg a multiple of the 256 keys a warp loads at once
+  // (8 a lane); a step loads kSelectUnroll of those at once, so that enough bytes are in flight.
+  const int64_t seg = (K + kSelectWarps * 256 - 1) / (kSelectWarps * 256) * 256;
+  const int64_t lo = warp * seg, hi = min(lo + seg, K);
   if (tid == 0) {
     s_prefix = 0;
     s_mask = 0;
@@ -493,16 +502,31 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
   }
   // The radix select: after the passes, T = s_prefix is the W-th best key and s_remain the number
   // of keys equal to it that are kept (the lowest indices first); fewer eligible keys than W: all.
-  for (int shift = K_::kBits - 8; shift >= 0; shift -= 8) {
+  uint32_t above_hi = 0;  // keys of the lane's share above the prefix's higher digits (last pass)
+  int shift = K_::kBits - 8;
+  for (;; shift -= 8) {
     for (int j = lane; j < 256; j += 32) hist[warp][j] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix, mask = s_mask;
-    for (int64_t i = static_cast<int64_t>(tid) * 8; i < K; i += kSelectThreads * 8) {
-      uint32_t u[8];
-      load8<S>(base, i, K, vec, u);
+    const uint32_t hi_bits = shift + 8 < 32 ? ~((1u << (shift + 8)) - 1) : 0u;
+    above_hi = 0;
+    for (int64_t i0 = lo; i0 < hi; i0 += 256 * kSelectUnroll) {
+      uint32_t u[kSelectUnroll][8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        if (u[j] > K_::kNegInf && (u[j] & mask) == prefix) atomicAdd(&hist[warp][(u[j] >> shift) & 255], 1u);
+      for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 + lane * 8, hi, vec, u[k]);
+#pragma unroll
+      for (int k = 0; k < kSelectUnroll; ++k) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t x = u[k][j];
+          const bool in = x > K_::kNegInf && (x & mask) == prefix;
+          above_hi += (x & hi_bits) > (prefix & hi_bits);
+          // Lanes adding to one bin add once (exponents of trained scores fall in a few bins).
+          const uint32_t bin = in ? (x >> shift) & 255 : 256u;
+          const uint32_t same = __match_any_sync(0xffffffffu, bin);
+          if (in && lane == __ffs(same) - 1) atomicAdd(&hist[warp][bin], __popc(same));
+        }
+      }
     }
     __syncthreads();
     if (warp == 0) {
@@ -520,6 +544,7 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
       uint32_t total = sum;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+      __syncwarp();  // every lane has read s_remain before one lane writes it
       if (shift == K_::kBits - 8 && total <= remain) {
         if (lane == 0) s_all = 1;  // every eligible key is kept
       } else if (before < remain && before + sum >= remain) {
@@ -527,7 +552,8 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (acc + h[j] >= remain) {
-            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - j) << shift);
+            s_digit = 255 - 8 * lane - j;
+            s_prefix = prefix | (s_digit << shift);
             s_mask = mask | (255u << shift);
             s_remain = remain - acc;
             break;
@@ -537,31 +563,33 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
       }
     }
     __syncthreads();
-    if (s_all) break;
+    if (s_all || shift == 0) break;
   }
-  const uint32_t T = s_all ? K_::kNegInf : s_prefix, r = s_all ? 0u : s_remain;
-
-  // Warp w owns keys [w * seg, (w + 1) * seg), seg a multiple of the 256 keys a warp loads at once.
-  const int64_t seg = (K + kSelectWarps * 256 - 1) / (kSelectWarps * 256) * 256;
-  const int64_t lo = warp * seg, hi = min(lo + seg, K);
-  uint32_t above = 0, ties = 0;
-  for (int64_t i0 = lo; i0 < hi; i0 += 256) {
-    uint32_t u[8];
-    load8<S>(base, i0 + lane * 8, hi, vec && ((i0 + lane * 8) & 7) == 0, u);
+  const bool all = s_all != 0;
+  const uint32_t T = all ? K_::kNegInf : s_prefix, r = all ? 0u : s_remain;
+  // The segments' counts from the last pass's histograms: keys above T (those above the prefix's
+  // higher digits, then those of a higher last digit) and keys equal to it. Every eligible key
+  // where all are kept (the first pass counted them all).
+  {
+    const uint32_t d = all ? 256u : s_digit;
+    uint32_t above = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      above += u[j] > T;
-      ties += u[j] == T;
+    for (int j = 0; j < 8; ++j) above += (lane * 8 + j) > static_cast<int>(d) ? hist[warp][lane * 8 + j] : 0u;
+    above += all ? 0u : above_hi;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+    if (all) {
+      uint32_t every = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) every += hist[warp][lane * 8 + j];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) every += __shfl_xor_sync(0xffffffffu, every, o);
+      above = every;
     }
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    above += __shfl_xor_sync(0xffffffffu, above, o);
-    ties += __shfl_xor_sync(0xffffffffu, ties, o);
-  }
-  if (lane == 0) {
-    warp_above[warp] = above;
-    warp_ties[warp] = ties;
+    if (lane == 0) {
+      warp_above[warp] = above;
+      warp_ties[warp] = all ? 0u : hist[warp][d];
+    }
   }
   __syncthreads();
   if (warp == 0) {
@@ -571,47 +599,51 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
     kept_base[lane] = warp_exclusive(warp_above[lane] + take, lane);
   }
   __syncthreads();
+  // The kept keys in index order: a key's slot is the kept keys before it (earlier segments, earlier
+  // steps, earlier lanes, earlier keys of its lane); a tie's rank likewise.
   int64_t* idx = p.kept_idx + plane * W;
   uint8_t* valid = p.kept_valid + plane * W;
   Bits* score = static_cast<Bits*>(p.kept_score) + plane * W;
   uint32_t tie_run = tie_base[warp], kept_run = kept_base[warp];
-  for (int64_t i0 = lo; i0 < hi; i0 += 256) {
-    const int64_t i = i0 + lane * 8;
-    uint32_t u[8];
-    load8<S>(base, i, hi, vec && (i & 7) == 0, u);
-    uint32_t my_ties = 0;
+  for (int64_t i0 = lo; i0 < hi; i0 += 256 * kSelectUnroll) {
+    uint32_t u[kSelectUnroll][8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) my_ties += u[j] == T;
-    const uint32_t tie_before = warp_exclusive(my_ties, lane);
-    bool kept[8];
-    uint32_t my_kept = 0, seen = 0;
+    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 + lane * 8, hi, vec, u[k]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const bool tie = u[j] == T;
-      kept[j] = u[j] > T || (tie && tie_run + tie_before + seen < r);
-      seen += tie;
-      my_kept += kept[j];
-    }
-    const uint32_t kept_before = warp_exclusive(my_kept, lane);
-    uint32_t slot = kept_run + kept_before;
+    for (int k = 0; k < kSelectUnroll; ++k) {
+      const int64_t i = i0 + k * 256 + lane * 8;
+      uint32_t my_ties = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if (kept[j]) {
-        idx[slot] = i + j;
-        valid[slot] = 1;
-        score[slot] = base[i + j];
-        ++slot;
+      for (int j = 0; j < 8; ++j) my_ties += u[k][j] == T;
+      const uint32_t tie_before = warp_exclusive(my_ties, lane);
+      bool kept[8];
+      uint32_t my_kept = 0, seen = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool tie = u[k][j] == T;
+        kept[j] = u[k][j] > T || (tie && tie_run + tie_before + seen < r);
+        seen += tie;
+        my_kept += kept[j];
       }
+      const uint32_t kept_before = warp_exclusive(my_kept, lane);
+      uint32_t slot = kept_run + kept_before;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (kept[j]) {
+          idx[slot] = i + j;
+          valid[slot] = 1;
+          score[slot] = base[i + j];
+          ++slot;
+        }
+      }
+      tie_run += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
+      kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
     }
-    tie_run += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
-    kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
   }
-  __syncthreads();
   // Slots past the kept keys: free.
-  const uint32_t n =
-      kept_base[kSelectWarps - 1] +
-      (warp_above[kSelectWarps - 1] +
-       (tie_base[kSelectWarps - 1] >= r ? 0u : min(warp_ties[kSelectWarps - 1], r - tie_base[kSelectWarps - 1])));
+  const uint32_t last_take =
+      tie_base[kSelectWarps - 1] >= r ? 0u : min(warp_ties[kSelectWarps - 1], r - tie_base[kSelectWarps - 1]);
+  const uint32_t n = kept_base[kSelectWarps - 1] + warp_above[kSelectWarps - 1] + last_take;
   for (int64_t j = n + tid; j < W; j += kSelectThreads) {
     idx[j] = 0;
     valid[j] = 0;
