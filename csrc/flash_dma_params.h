@@ -205,8 +205,10 @@ struct DecodeParams {
   const void* scores = nullptr;
   int64_t score_planes1 = 0, score_planes2 = 0, seqlen_k = 0;
   int64_t scores_batch_stride = 0, scores_head_stride = 0;
-  // The CUDA step's scratch (cuda::decode_workspace_bytes): each split's partial rows.
+  // The CUDA step's scratch (cuda::decode_workspace_bytes): each split's partial rows; and the
+  // last row's selection's (cuda::last_row_select_bytes): each pass's histogram rows.
   void* workspace = nullptr;
+  void* select_workspace = nullptr;
 };
 
 // Float sums cast to the operands' dtype in one launch (the per-key backward's dK, dV and dbias):

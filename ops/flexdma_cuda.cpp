@@ -584,6 +584,9 @@ at::Tensor perkey_last_row_cuda(const at::Tensor& q, const at::Tensor& k, const 
       ws = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device()));
       p.workspace = ws.data_ptr();
     }
+    const at::Tensor rows = at::empty({cuda::last_row_select_bytes(p)}, at::TensorOptions().dtype(at::kByte).device(
+                                                                            at::kCUDA, at::cuda::current_device()));
+    p.select_workspace = rows.data_ptr();
     cuda::run_last_row(p, at::cuda::getCurrentCUDAStream().stream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -388,16 +388,21 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const Deco
 }
 
 // ---- perkey_last_row's selection: a plane's top-W keys by (score desc, index asc), -inf never,
-// NaN first (flexdma/perkey/contract.py), written in index order as the plane's kept set. One CTA a
-// plane: a radix select over the scores' order keys (8 bits a pass, a histogram a warp, each warp
-// over a contiguous segment of the keys), then one ordered pass that writes the kept keys (ties to
-// the lower index: a key's slot from its segment's count before it, the last pass's histograms,
-// and the warp's scans). Two passes over the scores for 16-bit scores before the write, four for
-// float32. ----
+// NaN first (flexdma/perkey/contract.py), written in index order as the plane's kept set. A radix
+// select over the scores' order keys, 8 bits a pass, each plane's keys split over `ctas` CTAs (one
+// SM cannot stream 512K keys fast enough): a pass is a launch in which each CTA writes its chunk's
+// histogram row (the keys matching the digits chosen so far), and every CTA of the next launch
+// derives those digits from the rows (a few kilobytes), so no launch waits on another within
+// itself. The last launch writes the kept keys in index order: a CTA's first slot and tie rank from
+// the earlier chunks' rows of the last pass, its warps' from a count over its chunk. Two
+// histogram launches for 16-bit scores, four for float32. ----
 
-constexpr int kSelectThreads = 1024;
+constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
-constexpr int kSelectUnroll = 4;  // 256-key steps a warp loads at once
+constexpr int kSelectUnroll = 4;     // 256-key steps a warp loads at once
+constexpr int kSelectChunk = 8192;   // keys a CTA takes at least
+constexpr int kRow = 257;            // a chunk's row: 256 bins, then the keys above the prefix
+constexpr int kMaxSelectCtas = 256;  // CTAs a plane at most
 
 // A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf;
 // kNegInf is -inf's (keys at or below it are not eligible; 0 pads past the last key).
@@ -474,88 +479,57 @@ __device__ __forceinline__ uint32_t warp_exclusive(uint32_t x, int lane) {
   return incl - x;
 }
 
-template <class S>
-__global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const DecodeParams p) {
-  using K_ = OrderKey<S>;
-  using Bits = typename K_::Bits;
-  // Warp w's histogram counts the keys of its segment only: the last pass's rows are then the
-  // segments' counts the ordered write needs (no counting pass of its own).
-  __shared__ uint32_t hist[kSelectWarps][256];
-  __shared__ uint32_t warp_above[kSelectWarps], warp_ties[kSelectWarps], tie_base[kSelectWarps],
-      kept_base[kSelectWarps];
-  __shared__ uint32_t s_prefix, s_mask, s_remain, s_all, s_digit;
-  const int64_t plane = blockIdx.x;
+// The digits chosen by passes 0 .. upto - 1 of a plane, from their rows (every thread returns
+// them). A pass's digit is the bin where the count from the top reaches the keys still to take.
+struct SelectState {
+  uint32_t prefix = 0, mask = 0, remain = 0, digit = 0;
+  bool all = false;  // fewer eligible keys than W: every one is kept (decided by pass 0)
+};
+
+template <int kBits>
+__device__ SelectState derive_state(const uint32_t* rows, int64_t plane, int64_t planes, int ctas, int upto,
+                                    uint32_t W) {
+  __shared__ uint32_t bins[256];
+  __shared__ SelectState st_s;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t K = p.seqlen_k, W = p.window;
-  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
-                     (plane % p.score_planes2) * p.scores_head_stride;
-  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
-  // Warp w owns keys [w * seg, (w + 1) * seg), seg a multiple of the 256 keys a warp loads at once
-  // (8 a lane); a step loads kSelectUnroll of those at once, so that enough bytes are in flight.
-  const int64_t seg = (K + kSelectWarps * 256 - 1) / (kSelectWarps * 256) * 256;
-  const int64_t lo = warp * seg, hi = min(lo + seg, K);
-  if (tid == 0) {
-    s_prefix = 0;
-    s_mask = 0;
-    s_remain = static_cast<uint32_t>(W);
-    s_all = 0;
-  }
-  // The radix select: after the passes, T = s_prefix is the W-th best key and s_remain the number
-  // of keys equal to it that are kept (the lowest indices first); fewer eligible keys than W: all.
-  uint32_t above_hi = 0;  // keys of the lane's share above the prefix's higher digits (last pass)
-  int shift = K_::kBits - 8;
-  for (;; shift -= 8) {
-    for (int j = lane; j < 256; j += 32) hist[warp][j] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix, mask = s_mask;
-    const uint32_t hi_bits = shift + 8 < 32 ? ~((1u << (shift + 8)) - 1) : 0u;
-    above_hi = 0;
-    for (int64_t i0 = lo; i0 < hi; i0 += 256 * kSelectUnroll) {
-      uint32_t u[kSelectUnroll][8];
-#pragma unroll
-      for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 + lane * 8, hi, vec, u[k]);
-#pragma unroll
-      for (int k = 0; k < kSelectUnroll; ++k) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const uint32_t x = u[k][j];
-          const bool in = x > K_::kNegInf && (x & mask) == prefix;
-          above_hi += (x & hi_bits) > (prefix & hi_bits);
-          // Lanes adding to one bin add once (exponents of trained scores fall in a few bins).
-          const uint32_t bin = in ? (x >> shift) & 255 : 256u;
-          const uint32_t same = __match_any_sync(0xffffffffu, bin);
-          if (in && lane == __ffs(same) - 1) atomicAdd(&hist[warp][bin], __popc(same));
-        }
-      }
+  SelectState st;
+  st.remain = W;
+  for (int d = 0; d < upto; ++d) {
+    const uint32_t* r = rows + (static_cast<int64_t>(d) * planes + plane) * ctas * kRow;
+    for (int b = tid; b < 256; b += kSelectThreads) {
+      uint32_t c = 0;
+      for (int x = 0; x < ctas; ++x) c += r[x * kRow + b];
+      bins[b] = c;
     }
     __syncthreads();
     if (warp == 0) {
-      // Lane l holds bins 255 - 8 l down to 248 - 8 l (the best first), summed over the warps.
+      const int shift = kBits - 8 * (d + 1);
       uint32_t h[8], sum = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const int bin = 255 - 8 * lane - j;
-        uint32_t c = 0;
-        for (int w = 0; w < kSelectWarps; ++w) c += hist[w][bin];
-        h[j] = c;
-        sum += c;
+        h[j] = bins[255 - 8 * lane - j];
+        sum += h[j];
       }
-      const uint32_t before = warp_exclusive(sum, lane), remain = s_remain;
+      const uint32_t before = warp_exclusive(sum, lane);
       uint32_t total = sum;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-      __syncwarp();  // every lane has read s_remain before one lane writes it
-      if (shift == K_::kBits - 8 && total <= remain) {
-        if (lane == 0) s_all = 1;  // every eligible key is kept
-      } else if (before < remain && before + sum >= remain) {
+      if (d == 0 && total <= st.remain) {
+        if (lane == 0) {
+          st_s = st;
+          st_s.all = true;
+        }
+      } else if (before < st.remain && before + sum >= st.remain) {
         uint32_t acc = before;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          if (acc + h[j] >= remain) {
-            s_digit = 255 - 8 * lane - j;
-            s_prefix = prefix | (s_digit << shift);
-            s_mask = mask | (255u << shift);
-            s_remain = remain - acc;
+          if (acc + h[j] >= st.remain) {
+            SelectState n = st;
+            n.digit = 255 - 8 * lane - j;
+            n.prefix = st.prefix | (n.digit << shift);
+            n.mask = st.mask | (255u << shift);
+            n.remain = st.remain - acc;
+            st_s = n;
             break;
           }
           acc += h[j];
@@ -563,91 +537,191 @@ __global__ void __launch_bounds__(kSelectThreads) last_row_select_kernel(const D
       }
     }
     __syncthreads();
-    if (s_all || shift == 0) break;
+    st = st_s;
+    __syncthreads();  // every thread has read st_s (and bins) before the next pass writes them
+    if (st.all) break;
   }
-  const bool all = s_all != 0;
-  const uint32_t T = all ? K_::kNegInf : s_prefix, r = all ? 0u : s_remain;
-  // The segments' counts from the last pass's histograms: keys above T (those above the prefix's
-  // higher digits, then those of a higher last digit) and keys equal to it. Every eligible key
-  // where all are kept (the first pass counted them all).
-  {
-    const uint32_t d = all ? 256u : s_digit;
-    uint32_t above = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) above += (lane * 8 + j) > static_cast<int>(d) ? hist[warp][lane * 8 + j] : 0u;
-    above += all ? 0u : above_hi;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
-    if (all) {
-      uint32_t every = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) every += hist[warp][lane * 8 + j];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) every += __shfl_xor_sync(0xffffffffu, every, o);
-      above = every;
-    }
-    if (lane == 0) {
-      warp_above[warp] = above;
-      warp_ties[warp] = all ? 0u : hist[warp][d];
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const uint32_t t = warp_ties[lane], tb = warp_exclusive(t, lane);
-    const uint32_t take = tb >= r ? 0u : min(t, r - tb);
-    tie_base[lane] = tb;
-    kept_base[lane] = warp_exclusive(warp_above[lane] + take, lane);
-  }
-  __syncthreads();
-  // The kept keys in index order: a key's slot is the kept keys before it (earlier segments, earlier
-  // steps, earlier lanes, earlier keys of its lane); a tie's rank likewise.
-  int64_t* idx = p.kept_idx + plane * W;
-  uint8_t* valid = p.kept_valid + plane * W;
-  Bits* score = static_cast<Bits*>(p.kept_score) + plane * W;
-  uint32_t tie_run = tie_base[warp], kept_run = kept_base[warp];
-  for (int64_t i0 = lo; i0 < hi; i0 += 256 * kSelectUnroll) {
+  return st;
+}
+
+// Pass `pass`: each CTA's histogram of the pass's digit over its chunk's keys that match the
+// digits chosen so far, and the count of its keys above those digits' prefix (the last pass's:
+// the keys above the W-th best that the digit does not separate).
+template <class S>
+__global__ void __launch_bounds__(kSelectThreads)
+    select_hist_kernel(const DecodeParams p, uint32_t* rows, int ctas, int64_t chunk, int pass) {
+  using K_ = OrderKey<S>;
+  using Bits = typename K_::Bits;
+  __shared__ uint32_t hist[kSelectWarps][256];
+  __shared__ uint32_t above_s[kSelectWarps];
+  const int64_t plane = blockIdx.x, planes = gridDim.x;
+  const int c = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const SelectState st = derive_state<K_::kBits>(rows, plane, planes, ctas, pass, static_cast<uint32_t>(p.window));
+  if (st.all) return;  // pass 0 kept every eligible key: nothing more to count
+  const int shift = K_::kBits - 8 * (pass + 1);
+  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
+                     (plane % p.score_planes2) * p.scores_head_stride;
+  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  const int64_t c_lo = c * chunk, c_hi = min(c_lo + chunk, p.seqlen_k);
+  for (int j = lane; j < 256; j += 32) hist[warp][j] = 0;
+  __syncwarp();
+  const uint32_t hi_bits = shift + 8 < 32 ? ~((1u << (shift + 8)) - 1) : 0u;
+  uint32_t above = 0;
+  for (int64_t i0 = c_lo + warp * 256; i0 < c_hi; i0 += 256 * kSelectWarps * kSelectUnroll) {
     uint32_t u[kSelectUnroll][8];
 #pragma unroll
-    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 + lane * 8, hi, vec, u[k]);
+    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 * kSelectWarps + lane * 8, c_hi, vec, u[k]);
 #pragma unroll
     for (int k = 0; k < kSelectUnroll; ++k) {
-      const int64_t i = i0 + k * 256 + lane * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t x = u[k][j];
+        const bool in = x > K_::kNegInf && (x & st.mask) == st.prefix;
+        above += (x & hi_bits) > (st.prefix & hi_bits);
+        // Lanes adding to one bin add once (trained scores' exponents fall in a few bins).
+        const uint32_t bin = in ? (x >> shift) & 255 : 256u;
+        const uint32_t same = __match_any_sync(0xffffffffu, bin);
+        if (in && lane == __ffs(same) - 1) atomicAdd(&hist[warp][bin], __popc(same));
+      }
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+  if (lane == 0) above_s[warp] = above;
+  __syncthreads();
+  uint32_t* row = rows + ((static_cast<int64_t>(pass) * planes + plane) * ctas + c) * kRow;
+  for (int b = tid; b < 256; b += kSelectThreads) {
+    uint32_t n = 0;
+#pragma unroll
+    for (int w = 0; w < kSelectWarps; ++w) n += hist[w][b];
+    row[b] = n;
+  }
+  if (tid == 0) {
+    uint32_t n = 0;
+    for (int w = 0; w < kSelectWarps; ++w) n += above_s[w];
+    row[256] = n;
+  }
+}
+
+template <class S>
+__global__ void __launch_bounds__(kSelectThreads)
+    select_write_kernel(const DecodeParams p, const uint32_t* rows, int ctas, int64_t chunk, int passes) {
+  using K_ = OrderKey<S>;
+  using Bits = typename K_::Bits;
+  __shared__ uint32_t warp_kept[kSelectWarps], warp_ties[kSelectWarps], base_s[3];
+  __shared__ uint32_t chunk_above[kMaxSelectCtas], chunk_ties[kMaxSelectCtas];
+  const int64_t plane = blockIdx.x, planes = gridDim.x, W = p.window;
+  const int c = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const SelectState st = derive_state<K_::kBits>(rows, plane, planes, ctas, passes, static_cast<uint32_t>(W));
+  const uint32_t T = st.all ? K_::kNegInf : st.prefix, r = st.all ? 0u : st.remain;
+  const int last = st.all ? 0 : passes - 1;
+  const uint32_t* last_rows = rows + (static_cast<int64_t>(last) * planes + plane) * ctas * kRow;
+  // Chunks 0 .. c's keys above T and ties, from the last pass's rows (a warp a row): every eligible
+  // key where all are kept (pass 0's rows). Then, in chunk order, the kept keys and ties before
+  // this chunk (a chunk keeps its ties while the plane's earlier ties number fewer than r), and
+  // the plane's total kept keys.
+  for (int x = warp; x <= c; x += kSelectWarps) {
+    const uint32_t* row = last_rows + x * kRow;
+    uint32_t above = 0;
+    for (int b = lane; b < 256; b += 32) above += (st.all || b > static_cast<int>(st.digit)) ? row[b] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+    if (lane == 0) {
+      chunk_above[x] = above + (st.all ? 0u : row[256]);
+      chunk_ties[x] = st.all ? 0u : row[st.digit];
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t kept_before = 0, ties_before = 0;
+    for (int x = 0; x <= c; ++x) {
+      const uint32_t kept = chunk_above[x] + (ties_before >= r ? 0u : min(chunk_ties[x], r - ties_before));
+      if (x == c) {
+        base_s[0] = kept_before;
+        base_s[1] = ties_before;
+        base_s[2] = kept_before + kept;
+      }
+      kept_before += kept;
+      ties_before += chunk_ties[x];
+    }
+  }
+  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
+                     (plane % p.score_planes2) * p.scores_head_stride;
+  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  const int64_t c_lo = c * chunk, c_hi = min(c_lo + chunk, p.seqlen_k);
+  // Warp w owns the chunk's keys [lo, hi): a contiguous segment, so that its kept keys follow the
+  // earlier warps'.
+  const int64_t seg = (chunk / 256 + kSelectWarps - 1) / kSelectWarps * 256;
+  const int64_t lo = c_lo + warp * seg, hi = min(lo + seg, c_hi);
+  uint32_t ties_w = 0;
+  // Kept keys need the plane-wide tie rank: count the warp's ties first, then its kept keys below.
+  for (int64_t i = lo + lane * 8; i < hi; i += 256) {
+    uint32_t u[8];
+    load8<S>(base, i, hi, vec, u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ties_w += u[j] == T;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ties_w += __shfl_xor_sync(0xffffffffu, ties_w, o);
+  if (lane == 0) warp_ties[warp] = ties_w;
+  __syncthreads();
+  uint32_t tie_run = base_s[1];
+  for (int w = 0; w < warp; ++w) tie_run += warp_ties[w];
+  // The warp's kept keys: a pass that counts them, then the pass that writes them.
+  uint32_t kept_run = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    uint32_t tr = tie_run;
+    if (pass == 1) {
+      kept_run = base_s[0];
+      for (int w = 0; w < warp; ++w) kept_run += warp_kept[w];
+    }
+    uint32_t counted = 0;
+    for (int64_t i0 = lo; i0 < hi; i0 += 256) {
+      const int64_t i = i0 + lane * 8;
+      uint32_t u[8];
+      load8<S>(base, i, hi, vec, u);
       uint32_t my_ties = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) my_ties += u[k][j] == T;
+      for (int j = 0; j < 8; ++j) my_ties += u[j] == T;
       const uint32_t tie_before = warp_exclusive(my_ties, lane);
       bool kept[8];
       uint32_t my_kept = 0, seen = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const bool tie = u[k][j] == T;
-        kept[j] = u[k][j] > T || (tie && tie_run + tie_before + seen < r);
+        const bool tie = u[j] == T;
+        kept[j] = u[j] > T || (tie && tr + tie_before + seen < r);
         seen += tie;
         my_kept += kept[j];
       }
       const uint32_t kept_before = warp_exclusive(my_kept, lane);
-      uint32_t slot = kept_run + kept_before;
+      if (pass == 1) {
+        uint32_t slot = kept_run + kept_before;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        if (kept[j]) {
-          idx[slot] = i + j;
-          valid[slot] = 1;
-          score[slot] = base[i + j];
-          ++slot;
+        for (int j = 0; j < 8; ++j) {
+          if (kept[j]) {
+            p.kept_idx[plane * W + slot] = i + j;
+            p.kept_valid[plane * W + slot] = 1;
+            static_cast<Bits*>(p.kept_score)[plane * W + slot] = base[i + j];
+            ++slot;
+          }
         }
+        kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
       }
-      tie_run += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
-      kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
+      counted += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
+      tr += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
+    }
+    if (pass == 0) {
+      if (lane == 0) warp_kept[warp] = counted;
+      __syncthreads();
     }
   }
-  // Slots past the kept keys: free.
-  const uint32_t last_take =
-      tie_base[kSelectWarps - 1] >= r ? 0u : min(warp_ties[kSelectWarps - 1], r - tie_base[kSelectWarps - 1]);
-  const uint32_t n = kept_base[kSelectWarps - 1] + warp_above[kSelectWarps - 1] + last_take;
-  for (int64_t j = n + tid; j < W; j += kSelectThreads) {
-    idx[j] = 0;
-    valid[j] = 0;
-    score[j] = 0;
+  // The free slots past the plane's kept keys (the last CTA, which knows the total).
+  if (c == ctas - 1) {
+    for (int64_t j = base_s[2] + tid; j < W; j += kSelectThreads) {
+      p.kept_idx[plane * W + j] = 0;
+      p.kept_valid[plane * W + j] = 0;
+      static_cast<Bits*>(p.kept_score)[plane * W + j] = 0;
+    }
   }
 }
 
@@ -690,16 +764,43 @@ int64_t decode_workspace_bytes(const DecodeParams& p) {
   return (planes * splits * G * (p.head_dim + 2) + planes) * 4;
 }
 
+// CTAs a plane for the selection: chunks of at least kSelectChunk keys, about two CTAs an SM.
+int select_ctas(const DecodeParams& p) {
+  const int64_t planes = p.score_planes1 * p.score_planes2;
+  int64_t n = (p.seqlen_k + kSelectChunk - 1) / kSelectChunk, most = 2 * sm_count() / (planes > 0 ? planes : 1);
+  n = n < most ? n : most;
+  n = n < kMaxSelectCtas ? n : kMaxSelectCtas;
+  return static_cast<int>(n < 1 ? 1 : n);
+}
+
+int select_passes(const DecodeParams& p) { return p.score_dtype == DType::kFloat32 ? 4 : 2; }
+
+template <class S>
+void launch_select(const DecodeParams& p, uint32_t* rows, cudaStream_t st) {
+  const int ctas = select_ctas(p), passes = select_passes(p);
+  const int64_t chunk = (p.seqlen_k + ctas - 1) / ctas;
+  const int64_t chunk256 = (chunk + 255) / 256 * 256;  // whole 256-key steps: aligned loads
+  const dim3 grid(static_cast<unsigned>(p.score_planes1 * p.score_planes2), ctas);
+  for (int pass = 0; pass < passes; ++pass)
+    select_hist_kernel<S><<<grid, kSelectThreads, 0, st>>>(p, rows, ctas, chunk256, pass);
+  select_write_kernel<S><<<grid, kSelectThreads, 0, st>>>(p, rows, ctas, chunk256, passes);
+}
+
+int64_t last_row_select_bytes(const DecodeParams& p) {
+  return static_cast<int64_t>(select_passes(p)) * p.score_planes1 * p.score_planes2 * select_ctas(p) * kRow * 4;
+}
+
 void run_last_row(const DecodeParams& p, void* stream) {
   const int64_t planes = p.score_planes1 * p.score_planes2;
   if (planes > 0) {
     const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    uint32_t* rows = static_cast<uint32_t*>(p.select_workspace);
     if (p.score_dtype == DType::kBFloat16)
-      last_row_select_kernel<__nv_bfloat16><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+      launch_select<__nv_bfloat16>(p, rows, st);
     else if (p.score_dtype == DType::kFloat16)
-      last_row_select_kernel<__half><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+      launch_select<__half>(p, rows, st);
     else
-      last_row_select_kernel<float><<<static_cast<unsigned>(planes), kSelectThreads, 0, st>>>(p);
+      launch_select<float>(p, rows, st);
   }
   run_decode(p, stream);
 }

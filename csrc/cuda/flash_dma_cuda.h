@@ -58,7 +58,9 @@ void run_select(const SelectParams& params, void* stream);
 const char* decode_unsupported_reason(const DecodeParams& params);
 int64_t decode_workspace_bytes(const DecodeParams& params);
 void run_decode(const DecodeParams& params, void* stream);
-// flexdma::perkey_last_row: the kept sets selected from params.scores (one launch), then the step.
+// flexdma::perkey_last_row: the kept sets selected from params.scores (a launch a radix pass, then
+// the ordered write; its scratch params.select_workspace), then the step.
+int64_t last_row_select_bytes(const DecodeParams& params);
 void run_last_row(const DecodeParams& params, void* stream);
 
 // CastParams' segments in one launch.

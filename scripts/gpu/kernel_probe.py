@@ -137,6 +137,12 @@ def cache_step_case(L, D):
         with torch.no_grad():
             for _ in range(2):
                 flexdma.flash_dma_attention(q, k[:, :L], v[:, :L], None, b_api, is_causal=True, keep_window_size=600)
+    # Its selection over several CTAs a plane (8192 keys a CTA at least), float32 scores too.
+    for sdt in (dt, torch.float32):
+        n = 40000
+        kk, vv = torch.randn(2, B, n, KVH, D, device=dev, dtype=dt)
+        scores = torch.randn(B, KVH, n, device=dev).to(sdt)
+        torch.ops.flexdma.perkey_last_row(q, kk, vv, scores, 700, D**-0.5, 0.0)
     torch.cuda.synchronize()
 
 

@@ -115,6 +115,7 @@ LAST_ROW_CASES = [
     (2, 1, 12, 4, 2, 3, True, "KVH", True, True),  # a batch row with every key padded
     (2, 1, 40, 4, 2, 30, True, "1", True, False),  # fewer eligible keys than W: free slots
     (2, 1, 80, 4, 2, 10, False, "H", True, False),
+    (1, 1, 40000, 4, 2, 700, True, "KVH", True, False),  # on CUDA the keys over several CTAs
 ]
 
 
@@ -154,6 +155,33 @@ def test_one_row_call_is_one_op(device, case, ties, monkeypatch):
     assert err <= bound, (err, bound)
     err2 = (out2.double() - want).abs().max().item()
     assert err2 <= (1e-12 if dtype == torch.float64 else 2 * bound), (err2, bound)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_last_row_op_float32_scores(device):
+    # flexdma::perkey_last_row called directly with float32 scores (four radix passes on CUDA) over
+    # 20000 keys (several CTAs a plane), ties and -inf among them: the kept set decode.last_row
+    # builds, and the attention over it against the float64 reference.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import decode_cases
+
+    from flexdma.perkey import decode
+
+    g = torch.Generator().manual_seed(5)
+    B, H, KVH, K, W, D = 2, 4, 2, 20000, 300, 64
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q = torch.randn(B, 1, H, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(B, K, KVH, D, generator=g).to(device, dtype) for _ in range(2))
+    scores = (torch.randn(B, KVH, K, generator=g) * 4).round()  # many ties
+    scores[:, :, 5::9] = float("-inf")
+    scores = scores.to(device)
+    with torch.no_grad():
+        out = torch.ops.flexdma.perkey_last_row(q, k, v, scores, W, D**-0.5, 0.0)
+    kept = decode.last_row(scores, W)
+    truth = decode_cases.reference(q, k, v, kept, D**-0.5, 0.0, torch.float64)
+    err = (out.double() - truth).abs().max().item()
+    assert err <= (1e-12 if dtype == torch.float64 else 2e-2), err
 
 
 @pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
