@@ -450,7 +450,7 @@ def _measured_peers(doc: dict) -> set:
 def section(results_dir: str) -> List[str]:
     """The newest run's tables that measured every peer of the table (else the newest run's);
     where that run left the Doge rows out (--peers without doge), the newest run's that has them,
-    named."""
+    named. A newer run of fewer peers follows as its own section: its rows are the newest numbers."""
     runs = runs_of(results_dir, SCHEMA)
     if not runs:
         return []
@@ -463,7 +463,12 @@ def section(results_dir: str) -> List[str]:
         "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
         "peak = the call's memory above its inputs."
     )
-    return run_section(doc, "per-key top-W", note, markdown(doc))
+    out = run_section(doc, "per-key top-W", note, markdown(doc))
+    if runs[0] is not doc and runs[0].get("commit") != doc.get("commit"):
+        newest = runs[0]
+        peers = ", ".join(sorted(_measured_peers(newest)))
+        out += run_section(newest, "per-key top-W, the newest run", f"{note} Peers: {peers}.", markdown(newest))
+    return out
 
 
 def main(args, env: dict) -> str:
