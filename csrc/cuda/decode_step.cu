@@ -16,7 +16,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "constants.cuh"
 #include "flash_dma_cuda.h"
+#include "mma_sm80.cuh"
 
 namespace flexdma {
 namespace cuda {
@@ -29,20 +31,6 @@ constexpr int kMaxGroup = 32;  // query heads per kv head
 constexpr int kMaxDim = 256;
 constexpr int kAccPer = kMaxGroup * kMaxDim / kDecodeThreads;  // output elements a thread holds
 constexpr int kMaxSplits = 128;
-constexpr float kLog2eF = 1.4426950408889634f;
-
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-template <class T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) {
-  return __float2half_rn(x);
-}
 
 __device__ __forceinline__ float load_score(const void* base, DType t, int64_t at) {
   switch (t) {
@@ -264,7 +252,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
     for (int jj = warp; jj < kSlots; jj += kDecodeWarps) {
       if (!keep_s[jj]) {
         for (int r = lane; r < G; r += 32) s_s[r * kSlots + jj] = -INFINITY;
-        for (int d = lane; d < D; d += 32) v_s[jj * D + d] = from_f<T>(0.f);
+        for (int d = lane; d < D; d += 32) v_s[jj * D + d] = from_float<T>(0.f);
         continue;
       }
       const T* kr = kix_s[jj] < 0 ? k_new : kc + kix_s[jj] * p.k_row_stride;
@@ -273,7 +261,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
 #pragma unroll
       for (int i = 0; i < kMaxDim / 32; ++i) {
         const int d = lane + 32 * i;
-        kv[i] = d < D ? to_f(kr[d]) : 0.f;
+        kv[i] = d < D ? to_float(kr[d]) : 0.f;
         if (d < D) v_s[jj * D + d] = vr[d];
       }
       for (int r = 0; r < G; ++r) {
@@ -281,7 +269,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
 #pragma unroll
         for (int i = 0; i < kMaxDim / 32; ++i) {
           const int d = lane + 32 * i;
-          if (d < D) dot += to_f(q_s[r * D + d]) * kv[i];
+          if (d < D) dot += to_float(q_s[r * D + d]) * kv[i];
         }
         dot = warp_sum(dot);
         if (lane == 0) {
@@ -320,7 +308,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
         const int r = e / D, d = e % D;
         float a = acc[i] * alpha_s[r];
 #pragma unroll 8
-        for (int jj = 0; jj < kSlots; ++jj) a += s_s[r * kSlots + jj] * to_f(v_s[jj * D + d]);
+        for (int jj = 0; jj < kSlots; ++jj) a += s_s[r * kSlots + jj] * to_float(v_s[jj * D + d]);
         acc[i] = a;
       }
     }
@@ -334,7 +322,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
       const int e = tid + i * kDecodeThreads;
       if (e < G * D) {
         const float l = l_s[e / D];
-        ob[(e / D) * p.o_head_stride + e % D] = from_f<T>(l == 0.f ? 0.f : acc[i] / l);  // no key kept: 0
+        ob[(e / D) * p.o_head_stride + e % D] = from_float<T>(l == 0.f ? 0.f : acc[i] / l);  // no key kept: 0
       }
     }
     commit<T>(p, pl, taken);
@@ -382,7 +370,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const Deco
     float a = 0.f;
     for (int u = 0; u < splits; ++u) a += w_s[u * G + r] * partial(p, plane, u, splits)[2 * G + e];
     const float l = l_s[r];
-    ob[r * p.o_head_stride + e % D] = from_f<T>(l == 0.f ? 0.f : a / l);  // no key kept: 0
+    ob[r * p.o_head_stride + e % D] = from_float<T>(l == 0.f ? 0.f : a / l);  // no key kept: 0
   }
   commit<T>(p, pl, decisions(p, splits)[plane]);
 }
@@ -406,41 +394,26 @@ constexpr int kMaxSelectCtas = 256;  // CTAs a plane at most
 
 // A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf;
 // kNegInf is -inf's (keys at or below it are not eligible; 0 pads past the last key).
+template <class B, B kInf>
+struct OrderKeyOf {
+  using Bits = B;
+  static constexpr int kBits = 8 * sizeof(B);
+  static constexpr uint32_t kSign = 1u << (kBits - 1), kAll = kSign | (kSign - 1);
+  static constexpr uint32_t kNegInf = ~(kInf | kSign) & kAll;
+  __device__ static uint32_t of(uint32_t b) {
+    if ((b & (kSign - 1)) > kInf) return kAll;  // NaN
+    if ((b & (kSign - 1)) == 0) return kSign;   // -0.0 is +0.0
+    return (b & kSign) ? (~b & kAll) : (b | kSign);
+  }
+};
 template <class S>
 struct OrderKey;
 template <>
-struct OrderKey<__nv_bfloat16> {
-  using Bits = uint16_t;
-  static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0x007F;
-  __device__ static uint32_t of(uint32_t b) {
-    if ((b & 0x7FFF) > 0x7F80) return 0xFFFF;
-    if ((b & 0x7FFF) == 0) return 0x8000;
-    return (b & 0x8000) ? (~b & 0xFFFF) : (b | 0x8000);
-  }
-};
+struct OrderKey<__nv_bfloat16> : OrderKeyOf<uint16_t, 0x7F80> {};
 template <>
-struct OrderKey<__half> {
-  using Bits = uint16_t;
-  static constexpr int kBits = 16;
-  static constexpr uint32_t kNegInf = 0x03FF;
-  __device__ static uint32_t of(uint32_t b) {
-    if ((b & 0x7FFF) > 0x7C00) return 0xFFFF;
-    if ((b & 0x7FFF) == 0) return 0x8000;
-    return (b & 0x8000) ? (~b & 0xFFFF) : (b | 0x8000);
-  }
-};
+struct OrderKey<__half> : OrderKeyOf<uint16_t, 0x7C00> {};
 template <>
-struct OrderKey<float> {
-  using Bits = uint32_t;
-  static constexpr int kBits = 32;
-  static constexpr uint32_t kNegInf = 0x007FFFFF;
-  __device__ static uint32_t of(uint32_t b) {
-    if ((b & 0x7FFFFFFF) > 0x7F800000) return 0xFFFFFFFF;
-    if ((b & 0x7FFFFFFF) == 0) return 0x80000000;
-    return (b & 0x80000000) ? ~b : (b | 0x80000000);
-  }
-};
+struct OrderKey<float> : OrderKeyOf<uint32_t, 0x7F800000u> {};
 
 // Keys i .. i + 7 of a plane (0 past K): 16 bytes at a time where the plane allows.
 template <class S>

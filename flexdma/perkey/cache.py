@@ -27,7 +27,6 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .. import _ext
 from ..dense.naive import expand_heads
 from . import contract, decode
 from .kept import KeptSet
@@ -121,23 +120,15 @@ def attend(
 
 
 def last_row_reason(call) -> Optional[str]:
-    """Why flexdma::perkey_last_row cannot take an API call of one row (None: it can): the CPU
-    kernel takes every float dtype, the CUDA kernels answer their own check, asked with the
-    attention planes a batch row (a kept set per query head where the selection planes are)."""
-    if _ext.LOAD_ERROR is not None:
-        return "the built extension did not load"
-    if call.device.type == "cpu":
-        return None
-    if call.device.type != "cuda":
-        return f"inputs are on {call.device.type}"
+    """Why flexdma::perkey_last_row cannot take an API call of one row (None: it can), asked with
+    its attention planes a batch row (a kept set per query head where the selection planes are)."""
     H, KVH = call.num_heads, call.num_kv_heads
     mask_heads = 1 if call.mask_shape is None else call.mask_shape[1]
     planes = H if contract.plane_heads(H, call.bias_shape[1], mask_heads) == H else KVH
-    key = (
-        _ext.known_size(call.batch), H, planes, call.head_dim, call.keep_window_size, _ext.known_size(call.seqlen_k),
-        _ext.DTYPE_CODES.get(call.dtype, -1), _ext.DTYPE_CODES.get(call.bias_dtype, -1),
+    return decode.kernels_reason(
+        call.device, call.batch, H, planes, call.head_dim, call.keep_window_size, call.seqlen_k, call.dtype,
+        call.bias_dtype,
     )  # fmt: skip
-    return _ext.kernels_reason("decode_unsupported_reason", key)
 
 
 def last_row(call, query, key, value, attn_mask, attn_bias, scale: float) -> torch.Tensor:

@@ -115,20 +115,27 @@ def _one_kernel_ok(device: torch.device) -> bool:
 
 def one_kernel_reason(q: torch.Tensor, key: torch.Tensor, window: int, score_dtype: torch.dtype) -> Optional[str]:
     """Why a step of one new row (q (B, 1, H, D) against the keys (B, K, KVH, D) and kept sets of
-    `window` slots with scores of `score_dtype`) cannot take flexdma::decode_step (None: it can):
-    the CPU kernel takes every float dtype, the CUDA kernels answer their own check."""
+    `window` slots with scores of `score_dtype`) cannot take flexdma::decode_step (None: it can)."""
+    B, _, H, D = q.shape
+    dtype = q.dtype if key.dtype == q.dtype else None
+    return kernels_reason(q.device, B, H, key.shape[2], D, window, key.shape[1], dtype, score_dtype)
+
+
+def kernels_reason(device, batch, heads, planes, head_dim, window, keys, dtype, score_dtype) -> Optional[str]:
+    """Why the decode ops' kernels cannot take a step of these sizes (`planes` attention planes a
+    batch row: the kv heads, or the query heads where each has a kept set) on `device` (None: they
+    can): the CPU kernel takes every float dtype, the CUDA kernels answer their own check."""
     if _ext.LOAD_ERROR is not None:
         return "the built extension did not load"
-    if q.device.type == "cpu":
+    if device.type == "cpu":
         return None
-    if q.device.type != "cuda":
-        return f"inputs are on {q.device.type}"
-    B, _, H, D = q.shape
-    key_args = (
-        _ext.known_size(B), H, key.shape[2], D, window, _ext.known_size(key.shape[1]),
-        _ext.DTYPE_CODES.get(q.dtype, -1) if key.dtype == q.dtype else -1, _ext.DTYPE_CODES.get(score_dtype, -1),
+    if device.type != "cuda":
+        return f"inputs are on {device.type}"
+    key = (
+        _ext.known_size(batch), heads, planes, head_dim, window, _ext.known_size(keys),
+        _ext.DTYPE_CODES.get(dtype, -1), _ext.DTYPE_CODES.get(score_dtype, -1),
     )  # fmt: skip
-    return _ext.kernels_reason("decode_unsupported_reason", key_args)
+    return _ext.kernels_reason("decode_unsupported_reason", key)
 
 
 def rows_kernel():
