@@ -539,17 +539,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tens
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
-// The decode step: its scratch from the caching allocator, then one or two launches.
-void decode_cuda_run(DecodeParams& p) {
+// The decode ops' launches after their support check, their scratch from the caching allocator:
+// the step's partial rows and (perkey_last_row) the selection's histogram rows.
+void decode_cuda_launch(DecodeParams& p, const char* op) {
   const char* why = cuda::decode_unsupported_reason(p);
-  TORCH_CHECK_VALUE(why == nullptr, "flexdma::decode_step on CUDA does not take this call: ", why);
-  const int64_t bytes = cuda::decode_workspace_bytes(p);
-  at::Tensor ws;
-  if (bytes > 0) {
-    ws = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device()));
-    p.workspace = ws.data_ptr();
-  }
-  cuda::run_decode(p, at::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK_VALUE(why == nullptr, op, " on CUDA does not take this call: ", why);
+  const auto bytes = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device());
+  const int64_t n = cuda::decode_workspace_bytes(p);
+  const at::Tensor ws = n > 0 ? at::empty({n}, bytes) : at::Tensor();
+  p.workspace = n > 0 ? ws.data_ptr() : nullptr;
+  const at::Tensor rows = p.scores ? at::empty({cuda::last_row_select_bytes(p)}, bytes) : at::Tensor();
+  p.select_workspace = p.scores ? rows.data_ptr() : nullptr;
+  if (p.scores)
+    cuda::run_last_row(p, at::cuda::getCurrentCUDAStream().stream());
+  else
+    cuda::run_decode(p, at::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -559,7 +563,8 @@ at::Tensor decode_step_cuda(const at::Tensor& q, const at::Tensor& key_cache, co
                             const c10::optional<at::Tensor>& position_at, double softmax_scale, double softcap) {
   c10::cuda::CUDAGuard guard(q.device());
   return decode_step_impl(q, key_cache, value_cache, kept_idx, kept_valid, kept_score, s_new, eligible, position,
-                          position_at, softmax_scale, softcap, decode_cuda_run);
+                          position_at, softmax_scale, softcap,
+                          [](DecodeParams& p) { decode_cuda_launch(p, "flexdma::decode_step"); });
 }
 
 at::Tensor decode_append_cuda(const at::Tensor& q, const at::Tensor& key_new, const at::Tensor& value_new,
@@ -569,27 +574,15 @@ at::Tensor decode_append_cuda(const at::Tensor& q, const at::Tensor& key_new, co
                               const at::Tensor& kept_score, int64_t position, double softmax_scale, double softcap) {
   c10::cuda::CUDAGuard guard(q.device());
   return decode_append_impl(q, key_new, value_new, s_new, eligible, key_cache, value_cache, bias_cache, padding_cache,
-                            kept_idx, kept_valid, kept_score, position, softmax_scale, softcap, decode_cuda_run);
+                            kept_idx, kept_valid, kept_score, position, softmax_scale, softcap,
+                            [](DecodeParams& p) { decode_cuda_launch(p, "flexdma::decode_append"); });
 }
 
 at::Tensor perkey_last_row_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scores,
                                 int64_t window, double softmax_scale, double softcap) {
   c10::cuda::CUDAGuard guard(q.device());
-  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap, [](DecodeParams& p) {
-    const char* why = cuda::decode_unsupported_reason(p);
-    TORCH_CHECK_VALUE(why == nullptr, "flexdma::perkey_last_row on CUDA does not take this call: ", why);
-    const int64_t bytes = cuda::decode_workspace_bytes(p);
-    at::Tensor ws;
-    if (bytes > 0) {
-      ws = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device()));
-      p.workspace = ws.data_ptr();
-    }
-    const at::Tensor rows = at::empty({cuda::last_row_select_bytes(p)}, at::TensorOptions().dtype(at::kByte).device(
-                                                                            at::kCUDA, at::cuda::current_device()));
-    p.select_workspace = rows.data_ptr();
-    cuda::run_last_row(p, at::cuda::getCurrentCUDAStream().stream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap,
+                              [](DecodeParams& p) { decode_cuda_launch(p, "flexdma::perkey_last_row"); });
 }
 
 }  // namespace
