@@ -66,12 +66,13 @@ def route(
     path cannot take a call (None: the backend gathers no kept entries). Kept sets built for the
     call take it where few_rows_ok does and that dense path takes the gathered call; one row
     without autograd, the one op where last_row_reason allows it (a call that also wants its LSE
-    then takes the kept sets: the op returns none)."""
+    then runs the selection: the op returns none; flexdma/perkey/attention.py's few_rows)."""
     if call is not None:
-        if dense_reason is None or not few_rows_ok(call) or dense_reason(gathered_call(call)) is not None:
+        if dense_reason is None or not few_rows_ok(call):
             return SELECTION
-        one_row = statically_known_true(call.seqlen_q == 1) and not call.requires_grad
-        return ONE_KERNEL if one_row and last_row_reason(call) is None else KEPT_SETS
+        if statically_known_true(call.seqlen_q == 1) and not call.requires_grad and last_row_reason(call) is None:
+            return ONE_KERNEL
+        return KEPT_SETS if dense_reason(gathered_call(call)) is None else SELECTION
     B, T = query.shape[:2]
     if (
         kept is None
@@ -134,7 +135,8 @@ def last_row_reason(call) -> Optional[str]:
 def last_row(call, query, key, value, attn_mask, attn_bias, scale: float) -> torch.Tensor:
     """An API call that `route` sent to ONE_KERNEL: the row's kept set from every key's score and
     its attention over it, one op call (flexdma::perkey_last_row). Returns the output (B, 1, H, D)."""
-    scores = contract.selection_scores(attn_bias.detach(), attn_mask, call.num_heads, float64_ranks=False)
+    # No detach: `route` sends here only calls that record no backward.
+    scores = contract.selection_scores(attn_bias, attn_mask, call.num_heads, float64_ranks=False)
     return torch.ops.flexdma.perkey_last_row(query, key, value, scores, call.keep_window_size, scale, call.softcap)
 
 

@@ -89,7 +89,7 @@ def selection_scores(
     ties; other dtypes as float32 (`float64_ranks=False`: float64 scores as they are, for a kernel
     that ranks in float64 and adds the kept scores: flexdma::perkey_last_row's CPU kernel). Planes
     are the broadcast of the bias's and the mask's (batch, head)."""
-    s = attn_bias[:, :, 0, :]
+    s = attn_bias.select(2, 0)
     if s.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         s = s.float()
     if attn_mask is not None:
