@@ -284,7 +284,7 @@ def test_perkey_benchmark_table_and_report_section(tmp_path):
 
 def test_perkey_report_keeps_the_run_with_every_peer(tmp_path):
     # A newer run of flexdma and SDPA alone (a before / after comparison) does not replace the
-    # table of the newest run that measured FlexAttention too.
+    # table of the newest run that measured FlexAttention too; it follows as a section of its own.
     from benchmarks import perkey
 
     case = perkey.cases(quick=True)[0]
@@ -299,9 +299,12 @@ def test_perkey_report_keeps_the_run_with_every_peer(tmp_path):
         )
         (tmp_path / name).write_text(__import__("json").dumps(doc))
     md = "\n".join(perkey.section(str(tmp_path)))
-    assert "commit aaa1111" in md and "commit bbb2222" not in md
+    assert md.index("## per-key top-W (h100, commit aaa1111)") < md.index(
+        "## per-key top-W, the newest run (h100, commit bbb2222)"
+    )
     (tmp_path / "full.json").unlink()
-    assert "commit bbb2222" in "\n".join(perkey.section(str(tmp_path)))
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "## per-key top-W (h100, commit bbb2222)" in md and "the newest run" not in md
 
 
 def test_decode_benchmark_table_and_report_section(tmp_path):
