@@ -184,6 +184,52 @@ def test_last_row_op_float32_scores(device):
     assert err <= (1e-12 if dtype == torch.float64 else 2e-2), err
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_last_row_op_edges(device):
+    # flexdma::perkey_last_row at the edges: one key (W above it: free slots), a plane whose keys
+    # are all -inf (output 0), an empty batch, W = 1; and its argument errors, raised before
+    # anything runs.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import decode_cases
+
+    from flexdma.perkey import decode
+
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(9)
+
+    def run(B, H, KVH, K, W, scores):
+        q = torch.randn(B, 1, H, 32, generator=g).to(device, dtype)
+        k, v = (torch.randn(B, K, KVH, 32, generator=g).to(device, dtype) for _ in range(2))
+        scores = scores.to(device)
+        with torch.no_grad():
+            out = torch.ops.flexdma.perkey_last_row(q, k, v, scores, W, 32**-0.5, 0.0)
+        assert out.shape == q.shape and out.dtype == dtype
+        if B:
+            truth = decode_cases.reference(
+                q, k, v, decode.last_row(scores.expand(B, KVH, K), W), 32**-0.5, 0.0, torch.float64
+            )
+            err = (out.double() - truth).abs().max().item()
+            assert err <= (1e-12 if dtype == torch.float64 else 2e-2), err
+        return out
+
+    run(2, 4, 2, 1, 4, torch.randn(2, 2, 1, generator=g))  # one key, W > K
+    dead = torch.randn(1, 2, 50, generator=g)
+    dead[0, 1] = float("-inf")
+    out = run(1, 4, 2, 50, 8, dead)  # the second kv head's plane keeps nothing
+    assert not out[0, 0, 2:].any()
+    run(0, 4, 2, 30, 8, torch.randn(1, 1, 30, generator=g))  # empty batch
+    run(2, 2, 1, 64, 1, torch.randn(2, 1, 64, generator=g))  # W = 1
+    q = torch.randn(1, 1, 2, 32, device=device, dtype=dtype)
+    k = torch.randn(1, 10, 1, 32, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="window"):
+        torch.ops.flexdma.perkey_last_row(q, k, k, torch.randn(1, 1, 10, device=device), 0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="scores"):
+        torch.ops.flexdma.perkey_last_row(q, k, k, torch.randn(1, 3, 10, device=device), 4, 1.0, 0.0)
+    with pytest.raises(ValueError, match="q must be"):
+        torch.ops.flexdma.perkey_last_row(q[:, 0], k, k, torch.randn(1, 1, 10, device=device), 4, 1.0, 0.0)
+
+
 @pytest.mark.parametrize("case", FEW_ROWS_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_few_rows_dense_call_is_decided_from_the_sizes(case, monkeypatch):
     # The route decides the gathered entries' dense-mask call from the call's sizes, before any
