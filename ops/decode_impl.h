@@ -11,6 +11,17 @@
 
 namespace flexdma {
 
+// t's data as P* and its strides along dims 0, `head` and `inner` (the params' batch, head and
+// row / slot strides).
+template <class P>
+void point3(const at::Tensor& t, P*& ptr, int64_t& batch, int64_t& head_stride, int64_t& inner_stride, int head,
+            int inner) {
+  ptr = static_cast<P*>(t.data_ptr());
+  batch = t.stride(0);
+  head_stride = t.stride(head);
+  inner_stride = t.stride(inner);
+}
+
 // The operands' shapes, dtypes and devices as the schemas state them; a ValueError / TypeError
 // naming the operand before anything runs. `appended`: decode_append's operands are given.
 inline DecodeParams decode_params(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -108,26 +119,13 @@ inline DecodeParams decode_params(const at::Tensor& q, const at::Tensor& key_cac
   p.q = q.data_ptr();
   p.q_batch_stride = q.stride(0);
   p.q_head_stride = q.stride(2);
-  p.k = key_cache.data_ptr();
-  p.k_batch_stride = key_cache.stride(0);
-  p.k_head_stride = key_cache.stride(2);
-  p.k_row_stride = key_cache.stride(1);
-  p.v = value_cache.data_ptr();
-  p.v_batch_stride = value_cache.stride(0);
-  p.v_head_stride = value_cache.stride(2);
-  p.v_row_stride = value_cache.stride(1);
-  p.kept_idx = kept_idx.data_ptr<int64_t>();
-  p.idx_batch_stride = kept_idx.stride(0);
-  p.idx_head_stride = kept_idx.stride(1);
-  p.idx_slot_stride = kept_idx.stride(2);
-  p.kept_valid = reinterpret_cast<uint8_t*>(kept_valid.data_ptr<bool>());
-  p.valid_batch_stride = kept_valid.stride(0);
-  p.valid_head_stride = kept_valid.stride(1);
-  p.valid_slot_stride = kept_valid.stride(2);
-  p.kept_score = kept_score.data_ptr();
-  p.score_batch_stride = kept_score.stride(0);
-  p.score_head_stride = kept_score.stride(1);
-  p.score_slot_stride = kept_score.stride(2);
+  // The caches (B, capacity, KVH, D) as (batch, head, row) strides; the kept set's (B, KVH, W) as
+  // (batch, head, slot).
+  point3(key_cache, p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride, 2, 1);
+  point3(value_cache, p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride, 2, 1);
+  point3(kept_idx, p.kept_idx, p.idx_batch_stride, p.idx_head_stride, p.idx_slot_stride, 1, 2);
+  point3(kept_valid, p.kept_valid, p.valid_batch_stride, p.valid_head_stride, p.valid_slot_stride, 1, 2);
+  point3(kept_score, p.kept_score, p.score_batch_stride, p.score_head_stride, p.score_slot_stride, 1, 2);
   p.s_new = s_new.data_ptr();
   p.s_new_batch_stride = s_new.stride(0);
   p.s_new_head_stride = s_new.stride(1);
