@@ -825,8 +825,27 @@ def test_opcheck_perkey_select():
         torch.library.opcheck(torch.ops.flexdma.perkey_select, (scores, 7, 40, causal, 16))
 
 
-def test_compile_fullgraph_and_export():
-    q, k, v, bias, pad = _inputs((2, 24, 24, 4, 2, 6, True, "KVH", True, False), "cpu", torch.float32)
+def test_opcheck_decode_ops():
+    # The decode ops' schemas, fake kernels and mutation annotations (the kept set; decode_append's
+    # caches too) against their CPU kernels.
+    import decode_cases
+
+    from flexdma.perkey import decode
+
+    q, k, v, kept = decode_cases.make(2, 4, 2, 20, 32, 40, torch.float32, seed=3)
+    s_new, eligible = decode_cases.new_key(kept, torch.float32, 4)
+    torch.library.opcheck(torch.ops.flexdma.decode_step, (q, k, v, *kept, s_new, eligible, 40, None, 0.2, 0.0))
+    caches = (k.clone(), v.clone(), torch.randn(2, 2, k.shape[1]), torch.ones(2, k.shape[1], dtype=torch.bool))
+    new = (torch.randn(2, 1, 2, 32), torch.randn(2, 1, 2, 32), torch.randn(2, 2, 1, 1), eligible[:, :1])
+    kept2 = decode.KeptSet(*(t.clone() for t in kept))
+    torch.library.opcheck(torch.ops.flexdma.decode_append, (q, *new, *caches, *kept2, 40, 0.2, 0.0))
+    torch.library.opcheck(torch.ops.flexdma.perkey_last_row, (q, k, v, torch.randn(2, 2, k.shape[1]), 7, 0.2, 0.0))
+
+
+@pytest.mark.parametrize("Q", [24, 1])
+def test_compile_fullgraph_and_export(Q):
+    # Q = 1: the one-row call's op (flexdma::perkey_last_row) in the graph.
+    q, k, v, bias, pad = _inputs((2, Q, 24, 4, 2, 6, True, "KVH", True, False), "cpu", torch.float32)
 
     class M(torch.nn.Module):
         def forward(self, q, k, v, pad, bias):
@@ -834,11 +853,14 @@ def test_compile_fullgraph_and_export():
                 q, k, v, pad[:, None, None, :], bias, is_causal=True, keep_window_size=6, backend="cpu"
             )
 
-    eager = M()(q, k, v, pad, bias)
-    compiled = torch.compile(M(), fullgraph=True, backend="aot_eager")(q, k, v, pad, bias)
-    torch.testing.assert_close(compiled, eager)
-    ep = torch.export.export(M(), (q, k, v, pad, bias))
-    torch.testing.assert_close(ep.module()(q, k, v, pad, bias), eager)
+    with torch.no_grad():
+        eager = M()(q, k, v, pad, bias)
+        compiled = torch.compile(M(), fullgraph=True, backend="aot_eager")(q, k, v, pad, bias)
+        torch.testing.assert_close(compiled, eager)
+        ep = torch.export.export(M(), (q, k, v, pad, bias))
+        torch.testing.assert_close(ep.module()(q, k, v, pad, bias), eager)
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert ("flexdma.perkey_last_row.default" in ops) == (Q == 1), ops
 
 
 def _graph_inputs(seed):
