@@ -399,12 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cpu(const at::Tenso
   return {o.key_rank, o.row_thr, o.tile_keys};
 }
 
-// The decode step's planes on the binding's thread pool.
-void decode_cpu_run(DecodeParams& p) {
-  cpu::run_decode(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-    at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { fn(b, e); });
-  });
-}
+void decode_cpu_run(DecodeParams& p) { cpu::run_decode(p, kAtenParallelFor); }
 
 at::Tensor decode_step_cpu(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                            const at::Tensor& kept_idx, const at::Tensor& kept_valid, const at::Tensor& kept_score,
@@ -425,11 +420,8 @@ at::Tensor decode_append_cpu(const at::Tensor& q, const at::Tensor& key_new, con
 
 at::Tensor perkey_last_row_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& scores,
                                int64_t window, double softmax_scale, double softcap) {
-  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap, [](DecodeParams& p) {
-    cpu::run_last_row(p, [](int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-      at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { fn(b, e); });
-    });
-  });
+  return perkey_last_row_impl(q, k, v, scores, window, softmax_scale, softcap,
+                              [](DecodeParams& p) { cpu::run_last_row(p, kAtenParallelFor); });
 }
 
 }  // namespace

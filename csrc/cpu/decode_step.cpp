@@ -178,74 +178,37 @@ void select_plane(const DecodeParams& p, int64_t plane) {
 }
 
 template <class T, class S>
-void run_typed(const DecodeParams& p,
-               const std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>& parallel_for) {
+void run_typed(const DecodeParams& p, const ParallelFor& parallel_for) {
   parallel_for(p.batch * p.planes_per_batch, [&](int64_t begin, int64_t end) {
     for (int64_t plane = begin; plane < end; ++plane) decode_plane<T, S>(p, plane);
   });
 }
 
 template <class S>
-void select_typed(const DecodeParams& p,
-                  const std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>& parallel_for) {
+void select_typed(const DecodeParams& p, const ParallelFor& parallel_for) {
   parallel_for(p.score_planes1 * p.score_planes2, [&](int64_t begin, int64_t end) {
     for (int64_t plane = begin; plane < end; ++plane) select_plane<S>(p, plane);
   });
 }
 
-template <class T>
-void run_scores(const DecodeParams& p,
-                const std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>& parallel_for) {
-  switch (p.score_dtype) {
-    case DType::kFloat32:
-      return run_typed<T, float>(p, parallel_for);
-    case DType::kFloat64:
-      return run_typed<T, double>(p, parallel_for);
-    case DType::kBFloat16:
-      return run_typed<T, bf16_t>(p, parallel_for);
-    case DType::kFloat16:
-      return run_typed<T, fp16_t>(p, parallel_for);
-  }
-}
-
 }  // namespace
 
-void run_last_row(const DecodeParams& p,
-                  const std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>& parallel_for) {
-  switch (p.score_dtype) {
-    case DType::kFloat32:
-      select_typed<float>(p, parallel_for);
-      break;
-    case DType::kFloat64:
-      select_typed<double>(p, parallel_for);
-      break;
-    case DType::kBFloat16:
-      select_typed<bf16_t>(p, parallel_for);
-      break;
-    case DType::kFloat16:
-      select_typed<fp16_t>(p, parallel_for);
-      break;
-  }
+void run_last_row(const DecodeParams& p, const ParallelFor& parallel_for) {
+  visit_elem(p.score_dtype, [&](auto s) { select_typed<std::remove_pointer_t<decltype(s)>>(p, parallel_for); });
   run_decode(p, parallel_for);
 }
 
-void run_decode(const DecodeParams& p,
-                const std::function<void(int64_t, const std::function<void(int64_t, int64_t)>&)>& parallel_for) {
+void run_decode(const DecodeParams& p, const ParallelFor& parallel_for) {
   if (p.num_heads_k <= 0 || p.planes_per_batch <= 0 || p.num_heads % p.planes_per_batch != 0 ||
       p.planes_per_batch % p.num_heads_k != 0 || p.head_dim <= 0 || p.window <= 0)
     throw std::invalid_argument(
         "flexdma cpu decode: heads must group onto planes and kv heads, head_dim and window positive");
   if (p.batch == 0) return;
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return run_scores<float>(p, parallel_for);
-    case DType::kFloat64:
-      return run_scores<double>(p, parallel_for);
-    case DType::kBFloat16:
-      return run_scores<bf16_t>(p, parallel_for);
-    case DType::kFloat16:
-      return run_scores<fp16_t>(p, parallel_for);
-  }
+  visit_elem(p.dtype, [&](auto t) {
+    visit_elem(p.score_dtype, [&](auto s) {
+      run_typed<std::remove_pointer_t<decltype(t)>, std::remove_pointer_t<decltype(s)>>(p, parallel_for);
+    });
+  });
 }
 
 }  // namespace cpu

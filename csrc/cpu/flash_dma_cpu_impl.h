@@ -808,32 +808,12 @@ void bwd_typed(const BwdParams& p, const ScoreConsts& consts, const ParallelFor&
 
 // Entry points of this copy; the params are checked by the caller.
 inline void run_fwd_isa(const FwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return fwd_typed<float>(p, c, parallel_for);
-    case DType::kFloat64:
-      return fwd_typed<double>(p, c, parallel_for);
-    case DType::kBFloat16:
-      return fwd_typed<bf16_t>(p, c, parallel_for);
-    case DType::kFloat16:
-      return fwd_typed<fp16_t>(p, c, parallel_for);
-  }
-  throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
+  visit_elem(p.dtype, [&](auto t) { fwd_typed<std::remove_pointer_t<decltype(t)>>(p, c, parallel_for); });
 }
 
 inline void run_bwd_isa(const BwdParams& p, const ScoreConsts& c, const ParallelFor& parallel_for,
                         int64_t num_threads) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return bwd_typed<float>(p, c, parallel_for, num_threads);
-    case DType::kFloat64:
-      return bwd_typed<double>(p, c, parallel_for, num_threads);
-    case DType::kBFloat16:
-      return bwd_typed<bf16_t>(p, c, parallel_for, num_threads);
-    case DType::kFloat16:
-      return bwd_typed<fp16_t>(p, c, parallel_for, num_threads);
-  }
-  throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(p.dtype)));
+  visit_elem(p.dtype, [&](auto t) { bwd_typed<std::remove_pointer_t<decltype(t)>>(p, c, parallel_for, num_threads); });
 }
 
 }  // namespace FLEXDMA_CPU_ISA

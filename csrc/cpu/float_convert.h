@@ -3,6 +3,10 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "../flash_dma_params.h"
 
 namespace flexdma {
 namespace cpu {
@@ -107,6 +111,23 @@ struct Elem<fp16_t> {
   static float load(fp16_t x) { return fp16_to_float(x); }
   static fp16_t store(float x) { return float_to_fp16(x); }
 };
+
+// f(static_cast<T*>(nullptr)) with T the element type of `dtype` (a tag: the callee names the type
+// as std::remove_pointer_t<decltype(tag)>): one switch for every templated entry point.
+template <class F>
+decltype(auto) visit_elem(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(static_cast<float*>(nullptr));
+    case DType::kFloat64:
+      return f(static_cast<double*>(nullptr));
+    case DType::kBFloat16:
+      return f(static_cast<bf16_t*>(nullptr));
+    case DType::kFloat16:
+      return f(static_cast<fp16_t*>(nullptr));
+  }
+  throw std::invalid_argument("flexdma cpu: unknown dtype " + std::to_string(static_cast<int>(dtype)));
+}
 
 }  // namespace cpu
 }  // namespace flexdma
