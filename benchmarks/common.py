@@ -45,6 +45,21 @@ def issue_time(fn, n: int, warmup: int = 0) -> tuple:
     return host, (time.perf_counter() - t0) / n
 
 
+def print_profile(fn, n: int, sort: str = "tottime", lines: int = 25) -> None:
+    """cProfile of n calls of `fn` (the GPU drained after them), its `lines` heaviest functions by
+    `sort`: where an eager call's host time goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats(sort).print_stats(lines)
+
+
 def write_json(path: str, doc: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"

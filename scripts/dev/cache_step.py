@@ -11,15 +11,13 @@ python -m scripts.dev.cache_step [K,K...] [--profile]   (--profile: cProfile of 
 step, by own time)
 """
 
-import cProfile
 import json
-import pstats
 import sys
 
 import torch
 
 import flexdma
-from benchmarks.common import issue_time
+from benchmarks.common import issue_time, print_profile
 from benchmarks.perkey import device_ops
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
@@ -72,14 +70,8 @@ def main():
         if "--profile" in sys.argv:
             with torch.no_grad():
                 for name, fn in (("api", api), ("nn_step", nn_step)):
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(500):
-                        fn()
-                    prof.disable()
-                    torch.cuda.synchronize()
                     print(f"== {name} K={K}: cProfile, 500 calls")
-                    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+                    print_profile(fn, 500)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,14 @@ training call, by cumulative time.
 python -m scripts.dev.host_parts [L]
 """
 
-import cProfile
 import math
-import pstats
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import flexdma
-from benchmarks.common import issue_time
+from benchmarks.common import issue_time, print_profile
 from flexdma.perkey import contract, ops
 from scripts.dev import perkey_dev as TD
 
@@ -99,13 +97,7 @@ def main():
     for name, fn in parts.items():
         print(f"{name:24s} host/wall us {host(fn)}", flush=True)
 
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(100):
-        api_train()
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(45)
+    print_profile(api_train, 100, sort="cumulative", lines=45)
 
 
 if __name__ == "__main__":
