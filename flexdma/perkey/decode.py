@@ -76,7 +76,7 @@ def append_rows(kept: KeptSet, s_new: torch.Tensor, start: Union[int, torch.Tens
     so stays in the buffers the prefill allocated: a CUDA graph's outputs are overwritten by its
     next replay). float64 scores take the torch ops: the kernel ranks in float32, and a float64
     set is ranked in float64 (order_key)."""
-    if isinstance(start, int) and kept.score.dtype != torch.float64 and _one_kernel_ok(kept.idx.device):
+    if isinstance(start, int) and kept.score.dtype != torch.float64 and _rows_kernel_ok(kept.idx.device):
         return rows_kernel().append_rows(kept, s_new, start, eligible)
     B, P, W = kept.idx.shape
     T = s_new.shape[-1]
@@ -107,7 +107,7 @@ def select_batch(kept: KeptSet, index: torch.Tensor) -> KeptSet:
     return KeptSet(*(t.index_select(0, index.to(t.device)) for t in kept))
 
 
-def _one_kernel_ok(device: torch.device) -> bool:
+def _rows_kernel_ok(device: torch.device) -> bool:
     """Whether the few-rows Triton kernel can run here (not while torch.compile traces: the
     torch ops trace, and replay in a CUDA graph, as they are)."""
     return device.type == "cuda" and _ext.HAVE_TRITON and not torch.compiler.is_compiling()

@@ -1,7 +1,7 @@
 """A step of T new tokens (2..cache.MAX_ROWS) against a kept set on CUDA, in one kernel launch:
 the T O(W) updates of decode.append_rows, each new row's kept set among the union of the W old
 slots and the T new keys, and the kept set after the last key, updated in place. Bit for bit
-decode.append_rows's outputs (tests/perkey/interpret_rows.py). Imports triton: loaded by decode.kernels.
+decode.append_rows's outputs (tests/perkey/interpret_rows.py). Imports triton: loaded by decode.rows_kernel.
 
 One program per (batch, plane) runs the updates in order (each is a reduction over the W slots, so
 T of them are T passes over W entries: microseconds, against a Python loop of ~10 launches a key).
