@@ -26,28 +26,30 @@ def check_tensor(name: str, t, *, ndim: Optional[int] = None) -> None:
 
 
 def check_qkv(query, key, value) -> None:
+    # Each attribute read once: this runs on every eager call, a decode step's too.
     for name, t in (("query", query), ("key", key), ("value", value)):
-        check_tensor(name, t, ndim=4)
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if key.dtype != query.dtype or value.dtype != query.dtype:
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            check_tensor(name, t, ndim=4)
+    dt = query.dtype
+    if dt not in FLOAT_DTYPES or key.dtype != dt or value.dtype != dt:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
         raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    if key.device != query.device or value.device != query.device:
-        raise ValueError(
-            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
-        )
-    if key.shape != value.shape:
+    dev = query.device
+    if key.device != dev or value.device != dev:
+        raise ValueError(f"query, key and value must be on one device, got {dev}, {key.device}, {value.device}")
+    qs, ks = query.shape, key.shape
+    if ks != value.shape:
         raise ValueError(f"key and value must have the same shape, got {_shape(key)} and {_shape(value)}")
-    B, Q, H, D = query.shape
-    if key.shape[0] != B:
-        raise ValueError(
-            f"key batch {key.shape[0]} does not match query batch {B} (query {_shape(query)}, key {_shape(key)})"
-        )
-    if key.shape[3] != D:
-        raise ValueError(f"key head_dim {key.shape[3]} does not match query head_dim {D}")
+    B, Q, H, D = qs
+    if ks[0] != B:
+        raise ValueError(f"key batch {ks[0]} does not match query batch {B} (query {_shape(query)}, key {_shape(key)})")
+    if ks[3] != D:
+        raise ValueError(f"key head_dim {ks[3]} does not match query head_dim {D}")
     if D == 0:
         raise ValueError(f"head_dim must be positive, got query shape {_shape(query)}")
-    KVH = key.shape[2]
+    KVH = ks[2]
     if KVH == 0 or H % KVH != 0:
         raise ValueError(f"query heads ({H}) must be a multiple of key/value heads ({KVH}) for GQA/MQA")
 
@@ -66,20 +68,22 @@ def check_broadcast(name: str, t: torch.Tensor, query: torch.Tensor, key: torch.
     """Validate a mask/bias against ({1|B}, {1|KVH|H}, {1|Q}, {1|K}); return it as a 4-D view."""
     t = _to_4d(name, t)
     B, Q, H, _ = query.shape
-    K, KVH = key.shape[1], key.shape[2]
-    allowed = ((1, B), (1, KVH, H), (1, Q), (1, K))
-    dims = ("batch", "heads", "query", "key")
-    for i, (got, ok) in enumerate(zip(t.shape, allowed)):
-        if got not in ok:
-            need = " or ".join(str(x) for x in sorted(set(ok)))
-            raise ValueError(
-                f"{name} of shape {_shape(t)} does not broadcast to (batch={B}, heads={H} (kv heads {KVH}), "
-                f"query={Q}, key={K}): its {dims[i]} dim is {got}, needs {need}"
-            )
+    _, K, KVH, _ = key.shape
+    b, h, q, k = shape = t.shape
+    if not ((b == 1 or b == B) and (h == 1 or h == KVH or h == H) and (q == 1 or q == Q) and (k == 1 or k == K)):
+        allowed = ((1, B), (1, KVH, H), (1, Q), (1, K))
+        dims = ("batch", "heads", "query", "key")
+        for i, (got, ok) in enumerate(zip(shape, allowed)):
+            if got not in ok:
+                need = " or ".join(str(x) for x in sorted(set(ok)))
+                raise ValueError(
+                    f"{name} of shape {_shape(t)} does not broadcast to (batch={B}, heads={H} (kv heads {KVH}), "
+                    f"query={Q}, key={K}): its {dims[i]} dim is {got}, needs {need}"
+                )
     if t.device != query.device:
         raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
     # Kernels read the key dim with unit stride; only other dims may be strided or broadcast.
-    if t.shape[3] > 1 and t.stride(3) != 1:
+    if k > 1 and t.stride(3) != 1:
         t = t.contiguous()
     return t
 

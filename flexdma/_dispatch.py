@@ -270,10 +270,36 @@ def select(backend: str, call: Call) -> str:
 # ------------------------------------------------------------------------------ the plan
 
 
+# Plans of eager calls by (backend, call, deterministic, torch's deterministic algorithms): a call
+# of a signature seen before (a training loop's steps, a static cache's decode steps) skips the
+# support checks. Everything `_decide` reads is in that key or fixed for the process (the build,
+# the GPU, whether triton and FlexAttention import). Bounded: a call's record holds its lengths,
+# which generation through the API changes every step.
+_PLANS: Dict[tuple, Plan] = {}
+_MAX_PLANS = 1024
+
+
 def plan(backend: str, call: Call, deterministic: bool) -> Plan:
     """The plan of a call: the backend `select` picks, on the per-key path the route (which binds
     the forward's kernels and its backward's) and whether a few rows run over kept sets; then the
     implementation of (path, layout, kernels). Raises if an explicitly named backend cannot."""
+    # Traced (dynamo), the decision is made in the trace: a lookup in a module-level dict there
+    # would be guarded on its contents.
+    if torch.compiler.is_compiling():
+        return _decide(backend, call, deterministic)
+    key = (backend, call, deterministic, torch.are_deterministic_algorithms_enabled())
+    try:
+        hit = _PLANS.get(key)
+    except TypeError:  # symbolic sizes (torch.export's non-strict trace): decided each time
+        return _decide(backend, call, deterministic)
+    if hit is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        hit = _PLANS[key] = _decide(backend, call, deterministic)
+    return hit
+
+
+def _decide(backend: str, call: Call, deterministic: bool) -> Plan:
     name = select(backend, call)
     layout, route, kernels = call.layout, None, name
     if call.path == "perkey":

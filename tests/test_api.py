@@ -1,5 +1,6 @@
 """Public API: argument errors, backend selection, compile/export integration, compat names."""
 
+import functools
 import re
 import warnings
 
@@ -177,6 +178,34 @@ def test_auto_fallback_warns_once_with_reason(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _dispatch.select("auto", call) == "reference"
+
+
+def test_plans_are_kept_by_call_signature(monkeypatch):
+    # A call of a signature seen before takes its plan without the support checks; what the plan
+    # reads from outside the call (torch's deterministic algorithms) is part of the key, and a
+    # changed call (a backward follows, another length) is planned again.
+    q, k, v = qkv()
+    bias = torch.randn(2, 2, 1, 11)
+    of = functools.partial(_dispatch.Call.of, q, k, v, None, bias, is_causal=True, softcap=0.0, keep_window_size=4)
+    first = _dispatch.plan("auto", of(requires_grad=False), False)
+    decided = []
+    monkeypatch.setattr(_dispatch, "_decide", lambda *a: decided.append(a) or first)
+    assert _dispatch.plan("auto", of(requires_grad=False), False) is first
+    assert decided == []
+    _dispatch.plan("auto", of(requires_grad=True), False)
+    _dispatch.plan("auto", of(requires_grad=False), True)
+    assert len(decided) == 2
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        _dispatch.plan("auto", of(requires_grad=False), False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(decided) == 3
+    short = _dispatch.Call.of(q, k[:, :7], v[:, :7], None, bias[..., :7], is_causal=True, softcap=0.0,
+                              keep_window_size=4, requires_grad=False)  # fmt: skip
+    _dispatch.plan("auto", short, False)
+    assert len(decided) == 4 and decided[-1][1].seqlen_k == 7
 
 
 def test_reference_backend_matches_attention_ref():

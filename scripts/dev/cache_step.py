@@ -1,6 +1,7 @@
 """Host time of a decode step and of its parts, at 128K and 512K cached keys (bf16, B=1, H=2,
 KVH=1, D=128, W=1024): the API's one-row call over the whole cache (flash_dma_attention with
-keep_window_size: kept sets built for the call), and the nn cache's step (DMACache.attend, as
+keep_window_size: one flexdma::perkey_last_row call), the op alone ("api_op") and the API's front
+before it ("api_front": checks, Call, plan, the scores' view), and the nn cache's step (DMACache.attend, as
 nn.DynamicMaskAttention runs it: the new key written into the buffers, the kept set updated and the
 row's attention in one op call, flexdma::decode_append), and its parts (the route; the op call
 alone), each issued 200 times back to back, then the GPU drained ("host" the issue
@@ -19,8 +20,10 @@ import torch
 import flexdma
 from benchmarks.common import issue_time, print_profile
 from benchmarks.perkey import device_ops
+from flexdma import _checks, _dispatch
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
+from flexdma.perkey import contract
 
 
 def main():
@@ -44,6 +47,21 @@ def main():
         def api():
             return flexdma.flash_dma_attention(q, k, v, None, bias, is_causal=True, keep_window_size=W)
 
+        def api_front():
+            # flexdma.api's steps before the op call, as it runs them for this call.
+            _checks.check_qkv(q, k, v)
+            b = _checks.check_bias(bias, q, k)
+            _checks.check_scalars(D, None, 0.0, True)
+            contract.check_operands(None, b, K)
+            call = _dispatch.Call.of(q, k, v, None, b, is_causal=True, softcap=0.0, keep_window_size=W)
+            _dispatch.plan("auto", call, False)
+            return contract.selection_scores(b, None, H, float64_ranks=False)
+
+        sc = contract.selection_scores(bias, None, H, float64_ranks=False)
+
+        def api_op():
+            return torch.ops.flexdma.perkey_last_row(q, k, v, sc, W, scale, 0.0)
+
         def nn_step():
             h = perkey_cache.route(q, k1, cache.kept_set, W, gathers_bias=True)
             return cache.attend(h, q, k1, v1, b1, pad, scale=scale)[0]
@@ -61,7 +79,8 @@ def main():
 
         res = dict(K=K, how=how)
         with torch.no_grad():
-            for name, fn in (("api", api), ("nn_step", nn_step), ("op", op), ("route", route), ("empty", empty)):
+            parts = (("api", api), ("api_front", api_front), ("api_op", api_op), ("nn_step", nn_step), ("op", op))
+            for name, fn in parts + (("route", route), ("empty", empty)):
                 h, w = issue_time(fn, 200, warmup=20)
                 res[name] = dict(host_us=round(h * 1e6, 1), wall_us=round(w * 1e6, 1))
             res["api_ops"] = device_ops(api)
