@@ -102,19 +102,23 @@ struct Plane {
 __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl) {
   __shared__ long long best_s[kDecodeWarps];
   __shared__ int32_t slot_s[kDecodeWarps], free_s[kDecodeWarps];
+  // No new key, or one that cannot enter (perkey_last_row; padding): nothing to decide. The same
+  // in every thread of the CTA (one plane), so the barriers below are skipped by all or none.
+  if (!pl.eligible || pl.sn == -INFINITY) return -1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t W = static_cast<int32_t>(p.window);
   long long best = 0x7FFFFFFFFFFFFFFFLL;
   int32_t best_slot = W, first_free = W;
   for (int32_t j = tid; j < W; j += kDecodeThreads) {
-    if (!pl.valid[j * p.valid_slot_stride]) {
+    // The three loads issued together (a slot's index and score do not wait for its flag).
+    const bool valid = pl.valid[j * p.valid_slot_stride];
+    const int64_t ix = pl.idx[j * p.idx_slot_stride];
+    const float sc = load_score(pl.score, p.score_dtype, j * p.score_slot_stride);
+    if (!valid) {
       first_free = min(first_free, j);
       continue;
     }
-    const int64_t ix = pl.idx[j * p.idx_slot_stride];
-    const long long packed =
-        (static_cast<long long>(order_key(load_score(pl.score, p.score_dtype, j * p.score_slot_stride))) << 32) |
-        (0x7FFFFFFFLL - ix);
+    const long long packed = (static_cast<long long>(order_key(sc)) << 32) | (0x7FFFFFFFLL - ix);
     if (packed < best) {  // strictly: a thread's slots rise, so its first slot of a value is kept
       best = packed;
       best_slot = j;
@@ -342,33 +346,41 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const Deco
 }
 
 // The splits' partial rows merged (log-sum-exp), the output written, then the plane's writes.
+// A warp a query row, a lane a split: the splits' maxima and sums are read at once, and the output
+// sums keep eight splits' reads in flight. Read one split after another, the merge is a chain of
+// L2 round trips as long as the splits are many (32 for one plane on 132 SMs).
 template <class T>
 __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const DecodeParams p, int splits) {
   __shared__ float w_s[kMaxSplits * kMaxGroup];
   __shared__ float l_s[kMaxGroup];
   const int64_t plane = blockIdx.x;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int G = static_cast<int>(p.num_heads / p.planes_per_batch), D = static_cast<int>(p.head_dim);
   const Plane pl(p, plane);
-  if (tid < G) {
+  for (int r = warp; r < G; r += kDecodeWarps) {
     float top = -INFINITY;
-    for (int u = 0; u < splits; ++u) top = fmaxf(top, partial(p, plane, u, splits)[tid]);
+    for (int u = lane; u < splits; u += 32) top = fmaxf(top, partial(p, plane, u, splits)[r]);
+    top = warp_max(top);
     const float use = top == -INFINITY ? 0.f : top;
     float l = 0.f;
-    for (int u = 0; u < splits; ++u) {
+    for (int u = lane; u < splits; u += 32) {
       const float* part = partial(p, plane, u, splits);
-      const float w = exp2f(part[tid] - use);
-      w_s[u * G + tid] = w;
-      l += w * part[G + tid];
+      const float w = exp2f(part[r] - use);
+      w_s[u * G + r] = w;
+      l += w * part[G + r];
     }
-    l_s[tid] = l;
+    l = warp_sum(l);
+    if (lane == 0) l_s[r] = l;
   }
   __syncthreads();
   T* ob = static_cast<T*>(p.out) + pl.b * p.o_batch_stride + pl.a * G * p.o_head_stride;
+  const int64_t unit = static_cast<int64_t>(G) * (D + 2);
+  const float* base = partial(p, plane, 0, splits) + 2 * G;
   for (int e = tid; e < G * D; e += kDecodeThreads) {
     const int r = e / D;
     float a = 0.f;
-    for (int u = 0; u < splits; ++u) a += w_s[u * G + r] * partial(p, plane, u, splits)[2 * G + e];
+#pragma unroll 8
+    for (int u = 0; u < splits; ++u) a += w_s[u * G + r] * base[u * unit + e];
     const float l = l_s[r];
     ob[r * p.o_head_stride + e % D] = from_float<T>(l == 0.f ? 0.f : a / l);  // no key kept: 0
   }
