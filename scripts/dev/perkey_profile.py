@@ -9,14 +9,12 @@ the Python functions that take it (cProfile).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import flexdma
-from benchmarks.common import issue_time
+from benchmarks.common import issue_time, print_profile
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -46,13 +44,7 @@ if __name__ == "__main__":
             n = 50
             host, wall = issue_time(fn, n)
             print(f"==== {name}: host {host * 1e3:.3f} ms a call, host + drain {wall * 1e3:.3f} ms a call")
-            pr = cProfile.Profile()
-            pr.enable()
-            for _ in range(n):
-                fn()
-            pr.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+            print_profile(fn, n, lines=18)
             continue
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
