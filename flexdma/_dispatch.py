@@ -3,9 +3,10 @@ limits, the `auto` policy, and one table of (path, layout, kernels) -> implement
 once per call into a `Plan` before any data moves.
 
 - `Call`: a small frozen record of a validated call (shapes, dtype, device, is_causal, softcap,
-  the mask's and bias's shapes, whether a backward will follow, keep_window_size; on the per-key
-  path the bias's dtype and the operands' alignment), built once by the public function
-  (`Call.of`: flexdma.api, padded; `Call.packed`: flexdma.varlen, FlashAttention's varlen layout).
+  the mask's and bias's shapes, whether a backward will follow and the LSE is wanted,
+  keep_window_size; on the per-key path the bias's dtype and the operands' alignment), built once
+  by the public function (`Call.of`: flexdma.api, padded; `Call.packed`: flexdma.varlen,
+  FlashAttention's varlen layout).
   Backends decide from it, not from the tensors.
 - `unsupported_reason(path, backend, call)`: why a backend cannot take the call (None: it can).
 - `select(backend, call)`: auto is the CUDA kernels where they support the call, FlexAttention
@@ -68,13 +69,17 @@ class Call(NamedTuple):
     layout: str = "padded"
     total_q: int = 0
     total_k: int = 0
+    need_lse: bool = False  # the caller wants the LSE too (return_lse; a packed call run by sequence)
 
     @property
     def path(self) -> str:
         return "dense" if self.keep_window_size is None else "perkey"
 
     @staticmethod
-    def of(q, k, v, mask, bias, *, is_causal: bool, softcap: float, keep_window_size=None, requires_grad=None):
+    def of(
+        q, k, v, mask, bias, *, is_causal: bool, softcap: float, keep_window_size=None, requires_grad=None,
+        need_lse: bool = False,
+    ):  # fmt: skip
         if requires_grad is None:
             requires_grad = _backward_follows(q, k, v, bias)
         B, Q, H, D = q.shape
@@ -95,10 +100,14 @@ class Call(NamedTuple):
             bool(requires_grad),
             keep_window_size,
             *perkey,
+            need_lse=need_lse,
         )
 
     @staticmethod
-    def packed(q, k, v, bias, cu_seqlens_q, max_seqlen_q, max_seqlen_k, *, is_causal, softcap, keep_window_size):
+    def packed(
+        q, k, v, bias, cu_seqlens_q, max_seqlen_q, max_seqlen_k, *, is_causal, softcap, keep_window_size,
+        need_lse: bool = False,
+    ):  # fmt: skip
         """The Call of a packed call: q (Tq, H, D), k / v (Tk, KVH, D), the per-key bias (heads, Tk)
         or None, as flexdma.varlen validated them; the bias's shape as a padded call's of one
         sequence holding every row ((1, heads, 1, Tk))."""
@@ -109,7 +118,7 @@ class Call(NamedTuple):
         return Call(
             q.device, q.dtype, cu_seqlens_q.shape[0] - 1, max_seqlen_q, H, D, max_seqlen_k, KVH, is_causal, softcap,
             None, None if bias is None else (1, bias.shape[0], 1, Tk), bool(requires_grad), keep_window_size,
-            *perkey, layout="packed", total_q=Tq, total_k=Tk,
+            *perkey, layout="packed", total_q=Tq, total_k=Tk, need_lse=need_lse,
         )  # fmt: skip
 
 
@@ -335,7 +344,7 @@ def by_sequence(packed: Plan, q, k, v, cu_q, cu_k, bias, scale, deterministic, n
         b_s = None if bias is None else bias[None, :, None, k0 : k0 + nk]
         one = Call.of(
             *views, None, b_s, is_causal=call.is_causal, softcap=call.softcap, keep_window_size=call.keep_window_size,
-            requires_grad=call.requires_grad,
+            requires_grad=call.requires_grad, need_lse=True,
         )  # fmt: skip
         p = plan(packed.backend, one, deterministic)
         out, lse = p.run(p, *views, None, b_s, scale, deterministic, True)

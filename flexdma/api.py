@@ -62,10 +62,12 @@ def flash_dma_attention(
     if keep_window_size is not None:
         keep_window_size = perkey.check_window(keep_window_size)
         perkey.check_operands(attn_mask, attn_bias, key.shape[1])
-    # The call, described once: every backend decision below reads it (a backward follows or not, too).
+    # The call, described once: every backend decision below reads it (whether a backward follows, or
+    # the LSE is wanted, too).
     call = _dispatch.Call.of(
-        query, key, value, attn_mask, attn_bias, is_causal=is_causal, softcap=softcap, keep_window_size=keep_window_size
-    )
+        query, key, value, attn_mask, attn_bias, is_causal=is_causal, softcap=softcap, keep_window_size=keep_window_size,
+        need_lse=bool(return_lse),
+    )  # fmt: skip
     # How it runs, decided once (backend, route, layout), then the implementation itself.
     plan = _dispatch.plan(backend, call, bool(deterministic))
     out, lse = plan.run(plan, query, key, value, attn_mask, attn_bias, scale, bool(deterministic), return_lse)

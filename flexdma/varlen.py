@@ -110,7 +110,7 @@ def flash_dma_attention_varlen(
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # the kernels read them flat
     call = _dispatch.Call.packed(
         query, key, value, attn_bias, cu_seqlens_q, max_seqlen_q, max_seqlen_k, is_causal=bool(is_causal),
-        softcap=softcap, keep_window_size=keep_window_size,
+        softcap=softcap, keep_window_size=keep_window_size, need_lse=bool(return_lse),
     )  # fmt: skip
     plan = _dispatch.plan(backend, call, bool(deterministic))
     out, lse = plan.run(

@@ -7,7 +7,7 @@ query rows after a long context over kept sets (`few_rows`, flexdma/perkey/cache
 from __future__ import annotations
 
 from ..dense import attention as dense_attention
-from . import cache, contract, naive, ops, route
+from . import cache, contract, naive, ops
 
 _flex = None
 
@@ -71,15 +71,11 @@ def packed(plan, query, key, value, cu_q, cu_k, attn_bias, scale: float, determi
 def few_rows(plan, query, key, value, attn_mask, attn_bias, scale: float, deterministic: bool, need_lse: bool):
     """A few query rows after a long context (the plan's "cache" layout): their kept sets from one
     sort of the keys and O(W) updates (cache.few_rows), their entries' K / V rows and biases
-    gathered, then the backend's dense kernels over them. One row without autograd (a decode
-    step), where the route says so: one op call (cache.last_row); asked for its LSE, which the op
-    does not return, the selection (`run`, on the route the padded call would take)."""
+    gathered, then the backend's dense kernels over them. One row without autograd and without
+    its LSE (a decode step), where the route says so: one op call (cache.last_row)."""
     call = plan.call
     if plan.route == cache.ONE_KERNEL:
-        if not need_lse:
-            return cache.last_row(call, query, key, value, attn_mask, attn_bias, scale), None
-        padded = type(plan)(call, plan.backend, "padded", route.decide(plan.backend, call, deterministic), run)
-        return run(padded, query, key, value, attn_mask, attn_bias, scale, deterministic, need_lse)
+        return cache.last_row(call, query, key, value, attn_mask, attn_bias, scale), None
     idx, keep = cache.few_rows(call, attn_mask, attn_bias)
     operands = cache.gather(query, key, value, attn_bias, idx, None, keep)
     # The dense call's plan, from the sizes alone (cache.gathered_call): a new record (dynamo before

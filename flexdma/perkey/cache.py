@@ -65,12 +65,13 @@ def route(
     An API call: `call` (flexdma._dispatch.Call) and `dense_reason(call)`, why its backend's dense
     path cannot take a call (None: the backend gathers no kept entries). Kept sets built for the
     call take it where few_rows_ok does and that dense path takes the gathered call; one row
-    without autograd, the one op where last_row_reason allows it (a call that also wants its LSE
-    then runs the selection: the op returns none; flexdma/perkey/attention.py's few_rows)."""
+    without autograd and without its LSE (the op returns none), the one op where last_row_reason
+    allows it."""
     if call is not None:
         if dense_reason is None or not few_rows_ok(call):
             return SELECTION
-        if statically_known_true(call.seqlen_q == 1) and not call.requires_grad and last_row_reason(call) is None:
+        one_row = statically_known_true(call.seqlen_q == 1) and not call.requires_grad and not call.need_lse
+        if one_row and last_row_reason(call) is None:
             return ONE_KERNEL
         return KEPT_SETS if dense_reason(gathered_call(call)) is None else SELECTION
     B, T = query.shape[:2]
@@ -200,6 +201,7 @@ def gathered_call(call):
         bias_shape=(P1, P2, 1, E),
         requires_grad=call.requires_grad,
         keep_window_size=None,
+        need_lse=call.need_lse,
     )
 
 
