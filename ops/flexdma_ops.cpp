@@ -546,8 +546,9 @@ TORCH_LIBRARY(flexdma, m) {
   // (B, K, KVH, D); each selection plane of `scores` (P1, P2, K) (flexdma/perkey/contract.py's
   // selection_scores: P1 in {1, B}, P2 in {1, KVH, H}, -inf never kept) keeps its top-`window` keys
   // by (score desc, index asc), and the row attends over them adding their scores (a kept key's
-  // score is its bias). Returns the output (B, 1, H, D). One selection launch and the decode step's
-  // attention on CUDA (float16 / bfloat16; scores float16, bfloat16 or float32).
+  // score is its bias). Returns the output (B, 1, H, D). On CUDA (float16 / bfloat16; scores float16,
+  // bfloat16 or float32) a radix select of the kept sets (two histogram launches for 16-bit scores,
+  // four for float32, then their ordered write) and the decode step's attention.
   m.def(
       "perkey_last_row(Tensor q, Tensor k, Tensor v, Tensor scores, int window, float softmax_scale, "
       "float softcap) -> Tensor",

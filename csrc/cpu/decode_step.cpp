@@ -34,11 +34,6 @@ int64_t order_key(double s, bool wide) {
   return bits < 0 ? bits ^ std::numeric_limits<int32_t>::max() : bits;
 }
 
-template <class S>
-double load_score(const void* base, int64_t at) {
-  return static_cast<double>(Elem<S>::load(static_cast<const S*>(base)[at]));
-}
-
 template <class T, class S>
 void decode_plane(const DecodeParams& p, int64_t plane) {
   using Acc = typename Elem<T>::acc;
