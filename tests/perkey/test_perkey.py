@@ -560,7 +560,7 @@ def test_decode_step(device):
         pytest.skip("needs a CUDA device")
     import decode_cases
 
-    decode_cases.check_all(device, cuda=device == "cuda")
+    decode_cases.check_all(device)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
