@@ -8,8 +8,8 @@ rows after a long context; flexdma/perkey/attention.py), nn.DynamicMaskAttention
   update in place and the row's attention over it in one op call (flexdma::decode_step through
   decode.attend_one; nn.DMACache calls flexdma::decode_append, which also writes the new key into
   its buffers);
-  An API call of one query row without autograd (a decode step through flash_dma_attention) also
-  routes here: the op flexdma::perkey_last_row selects the row's kept set from every key's score
+  An API call of one query row without autograd and without its LSE (a decode step through
+  flash_dma_attention) also routes here: the op flexdma::perkey_last_row selects the row's kept set from every key's score
   and attends over it, one call (`last_row_reason` says where its kernels take the call);
 - KEPT_SETS: each row's kept set among the old slots and the new keys, one O(W) update a key
   (decode.append_rows; the API, which carries no kept sets, first sorts the keys its first row
