@@ -544,12 +544,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> perkey_select_cuda(const at::Tens
 void decode_cuda_launch(DecodeParams& p, const char* op) {
   const char* why = cuda::decode_unsupported_reason(p);
   TORCH_CHECK_VALUE(why == nullptr, op, " on CUDA does not take this call: ", why);
+  // One allocation: the partial rows, then (16-byte aligned) the histogram rows.
+  const int64_t n = (cuda::decode_workspace_bytes(p) + 15) / 16 * 16;
+  const int64_t total = n + (p.scores ? cuda::last_row_select_bytes(p) : 0);
   const auto bytes = at::TensorOptions().dtype(at::kByte).device(at::kCUDA, at::cuda::current_device());
-  const int64_t n = cuda::decode_workspace_bytes(p);
-  const at::Tensor ws = n > 0 ? at::empty({n}, bytes) : at::Tensor();
-  p.workspace = n > 0 ? ws.data_ptr() : nullptr;
-  const at::Tensor rows = p.scores ? at::empty({cuda::last_row_select_bytes(p)}, bytes) : at::Tensor();
-  p.select_workspace = p.scores ? rows.data_ptr() : nullptr;
+  const at::Tensor ws = total > 0 ? at::empty({total}, bytes) : at::Tensor();
+  char* base = total > 0 ? static_cast<char*>(ws.data_ptr()) : nullptr;
+  p.workspace = n > 0 ? base : nullptr;
+  p.select_workspace = p.scores ? base + n : nullptr;
   if (p.scores)
     cuda::run_last_row(p, at::cuda::getCurrentCUDAStream().stream());
   else

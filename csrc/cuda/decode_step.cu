@@ -18,6 +18,7 @@
 
 #include "constants.cuh"
 #include "flash_dma_cuda.h"
+#include "launch.h"
 #include "mma_sm80.cuh"
 
 namespace flexdma {
@@ -51,14 +52,31 @@ __device__ __forceinline__ void copy_score(void* dst, int64_t d, const void* src
     static_cast<uint16_t*>(dst)[d] = static_cast<const uint16_t*>(src)[s];
 }
 
-// flexdma/perkey/kept.py's order_key of a float32 score: the float's order-preserving integer,
-// -0.0 equal to +0.0, every NaN above +inf.
-__device__ __forceinline__ int32_t order_key(float s) {
-  if (s != s) return 0x7FFFFFFF;
-  if (s == 0.f) return 0;
-  const int32_t bits = __float_as_int(s);
-  return bits < 0 ? bits ^ 0x7FFFFFFF : bits;
-}
+// A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf
+// (flexdma/perkey/kept.py's order_key, unsigned); kNegInf is -inf's (keys at or below it are not
+// eligible; 0 pads past the last key). The decision orders float32 values by OrderKey<float>: 16-bit
+// scores convert to float32 exactly, so their order is the same.
+template <class B, B kInf>
+struct OrderKeyOf {
+  using Bits = B;
+  static constexpr int kBits = 8 * sizeof(B);
+  static constexpr uint32_t kSign = 1u << (kBits - 1), kAll = kSign | (kSign - 1);
+  static constexpr uint32_t kNegInf = ~(kInf | kSign) & kAll;
+  __device__ static uint32_t of(uint32_t b) {
+    if ((b & (kSign - 1)) > kInf) return kAll;  // NaN
+    if ((b & (kSign - 1)) == 0) return kSign;   // -0.0 is +0.0
+    return (b & kSign) ? (~b & kAll) : (b | kSign);
+  }
+};
+template <class S>
+struct OrderKey;
+template <>
+struct OrderKey<__nv_bfloat16> : OrderKeyOf<uint16_t, 0x7F80> {};
+template <>
+struct OrderKey<__half> : OrderKeyOf<uint16_t, 0x7C00> {};
+template <>
+struct OrderKey<float> : OrderKeyOf<uint32_t, 0x7F800000u> {};
+__device__ __forceinline__ uint32_t float_order(float s) { return OrderKey<float>::of(__float_as_uint(s)); }
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -100,14 +118,14 @@ struct Plane {
 // The slot is the first free one, else the worst kept key's: the smallest (order key, then the
 // highest index) packed into one int64, its first slot.
 __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl) {
-  __shared__ long long best_s[kDecodeWarps];
+  __shared__ unsigned long long best_s[kDecodeWarps];
   __shared__ int32_t slot_s[kDecodeWarps], free_s[kDecodeWarps];
   // No new key, or one that cannot enter (perkey_last_row; padding): nothing to decide. The same
   // in every thread of the CTA (one plane), so the barriers below are skipped by all or none.
   if (!pl.eligible || pl.sn == -INFINITY) return -1;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int32_t W = static_cast<int32_t>(p.window);
-  long long best = 0x7FFFFFFFFFFFFFFFLL;
+  unsigned long long best = ~0ull;
   int32_t best_slot = W, first_free = W;
   for (int32_t j = tid; j < W; j += kDecodeThreads) {
     // The three loads issued together (a slot's index and score do not wait for its flag).
@@ -118,7 +136,7 @@ __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl
       first_free = min(first_free, j);
       continue;
     }
-    const long long packed = (static_cast<long long>(order_key(sc)) << 32) | (0x7FFFFFFFLL - ix);
+    const unsigned long long packed = static_cast<unsigned long long>(float_order(sc)) << 32 | (0x7FFFFFFFull - ix);
     if (packed < best) {  // strictly: a thread's slots rise, so its first slot of a value is kept
       best = packed;
       best_slot = j;
@@ -126,7 +144,7 @@ __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const long long ob = __shfl_xor_sync(0xffffffffu, best, o);
+    const unsigned long long ob = __shfl_xor_sync(0xffffffffu, best, o);
     const int32_t os = __shfl_xor_sync(0xffffffffu, best_slot, o);
     if (ob < best || (ob == best && os < best_slot)) {
       best = ob;
@@ -151,7 +169,8 @@ __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl
     first_free = min(first_free, free_s[w]);
   }
   const bool free = first_free < W;
-  const bool enter = pl.eligible && pl.sn != -INFINITY && (free || order_key(pl.sn) > static_cast<int32_t>(best >> 32));
+  const bool enter =
+      pl.eligible && pl.sn != -INFINITY && (free || float_order(pl.sn) > static_cast<uint32_t>(best >> 32));
   return enter ? (free ? first_free : best_slot) : -1;
 }
 
@@ -403,29 +422,6 @@ constexpr int kSelectUnroll = 4;     // 256-key steps a warp loads at once
 constexpr int kSelectChunk = 8192;   // keys a CTA takes at least
 constexpr int kRow = 257;            // a chunk's row: 256 bins, then the keys above the prefix
 constexpr int kMaxSelectCtas = 256;  // CTAs a plane at most
-
-// A score's order as an unsigned key (larger = kept first): -0.0 equal to +0.0, NaN above +inf;
-// kNegInf is -inf's (keys at or below it are not eligible; 0 pads past the last key).
-template <class B, B kInf>
-struct OrderKeyOf {
-  using Bits = B;
-  static constexpr int kBits = 8 * sizeof(B);
-  static constexpr uint32_t kSign = 1u << (kBits - 1), kAll = kSign | (kSign - 1);
-  static constexpr uint32_t kNegInf = ~(kInf | kSign) & kAll;
-  __device__ static uint32_t of(uint32_t b) {
-    if ((b & (kSign - 1)) > kInf) return kAll;  // NaN
-    if ((b & (kSign - 1)) == 0) return kSign;   // -0.0 is +0.0
-    return (b & kSign) ? (~b & kAll) : (b | kSign);
-  }
-};
-template <class S>
-struct OrderKey;
-template <>
-struct OrderKey<__nv_bfloat16> : OrderKeyOf<uint16_t, 0x7F80> {};
-template <>
-struct OrderKey<__half> : OrderKeyOf<uint16_t, 0x7C00> {};
-template <>
-struct OrderKey<float> : OrderKeyOf<uint32_t, 0x7F800000u> {};
 
 // Keys i .. i + 7 of a plane (0 past K): 16 bytes at a time where the plane allows.
 template <class S>
@@ -708,13 +704,6 @@ __global__ void __launch_bounds__(kSelectThreads)
       static_cast<Bits*>(p.kept_score)[plane * W + j] = 0;
     }
   }
-}
-
-int sm_count() {
-  int dev = 0, sms = 1;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return sms;
 }
 
 // CTAs a plane: a power of two, so that planes x splits about fills the SMs, each with at least

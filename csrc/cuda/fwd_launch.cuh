@@ -37,9 +37,7 @@ FwdPlan<T, D> plan_fwd(const FwdParams& p) {
   constexpr bool kWs = fwd_warp_specialized<D>();
   FwdPlan<T, D> plan;
   int per_sm = 2;
-  int dev = 0, sms = 1;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int sms = sm_count();
   plan.sms = sms;
   FwdFlags& f = plan.f;
   // Two consecutive query heads share their operands when they share a kv head and every

@@ -4,12 +4,29 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "../flash_dma_params.h"
 #include "head_dims.h"
 #include "smem_layout.cuh"
 
 namespace flexdma {
 namespace cuda {
+
+// The current device's SM count, asked of the runtime once a device: every launch plan reads it
+// (a decode step's plan three times a call).
+inline int sm_count() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  int dev = 0, sms = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 0 && dev < kDevices) sms = known[dev].load(std::memory_order_relaxed);
+  if (sms > 0) return sms;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  sms = sms > 0 ? sms : 1;
+  if (dev >= 0 && dev < kDevices) known[dev].store(sms, std::memory_order_relaxed);
+  return sms;
+}
 
 template <typename T, int D>
 void launch_fwd(const FwdParams& p, cudaStream_t stream);
