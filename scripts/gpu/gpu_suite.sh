@@ -8,6 +8,8 @@
 #                                                 # fits one call; the interpreter tests are CPU tests)
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
+#   bash scripts/gpu/gpu_suite.sh ncu OUTDIR            # Nsight Compute on one per-key kernel (NCU_KERNELS, default select_kernel)
+#                                                 # at NCU_LENGTHS (default 32768 131072): ncu.txt
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (scripts/dev/flex_check.py)
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
 #   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # scripts/dev/cuda_dev.py: the target shapes, kernel split
@@ -21,7 +23,7 @@
 #   bash scripts/gpu/gpu_suite.sh dogeprofile OUTDIR    # scripts/dev/doge_decode_profile.py: a Doge decode token, profiled
 #   PART=1..7 bash scripts/gpu/gpu_suite.sh bench OUTDIR # one part of the benchmark suite (run_all.sh)
 #   bash scripts/gpu/gpu_suite.sh tests+sanitizer OUTDIR # parts joined by '+' run in one call, in the order
-#                                                 # tests, perkey, sanitizer, cudadev, selbench, hostparts, cachestep, dogeprofile, perkeybench, decodebench, varlenbench,
+#                                                 # tests, perkey, sanitizer, ncu, cudadev, selbench, hostparts, cachestep, dogeprofile, perkeybench, decodebench, varlenbench,
 #                                                 # tests2, flexcheck, bench, aoti
 # Every call builds first (sm_90, setup.py's head dims unless FLEXDMA_HEAD_DIMS names some; ~95 s
 # for all six); SKIP_BUILD=1 keeps the extension a warm machine's earlier call built. The pytest
@@ -94,6 +96,24 @@ if has sanitizer; then
     cp "$out/san.tmp" "$out/san_$tool.log"
   done
   rm -f "$out/san.tmp"
+fi
+if has ncu; then
+  # One kernel of the per-key training call (B=1 H=2 KVH=1 D=128, one selection plane) at each
+  # length: Nsight Compute's details page and the warp-state samples by role, in one file.
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for L in ${NCU_LENGTHS:-32768 131072}; do
+    for kern in ${NCU_KERNELS:-select_kernel}; do
+      rep=$out/ncu_${kern}_$((L / 1024))k
+      timeout $(cap 200) "$NCU" --clock-control none --set full --import-source yes -k regex:$kern --launch-skip 1 -c 1 \
+        -f -o "$rep" $PY -m scripts.dev.ncu_samples calls 1 $L 2 1 128 1 > "$out/ncu.tmp" 2>&1
+      echo "ncu $kern L=$L rc=$?" | tee -a "$log"; tail -3 "$out/ncu.tmp" >> "$log"
+      { echo "## $kern L=$L"; "$NCU" -i "$rep.ncu-rep" --page details; } >> "$out/ncu.txt" 2>&1
+      "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+      $PY -m scripts.dev.ncu_samples regions "$rep.sass.csv" >> "$out/ncu.txt" 2>&1
+      grep -E "^ *Duration|Issue Slots Busy" "$out/ncu.txt" | tail -2 | tee -a "$log"
+      rm -f "$rep.ncu-rep" "$rep.sass.csv" "$out/ncu.tmp"
+    done
+  done
 fi
 if has cudadev; then
   timeout 200 $PY scripts/dev/cuda_dev.py --out "$out/cuda_dev.json" > "$out/cuda_dev.log" 2>&1
