@@ -74,7 +74,10 @@ def _allowed(kernel):
     return max([b for pat, b in KNOWN_SPILLS.items() if re.search(pat, kernel)], default=0)
 
 
-@pytest.mark.parametrize("src", _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/perkey_select.cu"])
+@pytest.mark.parametrize(
+    "src",
+    _instantiations((64, 128)) + ["csrc/cuda/tile_meta.cu", "csrc/cuda/perkey_select.cu", "csrc/cuda/decode_step.cu"],
+)
 def test_kernels_compile_without_spills(src, tmp_path):
     log = _nvcc(src, tmp_path)
     spills = _spills(log)

@@ -470,59 +470,62 @@ struct SelectState {
 template <int kBits>
 __device__ SelectState derive_state(const uint32_t* rows, int64_t plane, int64_t planes, int ctas, int upto,
                                     uint32_t W) {
-  __shared__ uint32_t bins[256];
+  constexpr int kPasses = kBits / 8;
+  __shared__ uint32_t bins[kPasses][256];
   __shared__ SelectState st_s;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  SelectState st;
-  st.remain = W;
-  for (int d = 0; d < upto; ++d) {
-    const uint32_t* r = rows + (static_cast<int64_t>(d) * planes + plane) * ctas * kRow;
-    for (int b = tid; b < 256; b += kSelectThreads) {
-      uint32_t c = 0;
-      for (int x = 0; x < ctas; ++x) c += r[x * kRow + b];
-      bins[b] = c;
+  // Every pass's bins at once: a pass's rows were counted under the digits before it, which are
+  // already fixed, so its sums need not wait for those choices (one chain of row loads, not one a
+  // pass: the ordered write reads two passes' rows, four for float32 scores).
+  for (int b = tid; b < 256; b += kSelectThreads) {
+    uint32_t c[kPasses] = {};
+#pragma unroll 4
+    for (int x = 0; x < ctas; ++x) {
+#pragma unroll
+      for (int d = 0; d < kPasses; ++d)
+        if (d < upto) c[d] += rows[((static_cast<int64_t>(d) * planes + plane) * ctas + x) * kRow + b];
     }
-    __syncthreads();
-    if (warp == 0) {
+#pragma unroll
+    for (int d = 0; d < kPasses; ++d) bins[d][b] = c[d];
+  }
+  __syncthreads();
+  // The choices, in warp 0: a lane holds eight bins from the top, the lane where the count reaches
+  // the keys still to take finds the digit, and a shuffle gives it to the others.
+  if (warp == 0) {
+    SelectState st;
+    st.remain = W;
+    for (int d = 0; d < upto; ++d) {
       const int shift = kBits - 8 * (d + 1);
       uint32_t h[8], sum = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        h[j] = bins[255 - 8 * lane - j];
+        h[j] = bins[d][255 - 8 * lane - j];
         sum += h[j];
       }
       const uint32_t before = warp_exclusive(sum, lane);
-      uint32_t total = sum;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
-      if (d == 0 && total <= st.remain) {
-        if (lane == 0) {
-          st_s = st;
-          st_s.all = true;
-        }
-      } else if (before < st.remain && before + sum >= st.remain) {
-        uint32_t acc = before;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (acc + h[j] >= st.remain) {
-            SelectState n = st;
-            n.digit = 255 - 8 * lane - j;
-            n.prefix = st.prefix | (n.digit << shift);
-            n.mask = st.mask | (255u << shift);
-            n.remain = st.remain - acc;
-            st_s = n;
-            break;
-          }
-          acc += h[j];
-        }
+      if (d == 0 && __shfl_sync(0xffffffffu, before + sum, 31) <= st.remain) {
+        st.all = true;
+        break;
       }
+      uint32_t digit = 0, acc = before;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        if (acc + h[j] >= st.remain) {
+          digit = 255 - 8 * lane - j;
+          break;
+        }
+        acc += h[j];
+      }
+      const int src = __ffs(__ballot_sync(0xffffffffu, before < st.remain && before + sum >= st.remain)) - 1;
+      st.digit = __shfl_sync(0xffffffffu, digit, src);
+      st.prefix |= st.digit << shift;
+      st.mask |= 255u << shift;
+      st.remain -= __shfl_sync(0xffffffffu, acc, src);
     }
-    __syncthreads();
-    st = st_s;
-    __syncthreads();  // every thread has read st_s (and bins) before the next pass writes them
-    if (st.all) break;
+    if (lane == 0) st_s = st;
   }
-  return st;
+  __syncthreads();
+  return st_s;
 }
 
 // Pass `pass`: each CTA's histogram of the pass's digit over its chunk's keys that match the
@@ -537,21 +540,28 @@ __global__ void __launch_bounds__(kSelectThreads)
   __shared__ uint32_t above_s[kSelectWarps];
   const int64_t plane = blockIdx.x, planes = gridDim.x;
   const int c = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const SelectState st = derive_state<K_::kBits>(rows, plane, planes, ctas, pass, static_cast<uint32_t>(p.window));
-  if (st.all) return;  // pass 0 kept every eligible key: nothing more to count
-  const int shift = K_::kBits - 8 * (pass + 1);
   const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
                      (plane % p.score_planes2) * p.scores_head_stride;
   const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
   const int64_t c_lo = c * chunk, c_hi = min(c_lo + chunk, p.seqlen_k);
+  // A step: kSelectUnroll loads of 256 keys a warp. The first is issued before the digits are
+  // derived (it does not depend on them): a chunk of 8192 keys is one step.
+  uint32_t u[kSelectUnroll][8];
+  const auto load_step = [&](int64_t i0) {
+#pragma unroll
+    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 * kSelectWarps + lane * 8, c_hi, vec, u[k]);
+  };
+  const int64_t first = c_lo + warp * 256;
+  load_step(first);
+  const SelectState st = derive_state<K_::kBits>(rows, plane, planes, ctas, pass, static_cast<uint32_t>(p.window));
+  if (st.all) return;  // pass 0 kept every eligible key: nothing more to count
+  const int shift = K_::kBits - 8 * (pass + 1);
   for (int j = lane; j < 256; j += 32) hist[warp][j] = 0;
   __syncwarp();
   const uint32_t hi_bits = shift + 8 < 32 ? ~((1u << (shift + 8)) - 1) : 0u;
   uint32_t above = 0;
-  for (int64_t i0 = c_lo + warp * 256; i0 < c_hi; i0 += 256 * kSelectWarps * kSelectUnroll) {
-    uint32_t u[kSelectUnroll][8];
-#pragma unroll
-    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, i0 + k * 256 * kSelectWarps + lane * 8, c_hi, vec, u[k]);
+  for (int64_t i0 = first; i0 < c_hi; i0 += 256 * kSelectWarps * kSelectUnroll) {
+    if (i0 != first) load_step(i0);
 #pragma unroll
     for (int k = 0; k < kSelectUnroll; ++k) {
 #pragma unroll
@@ -589,10 +599,28 @@ __global__ void __launch_bounds__(kSelectThreads)
     select_write_kernel(const DecodeParams p, const uint32_t* rows, int ctas, int64_t chunk, int passes) {
   using K_ = OrderKey<S>;
   using Bits = typename K_::Bits;
-  __shared__ uint32_t warp_kept[kSelectWarps], warp_ties[kSelectWarps], base_s[3];
+  __shared__ uint32_t warp_above[kSelectWarps], warp_ties[kSelectWarps], base_s[3];
   __shared__ uint32_t chunk_above[kMaxSelectCtas], chunk_ties[kMaxSelectCtas];
   const int64_t plane = blockIdx.x, planes = gridDim.x, W = p.window;
   const int c = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
+                     (plane % p.score_planes2) * p.scores_head_stride;
+  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+  const int64_t c_lo = c * chunk, c_hi = min(c_lo + chunk, p.seqlen_k);
+  // Warp w owns the chunk's keys [lo, hi): a contiguous segment, so that its kept keys follow the
+  // earlier warps'.
+  const int64_t seg = (chunk / 256 + kSelectWarps - 1) / kSelectWarps * 256;
+  const int64_t lo = c_lo + warp * seg, hi = min(lo + seg, c_hi);
+  // The warp's keys a block of kSelectUnroll 256-key steps at a time, in registers: a segment of
+  // one block (chunks up to 8192 keys) is read once for the count and the write, and its loads
+  // are issued before the digits are derived (they do not depend on them).
+  constexpr int kBlock = kSelectUnroll * 256;
+  uint32_t u[kSelectUnroll][8];
+  const auto load_block = [&](int64_t b0) {
+#pragma unroll
+    for (int k = 0; k < kSelectUnroll; ++k) load8<S>(base, b0 + k * 256 + lane * 8, hi, vec, u[k]);
+  };
+  load_block(lo);
   const SelectState st = derive_state<K_::kBits>(rows, plane, planes, ctas, passes, static_cast<uint32_t>(W));
   const uint32_t T = st.all ? K_::kNegInf : st.prefix, r = st.all ? 0u : st.remain;
   const int last = st.all ? 0 : passes - 1;
@@ -626,74 +654,65 @@ __global__ void __launch_bounds__(kSelectThreads)
       ties_before += chunk_ties[x];
     }
   }
-  const Bits* base = static_cast<const Bits*>(p.scores) + (plane / p.score_planes2) * p.scores_batch_stride +
-                     (plane % p.score_planes2) * p.scores_head_stride;
-  const bool vec = (reinterpret_cast<uintptr_t>(base) & 15) == 0;
-  const int64_t c_lo = c * chunk, c_hi = min(c_lo + chunk, p.seqlen_k);
-  // Warp w owns the chunk's keys [lo, hi): a contiguous segment, so that its kept keys follow the
-  // earlier warps'.
-  const int64_t seg = (chunk / 256 + kSelectWarps - 1) / kSelectWarps * 256;
-  const int64_t lo = c_lo + warp * seg, hi = min(lo + seg, c_hi);
-  uint32_t ties_w = 0;
-  // Kept keys need the plane-wide tie rank: count the warp's ties first, then its kept keys below.
-  for (int64_t i = lo + lane * 8; i < hi; i += 256) {
-    uint32_t u[8];
-    load8<S>(base, i, hi, vec, u);
+  // The warp's ties and keys above T. Its kept keys follow from the plane's ties before it: a warp
+  // keeps its ties while the earlier ones number fewer than r, so no second counting pass.
+  uint32_t ties_w = 0, above_w = 0;
+  for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+    if (b0 != lo) load_block(b0);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) ties_w += u[j] == T;
+    for (int k = 0; k < kSelectUnroll; ++k)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        ties_w += u[k][j] == T;
+        above_w += u[k][j] > T;
+      }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ties_w += __shfl_xor_sync(0xffffffffu, ties_w, o);
-  if (lane == 0) warp_ties[warp] = ties_w;
+  for (int o = 16; o > 0; o >>= 1) {
+    ties_w += __shfl_xor_sync(0xffffffffu, ties_w, o);
+    above_w += __shfl_xor_sync(0xffffffffu, above_w, o);
+  }
+  if (lane == 0) warp_ties[warp] = ties_w, warp_above[warp] = above_w;
   __syncthreads();
-  uint32_t tie_run = base_s[1];
-  for (int w = 0; w < warp; ++w) tie_run += warp_ties[w];
-  // The warp's kept keys: a pass that counts them, then the pass that writes them.
-  uint32_t kept_run = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    uint32_t tr = tie_run;
-    if (pass == 1) {
-      kept_run = base_s[0];
-      for (int w = 0; w < warp; ++w) kept_run += warp_kept[w];
-    }
-    uint32_t counted = 0;
-    for (int64_t i0 = lo; i0 < hi; i0 += 256) {
-      const int64_t i = i0 + lane * 8;
-      uint32_t u[8];
-      load8<S>(base, i, hi, vec, u);
+  uint32_t tie_run = base_s[1], kept_run = base_s[0];
+  for (int w = 0; w < warp; ++w) {
+    kept_run += warp_above[w] + (tie_run >= r ? 0u : min(warp_ties[w], r - tie_run));
+    tie_run += warp_ties[w];
+  }
+  // The write: a 256-key step's ties and kept keys ranked by two warp scans.
+  const bool held = hi - lo <= kBlock;
+  for (int64_t b0 = lo; b0 < hi; b0 += kBlock) {
+    if (!held) load_block(b0);
+#pragma unroll
+    for (int k = 0; k < kSelectUnroll; ++k) {
+      if (b0 + k * 256 >= hi) break;  // the same in every lane
+      const int64_t i = b0 + k * 256 + lane * 8;
       uint32_t my_ties = 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) my_ties += u[j] == T;
+      for (int j = 0; j < 8; ++j) my_ties += u[k][j] == T;
       const uint32_t tie_before = warp_exclusive(my_ties, lane);
       bool kept[8];
       uint32_t my_kept = 0, seen = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const bool tie = u[j] == T;
-        kept[j] = u[j] > T || (tie && tr + tie_before + seen < r);
+        const bool tie = u[k][j] == T;
+        kept[j] = u[k][j] > T || (tie && tie_run + tie_before + seen < r);
         seen += tie;
         my_kept += kept[j];
       }
       const uint32_t kept_before = warp_exclusive(my_kept, lane);
-      if (pass == 1) {
-        uint32_t slot = kept_run + kept_before;
+      uint32_t slot = kept_run + kept_before;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (kept[j]) {
-            p.kept_idx[plane * W + slot] = i + j;
-            p.kept_valid[plane * W + slot] = 1;
-            static_cast<Bits*>(p.kept_score)[plane * W + slot] = base[i + j];
-            ++slot;
-          }
+      for (int j = 0; j < 8; ++j) {
+        if (kept[j]) {
+          p.kept_idx[plane * W + slot] = i + j;
+          p.kept_valid[plane * W + slot] = 1;
+          static_cast<Bits*>(p.kept_score)[plane * W + slot] = base[i + j];
+          ++slot;
         }
-        kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
       }
-      counted += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
-      tr += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
-    }
-    if (pass == 0) {
-      if (lane == 0) warp_kept[warp] = counted;
-      __syncthreads();
+      kept_run += __shfl_sync(0xffffffffu, kept_before + my_kept, 31);
+      tie_run += __shfl_sync(0xffffffffu, tie_before + my_ties, 31);
     }
   }
   // The free slots past the plane's kept keys (the last CTA, which knows the total).

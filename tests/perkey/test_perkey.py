@@ -185,6 +185,41 @@ def test_last_row_op_float32_scores(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_last_row_op_long_chunks(device):
+    # 64 planes of 40000 keys: on CUDA (up to ~250 SMs) each selection CTA takes a chunk above the
+    # 8192 keys its warps hold in registers, so the ordered write reads its segment again. Each
+    # plane keeps 10 keys above a tied score and the first 8 of its ties, which straddle a
+    # register block's end (key 1024), a warp's segment's (1280) or a chunk's (10240 on 132 SMs):
+    # a tie kept out of index order moves the output by ~0.03 of a value row, well over the bound.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import decode_cases
+
+    from flexdma.perkey import decode
+
+    g = torch.Generator().manual_seed(11)
+    B, H, KVH, K, D = 4, 16, 16, 40000, 16
+    n_above, n_ties = 10, 8
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q = torch.randn(B, 1, H, D, generator=g).to(device, dtype)
+    k, v = (torch.randn(B, K, KVH, D, generator=g).to(device, dtype) for _ in range(2))
+    scores = torch.randint(-3, 3, (B, KVH, K), generator=g).float()
+    scores[..., 7::11] = float("-inf")
+    for plane, s in enumerate(scores.view(B * KVH, K)):
+        start = (1000, 1260, 10220)[plane % 3]
+        s[start : start + 5 * 16 : 5] = 5.0  # 16 ties, the first 8 kept
+        s[30000:30010] = 5.0  # ties never reached
+        s[15000 + torch.randperm(15000, generator=g)[:n_above]] = 6.0
+    scores = scores.to(torch.bfloat16).to(device)
+    W = n_above + n_ties
+    with torch.no_grad():
+        out = torch.ops.flexdma.perkey_last_row(q, k, v, scores, W, D**-0.5, 0.0)
+    kept = decode.last_row(scores, W)
+    assert kept.valid.all() and (kept.score == 5).sum(-1).eq(n_ties).all()
+    decode_cases.check_out(out, q, k, v, kept, D**-0.5, 0.0, "long chunks")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_last_row_op_edges(device):
     # flexdma::perkey_last_row at the edges: one key (W above it: free slots), a plane whose keys
     # are all -inf (output 0), an empty batch, W = 1; and its argument errors, raised before
