@@ -186,6 +186,24 @@ def device_ops(fn) -> dict:
     return names
 
 
+def device_op_times(fn, calls: int = 20) -> dict:
+    """The device operations of fn by name, as device_ops counts them, with their mean time per
+    call in us (torch.profiler's kernel durations over `calls` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / calls
+    return {name: round(t, 2) for name, t in times.items()}
+
+
 def _launches(fn) -> int:
     return sum(device_ops(fn).values())
 

@@ -6,7 +6,7 @@ op's call left out ("api_front": checks, Call, plan, route), and the nn cache's 
 row's attention in one op call, flexdma::decode_append), and its parts (the route; the op call
 alone), each issued 200 times back to back, then the GPU drained ("host" the issue
 time per call, "wall" with the drain), the device operations of one call, and the API call's
-device operations by name.
+device operations by name, with their mean device time.
 
 python -m scripts.dev.cache_step [K,K...] [--profile]   (--profile: cProfile of 500 calls of each
 step, by own time)
@@ -19,7 +19,7 @@ import torch
 
 import flexdma
 from benchmarks.common import issue_time, print_profile
-from benchmarks.perkey import device_ops
+from benchmarks.perkey import device_op_times, device_ops
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
 from flexdma.perkey import contract
@@ -83,6 +83,7 @@ def main():
                 res[name] = dict(host_us=round(h * 1e6, 1), wall_us=round(w * 1e6, 1))
             res["api_ops"] = device_ops(api)
             res["nn_step_ops"] = device_ops(nn_step)
+            res["api_op_times_us"] = device_op_times(api)
         print(json.dumps(res), flush=True)
         if "--profile" in sys.argv:
             with torch.no_grad():
