@@ -474,16 +474,24 @@ __device__ SelectState derive_state(const uint32_t* rows, int64_t plane, int64_t
   __shared__ uint32_t bins[kPasses][256];
   __shared__ SelectState st_s;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (upto == 0) {  // the first pass: no digit chosen yet (the same in every thread)
+    SelectState st;
+    st.remain = W;
+    return st;
+  }
   // Every pass's bins at once: a pass's rows were counted under the digits before it, which are
   // already fixed, so its sums need not wait for those choices (one chain of row loads, not one a
-  // pass: the ordered write reads two passes' rows, four for float32 scores).
+  // pass: the ordered write reads two passes' rows, four for float32 scores). The row pointer
+  // moves by one add a row: the loop is latency-bound (one CTA an SM), so no index arithmetic.
+  const int64_t pass_stride = planes * ctas * kRow;
   for (int b = tid; b < 256; b += kSelectThreads) {
     uint32_t c[kPasses] = {};
+    const uint32_t* row = rows + plane * ctas * kRow + b;
 #pragma unroll 4
-    for (int x = 0; x < ctas; ++x) {
+    for (int x = 0; x < ctas; ++x, row += kRow) {
 #pragma unroll
       for (int d = 0; d < kPasses; ++d)
-        if (d < upto) c[d] += rows[((static_cast<int64_t>(d) * planes + plane) * ctas + x) * kRow + b];
+        if (d < upto) c[d] += row[d * pass_stride];
     }
 #pragma unroll
     for (int d = 0; d < kPasses; ++d) bins[d][b] = c[d];
@@ -629,29 +637,50 @@ __global__ void __launch_bounds__(kSelectThreads)
   // key where all are kept (pass 0's rows). Then, in chunk order, the kept keys and ties before
   // this chunk (a chunk keeps its ties while the plane's earlier ties number fewer than r), and
   // the plane's total kept keys.
-  for (int x = warp; x <= c; x += kSelectWarps) {
-    const uint32_t* row = last_rows + x * kRow;
-    uint32_t above = 0;
-    for (int b = lane; b < 256; b += 32) above += (st.all || b > static_cast<int>(st.digit)) ? row[b] : 0u;
+  // Two rows a warp in flight (a CTA late in the plane reads up to kMaxSelectCtas rows).
+  for (int x0 = warp; x0 <= c; x0 += 2 * kSelectWarps) {
+    const int x1 = x0 + kSelectWarps;
+    const uint32_t* row0 = last_rows + x0 * kRow;
+    const uint32_t* row1 = last_rows + min(x1, c) * kRow;
+    uint32_t above0 = 0, above1 = 0;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) above += __shfl_xor_sync(0xffffffffu, above, o);
+    for (int b = lane; b < 256; b += 32) {
+      const bool counted = st.all || b > static_cast<int>(st.digit);
+      above0 += counted ? row0[b] : 0u;
+      above1 += counted ? row1[b] : 0u;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      above0 += __shfl_xor_sync(0xffffffffu, above0, o);
+      above1 += __shfl_xor_sync(0xffffffffu, above1, o);
+    }
     if (lane == 0) {
-      chunk_above[x] = above + (st.all ? 0u : row[256]);
-      chunk_ties[x] = st.all ? 0u : row[st.digit];
+      chunk_above[x0] = above0 + (st.all ? 0u : row0[256]);
+      chunk_ties[x0] = st.all ? 0u : row0[st.digit];
+      if (x1 <= c) {
+        chunk_above[x1] = above1 + (st.all ? 0u : row1[256]);
+        chunk_ties[x1] = st.all ? 0u : row1[st.digit];
+      }
     }
   }
   __syncthreads();
-  if (tid == 0) {
-    uint32_t kept_before = 0, ties_before = 0;
-    for (int x = 0; x <= c; ++x) {
-      const uint32_t kept = chunk_above[x] + (ties_before >= r ? 0u : min(chunk_ties[x], r - ties_before));
+  // In chunk order, by warp 0's scans 32 chunks at a time: chunk x keeps its keys above T and its
+  // ties while the plane's earlier ties number fewer than r.
+  if (warp == 0) {
+    uint32_t kept_run = 0, ties_run = 0;
+    for (int x0 = 0; x0 <= c; x0 += 32) {
+      const int x = x0 + lane;
+      const uint32_t ties = x <= c ? chunk_ties[x] : 0u;
+      const uint32_t ties_before = ties_run + warp_exclusive(ties, lane);
+      const uint32_t kept = x <= c ? chunk_above[x] + (ties_before >= r ? 0u : min(ties, r - ties_before)) : 0u;
+      const uint32_t kept_before = kept_run + warp_exclusive(kept, lane);
       if (x == c) {
         base_s[0] = kept_before;
         base_s[1] = ties_before;
         base_s[2] = kept_before + kept;
       }
-      kept_before += kept;
-      ties_before += chunk_ties[x];
+      kept_run = __shfl_sync(0xffffffffu, kept_before + kept, 31);
+      ties_run = __shfl_sync(0xffffffffu, ties_before + ties, 31);
     }
   }
   // The warp's ties and keys above T. Its kept keys follow from the plane's ties before it: a warp

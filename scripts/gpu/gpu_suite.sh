@@ -171,3 +171,11 @@ if has aoti; then
   timeout $(cap ${AOTI_TIMEOUT:-200}) $PY -m pytest -q -ra -p no:cacheprovider tests/test_compile_model.py -k aoti >> "$log" 2>&1
   echo "aoti tests rc=$?" | tee -a "$log"
 fi
+# The logs name the tree's copy, the output folder and the Python install by their paths on the
+# machine: kept relative (the tree as '.', the install as 'site-packages', the interpreter as
+# 'python3'), they say the same.
+site=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" 2>/dev/null)
+exe=$($PY -c "import sys; print(sys.executable)" 2>/dev/null)
+for f in "$out"/*.log "$out"/*.txt "$out"/*.json; do
+  [ -f "$f" ] && sed -i -e "s#$out/##g" -e "s#$PWD#.#g" ${site:+-e "s#$site#site-packages#g"} ${exe:+-e "s#$exe#python3#g"} "$f"
+done
