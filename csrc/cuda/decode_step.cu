@@ -481,23 +481,20 @@ __device__ SelectState derive_state(const uint32_t* rows, int64_t plane, int64_t
   }
   // Every pass's bins at once: a pass's rows were counted under the digits before it, which are
   // already fixed, so its sums need not wait for those choices (one chain of row loads, not one a
-  // pass: the ordered write reads two passes' rows, four for float32 scores). The loop is
-  // latency-bound (one CTA an SM): the row pointer moves by one add a row, and a pass past `upto`
-  // reads pass 0's row again rather than branch (a branch between the loads kept ptxas from
-  // issuing a step's loads together).
-  int64_t pass_off[kPasses];
-#pragma unroll
-  for (int d = 0; d < kPasses; ++d) pass_off[d] = d < upto ? d * planes * ctas * kRow : 0;
+  // pass: the ordered write reads two passes' rows, four for float32 scores). The row pointer
+  // moves by one add a row: the loop is latency-bound (one CTA an SM), so no index arithmetic.
+  const int64_t pass_stride = planes * ctas * kRow;
   for (int b = tid; b < 256; b += kSelectThreads) {
     uint32_t c[kPasses] = {};
     const uint32_t* row = rows + plane * ctas * kRow + b;
 #pragma unroll 4
     for (int x = 0; x < ctas; ++x, row += kRow) {
 #pragma unroll
-      for (int d = 0; d < kPasses; ++d) c[d] += row[pass_off[d]];
+      for (int d = 0; d < kPasses; ++d)
+        if (d < upto) c[d] += row[d * pass_stride];
     }
 #pragma unroll
-    for (int d = 0; d < kPasses; ++d) bins[d][b] = d < upto ? c[d] : 0u;
+    for (int d = 0; d < kPasses; ++d) bins[d][b] = c[d];
   }
   __syncthreads();
   // The choices, in warp 0: a lane holds eight bins from the top, the lane where the count reaches
