@@ -479,7 +479,9 @@ def section(results_dir: str) -> List[str]:
             doc = dict(doc, doge=earlier["doge"], doge_commit=earlier.get("commit"))
     note = (
         "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
-        "peak = the call's memory above its inputs."
+        "peak = the call's memory above its inputs. The eager calls the host bounds (training calls "
+        "at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
+        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times."
     )
     out = run_section(doc, "per-key top-W", note, markdown(doc))
     if runs[0] is not doc and runs[0].get("commit") != doc.get("commit"):
