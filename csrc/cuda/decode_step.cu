@@ -116,7 +116,7 @@ struct Plane {
 
 // decode.append's decision, the same in every CTA of the plane: the slot the new key takes, or -1.
 // The slot is the first free one, else the worst kept key's: the smallest (order key, then the
-// highest index) packed into one int64, its first slot.
+// highest index) packed into one unsigned 64-bit word, its first slot.
 __device__ __forceinline__ int32_t decide(const DecodeParams& p, const Plane& pl) {
   __shared__ unsigned long long best_s[kDecodeWarps];
   __shared__ int32_t slot_s[kDecodeWarps], free_s[kDecodeWarps];
