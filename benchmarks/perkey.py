@@ -170,25 +170,9 @@ def _flex_window(c: dict, q, k, v, bias, options=SPARSE_MASK_OPTIONS):
     ).transpose(1, 2)
 
 
-def device_ops(fn) -> dict:
-    """The device operations (kernels, memsets, copies) one call of fn issues, counted by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            names[e.name[:60]] = names.get(e.name[:60], 0) + 1
-    return names
-
-
-def device_op_times(fn, calls: int = 20) -> dict:
-    """The device operations of fn by name, as device_ops counts them, with their mean time per
-    call in us (torch.profiler's kernel durations over `calls` calls)."""
+def _device_events(fn, calls: int) -> list:
+    """(name, device us) of every device operation (kernel, memset, copy) `calls` calls of fn
+    issue, after one call unprofiled (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -197,10 +181,24 @@ def device_op_times(fn, calls: int = 20) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return [(e.name[:60], e.time_range.elapsed_us()) for e in prof.events() if e.device_type == cuda]
+
+
+def device_ops(fn) -> dict:
+    """The device operations one call of fn issues, counted by name."""
+    names: dict = {}
+    for name, _ in _device_events(fn, 1):
+        names[name] = names.get(name, 0) + 1
+    return names
+
+
+def device_op_times(fn, calls: int = 20) -> dict:
+    """The device operations of fn by name, with their mean device time per call in us over
+    `calls` calls."""
     times: dict = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / calls
+    for name, us in _device_events(fn, calls):
+        times[name] = times.get(name, 0.0) + us / calls
     return {name: round(t, 2) for name, t in times.items()}
 
 
