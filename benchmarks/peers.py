@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 
 import flexdma
-from flexdma.dense.flex import ONE_STAGE, SMALL_BLOCKS
+from flexdma.dense.flex import KEY_TILE_64, ONE_STAGE, SMALL_BLOCKS
 
 from .configs import FLEXDMA_PEERS, KVH, Case, H
 
 # FlexAttention runs at its best options: each timing tries its defaults, flexdma's small blocks
-# (they fit every head dim with a captured bias that needs a gradient) and one forward stage, and
-# keeps the fastest.
-FLEX_OPTION_SETS = {"defaults": None, "small": SMALL_BLOCKS, "one_stage": ONE_STAGE}
+# (they fit every head dim with a captured bias that needs a gradient), one forward stage and the
+# forward's 64-key tile (the sm_90 head-dim-64 case, flex.KEY_TILE_64), and keeps the fastest.
+FLEX_OPTION_SETS = {"defaults": None, "small": SMALL_BLOCKS, "one_stage": ONE_STAGE, "key_tile_64": KEY_TILE_64}
 
 
 class Unavailable(Exception):

@@ -307,6 +307,38 @@ def test_perkey_report_keeps_the_run_with_every_peer(tmp_path):
     assert "## per-key top-W (h100, commit bbb2222)" in md and "the newest run" not in md
 
 
+def test_perkey_report_fills_a_cut_run_from_the_newest_finished_one(tmp_path):
+    # The newest run with every peer was cut by its time budget (rows not run, Doge rows short):
+    # its table still leads, the newest run that finished follows, and the Doge rows are that run's.
+    import json
+
+    from benchmarks import perkey
+
+    case = perkey.cases(quick=True)[0]
+    timed = dict(fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0)
+    full = {p: dict(timed) for p in ("sdpa", "flexdma", "flex", "flex-window")}
+    doge = lambda L: dict(case=dict(name=f"Doge train step L={L}K", L=L), peers={"flexdma": dict(ms=1.0, peak_mib=2.0)})  # noqa: E731
+    runs = (
+        ("old.json", "2026-11-22T00:00:00Z", "aaa1111", full, [doge(16), doge(64)], False),
+        ("done.json", "2026-11-23T00:00:00Z", "bbb2222", {"sdpa": full["sdpa"], "flexdma": full["flexdma"]}, [], False),
+        ("cut.json", "2026-11-24T00:00:00Z", "ccc3333", full, [doge(16)], True),
+    )
+    for name, date, commit, peers, doge_rows, cut in runs:
+        doc = dict(schema=perkey.SCHEMA, date=date, gpu_short="h200", commit=commit, doge=doge_rows)
+        doc["rows"] = [dict(case=case, peers=peers), dict(case=case, not_run="time budget")]
+        if cut:
+            doc["unfinished"] = True
+        (tmp_path / name).write_text(json.dumps(doc))
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert md.index("## per-key top-W (h200, commit ccc3333)") < md.index(
+        "## per-key top-W, the newest run that finished (h200, commit bbb2222)"
+    )
+    assert "Doge train step L=64K" in md and "The Doge rows are commit aaa1111's run" in md
+    (tmp_path / "cut.json").unlink()
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "the newest run that finished" not in md and "Doge rows are commit" not in md
+
+
 def test_decode_benchmark_table_and_report_section(tmp_path):
     from benchmarks import decode
 

@@ -47,20 +47,30 @@ __all__ = ["flex_dma_attention", "unsupported_reason", "block_mask_from_dense"]
 #   captured bias that needs a gradient, and one pipeline stage in both directions (a stage count
 #   that always fits; the default forward pipelining can be several times slower).
 # - ONE_STAGE: the defaults with one forward pipeline stage.
+# - KEY_TILE_64: the forward's key tile at 64, the rest of its config and the backward's at the
+#   defaults. On sm_90 at head dim 64, 16-bit, FlexAttention's default forward tile is 128 x 128 on
+#   four warps; with a score_mod that reads a captured bias its forward ran 24-26x slower than at
+#   128 x 64 (scripts/dev/flex_window_probe.py; perf log, 'FlexAttention at head dim 64 on sm_90').
+#   Prefixed fwd_ so the backward keeps its tiles; a call flex_decoding takes (fewer than 128 query
+#   rows) already uses 64-key tiles on sm_90, so it is unchanged.
 # Where nothing was measured a training call takes SMALL_BLOCKS (they always fit) and an inference
 # call the defaults. Defaults whose forward raises a resource error are remembered and replaced; one
 # whose backward did would raise, so only measured keys run a training call at the defaults.
 # Keyed by element size, not dtype: bfloat16 was measured, float16 has the same tiles.
 SMALL_BLOCKS = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "num_stages": 1}
 ONE_STAGE = {"fwd_num_stages": 1}
+KEY_TILE_64 = {"fwd_BLOCK_N": 64}
 MEASURED_OPTIONS: dict = {
-    ((9, 0), 64, 2, False): ONE_STAGE,
-    ((9, 0), 64, 2, True): ONE_STAGE,
+    ((9, 0), 64, 2, False): KEY_TILE_64,
+    ((9, 0), 64, 2, True): KEY_TILE_64,
     ((9, 0), 128, 2, False): None,
     ((9, 0), 128, 2, True): None,
     ((9, 0), 256, 2, False): None,
     ((9, 0), 256, 2, True): None,
 }
+# An inference call's choice with a block mask that skips most tiles, where it differs from the
+# defaults (sparse_mask_kernel_options).
+SPARSE_MEASURED_OPTIONS: dict = {((9, 0), 64, 2, False): KEY_TILE_64}
 _DEFAULTS_FAILED: set = set()
 
 
@@ -75,11 +85,15 @@ def sparse_mask_kernel_options(
     sliding window), where the general masks MEASURED_OPTIONS comes from keep most. A forward at
     FlexAttention's defaults measured 6.5x faster than ONE_STAGE at head dim 64 with a document mask
     (H100, the varlen bench's 64K mix: 4.1 against 27.0 ms) and 1.3x at 128 (7.4 against 9.9), so an
-    inference call takes the defaults (ONE_STAGE where they failed for resources). A training call,
-    not measured with such a mask, keeps kernel_options."""
+    inference call takes the defaults (ONE_STAGE where they failed for resources), except on sm_90 at
+    head dim 64, where the defaults' 128-key forward tile is the slow part (KEY_TILE_64; measured with
+    a sliding window, the document mask not again). A training call keeps kernel_options."""
     if training or device.type != "cuda":
         return kernel_options(device, head_dim, dtype, training)
-    return ONE_STAGE if _options_key(device, head_dim, dtype, training) in _DEFAULTS_FAILED else None
+    key = _options_key(device, head_dim, dtype, training)
+    if key in SPARSE_MEASURED_OPTIONS:
+        return SPARSE_MEASURED_OPTIONS[key]
+    return ONE_STAGE if key in _DEFAULTS_FAILED else None
 
 
 def kernel_options(device: torch.device, head_dim: int, dtype: torch.dtype, training: bool) -> Optional[dict]:

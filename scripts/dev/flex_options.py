@@ -1,5 +1,5 @@
 """Measures flexdma's FlexAttention backend with each kernel option set (flexdma/dense/flex.py:
-FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE) at one model shape per head dim, through
+FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE, KEY_TILE_64) at one model shape per head dim, through
 `flash_dma_attention(..., backend="flex")` itself, and prints the table flex.MEASURED_OPTIONS is
 filled from. A training call is forward + backward with a (B, KVH, 1, L) bias that needs a
 gradient (top-W general mask from create_mask); an inference call is the forward without grad.
@@ -22,7 +22,7 @@ import flexdma
 from flexdma import _device
 from flexdma.dense import flex
 
-SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
+SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE, "key_tile_64": flex.KEY_TILE_64}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

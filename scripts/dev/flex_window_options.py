@@ -1,5 +1,5 @@
 """The perkey bench's FlexAttention window peer (compiled, the last W keys a row sees, the per-key
-bias as score_mod) at each kernel option set (FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE):
+bias as score_mod) at each kernel option set (FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE, KEY_TILE_64):
 forward without grad and the training call (forward + backward), do_bench medians in ms, at one
 row per head dim and shape kind of the bench. What flex.sparse_mask_kernel_options takes for a
 sliding window comes from this table. An option set that fails (out of resources) is reported as
@@ -18,7 +18,7 @@ import torch
 from benchmarks import perkey
 from flexdma.dense import flex
 
-SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE}
+SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE, "key_tile_64": flex.KEY_TILE_64}
 NAMES = ("L=32K D=128", "B=2 L=8K H=16 KVH=4", "L=32K D=64", "B=2 L=8K H=16 KVH=4 D=64")
 
 

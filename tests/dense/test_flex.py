@@ -351,6 +351,28 @@ def test_kernel_options_follow_the_measurements(monkeypatch):
     assert flex.kernel_options(cuda, 64, torch.bfloat16, False) == flex.ONE_STAGE
 
 
+def test_sm90_head_dim_64_takes_the_64_key_forward_tile(monkeypatch):
+    # FlexAttention's sm_90 default forward tile at head dim 64 (128 x 128, four warps) is the slow
+    # case with a captured bias: every 16-bit call there, general or sparse mask, inference or
+    # training, narrows the forward's key tile and leaves the backward's tiles (no bwd_ / unprefixed
+    # keys) as they are; head dim 128 and other devices keep their choices.
+    from flexdma.dense import flex
+
+    monkeypatch.setattr(flex, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(flex, "_DEFAULTS_FAILED", set())
+    cuda = torch.device("cuda", 0)
+    for dtype in (torch.bfloat16, torch.float16):
+        for training in (False, True):
+            assert flex.kernel_options(cuda, 64, dtype, training) == flex.KEY_TILE_64
+            assert flex.sparse_mask_kernel_options(cuda, 64, dtype, training) == flex.KEY_TILE_64
+    assert all(k.startswith("fwd_") for k in flex.KEY_TILE_64)
+    assert flex.kernel_options(cuda, 128, torch.bfloat16, False) is None
+    assert flex.sparse_mask_kernel_options(cuda, 128, torch.bfloat16, False) is None
+    assert flex.sparse_mask_kernel_options(cuda, 64, torch.float32, False) is None
+    monkeypatch.setattr(flex, "device_capability", lambda device: (8, 0))
+    assert flex.sparse_mask_kernel_options(cuda, 64, torch.bfloat16, False) is None
+
+
 def test_resource_errors_are_recognised_through_wrappers():
     from flexdma.dense import flex
 
