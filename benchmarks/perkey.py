@@ -17,6 +17,10 @@ at dense SDPA's measured rate (the ideal: the keys each row keeps, 4 D H per kep
 forward, 3.5x that for a training call, over SDPA's FLOP/s on all visible keys in the same run),
 flexdma's TFLOP/s on the listed keys, its device launches per call (kernels, memsets, copies) and
 its peak memory above the inputs.
+
+`--d 64` (or 128) runs one head dim's rows (the Doge rows go with 128): every peer of the whole
+table does not fit one 10-minute call, so a run can be split; the report reads one commit's runs
+as one table.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from flexdma.integrations.transformers import patch_doge
 from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
 
+from . import configs
 from .common import Saving, chosen_peers, record, run_section, runs_of, table
 from .peers import compiled_flex
 
@@ -241,11 +246,16 @@ def _peak(fn) -> float:
 PEERS = ("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask")
 
 
-def run(quick: bool = False, peers=PEERS, budget: float = 480.0, rows: Optional[list] = None) -> dict:
-    """The kernel rows; appended to `rows` as they finish (the caller saves them as it goes)."""
+def run(
+    quick: bool = False, peers=PEERS, budget: float = 480.0, rows: Optional[list] = None, dims: Optional[list] = None
+) -> dict:
+    """The kernel rows (those of head dims `dims`, all where None); appended to `rows` as they
+    finish (the caller saves them as it goes)."""
     t0 = time.time()
     rows = [] if rows is None else rows
     for c in cases(quick):
+        if dims is not None and c["D"] not in dims:
+            continue
         if budget and time.time() - t0 > budget:
             rows.append(dict(case=c, not_run="time budget"))
             continue
@@ -463,15 +473,51 @@ def _measured_peers(doc: dict) -> set:
     return {p for r in doc.get("rows", []) for p in r.get("peers", {})}
 
 
+def _merged(runs: List[dict]) -> List[dict]:
+    """One document per (GPU, commit), newest first: a run split over calls (--d, or one a time
+    limit cut and a later call finished) read as one. A row measured in a later run replaces the
+    earlier one; a row one run left out is taken from another that ran it; the Doge rows are the
+    newest run's that has them. Unfinished while a row is not run, a head dim no run covered, or
+    the Doge rows come from a cut run."""
+    groups: dict = {}
+    for doc in sorted(runs, key=lambda d: d.get("date", "")):
+        groups.setdefault((doc.get("gpu_short"), doc.get("commit")), []).append(doc)
+    order = [c["name"] for c in cases()]
+    all_dims = {c["D"] for c in cases()}
+    out = []
+    for docs in groups.values():
+        covered = set().union(*(set(d.get("dims") or all_dims) for d in docs))
+        if len(docs) == 1 and covered == all_dims:
+            out.append(docs[0])
+            continue
+        rows: dict = {}
+        for d in docs:  # oldest first: a later measurement wins, a later "not run" does not
+            for r in d.get("rows", []):
+                if "not_run" not in r or r["case"]["name"] not in rows:
+                    rows[r["case"]["name"]] = r
+        merged = dict(docs[-1], merged_runs=len(docs))
+        merged["rows"] = sorted(
+            rows.values(), key=lambda r: order.index(r["case"]["name"]) if r["case"]["name"] in order else len(order)
+        )
+        doge_doc = next((d for d in reversed(docs) if d.get("doge")), None)
+        merged["doge"] = doge_doc["doge"] if doge_doc else []
+        merged.pop("unfinished", None)
+        merged["doge_unfinished"] = bool((doge_doc or {}).get("unfinished"))
+        if covered != all_dims or any("not_run" in r for r in merged["rows"]) or (doge_doc or {}).get("unfinished"):
+            merged["unfinished"] = True
+        out.append(merged)
+    return sorted(out, key=lambda d: d.get("date", ""), reverse=True)
+
+
 def section(results_dir: str) -> List[str]:
     """The newest run's tables that measured every peer of the table (else the newest run's);
     where that run left the Doge rows out (--peers without doge), the newest run's that has them,
     named. A newer run of fewer peers follows as its own section: its rows are the newest numbers."""
-    runs = runs_of(results_dir, SCHEMA)
+    runs = _merged(runs_of(results_dir, SCHEMA))
     if not runs:
         return []
     doc = next((d for d in runs if TABLE_PEERS <= _measured_peers(d)), runs[0])
-    if not doc.get("doge") or doc.get("unfinished"):
+    if not doc.get("doge") or doc.get("doge_unfinished", doc.get("unfinished")):
         # A cut run's Doge rows may stop short: those of the newest run that finished them.
         earlier = next((d for d in runs if d is not doc and d.get("doge") and not d.get("unfinished")), None)
         if earlier is not None:
@@ -505,11 +551,19 @@ def section(results_dir: str) -> List[str]:
 
 def main(args, env: dict) -> str:
     peers, doge = chosen_peers(args.peers, PEERS, "doge", "the train step rows", "perkey")
+    # --d splits a run over calls by head dim (the report merges one commit's runs); the Doge
+    # model's heads are 128 wide.
+    try:
+        dims = configs.parse_list(args.d, sorted({c["D"] for c in cases()}), int)
+    except ValueError as e:
+        raise SystemExit(f"--d: {e}")
+    doge = doge and (dims is None or 128 in dims)
     # Written after every row, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
-    doc = dict(schema=SCHEMA, rows=[], unfinished=True)
-    saving = Saving(doc, args.out, env, "perkey")
-    run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"))
+    doc = dict(schema=SCHEMA, rows=[], unfinished=True, dims=dims)
+    name = "perkey" if dims is None else "perkey_d" + "_".join(map(str, dims))
+    saving = Saving(doc, args.out, env, name)
+    run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"), dims=dims)
     if doge and not args.quick:
         try:
             doge_rows(rows=saving.list("doge"))

@@ -339,6 +339,42 @@ def test_perkey_report_fills_a_cut_run_from_the_newest_finished_one(tmp_path):
     assert "the newest run that finished" not in md and "Doge rows are commit" not in md
 
 
+def test_perkey_report_merges_a_run_split_by_head_dim(tmp_path):
+    # One commit's per-key run in two calls (--d 128 with the Doge rows, then --d 64) reads as one
+    # table; with the D = 64 half missing the table says so and the newest finished run follows.
+    import json
+
+    from benchmarks import perkey
+
+    timed = dict(fwd_ms=1.0, bwd_ms=2.0, fwd_bwd_ms=3.0)
+    full = {p: dict(timed) for p in ("sdpa", "flexdma", "flex", "flex-window")}
+    doge = [dict(case=dict(name="Doge train step L=16K", L=16384), peers={"flexdma": dict(ms=1.0, peak_mib=2.0)})]
+    old = dict(schema=perkey.SCHEMA, date="2026-11-22T00:00:00Z", gpu_short="h200", commit="aaa1111", doge=[])
+    old["rows"] = [dict(case=c, peers={"flexdma": dict(timed)}) for c in perkey.cases()]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    for d, date in ((128, "2026-11-23T00:00:00Z"), (64, "2026-11-23T01:00:00Z")):
+        doc = dict(schema=perkey.SCHEMA, date=date, gpu_short="h200", commit="bbb2222", dims=[d])
+        doc["rows"] = [dict(case=c, peers=full) for c in perkey.cases() if c["D"] == d]
+        doc["doge"] = doge if d == 128 else []
+        (tmp_path / f"d{d}.json").write_text(json.dumps(doc))
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "## per-key top-W (h200, commit bbb2222)" in md and "aaa1111" not in md
+    assert "| L=32K D=64 | 1.000 / 3.000" in md and "| L=32K D=128 | 1.000 / 3.000" in md
+    assert "Doge train step L=16K" in md and "not run" not in md
+    (tmp_path / "d64.json").unlink()
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "| L=32K D=64 |" not in md.split("aaa1111")[0]  # the D = 128 half alone: its rows only
+    assert "## per-key top-W, the newest run that finished (h200, commit aaa1111)" in md
+
+
+def test_perkey_subcommand_takes_head_dims(tmp_path):
+    from benchmarks import cli, perkey
+
+    args = cli._parse(["perkey", "--d", "96", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--d"):
+        perkey.main(args, dict(gpu_short="h200", date="2026-11-29T00:00:00Z", commit="x"))
+
+
 def test_decode_benchmark_table_and_report_section(tmp_path):
     from benchmarks import decode
 

@@ -16,7 +16,9 @@
 #   bash scripts/gpu/gpu_suite.sh selbench OUTDIR       # scripts/dev/select_bench.py: the per-key selection alone
 #   bash scripts/gpu/gpu_suite.sh hostparts OUTDIR      # scripts/dev/host_parts.py 8192 and host_small.py (cuda), three
 #                                                 # processes each: the eager call's host time and its parts
-#   bash scripts/gpu/gpu_suite.sh perkeybench OUTDIR      # python -m benchmarks perkey (PEERS: its --peers; default all)
+#   bash scripts/gpu/gpu_suite.sh perkeybench OUTDIR      # python -m benchmarks perkey (PEERS: its --peers; default all;
+#                                                 # PERKEY_D: its --d, the head dims' rows, e.g. 64: every peer
+#                                                 # fits one call a head dim, the report merges the commit's runs)
 #   bash scripts/gpu/gpu_suite.sh decodebench OUTDIR    # python -m benchmarks decode
 #   bash scripts/gpu/gpu_suite.sh varlenbench OUTDIR    # python -m benchmarks varlen (packed sequences; VARLEN_PEERS: its --peers)
 #   bash scripts/gpu/gpu_suite.sh cachestep OUTDIR      # scripts/dev/cache_step.py 131072,524288, three processes
@@ -140,7 +142,7 @@ if has dogeprofile; then
   echo "doge_decode_profile rc=$?" | tee -a "$log"; grep '^==' "$out/doge_profile.log"
 fi
 if has perkeybench; then
-  timeout $(cap 560) $PY -m benchmarks perkey ${PEERS:+--peers $PEERS} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
+  timeout $(cap 560) $PY -m benchmarks perkey ${PEERS:+--peers $PEERS} ${PERKEY_D:+--d $PERKEY_D} --budget $(( $(cap 560) - 60 )) --commit "$commit" \
     --out "$out" > "$out/perkey_bench.log" 2>&1
   echo "benchmarks perkey rc=$?" | tee -a "$log"; grep '^|' "$out/perkey_bench.log" | head -20
 fi
