@@ -502,17 +502,19 @@ def _merged(runs: List[dict]) -> List[dict]:
         doge_doc = next((d for d in reversed(docs) if d.get("doge")), None)
         merged["doge"] = doge_doc["doge"] if doge_doc else []
         merged.pop("unfinished", None)
-        merged["doge_unfinished"] = bool((doge_doc or {}).get("unfinished"))
-        if covered != all_dims or any("not_run" in r for r in merged["rows"]) or (doge_doc or {}).get("unfinished"):
+        merged["doge_unfinished"] = bool(doge_doc and doge_doc.get("unfinished"))
+        if covered != all_dims or any("not_run" in r for r in merged["rows"]) or merged["doge_unfinished"]:
             merged["unfinished"] = True
         out.append(merged)
     return sorted(out, key=lambda d: d.get("date", ""), reverse=True)
 
 
 def section(results_dir: str) -> List[str]:
-    """The newest run's tables that measured every peer of the table (else the newest run's);
-    where that run left the Doge rows out (--peers without doge), the newest run's that has them,
-    named. A newer run of fewer peers follows as its own section: its rows are the newest numbers."""
+    """The newest run's tables that measured every peer of the table (else the newest run's), one
+    commit's runs read as one (_merged); where that run left the Doge rows out (--peers without
+    doge) or was cut in them, the newest finished run's, named. A newer run of fewer peers follows
+    as its own section: its rows are the newest numbers; where every run shown is unfinished, the
+    newest run that finished follows too."""
     runs = _merged(runs_of(results_dir, SCHEMA))
     if not runs:
         return []
