@@ -329,6 +329,15 @@ def cuda_dev_section(results_dir: str) -> List[str]:
         "ran with the small-block config a bias gradient needs: its bwd times are not comparable to "
         "flexdma's."
     )
+    if sets and "key_tile_64" not in sets and any(re.match(r"model_\d+_d64_", k) for k in doc):
+        # FlexAttention's sm_90 default forward tile at head dim 64 (128 keys on four warps) is its
+        # slow case with a captured bias; a run whose option sets lacked the 64-key tile did not
+        # time FlexAttention's best forward there.
+        flex_note += (
+            " Its D=64 forward ran without the 64-key forward tile (key_tile_64), which on sm_90 ran"
+            " 24x faster than its default there with a window mask (perf log, 'FlexAttention at head dim"
+            " 64 on sm_90'): not its best."
+        )
     fwd_note = (
         "flexdma fwd = the forward op as inference runs it (a training forward also stores out's rounding "
         "error, out_resid)"

@@ -375,6 +375,25 @@ def test_perkey_subcommand_takes_head_dims(tmp_path):
         perkey.main(args, dict(gpu_short="h200", date="2026-11-29T00:00:00Z", commit="x"))
 
 
+def test_dense_model_section_says_when_flexattention_lacked_its_d64_tile(tmp_path):
+    # A cuda_dev run whose FlexAttention option sets lacked the 64-key forward tile did not time
+    # FlexAttention's best D = 64 forward on sm_90: the section says so; a run with it does not.
+    import json
+
+    doc = {
+        f"model_8192_d{d}_{p}_{x}_ms": 1.0
+        for d in (64, 128)
+        for p in ("flexdma", "flexattn", "sdpa")
+        for x in ("fwd", "bwd")
+    }
+    doc.update(model_flex_bias_grad=True, run_at="2026-11-25T00:00:00Z")
+    for sets, says in ((["defaults", "small", "one_stage"], True), (["defaults", "key_tile_64"], False)):
+        (tmp_path / "h100_x_cuda_dev.json").write_text(json.dumps(dict(doc, model_flex_option_sets=sets)))
+        text = "\n".join(report.cuda_dev_section(str(tmp_path)))
+        assert "| B=2 L=8192 D=64 | 1.000 / 1.000 |" in text
+        assert ("without the 64-key forward tile" in text) == says
+
+
 def test_decode_benchmark_table_and_report_section(tmp_path):
     from benchmarks import decode
 
