@@ -199,6 +199,36 @@ def test_bad_input_raises_on_every_rank():
     spawn(2, _errors_worker)
 
 
+def _rejected_call_worker(rank, world):
+    # A rejected call's exception is not held by a frame it passed through: such a frame and the
+    # exception's traceback are a cycle that keeps the group and the tensors alive until the garbage
+    # collector runs; collected at exit after destroy_process_group, it made gloo abort the process.
+    q, k, v, bias, _, _ = _inputs(dict(B=1, L=8 * world, H=2, KVH=1, D=8, Bb=1, Hb=1), 0)
+    q, k, v = (shard_sequence(t, 1) for t in (q, k, v))
+    bias = shard_sequence(bias, 3)
+    own = torch.arange(k.shape[1]) + rank * k.shape[1]
+    calls = (
+        lambda: context_parallel_attention(q, k, v, bias, keep_window_size=0),  # every rank's own error
+        lambda: context_parallel_attention(q, k, v, bias, keep_window_size=4 if rank else 0),  # rank 0's
+        lambda: flexdma.distributed.context_parallel_decode(
+            q[:, :1], k, v, bias, keep_window_size=3 + rank, key_index=own
+        ),
+    )
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        tb, holders = info.value.__traceback__.tb_next, []  # the frames below this one
+        while tb is not None:
+            frame = tb.tb_frame
+            holders += [f"{frame.f_code.co_name}:{n}" for n, x in frame.f_locals.items() if x is info.value]
+            tb = tb.tb_next
+        assert not holders, (rank, holders)
+
+
+def test_a_rejected_call_leaves_no_reference_cycle():
+    spawn(2, _rejected_call_worker)
+
+
 def test_needs_an_initialized_group():
     q, kv, bias = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8), torch.randn(1, 1, 1, 4)
     with pytest.raises(RuntimeError, match="init_process_group"):

@@ -107,29 +107,47 @@ def float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def agree(group: dist.ProcessGroup, device: torch.device, fields: dict, problem: Optional[Exception]) -> None:
-    """One small all-gather of each rank's call signature before any data moves. Every rank then
-    raises the same way: its own error if it found one, a ValueError naming a rank that found one,
-    or one naming the first field whose value differs between ranks (with every rank's value).
-    Without it, ranks that disagree on a size would hang or corrupt one another's data."""
-    names = list(fields)
-    mine = torch.tensor([0 if problem is None else 1] + [int(fields[n]) for n in names], dtype=torch.int64)
-    rows: List[List[int]] = all_gather(group, mine.to(device), "forward").tolist()  # the one host read
-    if problem is not None:
-        raise problem
-    failed = [r for r, row in enumerate(rows) if row[0]]
-    if failed:
-        raise ValueError(
-            f"rank(s) {failed} of the context-parallel group rejected their input (their error names it); "
-            "no data was exchanged"
-        )
-    for i, name in enumerate(names, start=1):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
+class agreement:
+    """`with agreement(group, device, fields):` around a call's local checks, which fill `fields`
+    (its call signature). On leaving, one small all-gather of each rank's signature before any data
+    moves, and every rank raises the same way: its own TypeError / ValueError if its checks raised
+    one, a ValueError naming a rank that did, or one naming the first field whose value differs
+    between ranks (with every rank's value). Without it, ranks that disagree on a size would hang or
+    corrupt one another's data.
+
+    A context manager rather than an exception kept in a local and raised later: a frame holding
+    the exception it raises is a cycle with the exception's traceback, which keeps the frame's
+    group (and tensors) alive until the garbage collector runs; at exit that can be after the group
+    was destroyed, and gloo's threads then abort the process."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, fields: dict):
+        self.group, self.device, self.fields = group, device, fields
+
+    def __enter__(self) -> "agreement":
+        return self
+
+    def __exit__(self, kind, problem, tb) -> bool:
+        if kind is not None and not issubclass(kind, (TypeError, ValueError)):
+            return False  # not an input error: it propagates on this rank alone, as raised
+        names = list(self.fields)
+        mine = torch.tensor([int(kind is not None)] + [int(self.fields[n]) for n in names], dtype=torch.int64)
+        rows: List[List[int]] = all_gather(self.group, mine.to(self.device), "forward").tolist()  # the one host read
+        if kind is not None:
+            return False  # this rank's own error propagates
+        failed = [r for r, row in enumerate(rows) if row[0]]
+        if failed:
             raise ValueError(
-                f"context-parallel ranks disagree on {name}: {values} (rank 0, 1, ...); every rank must pass "
-                "tensors of the same shapes and dtype and the same arguments"
+                f"rank(s) {failed} of the context-parallel group rejected their input (their error names it); "
+                "no data was exchanged"
             )
+        for i, name in enumerate(names, start=1):
+            values = [row[i] for row in rows]
+            if len(set(values)) > 1:
+                raise ValueError(
+                    f"context-parallel ranks disagree on {name}: {values} (rank 0, 1, ...); every rank must pass "
+                    "tensors of the same shapes and dtype and the same arguments"
+                )
+        return False
 
 
 # torch renamed all_gather_into_tensor to all_gather_single; both take (output, input, group).

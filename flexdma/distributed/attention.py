@@ -289,9 +289,9 @@ def context_parallel_attention(
     """
     pg = _group.resolve(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    problem, fields = None, dict.fromkeys(SIGNATURE + ("local_length", "is_causal", "requires_grad"), 0)
+    fields = dict.fromkeys(SIGNATURE + ("local_length", "is_causal", "requires_grad"), 0)
     device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
-    try:
+    with _group.agreement(pg, _group.comm_device(pg, device), fields):
         bias, W, scale, softcap = _check_local(
             query, key, value, attn_bias, attn_mask, keep_window_size, is_causal, softmax_scale, softcap
         )
@@ -305,9 +305,6 @@ def context_parallel_attention(
             is_causal=is_causal,
             requires_grad=needs_grad,
         )
-    except (TypeError, ValueError) as e:
-        problem = e
-    _group.agree(pg, _group.comm_device(pg, device), fields, problem)
     _group.count_call()
 
     C = L // 2

@@ -96,17 +96,14 @@ def context_parallel_decode(
     W-entry top list per selection plane and one partial output and log-sum-exp per row: O(P·W)
     entries, never a cached row. Inference only (no autograd)."""
     pg = _group.resolve(group)
-    problem, fields = None, dict.fromkeys(SIGNATURE + ("query_rows",), 0)
+    fields = dict.fromkeys(SIGNATURE + ("query_rows",), 0)
     device = key.device if isinstance(key, torch.Tensor) else torch.device("cpu")
-    try:
+    with _group.agreement(pg, _group.comm_device(pg, device), fields):
         bias, W, scale, softcap = _check_local(
             query, key, value, attn_bias, attn_mask, key_index, keep_window_size, softmax_scale, softcap
         )
         _group.check_device(pg, device, "key")
         fields.update(signature(query, key, bias, attn_mask, W, scale, softcap), query_rows=query.shape[1])
-    except (TypeError, ValueError) as e:
-        problem = e
-    _group.agree(pg, _group.comm_device(pg, device), fields, problem)
     _group.count_call()
     with torch.no_grad():
         return _decode(pg, query, key, value, bias, attn_mask, key_index, W, scale, softcap)
