@@ -1,5 +1,5 @@
-"""Measures flexdma's FlexAttention backend with each kernel option set (flexdma/dense/flex.py:
-FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE, KEY_TILE_64) at one model shape per head dim, through
+"""Measures flexdma's FlexAttention backend with each kernel option set the
+benchmarks' peers try (benchmarks.peers.FLEX_OPTION_SETS) at one model shape per head dim, through
 `flash_dma_attention(..., backend="flex")` itself, and prints the table flex.MEASURED_OPTIONS is
 filled from. A training call is forward + backward with a (B, KVH, 1, L) bias that needs a
 gradient (top-W general mask from create_mask); an inference call is the forward without grad.
@@ -19,10 +19,10 @@ import torch
 import triton.testing
 
 import flexdma
+from benchmarks.peers import FLEX_OPTION_SETS
 from flexdma import _device
 from flexdma.dense import flex
 
-SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE, "key_tile_64": flex.KEY_TILE_64}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -46,7 +46,7 @@ def measure(D, dtype, B, L, H, KVH, W):
     cap = _device.device_capability(q.device)
     rows, dbias = {}, {}
     for training in (False, True):
-        for name, opts in SETS.items():
+        for name, opts in FLEX_OPTION_SETS.items():
             key = f"{'train' if training else 'fwd'}_{name}"
             key_ = (cap, D, dtype.itemsize, training)
             flex.MEASURED_OPTIONS[key_] = opts
@@ -84,7 +84,7 @@ def measure(D, dtype, B, L, H, KVH, W):
             rows[f"dbias_rel_vs_defaults_{name}"] = float((g - ref).abs().max() / ref.abs().max())
     best = {}
     for training in ("fwd", "train"):
-        ok = {n: rows[f"{training}_{n}_ms"] for n in SETS if f"{training}_{n}_ms" in rows}
+        ok = {n: rows[f"{training}_{n}_ms"] for n in FLEX_OPTION_SETS if f"{training}_{n}_ms" in rows}
         best[training] = min(ok, key=ok.get) if ok else None
     rows["best"] = best
     return rows

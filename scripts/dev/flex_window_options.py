@@ -1,5 +1,5 @@
 """The perkey bench's FlexAttention window peer (compiled, the last W keys a row sees, the per-key
-bias as score_mod) at each kernel option set (FlexAttention's defaults, SMALL_BLOCKS, ONE_STAGE, KEY_TILE_64):
+bias as score_mod) at each kernel option set the benchmarks' peers try (benchmarks.peers.FLEX_OPTION_SETS):
 forward without grad and the training call (forward + backward), do_bench medians in ms, at one
 row per head dim and shape kind of the bench. What flex.sparse_mask_kernel_options takes for a
 sliding window comes from this table. An option set that fails (out of resources) is reported as
@@ -16,9 +16,8 @@ import sys
 import torch
 
 from benchmarks import perkey
-from flexdma.dense import flex
+from benchmarks.peers import FLEX_OPTION_SETS
 
-SETS = {"defaults": None, "small": flex.SMALL_BLOCKS, "one_stage": flex.ONE_STAGE, "key_tile_64": flex.KEY_TILE_64}
 NAMES = ("L=32K D=128", "B=2 L=8K H=16 KVH=4", "L=32K D=64", "B=2 L=8K H=16 KVH=4 D=64")
 
 
@@ -28,7 +27,7 @@ def main() -> None:
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     res = {"device": torch.cuda.get_device_name()}
     for c in (c for c in perkey.cases() if c["name"] in NAMES):
-        for name, opts in SETS.items():
+        for name, opts in FLEX_OPTION_SETS.items():
             key = f"{c['name']} {name}"
             try:
                 q, k, v, bias = perkey._inputs(c, grad=False)

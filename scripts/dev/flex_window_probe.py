@@ -19,15 +19,18 @@ import json
 import subprocess
 import sys
 
+from flexdma.dense import flex
+
 # FlexAttention's forward tiles on sm_90 at head dim 64, 16-bit: 128 x 128 with four warps.
 TILE_128x64 = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 TRAIN_128x64 = {f"fwd_{k}": v for k, v in TILE_128x64.items()}
-SMALL_BWD = {"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32, "bwd_num_stages": 1}
+# flex.SMALL_BLOCKS' backward tiles, their one stage the backward's alone.
+SMALL_BWD = dict({k: v for k, v in flex.SMALL_BLOCKS.items() if k != "num_stages"}, bwd_num_stages=1)
 B2L8K = dict(B=2, H=16, KVH=4, bias_heads=4, L=8192)
 
 VARIANTS = {
     "d64 defaults": dict(D=64, opts=None),
-    "d64 one_stage": dict(D=64, opts={"fwd_num_stages": 1}),
+    "d64 one_stage": dict(D=64, opts=flex.ONE_STAGE),
     "d64 m128 n64 w4 s3": dict(D=64, opts={"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}),
     "d64 m128 n128 w8 s2": dict(D=64, opts={"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}),
     "d64 m64 n64 w4 s2": dict(D=64, opts={"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}),
@@ -55,7 +58,6 @@ def one(name: str, L: int) -> dict:
     from benchmarks import perkey
     from benchmarks.peers import compiled_flex
     from flexdma import _device
-    from flexdma.dense import flex
 
     spec = VARIANTS[name]
     train = spec.get("train", False)
