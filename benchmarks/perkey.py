@@ -68,6 +68,11 @@ def cases(quick: bool = False) -> List[dict]:
     return rows
 
 
+def head_dims() -> List[int]:
+    """The head dims of the rows (what --d chooses among)."""
+    return sorted({c["D"] for c in cases()})
+
+
 def kept_per_row(Q: int, K: int, W: int) -> tuple:
     """(keys all rows keep, keys all rows see) of a causal (bottom-right) call with window W."""
     seen = kept = 0
@@ -483,7 +488,7 @@ def _merged(runs: List[dict]) -> List[dict]:
     for doc in sorted(runs, key=lambda d: d.get("date", "")):
         groups.setdefault((doc.get("gpu_short"), doc.get("commit")), []).append(doc)
     order = [c["name"] for c in cases()]
-    all_dims = {c["D"] for c in cases()}
+    all_dims = set(head_dims())
     out = []
     for docs in groups.values():
         covered = set().union(*(set(d.get("dims") or all_dims) for d in docs))
@@ -556,7 +561,7 @@ def main(args, env: dict) -> str:
     # --d splits a run over calls by head dim (the report merges one commit's runs); the Doge
     # model's heads are 128 wide.
     try:
-        dims = configs.parse_list(args.d, sorted({c["D"] for c in cases()}), int)
+        dims = configs.parse_list(args.d, head_dims(), int)
     except ValueError as e:
         raise SystemExit(f"--d: {e}")
     doge = doge and (dims is None or 128 in dims)
