@@ -34,7 +34,7 @@ from flexdma.dense.naive import attention_ref
 from . import configs, cp, cpu, decode, perkey, report, varlen
 from . import inputs as inputs_mod
 from . import peers as peers_mod
-from .common import peak_memory, public_argv, write_json
+from .common import gpu_short, peak_memory, public_argv, write_json
 
 WARMUP_MS, REP_MS = 25, 100
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -101,14 +101,6 @@ def _commit_label(value: str) -> str:
             f"got {value!r}: needs a revision label of letters, digits, '.', '_' or '-' (it names the result file)"
         )
     return value
-
-
-def gpu_short(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100'; anything without a recognizable model -> its first word."""
-    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
-    if m:
-        return m.group(1).lower()
-    return re.sub(r"[^a-z0-9]+", "", name.lower().split()[0]) or "device"
 
 
 def result_path(out_dir: str, env: dict, subcommand: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import time
 from typing import Dict, List
 
@@ -91,6 +92,15 @@ def newest_section(results_dir: str, schema: str, title: str, note: str, markdow
     for doc in runs_of(results_dir, schema)[:1]:
         out += run_section(doc, title, note, markdown(doc))
     return out
+
+
+def gpu_short(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; anything without a recognizable model -> its first word
+    ('device' for an empty name)."""
+    m = re.search(r"\b([A-Z]{1,3}\d{2,4}[A-Z]?)\b", name.upper())
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "", (name.lower().split() or [""])[0]) or "device"
 
 
 def run_section(doc: dict, title: str, note: str, text: str) -> List[str]:

@@ -531,13 +531,9 @@ def section(results_dir: str) -> List[str]:
             doc = dict(doc, doge=earlier["doge"], doge_commit=earlier.get("commit"))
     note = (
         "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
-        "peak = the call's memory above its inputs. The eager calls the host bounds (training calls "
-        "at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
-        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times. "
-        "FlexAttention's D=64 cells of the runs up to bb6400e ran its sm_90 default forward tile "
-        "(128 x 128 on four warps), 24-26x slower there than the 64-key tile flexdma passes it since "
-        "(results/h200_20261129_bb6400e_flex_d64_probe.json: the window's 32K forward 3.08 -> 0.130 ms, "
-        "training 5.90 -> 0.87; the same selection 56.5 -> 2.17, training 62.5 -> 8.70)."
+        "peak = the call's memory above its inputs. The eager calls the host bounds (forward and "
+        "training calls at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
+        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times."
     )
     out = run_section(doc, "per-key top-W", note, markdown(doc))
     shown = [doc]

@@ -15,6 +15,7 @@ import re
 from typing import Dict, List, Optional
 
 from . import cp, cpu, decode, perkey, varlen
+from .common import gpu_short
 from .configs import FLEXDMA_PEERS, PEERS, Case
 
 SCHEMA = "flexdma-bench/1"
@@ -379,7 +380,7 @@ def cuda_dev_section(results_dir: str) -> List[str]:
     # A run of the model part alone has none of these: no empty table.
     same_run = [r for r in same_run if set(r[1].replace("/", " ").split()) != {"–"}]
     out = [
-        f"## dense-mask kernels at model shapes (h100, `{name}`)",
+        f"## dense-mask kernels at model shapes ({gpu_short(doc.get('device', ''))}, `{name}`)",
         "",
         "`python -m scripts.dev.cuda_dev --parts fwd,bwd,nomask,decode,model[,maskbits]`: B x L = 16K tokens, H=16, "
         "KVH=4, bf16, causal, mask (B, KVH, L, L) = top-L/4 keys of a bias (B, KVH, 1, L) per row; "

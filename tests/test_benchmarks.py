@@ -67,6 +67,7 @@ def test_gpu_short_and_result_path(tmp_path):
     assert cli.gpu_short("NVIDIA H100 80GB HBM3") == "h100"
     assert cli.gpu_short("NVIDIA H200") == "h200"
     assert cli.gpu_short("cpu (x86_64)") == "cpu"
+    assert cli.gpu_short("") == "device"
     env = {"gpu_short": "h100", "date": "2026-11-22T10:00:00Z", "commit": "abc1234"}
     assert os.path.basename(cli.result_path(str(tmp_path), env, "forward")) == "h100_20261122_abc1234_forward.json"
 
@@ -392,6 +393,11 @@ def test_dense_model_section_says_when_flexattention_lacked_its_d64_tile(tmp_pat
         text = "\n".join(report.cuda_dev_section(str(tmp_path)))
         assert "| B=2 L=8192 D=64 | 1.000 / 1.000 |" in text
         assert ("without the 64-key forward tile" in text) == says
+    # The heading names the GPU the run recorded, not a fixed one.
+    (tmp_path / "h100_x_cuda_dev.json").write_text(json.dumps(dict(doc, device="NVIDIA H200")))
+    assert "## dense-mask kernels at model shapes (h200, `h100_x_cuda_dev.json`)" in report.cuda_dev_section(
+        str(tmp_path)
+    )
 
 
 def test_decode_benchmark_table_and_report_section(tmp_path):
