@@ -140,6 +140,20 @@ def table(head: list, rows: list, cells) -> List[str]:
     return lines
 
 
+def in_fresh_process(fn, *args):
+    """fn(*args) in a spawned process of its own (its result comes back pickled): a compiled peer
+    timed there starts from no earlier compile, cache or allocator state. A process that dies
+    without a result (a crash in a kernel or the compiler) gives {"error": ...}."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(fn, *args).result()
+        except concurrent.futures.process.BrokenProcessPool as e:
+            return {"error": f"the fresh process died: {e}"}
+
+
 def record(row: dict, peer: str, rec: dict, hide: str = "") -> None:
     """A peer's record into its row, printed as it lands (a cut run's log keeps it; `hide`: a prefix
     of keys too long to print), after the peer's memory went back to the device (the next peer's

@@ -1,5 +1,5 @@
 """`python -m benchmarks perkey`: the per-key top-W path (flash_dma_attention(keep_window_size=W))
-against its peers, selection included, one GPU, one process.
+against its peers, selection included, one GPU; FlexAttention's peers each in a fresh process a row.
 
 Rows (bf16, causal, per-key bias, W=2048): B=1, H=2, KVH=1 at 8K / 16K / 32K / 128K, D in {128, 64};
 the model shapes B=4 L=4K and B=2 L=8K with H=16, KVH=4 and Doge's H=8, KVH=4 at 16K (bias per kv
@@ -41,7 +41,7 @@ from flexdma.nn import DMACache
 from flexdma.perkey import cache as perkey_cache
 
 from . import configs
-from .common import Saving, chosen_peers, record, run_section, runs_of, table
+from .common import Saving, chosen_peers, in_fresh_process, record, run_section, runs_of, table
 from .peers import compiled_flex
 
 SCHEMA = "flexdma-perkey-bench/1"
@@ -248,6 +248,46 @@ def _peak(fn) -> float:
     return peak / 2**20
 
 
+# FlexAttention's peers compile one graph a shape; each (row, peer) compiles and runs in a fresh
+# process, so that no earlier row's graphs, caches or allocator state weigh on its time.
+FRESH_PROCESS_PEERS = ("flex", "flex-window")
+
+
+def measure(peer: str, c: dict) -> dict:
+    """One peer on one row: forward time, peak and launches, and the training call's (forward and
+    the gradients of q, k, v and, but for SDPA, the bias), or the error it raised."""
+    rec = {}
+    try:
+        q, k, v, bias = _inputs(c, grad=False)
+        with torch.no_grad():
+            fn = _peer_fn(peer, c, q, k, v, bias)
+            fn()
+            rec["fwd_ms"] = _time(fn)
+            rec["fwd_peak_mib"] = _peak(fn)
+            if peer in ("flexdma", "flexdma-cache"):
+                rec["fwd_launches"] = _launches(fn)
+        del q, k, v, bias
+        if not c.get("decode"):
+            q, k, v, bias = _inputs(c, grad=True)
+            fwd = _peer_fn(peer, c, q, k, v, bias)
+            leaves = (q, k, v) if peer == "sdpa" else (q, k, v, bias)
+
+            def step():
+                out = fwd()
+                return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+            step()
+            rec["fwd_bwd_ms"] = _time(step, warmup=10, rep=50)
+            rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
+            rec["fwd_bwd_peak_mib"] = _peak(step)
+            if peer == "flexdma":
+                rec["fwd_bwd_launches"] = _launches(step)
+            del q, k, v, bias
+    except Exception as e:  # a peer failing (out of memory, compile error) is a result too
+        rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return rec
+
+
 PEERS = ("sdpa", "flexdma", "flexdma-cache", "flex", "flex-window", "dense-mask")
 
 
@@ -270,35 +310,7 @@ def run(
             if why:
                 row["peers"][peer] = dict(skipped=why)
                 continue
-            rec = {}
-            try:
-                q, k, v, bias = _inputs(c, grad=False)
-                with torch.no_grad():
-                    fn = _peer_fn(peer, c, q, k, v, bias)
-                    fn()
-                    rec["fwd_ms"] = _time(fn)
-                    rec["fwd_peak_mib"] = _peak(fn)
-                    if peer in ("flexdma", "flexdma-cache"):
-                        rec["fwd_launches"] = _launches(fn)
-                del q, k, v, bias
-                if not c.get("decode"):
-                    q, k, v, bias = _inputs(c, grad=True)
-                    fwd = _peer_fn(peer, c, q, k, v, bias)
-                    leaves = (q, k, v) if peer == "sdpa" else (q, k, v, bias)
-
-                    def step():
-                        out = fwd()
-                        return torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-                    step()
-                    rec["fwd_bwd_ms"] = _time(step, warmup=10, rep=50)
-                    rec["bwd_ms"] = rec["fwd_bwd_ms"] - rec["fwd_ms"]
-                    rec["fwd_bwd_peak_mib"] = _peak(step)
-                    if peer == "flexdma":
-                        rec["fwd_bwd_launches"] = _launches(step)
-                    del q, k, v, bias
-            except Exception as e:  # a peer failing (out of memory, compile error) is a result too
-                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rec = in_fresh_process(measure, peer, c) if peer in FRESH_PROCESS_PEERS else measure(peer, c)
             record(row, peer, rec)
         row["listed_flops"], row["dense_flops"] = flops(c)
         rows.append(row)
@@ -533,7 +545,12 @@ def section(results_dir: str) -> List[str]:
         "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
         "peak = the call's memory above its inputs. The eager calls the host bounds (forward and "
         "training calls at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
-        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times."
+        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times. "
+        + (
+            "FlexAttention's peers compiled and ran in a fresh process for each row."
+            if doc.get("fresh_process_peers")
+            else "FlexAttention's peers compiled and ran in the bench's one process, after the earlier rows' graphs."
+        )
     )
     out = run_section(doc, "per-key top-W", note, markdown(doc))
     shown = [doc]
@@ -563,7 +580,7 @@ def main(args, env: dict) -> str:
     doge = doge and (dims is None or 128 in dims)
     # Written after every row, marked unfinished until the last: a run its call's time limit cuts
     # keeps what it measured.
-    doc = dict(schema=SCHEMA, rows=[], unfinished=True, dims=dims)
+    doc = dict(schema=SCHEMA, rows=[], unfinished=True, dims=dims, fresh_process_peers=list(FRESH_PROCESS_PEERS))
     name = "perkey" if dims is None else "perkey_d" + "_".join(map(str, dims))
     saving = Saving(doc, args.out, env, name)
     run(quick=args.quick, peers=peers, budget=args.budget, rows=saving.list("rows"), dims=dims)

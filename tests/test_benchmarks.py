@@ -606,3 +606,34 @@ def test_cp_subcommand_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "RESULTS.md"
     assert cli.main(["report", "--results", str(tmp_path), "--md", str(out)]) == 0
     assert "## context parallel, 2 ranks" in out.read_text()
+
+
+def _pid(_):
+    return os.getpid()
+
+
+def _die(_):
+    os._exit(3)
+
+
+def test_in_fresh_process_runs_apart_and_reports_a_death():
+    from benchmarks.common import in_fresh_process
+
+    assert in_fresh_process(_pid, None) != os.getpid()
+    assert "died" in in_fresh_process(_die, None)["error"]
+
+
+def test_perkey_times_flexattention_peers_in_fresh_processes(monkeypatch):
+    # Each FlexAttention row compiles in a process of its own; the other peers run in the bench's.
+    from benchmarks import perkey
+
+    fresh, here = [], []
+    monkeypatch.setattr(perkey, "in_fresh_process", lambda fn, peer, c: fresh.append(peer) or fn(peer, c))
+    monkeypatch.setattr(perkey, "measure", lambda peer, c: here.append(peer) or {"fwd_ms": 1.0})
+    monkeypatch.setattr(perkey, "_applies", lambda peer, c: None)
+    monkeypatch.setattr(perkey, "record", lambda row, peer, rec: row["peers"].__setitem__(peer, rec))
+    doc = perkey.run(quick=True, peers=("sdpa", "flex", "flex-window"), budget=0, dims=[128])
+    rows = doc["rows"]
+    assert rows and fresh == ["flex", "flex-window"] * len(rows)
+    assert here == ["sdpa", "flex", "flex-window"] * len(rows)
+    assert all(r["peers"]["flex"] == {"fwd_ms": 1.0} for r in rows)

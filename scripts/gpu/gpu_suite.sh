@@ -9,7 +9,8 @@
 #   bash scripts/gpu/gpu_suite.sh aoti OUTDIR           # AOTInductor (its own process: a crash takes nothing else)
 #   bash scripts/gpu/gpu_suite.sh sanitizer OUTDIR      # compute-sanitizer (memcheck, racecheck) on small calls
 #   bash scripts/gpu/gpu_suite.sh ncu OUTDIR            # Nsight Compute on per-key kernels (NCU_KERNELS, default select_kernel)
-#                                                 # at NCU_LENGTHS (default 32768 131072), head dim NCU_D (128): ncu.txt
+#                                                 # at NCU_LENGTHS (default 32768 131072), head dim NCU_D (128),
+#                                                 # NCU_SHAPE "B H KVH PLANES" (default "1 2 1 1"): ncu.txt
 #   bash scripts/gpu/gpu_suite.sh flexcheck OUTDIR      # the FlexAttention path's check (scripts/dev/flex_check.py)
 #   bash scripts/gpu/gpu_suite.sh checks OUTDIR         # sanitizer + flexcheck
 #   bash scripts/gpu/gpu_suite.sh cudadev OUTDIR        # scripts/dev/cuda_dev.py: the target shapes, kernel split
@@ -100,17 +101,18 @@ if has sanitizer; then
   rm -f "$out/san.tmp"
 fi
 if has ncu; then
-  # One kernel of the per-key training call (B=1 H=2 KVH=1, head dim NCU_D (128), one selection
-  # plane) at each length: Nsight Compute's details page and the warp-state samples by role.
+  # One kernel of the per-key training call (NCU_SHAPE "B H KVH PLANES", default "1 2 1 1": B=1
+  # H=2 KVH=1, one selection plane; head dim NCU_D (128)) at each length: Nsight Compute's details
+  # page and the warp-state samples by role.
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  d=${NCU_D:-128}
+  d=${NCU_D:-128}; read -r nb nh nkv np <<< "${NCU_SHAPE:-1 2 1 1}"
   for L in ${NCU_LENGTHS:-32768 131072}; do
     for kern in ${NCU_KERNELS:-select_kernel}; do
       rep=$out/ncu_${kern}_$((L / 1024))k_d$d
       timeout $(cap 200) "$NCU" --clock-control none --set full --import-source yes -k regex:$kern --launch-skip 1 -c 1 \
-        -f -o "$rep" $PY -m scripts.dev.ncu_samples calls 1 $L 2 1 $d 1 > "$out/ncu.tmp" 2>&1
-      echo "ncu $kern L=$L D=$d rc=$?" | tee -a "$log"; tail -3 "$out/ncu.tmp" >> "$log"
-      { echo "## $kern L=$L D=$d"; "$NCU" -i "$rep.ncu-rep" --page details; } >> "$out/ncu.txt" 2>&1
+        -f -o "$rep" $PY -m scripts.dev.ncu_samples calls $nb $L $nh $nkv $d $np > "$out/ncu.tmp" 2>&1
+      echo "ncu $kern B=$nb L=$L H=$nh KVH=$nkv D=$d rc=$?" | tee -a "$log"; tail -3 "$out/ncu.tmp" >> "$log"
+      { echo "## $kern B=$nb L=$L H=$nh KVH=$nkv planes=$np D=$d"; "$NCU" -i "$rep.ncu-rep" --page details; } >> "$out/ncu.txt" 2>&1
       "$NCU" -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
       $PY -m scripts.dev.ncu_samples regions "$rep.sass.csv" >> "$out/ncu.txt" 2>&1
       grep -E "^ *Duration|Issue Slots Busy" "$out/ncu.txt" | tail -2 | tee -a "$log"
