@@ -505,7 +505,11 @@ def _merged(runs: List[dict]) -> List[dict]:
     for docs in groups.values():
         covered = set().union(*(set(d.get("dims") or all_dims) for d in docs))
         if len(docs) == 1 and covered == all_dims:
-            out.append(docs[0])
+            # Rows its budget left out make a run that ended by itself unfinished; its Doge rows,
+            # which run after them, are whole unless the call's limit cut it.
+            cut = any("not_run" in r for r in docs[0].get("rows", []))
+            doge_cut = bool(docs[0].get("unfinished"))
+            out.append(dict(docs[0], unfinished=True, doge_unfinished=doge_cut) if cut else docs[0])
             continue
         rows: dict = {}
         for d in docs:  # oldest first: a later measurement wins, a later "not run" does not
@@ -526,6 +530,20 @@ def _merged(runs: List[dict]) -> List[dict]:
     return sorted(out, key=lambda d: d.get("date", ""), reverse=True)
 
 
+def _note(doc: dict) -> str:
+    return (
+        "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
+        "peak = the call's memory above its inputs. The eager calls the host bounds (forward and "
+        "training calls at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
+        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times. "
+        + (
+            "FlexAttention's peers compiled and ran in a fresh process for each row."
+            if doc.get("fresh_process_peers")
+            else "FlexAttention's peers compiled and ran in the bench's one process, after the earlier rows' graphs."
+        )
+    )
+
+
 def section(results_dir: str) -> List[str]:
     """The newest run's tables that measured every peer of the table (else the newest run's), one
     commit's runs read as one (_merged); where that run left the Doge rows out (--peers without
@@ -541,23 +559,14 @@ def section(results_dir: str) -> List[str]:
         earlier = next((d for d in runs if d is not doc and d.get("doge") and not d.get("unfinished")), None)
         if earlier is not None:
             doc = dict(doc, doge=earlier["doge"], doge_commit=earlier.get("commit"))
-    note = (
-        "`python -m benchmarks perkey`: bf16, causal, selection time included in flexdma's numbers; "
-        "peak = the call's memory above its inputs. The eager calls the host bounds (forward and "
-        "training calls at 8K and 16K, the decode rows) read up to 2-3x apart from one run to the next on the GPU "
-        "machine's host; benchmarks/perf-log.md lists the runs and their kernels' device times. "
-        + (
-            "FlexAttention's peers compiled and ran in a fresh process for each row."
-            if doc.get("fresh_process_peers")
-            else "FlexAttention's peers compiled and ran in the bench's one process, after the earlier rows' graphs."
-        )
-    )
-    out = run_section(doc, "per-key top-W", note, markdown(doc))
+    out = run_section(doc, "per-key top-W", _note(doc), markdown(doc))
     shown = [doc]
     if runs[0] is not doc and runs[0].get("commit") != doc.get("commit"):
         newest = runs[0]
         peers = ", ".join(sorted(_measured_peers(newest)))
-        out += run_section(newest, "per-key top-W, the newest run", f"{note} Peers: {peers}.", markdown(newest))
+        out += run_section(
+            newest, "per-key top-W, the newest run", f"{_note(newest)} Peers: {peers}.", markdown(newest)
+        )
         shown.append(newest)
     if all(d.get("unfinished") for d in shown):
         # A run its time budget cut lists rows as not run: the newest run that finished has them.
@@ -565,7 +574,7 @@ def section(results_dir: str) -> List[str]:
         if done is not None:
             peers = ", ".join(sorted(_measured_peers(done)))
             title = "per-key top-W, the newest run that finished"
-            out += run_section(done, title, f"{note} Peers: {peers}.", markdown(done))
+            out += run_section(done, title, f"{_note(done)} Peers: {peers}.", markdown(done))
     return out
 
 

@@ -326,8 +326,9 @@ def test_perkey_report_fills_a_cut_run_from_the_newest_finished_one(tmp_path):
     )
     for name, date, commit, peers, doge_rows, cut in runs:
         doc = dict(schema=perkey.SCHEMA, date=date, gpu_short="h200", commit=commit, doge=doge_rows)
-        doc["rows"] = [dict(case=case, peers=peers), dict(case=case, not_run="time budget")]
+        doc["rows"] = [dict(case=case, peers=peers)]
         if cut:
+            doc["rows"].append(dict(case=case, not_run="time budget"))
             doc["unfinished"] = True
         (tmp_path / name).write_text(json.dumps(doc))
     md = "\n".join(perkey.section(str(tmp_path)))
@@ -335,6 +336,13 @@ def test_perkey_report_fills_a_cut_run_from_the_newest_finished_one(tmp_path):
         "## per-key top-W, the newest run that finished (h200, commit bbb2222)"
     )
     assert "Doge train step L=64K" in md and "The Doge rows are commit aaa1111's run" in md
+    # A run that ended by itself but left rows out for its time budget is cut too.
+    doc = json.loads((tmp_path / "cut.json").read_text())
+    del doc["unfinished"]
+    (tmp_path / "cut.json").write_text(json.dumps(doc))
+    md = "\n".join(perkey.section(str(tmp_path)))
+    assert "## per-key top-W, the newest run that finished (h200, commit bbb2222)" in md
+    assert "The Doge rows are commit" not in md.split("## per-key top-W, the newest run that finished")[0]
     (tmp_path / "cut.json").unlink()
     md = "\n".join(perkey.section(str(tmp_path)))
     assert "the newest run that finished" not in md and "Doge rows are commit" not in md
