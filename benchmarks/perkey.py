@@ -492,9 +492,9 @@ def _measured_peers(doc: dict) -> set:
 
 def _merged(runs: List[dict]) -> List[dict]:
     """One document per (GPU, commit), newest first: a run split over calls (--d, or one a time
-    limit cut and a later call finished) read as one. A row measured in a later run replaces the
-    earlier one; a row one run left out is taken from another that ran it; the Doge rows are the
-    newest run's that has them. Unfinished while a row is not run, a head dim no run covered, or
+    limit cut and a later call finished) read as one, a lone run through the same rules. A row
+    measured in a later run replaces the earlier one; a row one run left out is taken from another
+    that ran it; the Doge rows are the newest run's that has them. Unfinished while a row is not run, a head dim no run covered, or
     the Doge rows come from a cut run."""
     groups: dict = {}
     for doc in sorted(runs, key=lambda d: d.get("date", "")):
@@ -504,22 +504,17 @@ def _merged(runs: List[dict]) -> List[dict]:
     out = []
     for docs in groups.values():
         covered = set().union(*(set(d.get("dims") or all_dims) for d in docs))
-        if len(docs) == 1 and covered == all_dims:
-            # Rows its budget left out make a run that ended by itself unfinished; its Doge rows,
-            # which run after them, are whole unless the call's limit cut it.
-            cut = any("not_run" in r for r in docs[0].get("rows", []))
-            doge_cut = bool(docs[0].get("unfinished"))
-            out.append(dict(docs[0], unfinished=True, doge_unfinished=doge_cut) if cut else docs[0])
-            continue
         rows: dict = {}
         for d in docs:  # oldest first: a later measurement wins, a later "not run" does not
             for r in d.get("rows", []):
                 if "not_run" not in r or r["case"]["name"] not in rows:
                     rows[r["case"]["name"]] = r
-        merged = dict(docs[-1], merged_runs=len(docs))
+        merged = dict(docs[-1])
         merged["rows"] = sorted(
             rows.values(), key=lambda r: order.index(r["case"]["name"]) if r["case"]["name"] in order else len(order)
         )
+        # The Doge rows run last: a run whose budget left rows out still finished them, unless the
+        # call's limit cut it (unfinished).
         doge_doc = next((d for d in reversed(docs) if d.get("doge")), None)
         merged["doge"] = doge_doc["doge"] if doge_doc else []
         merged.pop("unfinished", None)
